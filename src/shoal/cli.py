@@ -1,0 +1,61 @@
+"""The `shoal` command. User errors become one line on stderr and exit code 2; no traceback."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from shoal.errors import UserError
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="shoal", description="Distributed training for PyTorch from one config.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    t = sub.add_parser("train", help="train a model from a TOML config")
+    t.add_argument("config", nargs="?", help="TOML config file (defaults for every key if omitted)")
+    t.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
+                   help="override one config value (repeatable), e.g. --set train.steps=50")
+    t.add_argument("--run-dir", help="where results go (default: runs/<config>-<timestamp>)")
+    t.add_argument("--nproc", type=int, default=1, help="worker processes on this node (default 1)")
+    t.add_argument("--nnodes", type=int, default=1, help="nodes in the job (default 1)")
+    t.add_argument("--node-rank", type=int, default=0, help="this node's rank; node 0 hosts the rendezvous")
+    t.add_argument("--rdzv-endpoint", help="HOST:PORT of node 0, for multi-node jobs")
+    return parser
+
+
+def train(args: argparse.Namespace) -> int:
+    from shoal import dist
+    from shoal.config import load_config
+
+    cfg = load_config(args.config, args.set)
+    if dist.is_launched():  # we are a worker (torchrun, or our own launcher below)
+        from shoal import worker
+
+        worker.main(cfg, args.run_dir, args.config)  # does not return
+    if args.nproc < 1 or args.nnodes < 1:
+        raise UserError(f"--nproc ({args.nproc}) and --nnodes ({args.nnodes}) must be >= 1")
+    from shoal.launch import launch
+    from shoal.plan import make_plan
+    from shoal.train.run import build_data_and_model
+    from shoal.worker import default_run_dir, threads_per_worker
+
+    make_plan(cfg, args.nproc * args.nnodes)  # everything that can be checked is, before any worker starts
+    build_data_and_model(cfg, device="meta")
+    run_dir = args.run_dir or str(default_run_dir(args.config))
+    worker_argv = ["-m", "shoal", "train", *([args.config] if args.config else []),
+                   *[a for s in args.set for a in ("--set", s)], "--run-dir", run_dir]
+    return launch(worker_argv, args.nproc, args.nnodes, args.node_rank, args.rdzv_endpoint,
+                  threads=threads_per_worker(cfg, args.nproc))
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return {"train": train}[args.command](args)
+    except UserError as e:
+        print(f"shoal: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,268 @@
+"""The run configuration: one small pydantic model per TOML section, loaded, overridden and frozen.
+
+A config is validated completely before any worker starts. Every user mistake becomes one
+`UserError` line that names where the value came from (the file or `--set`), the key, the value and
+what is allowed; unknown keys get the closest valid key as a suggestion.
+"""
+
+from __future__ import annotations
+
+import difflib
+import sys
+from pathlib import Path
+from typing import Any, Literal
+
+import tomli_w
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from shoal.errors import UserError
+from shoal.models.registry import model_config_class
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover - exercised on 3.10 only
+    import tomli as tomllib
+
+
+class Section(BaseModel):
+    # strict: a TOML string "100" is not silently an int; extra keys are errors, not ignored.
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
+
+
+DataSource = Literal["stdlib-text", "text", "tokens", "synthetic-images", "interactions"]
+
+
+class DataConfig(Section):
+    source: DataSource = "stdlib-text"
+    """Where samples come from. stdlib-text: the Python standard library's .py files on this machine,
+    byte tokens (no download). text: `path` is a UTF-8 file or a folder of them, byte tokens.
+    tokens: `path` is a flat binary file of token ids (`token_dtype`), memory-mapped.
+    synthetic-images: class-conditional 3x32x32 images. interactions: implicit user-item feedback."""
+    path: str | None = None
+    """File or folder for the `text` and `tokens` sources."""
+    token_dtype: Literal["uint16", "uint32"] = "uint16"
+    """Element type of a `tokens` file."""
+    max_bytes: int = Field(8_000_000, ge=4096)
+    """Text sources read at most this many bytes (the stdlib has ~40 MB; 8 MB trains a small GPT)."""
+    val_fraction: float = Field(0.05, gt=0.0, lt=0.5)
+    """Fraction held out for validation (the tail of a text stream, a random subset otherwise)."""
+    num_samples: int = Field(20_000, ge=100)
+    """synthetic-images: size of the generated training set."""
+    num_classes: int = Field(10, ge=2, le=1000)
+    """synthetic-images: number of classes."""
+    num_users: int = Field(2_000, ge=10)
+    """interactions: number of users."""
+    num_items: int = Field(1_000, ge=110)
+    """interactions: number of items (at least 110: evaluation ranks 1 positive among 100)."""
+    interactions_per_user: int = Field(20, ge=2)
+    """interactions: positive interactions generated per user (one is held out for evaluation)."""
+    negatives: int = Field(4, ge=1)
+    """interactions: sampled negatives per positive in training (as in the NCF paper)."""
+    prefetch: int = Field(2, ge=0, le=64)
+    """Batches prepared ahead by a background thread (0: load in the training thread)."""
+
+
+class TrainConfig(Section):
+    steps: int = Field(1000, ge=1)
+    """Optimizer steps to run."""
+    global_batch_size: int = Field(32, ge=1)
+    """Samples per optimizer step, summed over all data-parallel ranks and accumulation steps."""
+    micro_batch_size: int = Field(8, ge=1)
+    """Samples per forward/backward on one rank; accumulation = global / (micro x dp)."""
+    lr: float = Field(1e-3, gt=0.0, le=10.0)
+    """Peak learning rate (AdamW)."""
+    min_lr_ratio: float = Field(0.1, ge=0.0, le=1.0)
+    """The cosine schedule decays to lr x min_lr_ratio at the last step."""
+    warmup_steps: int = Field(100, ge=0)
+    """Linear warmup from 0 to lr."""
+    weight_decay: float = Field(0.1, ge=0.0)
+    """Decoupled weight decay, applied to matrices only (not biases, norms)."""
+    beta1: float = Field(0.9, ge=0.0, lt=1.0)
+    beta2: float = Field(0.95, ge=0.0, lt=1.0)
+    grad_clip: float = Field(1.0, ge=0.0)
+    """Clip the global gradient norm to this value (0 disables clipping; the norm is still logged)."""
+    seed: int = Field(1337, ge=0)
+    """Seeds model init and the data order; the global batch at step k depends only on (seed, k)."""
+    val_interval: int = Field(100, ge=0)
+    """Validate every this many steps (0: only at the end)."""
+    val_batches: int = Field(8, ge=1)
+    """Validation batches (each of global_batch_size samples) per evaluation."""
+    compile: bool = False
+    """torch.compile the model (first step is slow; measured no speedup for small models on CPU)."""
+
+
+class ParallelConfig(Section):
+    dp: int | Literal["auto"] = "auto"
+    """Data-parallel degree; "auto" uses every process left after tp and pp."""
+    tp: int = Field(1, ge=1)
+    """Tensor-parallel degree (only 1 is supported yet)."""
+    pp: int = Field(1, ge=1)
+    """Pipeline-parallel degree (only 1 is supported yet)."""
+    zero: int = Field(0, ge=0, le=3)
+    """ZeRO stage within dp (only 0 is supported yet)."""
+    backend: Literal["auto", "gloo", "nccl"] = "auto"
+    """Collective backend; auto: nccl when CUDA is available, gloo otherwise."""
+    threads_per_worker: int = Field(0, ge=0)
+    """CPU threads per worker; 0: cores / local workers."""
+    timeout_s: float = Field(600.0, gt=0.0)
+    """A collective that waits longer than this fails the run instead of hanging it."""
+
+    @model_validator(mode="after")
+    def _supported(self) -> ParallelConfig:
+        for key, value, ok in (("tp", self.tp, 1), ("pp", self.pp, 1), ("zero", self.zero, 0)):
+            if value != ok:
+                raise ValueError(f"parallel.{key} = {value} is not yet supported; set parallel.{key} = {ok}")
+        if self.dp != "auto" and self.dp < 1:
+            raise ValueError(f'parallel.dp = {self.dp} must be >= 1 or "auto"')
+        return self
+
+
+class PrecisionConfig(Section):
+    dtype: Literal["fp32", "bf16", "fp16"] = "fp32"
+    """Compute dtype under autocast; parameters and optimizer state stay fp32. fp16 needs CUDA."""
+    activation_checkpointing: bool = False
+    """Recompute each block's activations in backward instead of storing them."""
+
+
+class CheckpointConfig(Section):
+    final_weights: bool = True
+    """Write the trained model as run_dir/model.safetensors at the end."""
+
+
+class MetricsConfig(Section):
+    log_interval: int = Field(10, ge=1)
+    """Write metrics.jsonl / TensorBoard every this many steps (and at the last step)."""
+    tensorboard: bool = True
+    """Write TensorBoard event files to run_dir/tensorboard."""
+    progress: bool = True
+    """Show the progress bar on rank 0."""
+
+
+class Config(Section):
+    model: Any = None  # a model-specific Section, chosen by model.name (see load_config)
+    data: DataConfig = DataConfig()
+    train: TrainConfig = TrainConfig()
+    parallel: ParallelConfig = ParallelConfig()
+    precision: PrecisionConfig = PrecisionConfig()
+    checkpoint: CheckpointConfig = CheckpointConfig()
+    metrics: MetricsConfig = MetricsConfig()
+
+    @model_validator(mode="after")
+    def _compatible(self) -> Config:
+        needs = getattr(type(self.model), "data_kinds", None)
+        kind = data_kind(self.data.source)
+        if needs is not None and kind not in needs:
+            sources = [s for s in DataSource.__args__ if data_kind(s) in needs]
+            raise ValueError(
+                f'model.name = "{self.model.name}" cannot train on data.source = "{self.data.source}"; '
+                f"use data.source = {' or '.join(repr(s) for s in sources)}"
+            )
+        if self.data.source in ("text", "tokens") and not self.data.path:
+            raise ValueError(f'data.source = "{self.data.source}" needs data.path; set it to a file or folder')
+        return self
+
+    def to_toml(self) -> str:
+        return tomli_w.dumps(_drop_none(self.model_dump()))
+
+
+SECTIONS = {name: f.annotation for name, f in Config.model_fields.items() if name != "model"}
+
+
+def data_kind(source: str) -> str:
+    return {"synthetic-images": "images", "interactions": "interactions"}.get(source, "tokens")
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> Config:
+    """Read a TOML file (or defaults), apply `section.key=value` overrides, validate, freeze."""
+    origin = str(path) if path else "defaults"
+    raw: dict[str, Any] = {}
+    if path is not None:
+        p = Path(path)
+        if not p.is_file():
+            raise UserError(f"config file {p} does not exist; pass the path of a .toml file")
+        try:
+            raw = tomllib.loads(p.read_text(encoding="utf-8"))
+        except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
+            raise UserError(f"{p}: not valid TOML: {e}") from None
+    overridden = set()
+    for item in overrides:
+        key, value = _parse_override(item)
+        section, _, field = key.partition(".")
+        if not isinstance(raw.setdefault(section, {}), dict):
+            raise UserError(f"{origin}: {section} must be a [section] table")
+        raw[section][field] = value
+        overridden.add(key)
+    return validate_config(raw, origin, overridden)
+
+
+def validate_config(raw: dict[str, Any], origin: str = "config", overridden: set[str] = frozenset()) -> Config:
+    for section in raw:
+        if section != "model" and section not in SECTIONS:
+            raise UserError(f"{origin}: unknown section [{section}]{_suggest(section, ['model', *SECTIONS])}")
+        if not isinstance(raw[section], dict):
+            raise UserError(f"{origin}: {section} must be a [{section}] table, got {raw[section]!r}")
+
+    def where(key: str) -> str:
+        return "--set" if key in overridden else origin
+
+    model_raw = dict(raw.get("model", {}))
+    model_raw.setdefault("name", "gpt")
+    try:
+        model_cls = model_config_class(model_raw["name"])
+        model = model_cls.model_validate(model_raw)
+    except UserError as e:
+        raise UserError(f"{where('model.name')}: {e}") from None
+    except ValidationError as e:
+        raise UserError(_explain(e, model_cls, ("model",), where)) from None
+    try:
+        return Config.model_validate({**{k: v for k, v in raw.items() if k != "model"}, "model": model})
+    except ValidationError as e:
+        raise UserError(_explain(e, Config, (), where)) from None
+
+
+def _parse_override(item: str) -> tuple[str, Any]:
+    key, sep, text = item.partition("=")
+    key = key.strip()
+    if not sep or key.count(".") != 1 or not all(key.split(".")):
+        raise UserError(f"--set {item!r}: expected section.key=value, for example --set train.steps=100")
+    try:  # a TOML value (number, bool, quoted string, array); a bare word is taken as a string
+        value = tomllib.loads(f"v = {text}")["v"]
+    except tomllib.TOMLDecodeError:
+        value = text
+    return key, value
+
+
+def _explain(err: ValidationError, cls: type[BaseModel], prefix: tuple, where) -> str:
+    """Turn pydantic's first error into one line: origin, key, value, what is allowed."""
+    e = err.errors()[0]
+    loc = prefix + tuple(str(p) for p in e["loc"] if not isinstance(p, int))
+    # a failing union member adds the member type to loc (e.g. ('parallel', 'dp', 'int')): drop it
+    loc = tuple(p for p in loc if p not in ("int", "str", "float", "bool", "literal['auto']"))
+    key = ".".join(loc)
+    if e["type"] == "extra_forbidden":
+        known = _fields_at(cls, loc[len(prefix):-1]) if prefix == () else list(cls.model_fields)
+        return f"{where(key)}: unknown key {key}{_suggest(loc[-1], known)}"
+    msg = e["msg"].replace("Input should be", "must be").replace("Value error, ", "")
+    if e["type"] == "value_error" and msg.startswith(("parallel.", "model.", "data.")):
+        return f"{where(msg.split(' ')[0])}: {msg}"
+    value = e.get("input")
+    shown = "" if isinstance(value, dict) else f" = {value!r}"
+    return f"{where(key)}: {key}{shown}: {msg}"
+
+
+def _fields_at(cls: type[BaseModel], path: tuple) -> list[str]:
+    for part in path:
+        ann = cls.model_fields[part].annotation
+        if not (isinstance(ann, type) and issubclass(ann, BaseModel)):
+            return []
+        cls = ann
+    return list(cls.model_fields)
+
+
+def _suggest(word: str, choices: list[str]) -> str:
+    close = difflib.get_close_matches(word, choices, n=1, cutoff=0.5)
+    return f"; did you mean {close[0]}?" if close else f"; valid keys: {', '.join(choices)}"
+
+
+def _drop_none(d: dict) -> dict:
+    return {k: _drop_none(v) if isinstance(v, dict) else v for k, v in d.items() if v is not None}

@@ -1,0 +1,59 @@
+"""Deterministic, resumable global batches.
+
+The data is an endless stream of epochs; epoch e visits every training index once, in a permutation
+seeded by (seed, e). The global batch at step k is stream positions [k*B, (k+1)*B), so it is a pure
+function of (seed, k): the same samples train whatever the dp degree or the accumulation, and a
+resumed run sees exactly the data the uninterrupted one would have. Rank r of dp takes the r-th
+contiguous slice of B/dp samples and splits it into micro-batches.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+
+class GlobalBatchSampler:
+    def __init__(self, num_samples: int, global_batch_size: int, seed: int):
+        if num_samples < 1:
+            raise ValueError("the data set is empty")
+        self.n, self.batch, self.seed = num_samples, global_batch_size, seed
+        self.step = 0  # the next step whose batch will be drawn (the resumable position)
+        self._perms: dict[int, np.ndarray] = {}
+
+    def _perm(self, epoch: int) -> np.ndarray:
+        if epoch not in self._perms:
+            if len(self._perms) >= 2:  # a batch spans at most two epochs when B <= n
+                self._perms.pop(min(self._perms))
+            self._perms[epoch] = np.random.default_rng([self.seed, epoch]).permutation(self.n)
+        return self._perms[epoch]
+
+    def global_indices(self, step: int) -> torch.Tensor:
+        pos = np.arange(step * self.batch, (step + 1) * self.batch)  # (B,) stream positions
+        epochs, offsets = pos // self.n, pos % self.n
+        out = np.empty(self.batch, dtype=np.int64)
+        for e in np.unique(epochs):
+            mask = epochs == e
+            out[mask] = self._perm(int(e))[offsets[mask]]
+        return torch.from_numpy(out)
+
+    def local_micro_batches(self, step: int, dp_rank: int, dp: int, micro: int) -> list[torch.Tensor]:
+        """This rank's slice of the global batch at `step`, split into micro-batches of `micro`."""
+        per_rank = self.batch // dp
+        mine = self.global_indices(step)[dp_rank * per_rank:(dp_rank + 1) * per_rank]
+        return list(mine.split(micro))
+
+    def state_dict(self) -> dict:
+        return {"step": self.step, "seed": self.seed, "num_samples": self.n, "global_batch_size": self.batch}
+
+    def load_state_dict(self, state: dict) -> None:
+        if state["seed"] != self.seed or state["num_samples"] != self.n:
+            raise ValueError(
+                f"data position was saved for seed {state['seed']} over {state['num_samples']} samples, "
+                f"but this run has seed {self.seed} over {self.n}; resume with the same data and seed"
+            )
+        # a saved position counts steps of the saved global batch; convert through stream positions
+        pos = state["step"] * state["global_batch_size"]
+        if pos % self.batch:
+            raise ValueError(f"saved data position {pos} is not a multiple of global batch {self.batch}")
+        self.step = pos // self.batch

@@ -1,0 +1,42 @@
+"""Turn a single-device model into the model each rank trains, in one fixed order:
+
+    tensor parallel -> pipeline split -> activation checkpointing -> torch.compile -> ZeRO / data parallel
+
+Sharding goes first because the later steps wrap what they see: checkpointing and compile must see
+the sharded modules, and the data-parallel wrapper must see the final parameters it synchronizes.
+Tensor and pipeline parallelism and ZeRO are refused by config validation until they exist.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import apply_activation_checkpointing
+
+from shoal.config import Config
+from shoal.errors import UserError
+from shoal.models.registry import ModelBundle
+from shoal.parallel.data import apply_data_parallel
+from shoal.topology import ParallelDims
+
+
+def check_parallelizable(bundle: ModelBundle, cfg: Config) -> None:
+    """Refuse, before any worker starts, what apply() could not do for this model."""
+    if cfg.precision.activation_checkpointing and not bundle.block_types:
+        raise UserError(
+            f'precision.activation_checkpointing = true, but model "{cfg.model.name}" names no blocks to '
+            f"checkpoint (ModelBundle.block_types); set it to false"
+        )
+
+
+def parallelize(bundle: ModelBundle, dims: ParallelDims, cfg: Config, device: torch.device) -> torch.nn.Module:
+    """Returns the module the training loop calls; `bundle.model` stays the unwrapped model."""
+    model = bundle.model.to(device)
+    if cfg.precision.activation_checkpointing:
+        types = bundle.block_types
+        apply_activation_checkpointing(model, check_fn=lambda m: isinstance(m, types))
+    if cfg.train.compile:
+        model = torch.compile(model)
+    if dims.dp > 1:
+        group = dims.mesh["dp"].get_group() if dims.world_size > dims.dp else None
+        model = apply_data_parallel(model, device, group)
+    return model

@@ -1,0 +1,51 @@
+"""Everything decided about a run once the world size is known, checked before any worker starts.
+
+Derived values (degrees, gradient accumulation, items per step) are computed here only; they are
+printed at start and never stored as a second source of truth.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from shoal.config import Config
+from shoal.dist import choose_backend
+from shoal.errors import UserError
+from shoal.topology import ParallelDims
+
+
+@dataclass(frozen=True)
+class RunPlan:
+    dims: ParallelDims
+    backend: str
+    grad_accum: int  # micro-batches per rank per optimizer step
+    per_rank_batch: int  # samples per rank per optimizer step
+
+    def describe(self, cfg: Config, items_name: str, items_per_sample: int) -> str:
+        t = cfg.train
+        return (
+            f"world {self.dims.world_size} = dp {self.dims.dp} x tp {self.dims.tp} x pp {self.dims.pp} "
+            f"({self.backend}); global batch {t.global_batch_size} = micro {t.micro_batch_size} x dp "
+            f"{self.dims.dp} x accumulation {self.grad_accum}; {t.global_batch_size * items_per_sample:,} "
+            f"{items_name} per step"
+        )
+
+
+def make_plan(cfg: Config, world_size: int) -> RunPlan:
+    p, t = cfg.parallel, cfg.train
+    dims = ParallelDims.resolve(p.dp, p.tp, p.pp, world_size)
+    backend = choose_backend(p.backend)
+    step = t.micro_batch_size * dims.dp
+    if t.global_batch_size % step:
+        raise UserError(
+            f"train.global_batch_size ({t.global_batch_size}) must be divisible by train.micro_batch_size "
+            f"({t.micro_batch_size}) x dp ({dims.dp}) = {step}; set it to a multiple of {step} "
+            f"(for example {max(step, t.global_batch_size // step * step)})"
+        )
+    if cfg.precision.dtype == "fp16" and not torch.cuda.is_available():
+        raise UserError('precision.dtype = "fp16" needs CUDA (loss scaling); on CPU use "bf16" or "fp32"')
+    if cfg.precision.dtype == "fp16" and backend != "nccl":
+        raise UserError('precision.dtype = "fp16" trains on CUDA only; set parallel.backend = "nccl" or "auto"')
+    return RunPlan(dims, backend, t.global_batch_size // step, t.global_batch_size // dims.dp)

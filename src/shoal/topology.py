@@ -1,0 +1,77 @@
+"""ParallelDims: the rank grid of a run, validated up front, with the DeviceMesh built on first use.
+
+Ranks are laid out row-major over mesh axes ("pp", "dp", "tp"): tp varies fastest so tensor-parallel
+peers are neighbours (same node, fastest links), pp slowest. Everything but `mesh` is pure arithmetic
+and testable without a process group.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import cached_property
+
+from shoal.errors import UserError
+
+AXES = ("pp", "dp", "tp")
+
+
+@dataclass(frozen=True)
+class ParallelDims:
+    dp: int
+    tp: int
+    pp: int
+    world_size: int
+
+    @classmethod
+    def resolve(cls, dp: int | str, tp: int, pp: int, world_size: int) -> ParallelDims:
+        """Fill in dp = "auto" and validate dp x tp x pp == world_size."""
+        if world_size < 1:
+            raise UserError(f"world size must be >= 1, got {world_size}")
+        if dp == "auto":
+            if world_size % (tp * pp):
+                raise UserError(
+                    f"parallel.tp ({tp}) x parallel.pp ({pp}) = {tp * pp} does not divide the {world_size} "
+                    f"processes started; set --nproc to a multiple of {tp * pp} or change the degrees"
+                )
+            dp = world_size // (tp * pp)
+        if dp * tp * pp != world_size:
+            raise UserError(
+                f"parallel.dp ({dp}) x parallel.tp ({tp}) x parallel.pp ({pp}) = {dp * tp * pp}, but "
+                f"{world_size} processes were started; set --nproc {dp * tp * pp} or change the degrees"
+            )
+        return cls(dp=dp, tp=tp, pp=pp, world_size=world_size)
+
+    @property
+    def shape(self) -> tuple[int, int, int]:
+        return (self.pp, self.dp, self.tp)
+
+    def coords(self, rank: int) -> dict[str, int]:
+        """Position of `rank` on each axis."""
+        if not 0 <= rank < self.world_size:
+            raise ValueError(f"rank {rank} outside world of {self.world_size}")
+        pp, rest = divmod(rank, self.dp * self.tp)
+        dp, tp = divmod(rest, self.tp)
+        return {"pp": pp, "dp": dp, "tp": tp}
+
+    def rank_of(self, pp: int = 0, dp: int = 0, tp: int = 0) -> int:
+        return (pp * self.dp + dp) * self.tp + tp
+
+    def group_ranks(self, axis: str) -> list[list[int]]:
+        """The rank groups that communicate along `axis` (e.g. each dp group for gradient all-reduce)."""
+        if axis not in AXES:
+            raise ValueError(f"unknown mesh axis {axis!r}; axes are {AXES}")
+        others = [a for a in AXES if a != axis]
+        groups: dict[tuple, list[int]] = {}
+        for r in range(self.world_size):
+            c = self.coords(r)
+            groups.setdefault(tuple(c[a] for a in others), []).append(r)
+        return list(groups.values())
+
+    @cached_property
+    def mesh(self):
+        """The DeviceMesh over all ranks with named axes; needs an initialized process group."""
+        from torch.distributed.device_mesh import init_device_mesh
+
+        from shoal.dist import device_type
+
+        return init_device_mesh(device_type(), self.shape, mesh_dim_names=AXES)

@@ -1,0 +1,132 @@
+"""The training loop: batch -> forward/backward (accumulated) -> clip -> step -> metrics.
+
+Strategy details (how gradients are synchronized, how the model is split) live in parallel/; this
+file only asks for a micro-batch's sync context.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+from shoal.config import Config
+from shoal.data.loader import Prefetcher
+from shoal.data.sampler import GlobalBatchSampler
+from shoal.metrics.memory import peak_memory_bytes
+from shoal.metrics.sinks import MetricsSinks
+from shoal.metrics.timers import StepTimer
+from shoal.models.registry import Batch, ModelBundle
+from shoal.parallel.data import grad_sync
+from shoal.plan import RunPlan
+from shoal.train.precision import Precision
+
+
+@dataclass
+class TrainState:
+    cfg: Config
+    plan: RunPlan
+    bundle: ModelBundle
+    model: torch.nn.Module  # what forward is called on (DDP-wrapped when dp > 1)
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LRScheduler
+    precision: Precision
+    sampler: GlobalBatchSampler
+    source: object
+    device: torch.device
+    dp_rank: int
+    dp_group: object = None  # None: the default group
+    history: list[dict] = field(default_factory=list)  # per-step metrics, kept on every rank
+
+
+def to_device(batch: Batch, device: torch.device) -> Batch:
+    return {k: v.to(device, non_blocking=True) for k, v in batch.items()}
+
+
+def all_reduce(t: torch.Tensor, state: TrainState, op=dist.ReduceOp.SUM) -> torch.Tensor:
+    dist.all_reduce(t, op=op, group=state.dp_group)
+    return t
+
+
+def train_step(state: TrainState, micro_batches: list[Batch], timer: StepTimer) -> dict:
+    """One optimizer step over this rank's micro-batches. Returns the global loss, gradient norm and
+    item count. See [Note: loss contract] in models/registry.py for the scaling."""
+    bundle, model, precision = state.bundle, state.model, state.precision
+    batches = [to_device(mb, state.device) for mb in micro_batches]
+    # items (tokens or samples) in the whole global batch, known before any forward
+    n_items = all_reduce(torch.stack([bundle.count_fn(b) for b in batches]).sum().double().to(state.device), state)
+    scale = state.plan.dims.dp / n_items.float()  # DDP averages over dp: undo that, divide by the global count
+    loss_sum = torch.zeros((), device=state.device, dtype=torch.float64)
+    for i, batch in enumerate(batches):
+        with grad_sync(model, sync=i == len(batches) - 1):
+            with precision.autocast():
+                loss = bundle.loss_fn(model, batch)
+            precision.backward(loss * scale)
+        loss_sum += loss.detach().double()
+    timer.mark("forward_backward_s")
+
+    precision.unscale(state.optimizer)
+    clip = state.cfg.train.grad_clip or math.inf
+    grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+    precision.step(state.optimizer)
+    state.scheduler.step()
+    state.optimizer.zero_grad(set_to_none=True)
+    timer.mark("optimizer_s")
+    loss = all_reduce(loss_sum, state) / n_items
+    return {"loss": loss.item(), "grad_norm": grad_norm.item(), "items": int(n_items.item())}
+
+
+@torch.no_grad()
+def evaluate(state: TrainState) -> dict[str, float]:
+    """Metrics over the first `val_batches` global batches of the held-out set, split over dp ranks."""
+    cfg, source = state.cfg, state.source
+    model = state.model.module if isinstance(state.model, torch.nn.parallel.DistributedDataParallel) else state.model
+    was_training = model.training
+    model.eval()
+    totals: dict[str, list[torch.Tensor]] = {}
+    B = cfg.train.global_batch_size
+    for b in range(cfg.train.val_batches):
+        if b * B >= source.num_val:
+            break
+        idx = torch.arange(b * B, min((b + 1) * B, source.num_val))
+        mine = idx.tensor_split(state.plan.dims.dp)[state.dp_rank]
+        for chunk in mine.split(cfg.train.micro_batch_size):
+            with state.precision.autocast():
+                out = state.bundle.eval_fn(model, to_device(source.val_batch(chunk), state.device))
+            for k, (s, n) in out.items():
+                acc = totals.setdefault(k, [torch.zeros((), dtype=torch.float64), torch.zeros((), dtype=torch.float64)])
+                acc[0] += s.double().cpu()
+                acc[1] += n.double().cpu()
+    model.train(was_training)
+    keys = sorted(totals)
+    flat = all_reduce(torch.stack([v for k in keys for v in totals[k]]).to(state.device), state).cpu()
+    return {f"val_{k}": (flat[2 * i] / flat[2 * i + 1]).item() for i, k in enumerate(keys)}
+
+
+def train_loop(state: TrainState, loader: Prefetcher, sinks: MetricsSinks) -> None:
+    cfg = state.cfg
+    items_name = state.bundle.items_name
+    timer = StepTimer(state.device)
+    for step in range(state.sampler.step, cfg.train.steps):
+        timer.start()
+        micro_batches = loader.next()
+        timer.mark("data_wait_s")
+        lr = state.optimizer.param_groups[0]["lr"]
+        out = train_step(state, micro_batches, timer)
+        state.sampler.step = step + 1
+        done = step + 1  # steps completed; metrics are indexed by it
+        m = {"step": done, "loss": out["loss"], "lr": lr, "grad_norm": out["grad_norm"],
+             f"{items_name}_per_s": out["items"] / timer.total, "step_time_s": timer.total, **timer.phases}
+        last = done == cfg.train.steps
+        if done % cfg.metrics.log_interval == 0 or last:
+            peak = torch.tensor(float(peak_memory_bytes(state.device)), device=state.device)
+            m["peak_memory_bytes"] = int(all_reduce(peak, state, op=dist.ReduceOp.MAX).item())
+        if last or (cfg.train.val_interval and done % cfg.train.val_interval == 0):
+            m.update(evaluate(state))
+            sinks.print(f"step {done}: " + ", ".join(f"{k} {v:.4f}" for k, v in m.items() if k.startswith("val_")))
+        state.history.append(m)
+        sinks.step(m)
+        if "peak_memory_bytes" in m or any(k.startswith("val_") for k in m):
+            sinks.log(m)

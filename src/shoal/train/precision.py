@@ -1,0 +1,40 @@
+"""Precision policy: autocast for compute, fp32 master weights and optimizer state.
+
+bf16 needs no loss scaling (same exponent range as fp32). fp16 does: a GradScaler multiplies the
+loss before backward and unscales before clipping; it exists for CUDA only here (plan.py refuses fp16
+on CPU before any worker starts).
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+class Precision:
+    def __init__(self, dtype: str, device: torch.device):
+        self.dtype = DTYPES[dtype]
+        self.device = device
+        self.scaler = torch.amp.GradScaler("cuda") if dtype == "fp16" else None
+
+    def autocast(self):
+        if self.dtype == torch.float32:
+            return contextlib.nullcontext()
+        return torch.autocast(self.device.type, dtype=self.dtype)
+
+    def backward(self, loss: torch.Tensor) -> None:
+        (self.scaler.scale(loss) if self.scaler else loss).backward()
+
+    def unscale(self, optimizer: torch.optim.Optimizer) -> None:
+        if self.scaler:
+            self.scaler.unscale_(optimizer)
+
+    def step(self, optimizer: torch.optim.Optimizer) -> None:
+        if self.scaler:
+            self.scaler.step(optimizer)  # skips the step when gradients overflowed
+            self.scaler.update()
+        else:
+            optimizer.step()

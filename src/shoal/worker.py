@@ -1,0 +1,74 @@
+"""One worker process: join the group, train, report, exit.
+
+Runs inside a process started by torch elastic (`shoal train --nproc N`, or torchrun with
+`-m shoal train`). Errors are written to the elastic error file so the launcher can name the rank
+that failed and why; the process always ends through dist.exit_process ([Note: exit] in dist.py).
+"""
+
+from __future__ import annotations
+
+import faulthandler
+import os
+import signal
+import sys
+import time
+import traceback
+from pathlib import Path
+
+import torch
+from torch.distributed.elastic.multiprocessing.errors import get_error_handler
+
+from shoal import dist
+from shoal.config import Config
+from shoal.errors import UserError
+from shoal.plan import make_plan
+
+
+def default_run_dir(config_path: str | None) -> Path:
+    stem = Path(config_path).stem if config_path else "run"
+    base = Path("runs") / f"{stem}-{time.strftime('%Y%m%d-%H%M%S')}"
+    path, n = base, 1
+    while path.exists():
+        n += 1
+        path = base.with_name(f"{base.name}-{n}")
+    return path
+
+
+def threads_per_worker(cfg: Config, local_world_size: int) -> int:
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return cfg.parallel.threads_per_worker or max(1, cores // local_world_size)
+
+
+def main(cfg: Config, run_dir: str | None, config_path: str | None) -> None:
+    """Entry point of a launched worker; never returns."""
+    faulthandler.register(signal.SIGUSR1, all_threads=True)  # `kill -USR1 PID` prints where a rank is stuck
+    handler = get_error_handler()
+    handler.initialize()
+    code = 0
+    try:
+        torch.set_num_threads(threads_per_worker(cfg, int(os.environ.get("LOCAL_WORLD_SIZE", 1))))
+        plan = make_plan(cfg, int(os.environ["WORLD_SIZE"]))
+        env = dist.init(plan.backend, cfg.parallel.timeout_s)
+        # every rank must write to the same place: rank 0 names it, the others read it from the store
+        if env.rank == 0:
+            env.store.set("run_dir", str(run_dir or default_run_dir(config_path)))
+        path = Path(env.store.get("run_dir").decode())
+        from shoal.train.run import run_training  # after set_num_threads: heavy imports come here
+
+        summary = run_training(cfg, path, env)
+        if env.rank == 0:
+            val = f", val loss {summary['val_loss']:.4f}" if summary.get("val_loss") is not None else ""
+            print(f"done: {summary['steps']} steps in {summary['total_time_s']:.1f} s; final loss "
+                  f"{summary['final_loss']:.4f}{val}\nresults in {path}/ (summary.json, metrics.jsonl, "
+                  f"config.toml, tensorboard/)", flush=True)
+        dist.shutdown()
+    except UserError as e:
+        handler.record_exception(e)
+        print(f"shoal: error: {e}", file=sys.stderr)
+        code = 2
+    except BaseException as e:  # noqa: BLE001 - any failure must end this rank with its traceback shown
+        handler.record_exception(e)
+        rank = os.environ.get("RANK", "?")
+        print(f"[rank {rank}] " + "".join(traceback.format_exception(e)), file=sys.stderr)
+        code = 1
+    dist.exit_process(code)

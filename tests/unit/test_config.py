@@ -1,0 +1,122 @@
+"""Config loading: TOML + --set overrides, one-line errors naming origin, key, value and fix."""
+
+import pytest
+
+from shoal.config import load_config, validate_config
+from shoal.errors import UserError
+
+
+def write(tmp_path, text):
+    p = tmp_path / "cfg.toml"
+    p.write_text(text)
+    return p
+
+
+def error_of(fn, *args, **kwargs) -> str:
+    with pytest.raises(UserError) as e:
+        fn(*args, **kwargs)
+    msg = str(e.value)
+    assert "\n" not in msg, "user errors are one line"
+    return msg
+
+
+def test_defaults_and_overrides(tmp_path):
+    cfg = load_config(write(tmp_path, "[train]\nsteps = 7\n"),
+                      ["train.lr=3e-4", "model.n_layer=2", "parallel.dp=2", "metrics.tensorboard=false"])
+    assert cfg.train.steps == 7 and cfg.train.lr == 3e-4
+    assert cfg.model.name == "gpt" and cfg.model.n_layer == 2
+    assert cfg.parallel.dp == 2 and cfg.metrics.tensorboard is False
+    assert cfg.data.source == "stdlib-text"  # default kept
+
+
+def test_bare_word_override_is_a_string(tmp_path):
+    cfg = load_config(None, ["model.name=resnet", "data.source=synthetic-images"])
+    assert cfg.model.name == "resnet"
+
+
+def test_resolved_config_round_trips(tmp_path):
+    cfg = load_config(None, ["model.name=ncf", "data.source=interactions", "model.mlp_layers=[8, 4]"])
+    again = load_config(write(tmp_path, cfg.to_toml()))
+    assert again == cfg
+
+
+def test_unknown_key_suggests_closest(tmp_path):
+    msg = error_of(load_config, write(tmp_path, "[train]\nstpes = 10\n"))
+    assert "cfg.toml" in msg and "unknown key train.stpes" in msg and "did you mean steps" in msg
+
+
+def test_unknown_model_key_suggests_closest():
+    msg = error_of(load_config, None, ["model.n_layr=3"])
+    assert "--set" in msg and "model.n_layr" in msg and "n_layer" in msg
+
+
+def test_unknown_section(tmp_path):
+    msg = error_of(load_config, write(tmp_path, "[trian]\nsteps = 10\n"))
+    assert "unknown section [trian]" in msg and "did you mean train" in msg
+
+
+def test_wrong_type_names_file_key_value(tmp_path):
+    msg = error_of(load_config, write(tmp_path, '[train]\nsteps = "ten"\n'))
+    assert "cfg.toml" in msg and "train.steps" in msg and "'ten'" in msg and "integer" in msg
+
+
+def test_out_of_range_names_allowed_range(tmp_path):
+    msg = error_of(load_config, write(tmp_path, "[train]\nlr = -0.1\n"))
+    assert "train.lr = -0.1" in msg and "greater than 0" in msg
+
+
+def test_literal_lists_choices():
+    msg = error_of(load_config, None, ["precision.dtype=fp8"])
+    assert "precision.dtype = 'fp8'" in msg and "'bf16'" in msg and "--set" in msg
+
+
+def test_bad_override_syntax():
+    assert "section.key=value" in error_of(load_config, None, ["steps=3"])
+
+
+def test_unknown_model_name():
+    msg = error_of(load_config, None, ["model.name=transformerz"])
+    assert 'unknown model.name = "transformerz"' in msg and "gpt" in msg
+
+
+def test_user_model_that_cannot_be_imported():
+    msg = error_of(load_config, None, ["model.name=no_such_pkg.mod:build"])
+    assert "cannot import no_such_pkg.mod" in msg
+
+
+def test_user_model_options_pass_through(tmp_path, monkeypatch):
+    (tmp_path / "mymodel.py").write_text("def build(cfg, spec):\n    raise RuntimeError\n")
+    monkeypatch.chdir(tmp_path)
+    cfg = load_config(None, ['model.name="mymodel:build"', "model.hidden=64"])
+    assert cfg.model.hidden == 64
+
+
+def test_model_data_mismatch():
+    msg = error_of(load_config, None, ["model.name=resnet"])
+    assert 'cannot train on data.source = "stdlib-text"' in msg and "synthetic-images" in msg
+
+
+def test_text_source_needs_path():
+    assert "needs data.path" in error_of(load_config, None, ["data.source=text"])
+
+
+def test_heads_must_divide_width():
+    msg = error_of(load_config, None, ["model.n_head=3", "model.d_model=128"])
+    assert "model.n_head (3) must divide model.d_model (128)" in msg
+
+
+def test_not_yet_supported_degrees():
+    assert "parallel.tp = 2 is not yet supported" in error_of(load_config, None, ["parallel.tp=2"])
+    assert "parallel.zero = 1 is not yet supported" in error_of(load_config, None, ["parallel.zero=1"])
+
+
+def test_missing_config_file(tmp_path):
+    assert "does not exist" in error_of(load_config, tmp_path / "nope.toml")
+
+
+def test_invalid_toml(tmp_path):
+    assert "not valid TOML" in error_of(load_config, write(tmp_path, "[train\nsteps=1"))
+
+
+def test_section_must_be_table():
+    assert "must be a [train] table" in error_of(validate_config, {"train": 3})
