@@ -241,7 +241,8 @@ def _explain(err: ValidationError, cls: type[BaseModel], prefix: tuple, where) -
     key = ".".join(loc)
     if e["type"] == "extra_forbidden":
         known = _fields_at(cls, loc[len(prefix):-1]) if prefix == () else list(cls.model_fields)
-        return f"{where(key)}: unknown key {key}{_suggest(loc[-1], known)}"
+        section = ".".join(loc[:-1])
+        return f"{where(key)}: unknown key {key}{_suggest(loc[-1], known, section + '.')}"
     msg = e["msg"].replace("Input should be", "must be").replace("Value error, ", "")
     if e["type"] == "value_error" and msg.startswith(("parallel.", "model.", "data.")):
         return f"{where(msg.split(' ')[0])}: {msg}"
@@ -259,9 +260,9 @@ def _fields_at(cls: type[BaseModel], path: tuple) -> list[str]:
     return list(cls.model_fields)
 
 
-def _suggest(word: str, choices: list[str]) -> str:
+def _suggest(word: str, choices: list[str], prefix: str = "") -> str:
     close = difflib.get_close_matches(word, choices, n=1, cutoff=0.5)
-    return f"; did you mean {close[0]}?" if close else f"; valid keys: {', '.join(choices)}"
+    return f"; did you mean {prefix}{close[0]}?" if close else f"; valid keys: {', '.join(choices)}"
 
 
 def _drop_none(d: dict) -> dict:

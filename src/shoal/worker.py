@@ -41,7 +41,10 @@ def threads_per_worker(cfg: Config, local_world_size: int) -> int:
 
 def main(cfg: Config, run_dir: str | None, config_path: str | None) -> None:
     """Entry point of a launched worker; never returns."""
-    faulthandler.register(signal.SIGUSR1, all_threads=True)  # `kill -USR1 PID` prints where a rank is stuck
+    # Where is a rank stuck? `kill -USR1 PID` prints its Python stacks; so does the SIGTERM the elastic
+    # agent sends to the surviving ranks when another rank fails (then the default action ends it).
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
+    faulthandler.register(signal.SIGTERM, all_threads=True, chain=True)
     handler = get_error_handler()
     handler.initialize()
     code = 0

@@ -42,12 +42,12 @@ def test_resolved_config_round_trips(tmp_path):
 
 def test_unknown_key_suggests_closest(tmp_path):
     msg = error_of(load_config, write(tmp_path, "[train]\nstpes = 10\n"))
-    assert "cfg.toml" in msg and "unknown key train.stpes" in msg and "did you mean steps" in msg
+    assert "cfg.toml" in msg and "unknown key train.stpes" in msg and "did you mean train.steps?" in msg
 
 
 def test_unknown_model_key_suggests_closest():
     msg = error_of(load_config, None, ["model.n_layr=3"])
-    assert "--set" in msg and "model.n_layr" in msg and "n_layer" in msg
+    assert "--set" in msg and "model.n_layr" in msg and "did you mean model.n_layer?" in msg
 
 
 def test_unknown_section(tmp_path):

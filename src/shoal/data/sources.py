@@ -89,7 +89,7 @@ def _read_bytes(files: list[Path], max_bytes: int, what: str) -> np.ndarray:
             break
     if total == 0:
         raise UserError(f"no UTF-8 text found in {what}")
-    return np.frombuffer(b"\n".join(chunks), dtype=np.uint8)
+    return np.frombuffer(b"\n".join(chunks)[:max_bytes], dtype=np.uint8)
 
 
 def token_file(path: str, dtype: str) -> tuple[np.ndarray, int]:
@@ -110,6 +110,7 @@ class SyntheticImages:
     CNN learns it well above chance within a few hundred steps; a linear model struggles with shifts."""
 
     SIZE = 32
+    NOISE = 3.0  # per-pixel noise std; prototypes have std ~0.5, so one pixel says little
 
     def __init__(self, cfg: DataConfig):
         g = torch.Generator().manual_seed(DATA_SEED)
@@ -126,7 +127,7 @@ class SyntheticImages:
             g = torch.Generator().manual_seed(DATA_SEED + 1 + i)
             label = int(torch.randint(self.num_classes, (1,), generator=g))
             dx, dy = torch.randint(-4, 5, (2,), generator=g).tolist()
-            noise = torch.randn(3, self.SIZE, self.SIZE, generator=g)
+            noise = self.NOISE * torch.randn(3, self.SIZE, self.SIZE, generator=g)
             images.append(torch.roll(self.prototypes[label], shifts=(dy, dx), dims=(1, 2)) + noise)
             labels.append(label)
         return {"image": torch.stack(images), "label": torch.tensor(labels)}

@@ -47,6 +47,7 @@ class NeuMF(nn.Module):
 
     def forward(self, user: torch.Tensor, item: torch.Tensor) -> torch.Tensor:
         """Logits of interaction; user and item broadcast against each other, shape (...)."""
+        user, item = torch.broadcast_tensors(user, item)
         gmf = self.user_gmf(user) * self.item_gmf(item)  # (..., d)
         mlp = self.mlp(torch.cat([self.user_mlp(user), self.item_mlp(item)], dim=-1))  # (..., last)
         return self.out(torch.cat([gmf, mlp], dim=-1)).squeeze(-1)

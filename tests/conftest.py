@@ -1,0 +1,109 @@
+"""Shared test helpers: run the real CLI in a subprocess with a hard timeout.
+
+A run that does not finish in time is not left hanging: every worker is asked for its Python stack
+(SIGUSR1, see worker.py), then the whole process tree is killed, and the test fails showing each
+rank's output, so a hang points at the line it hangs on.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+FIXTURES = Path(__file__).parent / "fixtures"
+
+
+@dataclass
+class Result:
+    returncode: int
+    stdout: str
+    stderr: str
+
+    @property
+    def output(self) -> str:
+        return self.stdout + self.stderr
+
+
+def descendants(pid: int) -> list[int]:
+    """PIDs of every process below `pid` (from /proc), deepest last."""
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
+    out, todo = [], [pid]
+    while todo:
+        for c in children.get(todo.pop(), []):
+            out.append(c)
+            todo.append(c)
+    return out
+
+
+def run_cli(args: list[str], timeout: float, cwd: Path | None = None, env: dict | None = None,
+            launcher: list[str] | None = None) -> Result:
+    """Run `python -m shoal ARGS` (or `launcher ARGS`); fail the test on timeout with every rank's stacks."""
+    cmd = (launcher or [sys.executable, "-m", "shoal"]) + [str(a) for a in args]
+    full_env = {**os.environ, "PYTHONPATH": f"{FIXTURES}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
+                "PYTHONUNBUFFERED": "1", **(env or {})}
+    proc = subprocess.Popen(cmd, cwd=cwd or ROOT, env=full_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        tree = descendants(proc.pid)
+        for pid in tree:  # ask each process for its Python stack before it dies
+            _signal(pid, signal.SIGUSR1)
+        time.sleep(2)
+        for pid in [proc.pid, *tree]:
+            _signal(pid, signal.SIGKILL)
+        out, err = proc.communicate()
+        pytest.fail(f"`{' '.join(cmd)}` did not finish within {timeout} s; killed. Output:\n{out}\n{err}")
+    return Result(proc.returncode, out, err)
+
+
+def _signal(pid: int, sig: int) -> None:
+    try:
+        os.kill(pid, sig)
+    except ProcessLookupError:
+        pass
+
+
+def read_metrics(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def read_weights(run_dir: Path) -> dict:
+    from safetensors.torch import load_file
+
+    return load_file(str(run_dir / "model.safetensors"))
+
+
+# a GPT small enough that a 2-process run of 20 steps takes seconds on 2 cores
+TINY_GPT = ["--set", "model.n_layer=2", "--set", "model.d_model=32", "--set", "model.n_head=2",
+            "--set", "model.seq_len=32", "--set", "data.max_bytes=200000", "--set", "train.val_batches=2",
+            "--set", "parallel.threads_per_worker=1", "--set", "metrics.tensorboard=false"]
+
+
+def train_in_process(overrides: list[str], run_dir: Path) -> dict:
+    """One-process training inside the test process (a world of 1 on a local store); returns the summary."""
+    from shoal import dist
+    from shoal.config import load_config
+    from shoal.train.run import run_training
+
+    cfg = load_config(None, overrides)
+    env = dist.init("gloo", timeout_s=60)
+    try:
+        return run_training(cfg, run_dir, env)
+    finally:
+        dist.shutdown()

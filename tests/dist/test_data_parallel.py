@@ -1,0 +1,64 @@
+"""Data parallelism is exact: dp=2 trains the same model as dp=1 on the same global batch.
+
+fp32 on CPU: the two layouts see the same samples per step (sampler.py) and the loss is normalised
+over the whole global batch (registry.py, [Note: loss contract]); what can differ is only the order
+of floating-point sums, hence the 1e-5 (loss) and 1e-6 (parameters) tolerances.
+"""
+
+import sys
+
+import pytest
+import torch
+
+from conftest import TINY_GPT, read_metrics, read_weights, run_cli
+
+STEPS = 20
+COMMON = [*TINY_GPT, "--set", f"train.steps={STEPS}", "--set", "train.global_batch_size=16",
+          "--set", "train.warmup_steps=5", "--set", "metrics.log_interval=1", "--set", "train.val_interval=10"]
+
+
+def train(tmp_path, name, nproc, micro, extra=()):
+    run_dir = tmp_path / name
+    r = run_cli(["train", "--nproc", nproc, "--run-dir", run_dir, *COMMON,
+                 "--set", f"train.micro_batch_size={micro}", *extra], timeout=180)
+    assert r.returncode == 0, r.output
+    return read_metrics(run_dir), read_weights(run_dir)
+
+
+@pytest.fixture(scope="module")
+def dp2(tmp_path_factory):
+    return train(tmp_path_factory.mktemp("dp2"), "dp2", nproc=2, micro=8)
+
+
+def assert_same_training(a, b):
+    (ma, wa), (mb, wb) = a, b
+    assert [m["step"] for m in ma] == [m["step"] for m in mb] == list(range(1, STEPS + 1))
+    la, lb = torch.tensor([m["loss"] for m in ma]), torch.tensor([m["loss"] for m in mb])
+    assert la[-1] < la[0] - 0.5, "the model should be learning"
+    torch.testing.assert_close(la, lb, rtol=1e-5, atol=0)
+    torch.testing.assert_close(torch.tensor([m["grad_norm"] for m in ma]),
+                               torch.tensor([m["grad_norm"] for m in mb]), rtol=1e-4, atol=0)
+    assert wa.keys() == wb.keys()
+    for k in wa:
+        torch.testing.assert_close(wa[k], wb[k], rtol=0, atol=1e-6, msg=lambda m: f"{k}: {m}")
+    val_a = [m["val_loss"] for m in ma if "val_loss" in m]
+    val_b = [m["val_loss"] for m in mb if "val_loss" in m]
+    torch.testing.assert_close(torch.tensor(val_a), torch.tensor(val_b), rtol=1e-5, atol=0)
+
+
+def test_dp2_equals_dp1_with_accumulation(tmp_path, dp2):
+    assert_same_training(train(tmp_path, "dp1acc2", nproc=1, micro=8), dp2)
+
+
+def test_dp2_equals_dp1_without_accumulation(tmp_path, dp2):
+    assert_same_training(train(tmp_path, "dp1", nproc=1, micro=16), dp2)
+
+
+def test_torchrun_launch_is_detected(tmp_path, dp2):
+    """`torchrun -m shoal train` runs the same workers as `shoal train --nproc`."""
+    run_dir = tmp_path / "torchrun"
+    r = run_cli(["--standalone", "--nproc-per-node", "2", "-m", "shoal", "train", "--run-dir", run_dir, *COMMON,
+                 "--set", "train.micro_batch_size=8"], timeout=180,
+                launcher=[sys.executable, "-m", "torch.distributed.run"])
+    assert r.returncode == 0, r.output
+    assert_same_training((read_metrics(run_dir), read_weights(run_dir)), dp2)

@@ -1,0 +1,43 @@
+"""Bad input: one line on stderr naming the key and the fix, exit code 2, no traceback, no worker started."""
+
+import pytest
+import torch
+
+from conftest import run_cli
+from shoal.cli import main
+
+CASES = {
+    "unknown key": (["--set", "train.stepz=3"], "unknown key train.stepz; did you mean train.steps?"),
+    "wrong type": (["--set", 'train.steps="many"'], "train.steps = 'many': must be a valid integer"),
+    "out of range": (["--set", "train.warmup_steps=-1"], "train.warmup_steps = -1: must be greater than or equal to 0"),
+    "dp x tp x pp != world": (["--nproc", "2", "--set", "parallel.dp=3"],
+                              "parallel.dp (3) x parallel.tp (1) x parallel.pp (1) = 3, but 2 processes were started"),
+    "batch not divisible": (["--nproc", "2", "--set", "train.global_batch_size=24", "--set", "train.micro_batch_size=8"],
+                            "train.global_batch_size (24) must be divisible by train.micro_batch_size (8) x dp (2) = 16"),
+    "missing data path": (["--set", "data.source=text", "--set", "data.path=/no/such/corpus"],
+                          "data.path = '/no/such/corpus' does not exist"),
+    "unknown model name": (["--set", "model.name=gtp"], 'unknown model.name = "gtp"'),
+    "fp16 on CPU": (["--set", "precision.dtype=fp16"], '"fp16" needs CUDA'),
+    "bad --nproc": (["--nproc", "0"], "--nproc (0) and --nnodes (1) must be >= 1"),
+    "multi-node without endpoint": (["--nnodes", "2"], "--nnodes 2 needs --rdzv-endpoint"),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_bad_input_is_one_line_and_exit_2(case, capsys, tmp_path):
+    if case == "fp16 on CPU" and torch.cuda.is_available():
+        pytest.skip("fp16 is allowed where CUDA is")
+    args, expected = CASES[case]
+    code = main(["train", "configs/gpt-tiny.toml", "--run-dir", str(tmp_path / "run"), *args])
+    err = capsys.readouterr().err
+    assert code == 2
+    assert err.startswith("shoal: error: ") and err.count("\n") == 1, err
+    assert expected in err
+    assert not (tmp_path / "run").exists(), "nothing may start before the config is valid"
+
+
+def test_the_real_command_prints_no_traceback(tmp_path):
+    r = run_cli(["train", "configs/gpt-tiny.toml", "--set", "train.lr=0"], timeout=60)
+    assert r.returncode == 2
+    assert r.stderr.splitlines() == ["shoal: error: --set: train.lr = 0: must be greater than 0"]
+    assert "Traceback" not in r.output
