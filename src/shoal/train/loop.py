@@ -55,27 +55,33 @@ def train_step(state: TrainState, micro_batches: list[Batch], timer: StepTimer) 
     item count. See [Note: loss contract] in models/registry.py for the scaling."""
     bundle, model, precision = state.bundle, state.model, state.precision
     batches = [to_device(mb, state.device) for mb in micro_batches]
-    # items (tokens or samples) in the whole global batch, known before any forward
-    n_items = all_reduce(torch.stack([bundle.count_fn(b) for b in batches]).sum().double().to(state.device), state)
-    scale = state.plan.dims.dp / n_items.float()  # DDP averages over dp: undo that, divide by the global count
+    # items (tokens or samples) in the whole global batch: summed over ranks while the first forward runs
+    n_items = torch.stack([bundle.count_fn(b) for b in batches]).sum().double().to(state.device)
+    pending = dist.all_reduce(n_items, group=state.dp_group, async_op=True)
     loss_sum = torch.zeros((), device=state.device, dtype=torch.float64)
     for i, batch in enumerate(batches):
         with grad_sync(model, sync=i == len(batches) - 1):
             with precision.autocast():
                 loss = bundle.loss_fn(model, batch)
+            if i == 0:
+                pending.wait()
+                scale = state.plan.dims.dp / n_items.float()  # DDP averages over dp: undo that, divide by the global count
             precision.backward(loss * scale)
         loss_sum += loss.detach().double()
     timer.mark("forward_backward_s")
 
+    pending = dist.all_reduce(loss_sum, group=state.dp_group, async_op=True)  # overlaps the optimizer step
     precision.unscale(state.optimizer)
     clip = state.cfg.train.grad_clip or math.inf
     grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
     precision.step(state.optimizer)
     state.scheduler.step()
     state.optimizer.zero_grad(set_to_none=True)
-    timer.mark("optimizer_s")
-    loss = all_reduce(loss_sum, state) / n_items
-    return {"loss": loss.item(), "grad_norm": grad_norm.item(), "items": int(n_items.item())}
+    pending.wait()
+    loss = loss_sum / n_items
+    out = {"loss": loss.item(), "grad_norm": grad_norm.item(), "items": int(n_items.item())}
+    timer.mark("optimizer_s")  # includes the loss all-reduce: the step is not over until it is known
+    return out
 
 
 @torch.no_grad()
