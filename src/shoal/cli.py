@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 
 from shoal.errors import UserError
 
@@ -32,16 +33,19 @@ def train(args: argparse.Namespace) -> int:
         from shoal import worker
 
         worker.main(cfg, args.run_dir, args.config)  # does not return
-    if args.nproc < 1 or args.nnodes < 1:
-        raise UserError(f"--nproc ({args.nproc}) and --nnodes ({args.nnodes}) must be >= 1")
-    from shoal.launch import launch
+    from shoal.launch import check_launch_args, launch
     from shoal.plan import make_plan
     from shoal.train.run import build_data_and_model
     from shoal.worker import default_run_dir, threads_per_worker
 
-    make_plan(cfg, args.nproc * args.nnodes)  # everything that can be checked is, before any worker starts
-    build_data_and_model(cfg, device="meta")
+    check_launch_args(args.nproc, args.nnodes, args.node_rank, args.rdzv_endpoint)
+    plan = make_plan(cfg, args.nproc * args.nnodes)  # everything that can be checked is, before any worker starts
+    build_data_and_model(cfg, plan, device="meta")
     run_dir = args.run_dir or str(default_run_dir(args.config))
+    try:
+        Path(run_dir).mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise UserError(f"cannot create the run dir {run_dir} ({e.strerror}); pass a writable --run-dir") from None
     worker_argv = ["-m", "shoal", "train", *([args.config] if args.config else []),
                    *[a for s in args.set for a in ("--set", s)], "--run-dir", run_dir]
     return launch(worker_argv, args.nproc, args.nnodes, args.node_rank, args.rdzv_endpoint,

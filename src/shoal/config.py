@@ -26,7 +26,7 @@ else:  # pragma: no cover - exercised on 3.10 only
 
 class Section(BaseModel):
     # strict: a TOML string "100" is not silently an int; extra keys are errors, not ignored.
-    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True, use_attribute_docstrings=True)
 
 
 DataSource = Literal["stdlib-text", "text", "tokens", "synthetic-images", "interactions"]
@@ -43,9 +43,10 @@ class DataConfig(Section):
     token_dtype: Literal["uint16", "uint32"] = "uint16"
     """Element type of a `tokens` file."""
     max_bytes: int = Field(8_000_000, ge=4096)
-    """Text sources read at most this many bytes (the stdlib has ~40 MB; 8 MB trains a small GPT)."""
+    """Text sources read at most this many bytes (the stdlib gives ~12 MB without its tests)."""
     val_fraction: float = Field(0.05, gt=0.0, lt=0.5)
-    """Fraction held out for validation (the tail of a text stream, a random subset otherwise)."""
+    """Held out for validation: the tail of a text/token stream, or that many extra generated images
+    (interactions hold out one item per user instead)."""
     num_samples: int = Field(20_000, ge=100)
     """synthetic-images: size of the generated training set."""
     num_classes: int = Field(10, ge=2, le=1000)
@@ -78,7 +79,9 @@ class TrainConfig(Section):
     weight_decay: float = Field(0.1, ge=0.0)
     """Decoupled weight decay, applied to matrices only (not biases, norms)."""
     beta1: float = Field(0.9, ge=0.0, lt=1.0)
+    """AdamW first-moment decay."""
     beta2: float = Field(0.95, ge=0.0, lt=1.0)
+    """AdamW second-moment decay (0.95 as in GPT-3, steadier than 0.999 for transformers)."""
     grad_clip: float = Field(1.0, ge=0.0)
     """Clip the global gradient norm to this value (0 disables clipping; the norm is still logged)."""
     seed: int = Field(1337, ge=0)
@@ -263,6 +266,34 @@ def _fields_at(cls: type[BaseModel], path: tuple) -> list[str]:
 def _suggest(word: str, choices: list[str], prefix: str = "") -> str:
     close = difflib.get_close_matches(word, choices, n=1, cutoff=0.5)
     return f"; did you mean {prefix}{close[0]}?" if close else f"; valid keys: {', '.join(choices)}"
+
+
+def config_reference() -> str:
+    """The config reference in Markdown, from the field docstrings above (docs/config.md is this)."""
+    from shoal.models.registry import builtin_model_configs
+
+    def table(cls: type[BaseModel], skip=("name",)) -> list[str]:
+        rows = ["| key | type | default | meaning |", "|---|---|---|---|"]
+        for name, f in cls.model_fields.items():
+            if name in skip:
+                continue
+            ann = str(f.annotation).replace("typing.", "").replace("<class '", "").replace("'>", "")
+            ann = ann.replace("|", "\\|")
+            default = f.default_factory() if f.default_factory else f.default
+            text = " ".join((f.description or "").split()).replace("|", "\\|")
+            rows.append(f"| `{name}` | `{ann}` | `{default!r}` | {text} |".replace("`None`", "unset"))
+        return rows
+
+    out = ["# Config reference", "",
+           "Generated from the field docstrings in `src/shoal/config.py` and `src/shoal/models/`;",
+           "`tests/unit/test_docs.py` fails when this page and the code disagree.", "",
+           "## [model]", "", '`name` picks the model: a built-in name below, or `"package.module:function"` for '
+           "your own (every other key in the section is passed to it).", ""]
+    for name, cls in builtin_model_configs().items():
+        out += [f'### name = "{name}"', "", (cls.__doc__ or "").strip(), "", *table(cls), ""]
+    for name, cls in SECTIONS.items():
+        out += [f"## [{name}]", "", *table(cls), ""]
+    return "\n".join(out)
 
 
 def _drop_none(d: dict) -> dict:

@@ -20,10 +20,7 @@ from shoal.errors import UserError
 def launch(worker_argv: list[str], nproc: int, nnodes: int = 1, node_rank: int = 0,
            rdzv_endpoint: str | None = None, threads: int | None = None) -> int:
     """Run `python <worker_argv>` on nproc local workers; returns the exit code for the CLI."""
-    if nnodes > 1 and not rdzv_endpoint:
-        raise UserError(f"--nnodes {nnodes} needs --rdzv-endpoint HOST:PORT (node 0's address)")
-    if not 0 <= node_rank < nnodes:
-        raise UserError(f"--node-rank {node_rank} must be in [0, {nnodes - 1}] for --nnodes {nnodes}")
+    check_launch_args(nproc, nnodes, node_rank, rdzv_endpoint)
     if threads:
         os.environ["OMP_NUM_THREADS"] = str(threads)  # inherited by the workers before torch starts
     endpoint = rdzv_endpoint or "127.0.0.1:0"
@@ -41,6 +38,15 @@ def launch(worker_argv: list[str], nproc: int, nnodes: int = 1, node_rank: int =
     except KeyboardInterrupt:
         return 130
     return 0
+
+
+def check_launch_args(nproc: int, nnodes: int, node_rank: int, rdzv_endpoint: str | None) -> None:
+    if nproc < 1 or nnodes < 1:
+        raise UserError(f"--nproc ({nproc}) and --nnodes ({nnodes}) must be >= 1")
+    if nnodes > 1 and not rdzv_endpoint:
+        raise UserError(f"--nnodes {nnodes} needs --rdzv-endpoint HOST:PORT (node 0's address)")
+    if not 0 <= node_rank < nnodes:
+        raise UserError(f"--node-rank {node_rank} must be in [0, {nnodes - 1}] for --nnodes {nnodes}")
 
 
 def report_failures(e: ChildFailedError) -> int:

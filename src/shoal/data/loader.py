@@ -34,12 +34,7 @@ class Prefetcher:
                 item = (step, self.make(step))
             except BaseException as e:  # surface it in the training thread, with its traceback
                 item = e
-            while not self._stop.is_set():
-                try:
-                    self._q.put(item, timeout=0.1)
-                    break
-                except queue.Full:
-                    continue
+            self._q.put(item)  # blocks while `depth` steps are ready; close() drains to release it
             if isinstance(item, BaseException):
                 return
             step += 1
@@ -61,4 +56,9 @@ class Prefetcher:
     def close(self) -> None:
         self._stop.set()
         if self.depth > 0:
-            self._thread.join(timeout=5)
+            while self._thread.is_alive():
+                try:
+                    self._q.get_nowait()
+                except queue.Empty:
+                    pass
+                self._thread.join(timeout=0.01)

@@ -68,7 +68,7 @@ def stdlib_bytes(max_bytes: int) -> np.ndarray:
 
 
 def text_bytes(path: str, max_bytes: int) -> np.ndarray:
-    p = Path(path)
+    p = Path(path).expanduser()
     if not p.exists():
         raise UserError(f"data.path = {path!r} does not exist; point it at a text file or folder")
     files = sorted(f for f in p.rglob("*") if f.is_file()) if p.is_dir() else [p]
@@ -93,7 +93,7 @@ def _read_bytes(files: list[Path], max_bytes: int, what: str) -> np.ndarray:
 
 
 def token_file(path: str, dtype: str) -> tuple[np.ndarray, int]:
-    p = Path(path)
+    p = Path(path).expanduser()
     if not p.is_file():
         raise UserError(f"data.path = {path!r} is not a file; point it at a flat binary token file")
     itemsize = np.dtype(dtype).itemsize

@@ -19,6 +19,8 @@ from shoal.models.registry import Batch, DataSpec, ModelBundle, ModelSection
 
 
 class GPTConfig(ModelSection):
+    """Decoder-only transformer for next-token prediction; trains on stdlib-text, text or tokens."""
+
     data_kinds: ClassVar = ("tokens",)
     name: Literal["gpt"] = "gpt"
     n_layer: int = Field(4, ge=1)

@@ -22,6 +22,8 @@ HIT_K = 10
 
 
 class NCFConfig(ModelSection):
+    """NeuMF recommender for implicit feedback; trains on interactions, reports HR@10."""
+
     data_kinds: ClassVar = ("interactions",)
     name: Literal["ncf"] = "ncf"
     embed_dim: int = Field(16, ge=1)

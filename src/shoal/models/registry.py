@@ -58,7 +58,7 @@ class ModelBundle:
 
 
 class ModelSection(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True, use_attribute_docstrings=True)
     data_kinds: ClassVar[tuple[str, ...] | None] = None  # data kinds it can train on; None: any
 
 
@@ -75,6 +75,10 @@ def _builtins() -> dict[str, tuple[type[ModelSection], Callable[..., ModelBundle
 
     return {"gpt": (gpt.GPTConfig, gpt.build), "resnet": (resnet.ResNetConfig, resnet.build),
             "ncf": (ncf.NCFConfig, ncf.build)}
+
+
+def builtin_model_configs() -> dict[str, type[ModelSection]]:
+    return {name: cls for name, (cls, _) in _builtins().items()}
 
 
 def model_config_class(name: Any) -> type[ModelSection]:

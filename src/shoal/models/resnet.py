@@ -18,6 +18,8 @@ from shoal.models.registry import Batch, DataSpec, ModelBundle, ModelSection
 
 
 class ResNetConfig(ModelSection):
+    """Small CIFAR-style ResNet classifier; trains on synthetic-images."""
+
     data_kinds: ClassVar = ("images",)
     name: Literal["resnet"] = "resnet"
     width: int = Field(16, ge=4)

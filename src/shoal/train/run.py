@@ -22,16 +22,19 @@ from shoal.errors import UserError
 from shoal.metrics.sinks import MetricsSinks
 from shoal.models.registry import build_model, count_parameters
 from shoal.parallel.apply import check_parallelizable, parallelize
-from shoal.plan import make_plan
+from shoal.plan import RunPlan, make_plan
 from shoal.train.loop import TrainState, train_loop
 from shoal.train.optim import build_optimizer, build_scheduler
 from shoal.train.precision import Precision
 
 
-def build_data_and_model(cfg: Config, device: str = "cpu"):
+def build_data_and_model(cfg: Config, plan: RunPlan, device: str = "cpu"):
     """The data source and the model bundle; also used before launch (on the meta device) to check
     that they fit together without allocating the weights."""
     source = build_source(cfg.data, getattr(cfg.model, "seq_len", None))
+    if source.num_val < plan.dims.dp:
+        raise UserError(f"the validation split has {source.num_val} samples, fewer than dp ({plan.dims.dp}); "
+                        f"raise data.val_fraction")
     with torch.device(device):
         bundle = build_model(cfg.model, source.spec)
     check_parallelizable(bundle, cfg)
@@ -44,10 +47,7 @@ def run_training(cfg: Config, run_dir: Path, env: DistEnv) -> dict:
     plan = make_plan(cfg, env.world_size)
     dims = plan.dims
     torch.manual_seed(cfg.train.seed)  # identical initial weights on every rank
-    source, bundle = build_data_and_model(cfg)
-    if source.num_val < dims.dp:
-        raise UserError(f"the validation split has {source.num_val} samples, fewer than dp ({dims.dp}); "
-                        f"raise data.val_fraction")
+    source, bundle = build_data_and_model(cfg, plan)
     model = parallelize(bundle, dims, cfg, env.device)
     torch.manual_seed(cfg.train.seed + 1 + env.rank)  # dropout etc. differ per rank, reproducibly
     optimizer = build_optimizer(bundle.model, cfg.train)
