@@ -5,7 +5,9 @@ over the whole global batch (registry.py, [Note: loss contract]); what can diffe
 of floating-point sums, hence the 1e-5 (loss) and 1e-6 (parameters) tolerances.
 """
 
+import socket
 import sys
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
@@ -62,3 +64,24 @@ def test_torchrun_launch_is_detected(tmp_path, dp2):
                 launcher=[sys.executable, "-m", "torch.distributed.run"])
     assert r.returncode == 0, r.output
     assert_same_training((read_metrics(run_dir), read_weights(run_dir)), dp2)
+
+
+def test_two_nodes_on_loopback_train_like_one(tmp_path, dp2):
+    """--nnodes 2: two launchers (one process each) meet at node 0's rendezvous and train as dp=2."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+
+    def node(rank):
+        return run_cli(["train", "--nproc", 1, "--nnodes", 2, "--node-rank", rank, "--rdzv-endpoint",
+                        f"127.0.0.1:{port}", "--run-dir", tmp_path / f"node{rank}", *COMMON,
+                        "--set", "train.micro_batch_size=8"], timeout=180)
+
+    with ThreadPoolExecutor(2) as pool:
+        results = list(pool.map(node, [0, 1]))
+    for r in results:
+        assert r.returncode == 0, r.output
+    # global rank 0 writes the results; the c10d rendezvous decides which node holds it
+    written = [d for d in (tmp_path / "node0", tmp_path / "node1") if (d / "metrics.jsonl").exists()]
+    assert len(written) == 1
+    assert_same_training((read_metrics(written[0]), read_weights(written[0])), dp2)

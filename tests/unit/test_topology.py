@@ -34,3 +34,14 @@ def test_groups_partition_the_world_and_tp_is_innermost():
     assert d.group_ranks("pp") == [[0, 4], [1, 5], [2, 6], [3, 7]]
     for axis in ("dp", "tp", "pp"):
         assert sorted(r for g in d.group_ranks(axis) for r in g) == list(range(8))
+
+
+def test_device_mesh_has_named_axes():
+    from shoal import dist
+
+    env = dist.init("gloo", timeout_s=30)
+    try:
+        mesh = ParallelDims.resolve("auto", 1, 1, env.world_size).mesh
+        assert mesh.mesh_dim_names == ("pp", "dp", "tp") and mesh["dp"].size() == 1
+    finally:
+        dist.shutdown()

@@ -9,7 +9,7 @@ from __future__ import annotations
 import queue
 import threading
 import time
-from typing import Callable
+from collections.abc import Callable
 
 from shoal.models.registry import Batch
 

@@ -148,25 +148,25 @@ class Interactions:
 
     def __init__(self, cfg: DataConfig):
         rng = np.random.default_rng(DATA_SEED)
-        U, I, k = cfg.num_users, cfg.num_items, cfg.interactions_per_user
-        if k + 100 > I:
+        U, n_items, k = cfg.num_users, cfg.num_items, cfg.interactions_per_user
+        if k + 100 > n_items:
             raise UserError(f"data.interactions_per_user ({k}) + 100 evaluation candidates exceed "
-                            f"data.num_items ({I}); raise num_items or lower interactions_per_user")
-        affinity = 2.0 * rng.normal(size=(U, 8)) @ rng.normal(size=(8, I)) / np.sqrt(8)
-        affinity += rng.normal(size=I)  # popularity
+                            f"data.num_items ({n_items}); raise num_items or lower interactions_per_user")
+        affinity = 2.0 * rng.normal(size=(U, 8)) @ rng.normal(size=(8, n_items)) / np.sqrt(8)
+        affinity += rng.normal(size=n_items)  # popularity
         # Gumbel top-k = k draws without replacement from softmax(affinity), one user per row
-        chosen = np.argsort(-(affinity + rng.gumbel(size=(U, I))), axis=1)[:, :k]  # (U, k)
+        chosen = np.argsort(-(affinity + rng.gumbel(size=(U, n_items))), axis=1)[:, :k]  # (U, k)
         self.train_pos = np.stack([np.repeat(np.arange(U), k - 1), chosen[:, :-1].reshape(-1)], 1)  # (P, 2)
         self.per_pos = 1 + cfg.negatives
-        self.negatives = rng.integers(0, I, size=(len(self.train_pos), cfg.negatives))
-        seen = np.zeros((U, I), dtype=bool)
+        self.negatives = rng.integers(0, n_items, size=(len(self.train_pos), cfg.negatives))
+        seen = np.zeros((U, n_items), dtype=bool)
         np.put_along_axis(seen, chosen, True, axis=1)
         # 99 unseen candidates per user: the lowest-keyed unseen items under random keys
-        keys = np.where(seen, np.inf, rng.random((U, I)))
+        keys = np.where(seen, np.inf, rng.random((U, n_items)))
         self.val_candidates = np.concatenate([chosen[:, -1:], np.argsort(keys, axis=1)[:, :99]], axis=1)
         self.num_train = len(self.train_pos) * self.per_pos
         self.num_val = U
-        self.spec = DataSpec(kind="interactions", num_users=U, num_items=I)
+        self.spec = DataSpec(kind="interactions", num_users=U, num_items=n_items)
 
     def train_batch(self, idx: torch.Tensor) -> Batch:
         i = idx.numpy()

@@ -65,7 +65,8 @@ def train_step(state: TrainState, micro_batches: list[Batch], timer: StepTimer) 
                 loss = bundle.loss_fn(model, batch)
             if i == 0:
                 pending.wait()
-                scale = state.plan.dims.dp / n_items.float()  # DDP averages over dp: undo that, divide by the global count
+                # DDP averages over dp: multiply that back, then divide by the global item count
+                scale = state.plan.dims.dp / n_items.float()
             precision.backward(loss * scale)
         loss_sum += loss.detach().double()
     timer.mark("forward_backward_s")

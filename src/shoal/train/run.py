@@ -70,7 +70,8 @@ def run_training(cfg: Config, run_dir: Path, env: DistEnv) -> dict:
                          bundle.items_name, cfg.metrics.tensorboard, cfg.metrics.progress)
     n_params = count_parameters(bundle.model)
     items_per_sample = getattr(cfg.model, "seq_len", 1) if bundle.items_name == "tokens" else 1
-    sinks.print(f"[bold]shoal[/] {cfg.model.name}: {n_params:,} parameters; {plan.describe(cfg, bundle.items_name, items_per_sample)}")
+    shape = plan.describe(cfg, bundle.items_name, items_per_sample)
+    sinks.print(f"[bold]shoal[/] {cfg.model.name}: {n_params:,} parameters; {shape}")
     sinks.print(f"data {cfg.data.source}: {source.num_train:,} training / {source.num_val:,} validation samples; "
                 f"run dir {run_dir}")
     loader = Prefetcher(make, start=state.sampler.step, depth=cfg.data.prefetch)
