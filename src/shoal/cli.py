@@ -17,7 +17,13 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
                    help="override one config value (repeatable), e.g. --set train.steps=50")
     t.add_argument("--run-dir", help="where results go (default: runs/<config>-<timestamp>)")
+    t.add_argument("--resume", default="auto", metavar="auto|never|PATH",
+                   help="auto (default): continue from the run dir's newest complete checkpoint; never: start "
+                        "fresh; PATH: that checkpoint folder")
     t.add_argument("--nproc", type=int, default=1, help="worker processes on this node (default 1)")
+    t.add_argument("--max-restarts", type=int, default=0,
+                   help="restart the worker group this many times after a failure; it resumes from the newest "
+                        "checkpoint (default 0)")
     t.add_argument("--nnodes", type=int, default=1, help="nodes in the job (default 1)")
     t.add_argument("--node-rank", type=int, default=0, help="this node's rank; node 0 hosts the rendezvous")
     t.add_argument("--rdzv-endpoint", help="HOST:PORT of node 0, for multi-node jobs")
@@ -32,13 +38,13 @@ def train(args: argparse.Namespace) -> int:
     if dist.is_launched():  # we are a worker (torchrun, or our own launcher below)
         from shoal import worker
 
-        worker.main(cfg, args.run_dir, args.config)  # does not return
+        worker.main(cfg, args.run_dir, args.config, args.resume)  # does not return
     from shoal.launch import check_launch_args, launch
     from shoal.plan import make_plan
     from shoal.train.run import build_data_and_model
     from shoal.worker import default_run_dir, threads_per_worker
 
-    check_launch_args(args.nproc, args.nnodes, args.node_rank, args.rdzv_endpoint)
+    check_launch_args(args.nproc, args.nnodes, args.node_rank, args.rdzv_endpoint, args.max_restarts)
     plan = make_plan(cfg, args.nproc * args.nnodes)  # everything that can be checked is, before any worker starts
     build_data_and_model(cfg, plan, device="meta")
     run_dir = args.run_dir or str(default_run_dir(args.config))
@@ -47,9 +53,9 @@ def train(args: argparse.Namespace) -> int:
     except OSError as e:
         raise UserError(f"cannot create the run dir {run_dir} ({e.strerror}); pass a writable --run-dir") from None
     worker_argv = ["-m", "shoal", "train", *([args.config] if args.config else []),
-                   *[a for s in args.set for a in ("--set", s)], "--run-dir", run_dir]
+                   *[a for s in args.set for a in ("--set", s)], "--run-dir", run_dir, "--resume", args.resume]
     return launch(worker_argv, args.nproc, args.nnodes, args.node_rank, args.rdzv_endpoint,
-                  threads=threads_per_worker(cfg, args.nproc))
+                  threads=threads_per_worker(cfg, args.nproc), max_restarts=args.max_restarts)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -128,6 +128,15 @@ class PrecisionConfig(Section):
 
 
 class CheckpointConfig(Section):
+    model_config = ConfigDict(populate_by_name=True)
+    enabled: bool = True
+    """Save checkpoints to run_dir/checkpoints (always at the end, and every `interval` steps)."""
+    interval: int = Field(0, ge=0)
+    """Save every this many steps (0: only at the end)."""
+    keep: int = Field(3, ge=1)
+    """Newest complete checkpoints kept; older ones are deleted once a newer one is complete."""
+    async_save: bool = Field(False, alias="async")
+    """`async = true`: training continues while the checkpoint is written (its own process group)."""
     final_weights: bool = True
     """Write the trained model as run_dir/model.safetensors at the end."""
 
@@ -165,7 +174,7 @@ class Config(Section):
         return self
 
     def to_toml(self) -> str:
-        return tomli_w.dumps(_drop_none(self.model_dump()))
+        return tomli_w.dumps(_drop_none(self.model_dump(by_alias=True)))
 
 
 SECTIONS = {name: f.annotation for name, f in Config.model_fields.items() if name != "model"}
@@ -260,7 +269,7 @@ def _fields_at(cls: type[BaseModel], path: tuple) -> list[str]:
         if not (isinstance(ann, type) and issubclass(ann, BaseModel)):
             return []
         cls = ann
-    return list(cls.model_fields)
+    return [f.alias or name for name, f in cls.model_fields.items()]
 
 
 def _suggest(word: str, choices: list[str], prefix: str = "") -> str:
@@ -281,7 +290,7 @@ def config_reference() -> str:
             ann = ann.replace("|", "\\|")
             default = f.default_factory() if f.default_factory else f.default
             text = " ".join((f.description or "").split()).replace("|", "\\|")
-            rows.append(f"| `{name}` | `{ann}` | `{default!r}` | {text} |".replace("`None`", "unset"))
+            rows.append(f"| `{f.alias or name}` | `{ann}` | `{default!r}` | {text} |".replace("`None`", "unset"))
         return rows
 
     out = ["# Config reference", "",

@@ -18,9 +18,9 @@ from shoal.errors import UserError
 
 
 def launch(worker_argv: list[str], nproc: int, nnodes: int = 1, node_rank: int = 0,
-           rdzv_endpoint: str | None = None, threads: int | None = None) -> int:
+           rdzv_endpoint: str | None = None, threads: int | None = None, max_restarts: int = 0) -> int:
     """Run `python <worker_argv>` on nproc local workers; returns the exit code for the CLI."""
-    check_launch_args(nproc, nnodes, node_rank, rdzv_endpoint)
+    check_launch_args(nproc, nnodes, node_rank, rdzv_endpoint, max_restarts)
     if threads:
         os.environ["OMP_NUM_THREADS"] = str(threads)  # inherited by the workers before torch starts
     endpoint = rdzv_endpoint or "127.0.0.1:0"
@@ -29,7 +29,7 @@ def launch(worker_argv: list[str], nproc: int, nnodes: int = 1, node_rank: int =
         run_id=f"shoal-{endpoint}", role="shoal",
         rdzv_backend="c10d", rdzv_endpoint=endpoint,
         rdzv_configs={"is_host": node_rank == 0},
-        max_restarts=0, monitor_interval=0.1, start_method="spawn",
+        max_restarts=max_restarts, monitor_interval=0.1, start_method="spawn",
     )
     try:
         elastic_launch(config, entrypoint=sys.executable)(*worker_argv)
@@ -40,9 +40,11 @@ def launch(worker_argv: list[str], nproc: int, nnodes: int = 1, node_rank: int =
     return 0
 
 
-def check_launch_args(nproc: int, nnodes: int, node_rank: int, rdzv_endpoint: str | None) -> None:
+def check_launch_args(nproc: int, nnodes: int, node_rank: int, rdzv_endpoint: str | None, max_restarts: int) -> None:
     if nproc < 1 or nnodes < 1:
         raise UserError(f"--nproc ({nproc}) and --nnodes ({nnodes}) must be >= 1")
+    if max_restarts < 0:
+        raise UserError(f"--max-restarts ({max_restarts}) must be >= 0")
     if nnodes > 1 and not rdzv_endpoint:
         raise UserError(f"--nnodes {nnodes} needs --rdzv-endpoint HOST:PORT (node 0's address)")
     if not 0 <= node_rank < nnodes:

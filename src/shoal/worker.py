@@ -39,7 +39,7 @@ def threads_per_worker(cfg: Config, local_world_size: int) -> int:
     return cfg.parallel.threads_per_worker or max(1, cores // local_world_size)
 
 
-def main(cfg: Config, run_dir: str | None, config_path: str | None) -> None:
+def main(cfg: Config, run_dir: str | None, config_path: str | None, resume: str = "auto") -> None:
     """Entry point of a launched worker; never returns."""
     # Where is a rank stuck? `kill -USR1 PID` prints its Python stacks; so does the SIGTERM the elastic
     # agent sends to the surviving ranks when another rank fails (then the default action ends it).
@@ -58,7 +58,7 @@ def main(cfg: Config, run_dir: str | None, config_path: str | None) -> None:
         path = Path(env.store.get("run_dir").decode())
         from shoal.train.run import run_training  # after set_num_threads: heavy imports come here
 
-        summary = run_training(cfg, path, env)
+        summary = run_training(cfg, path, env, resume)
         if env.rank == 0:
             val = f", val loss {summary['val_loss']:.4f}" if summary.get("val_loss") is not None else ""
             print(f"done: {summary['steps']} steps in {summary['total_time_s']:.1f} s; final loss "

@@ -7,6 +7,8 @@ file only asks for a micro-batch's sync context.
 from __future__ import annotations
 
 import math
+import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -39,6 +41,8 @@ class TrainState:
     dp_rank: int
     dp_group: object = None  # None: the default group
     history: list[dict] = field(default_factory=list)  # per-step metrics, kept on every rank
+    # called after every step with (metrics, is_last_step): checkpoints, heartbeats (see train/run.py)
+    hooks: list[Callable[[dict, bool], None]] = field(default_factory=list)
 
 
 def to_device(batch: Batch, device: torch.device) -> Batch:
@@ -124,7 +128,7 @@ def train_loop(state: TrainState, loader: Prefetcher, sinks: MetricsSinks) -> No
         out = train_step(state, micro_batches, timer)
         state.sampler.step = step + 1
         done = step + 1  # steps completed; metrics are indexed by it
-        m = {"step": done, "loss": out["loss"], "lr": lr, "grad_norm": out["grad_norm"],
+        m = {"step": done, "time": time.time(), "loss": out["loss"], "lr": lr, "grad_norm": out["grad_norm"],
              f"{items_name}_per_s": out["items"] / timer.total, "step_time_s": timer.total, **timer.phases}
         last = done == cfg.train.steps
         if done % cfg.metrics.log_interval == 0 or last:
@@ -137,3 +141,5 @@ def train_loop(state: TrainState, loader: Prefetcher, sinks: MetricsSinks) -> No
         sinks.step(m)
         if "peak_memory_bytes" in m or any(k.startswith("val_") for k in m):
             sinks.log(m)
+        for hook in state.hooks:
+            hook(m, last)

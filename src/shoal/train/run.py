@@ -1,18 +1,22 @@
 """Assemble one rank's training run from a validated config, run it, and write its results.
 
 Order: data source -> model (same seed on every rank) -> parallelize -> optimizer, schedule,
-precision -> sampler and prefetcher -> loop -> final weights and summary.json (rank 0).
+precision -> resume from a checkpoint -> sampler and prefetcher -> loop (with checkpoint and
+heartbeat hooks) -> final weights and summary.json (rank 0).
 """
 
 from __future__ import annotations
 
 import json
+import os
 import statistics
 import time
 from pathlib import Path
 
 import torch
 
+from shoal.checkpoint.manager import CheckpointManager, load_checkpoint
+from shoal.checkpoint.resume import check_compatible, find_resume_point, restore_rng_for
 from shoal.config import Config
 from shoal.data.loader import Prefetcher
 from shoal.data.sampler import GlobalBatchSampler
@@ -26,6 +30,8 @@ from shoal.plan import RunPlan, make_plan
 from shoal.train.loop import TrainState, train_loop
 from shoal.train.optim import build_optimizer, build_scheduler
 from shoal.train.precision import Precision
+
+PROGRESS = "progress.json"  # rank 0's heartbeat: the last completed step and when
 
 
 def build_data_and_model(cfg: Config, plan: RunPlan, device: str = "cpu"):
@@ -41,7 +47,7 @@ def build_data_and_model(cfg: Config, plan: RunPlan, device: str = "cpu"):
     return source, bundle
 
 
-def run_training(cfg: Config, run_dir: Path, env: DistEnv) -> dict:
+def run_training(cfg: Config, run_dir: Path, env: DistEnv, resume: str = "auto") -> dict:
     """Train on this rank; returns the run summary (identical on every rank)."""
     t_start = time.perf_counter()
     plan = make_plan(cfg, env.world_size)
@@ -57,15 +63,21 @@ def run_training(cfg: Config, run_dir: Path, env: DistEnv) -> dict:
                        Precision(cfg.precision.dtype, env.device),
                        GlobalBatchSampler(source.num_train, cfg.train.global_batch_size, cfg.train.seed),
                        source, env.device, dp_rank, dp_group)
+    is_main = env.rank == 0
+    if is_main:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        (run_dir / "config.toml").write_text(cfg.to_toml(), encoding="utf-8")
+    recovery = resume_state(state, run_dir, env, resume)
+    ckpt = CheckpointManager(run_dir, cfg.checkpoint, env.rank, env.world_size)
+    state.hooks.append(lambda m, last: save_if_due(ckpt, state, m["step"], last))
+    if is_main:
+        heartbeat = run_dir / PROGRESS
+        state.hooks.append(lambda m, last: _write_json_atomic(heartbeat, {"step": m["step"], "time": m["time"]}))
 
     def make(step: int):
         return [source.train_batch(i) for i in
                 state.sampler.local_micro_batches(step, dp_rank, dims.dp, cfg.train.micro_batch_size)]
 
-    is_main = env.rank == 0
-    if is_main:
-        run_dir.mkdir(parents=True, exist_ok=True)
-        (run_dir / "config.toml").write_text(cfg.to_toml(), encoding="utf-8")
     sinks = MetricsSinks(run_dir if is_main else None, cfg.train.steps, state.sampler.step,
                          bundle.items_name, cfg.metrics.tensorboard, cfg.metrics.progress)
     n_params = count_parameters(bundle.model)
@@ -74,13 +86,18 @@ def run_training(cfg: Config, run_dir: Path, env: DistEnv) -> dict:
     sinks.print(f"[bold]shoal[/] {cfg.model.name}: {n_params:,} parameters; {shape}")
     sinks.print(f"data {cfg.data.source}: {source.num_train:,} training / {source.num_val:,} validation samples; "
                 f"run dir {run_dir}")
+    if recovery and recovery["checkpoint"]:
+        sinks.print(f"resumed from {recovery['checkpoint']} (step {recovery['resumed_from_step']})")
+    elif recovery:
+        sinks.print(f"restart {recovery['restart']}: no checkpoint yet, starting from step 0")
     loader = Prefetcher(make, start=state.sampler.step, depth=cfg.data.prefetch)
     try:
         train_loop(state, loader, sinks)
+        ckpt.wait()  # an async save in flight is part of the run
     finally:
         loader.close()
         sinks.close()
-    summary = summarize(state, n_params, time.perf_counter() - t_start)
+    summary = summarize(state, n_params, time.perf_counter() - t_start, env, recovery, run_dir)
     if is_main:
         if cfg.checkpoint.final_weights:
             from safetensors.torch import save_model  # handles tied weights (GPT's embedding/head)
@@ -90,16 +107,60 @@ def run_training(cfg: Config, run_dir: Path, env: DistEnv) -> dict:
     return summary
 
 
-def summarize(state: TrainState, n_params: int, total_s: float) -> dict:
+def resume_state(state: TrainState, run_dir: Path, env: DistEnv, resume: str) -> dict | None:
+    """Collective: restore the newest usable checkpoint, if any. Returns what the summary reports
+    about the recovery (None on a fresh start)."""
+    if env.rank == 0:
+        path = find_resume_point(run_dir, resume)
+        env.store.set("resume_from", str(path) if path else "")
+    value = env.store.get("resume_from").decode()
+    progress = _read_json(run_dir / PROGRESS) or {}
+    failure = {"restart": env.restart_count, "failed_after_step": progress.get("step"),
+               "failed_at": progress.get("time")}
+    if not value:  # a fresh start; after an elastic restart with no checkpoint yet, all steps are redone
+        return {"checkpoint": None, "resumed_from_step": 0, **failure} if env.restart_count else None
+    path = Path(value)
+    train_state = check_compatible(state.cfg, path)
+    load_checkpoint(path, state.bundle.model, state.optimizer)
+    try:
+        state.sampler.load_state_dict(train_state["sampler"])
+    except ValueError as e:
+        raise UserError(f"cannot resume from {path}: {e}") from None
+    state.scheduler.load_state_dict(train_state["scheduler"])
+    if state.precision.scaler is not None and train_state.get("scaler"):
+        state.precision.scaler.load_state_dict(train_state["scaler"])
+    same_rng = restore_rng_for(path, env.rank, env.world_size, state.cfg.train.seed, state.sampler.step)
+    return {"checkpoint": str(path), "resumed_from_step": state.sampler.step, "rng_restored": same_rng, **failure}
+
+
+def save_if_due(ckpt: CheckpointManager, state: TrainState, step: int, last: bool) -> None:
+    if ckpt.due(step, last):
+        ckpt.save(step, state.bundle.model, state.optimizer, {
+            "step": step, "sampler": state.sampler.state_dict(), "scheduler": state.scheduler.state_dict(),
+            "scaler": state.precision.scaler.state_dict() if state.precision.scaler else None,
+            "config": state.cfg.to_toml()})
+    ckpt.poll()
+
+
+def summarize(state: TrainState, n_params: int, total_s: float, env: DistEnv, recovery: dict | None,
+              run_dir: Path) -> dict:
     h, items = state.history, state.bundle.items_name
     speeds = [m[f"{items}_per_s"] for m in h[1:]] or [m[f"{items}_per_s"] for m in h]  # step 1 warms up
     vals = [m for m in h if "val_loss" in m]
     dims = state.plan.dims
+    recoveries = _read_json(run_dir / "recoveries.json") or []
+    if recovery and h:
+        # time lost to the failure: from the last step completed before it to the first step after it
+        recovery = {**recovery, "steps_redone": (recovery["failed_after_step"] or 0) - recovery["resumed_from_step"],
+                    "seconds_lost": h[0]["time"] - recovery["failed_at"] if recovery["failed_at"] else None}
+        recoveries.append(recovery)
+        if env.rank == 0:
+            _write_json_atomic(run_dir / "recoveries.json", recoveries)
     return {
         "model": state.cfg.model.name,
         "parameters": n_params,
         "world_size": dims.world_size, "dp": dims.dp, "tp": dims.tp, "pp": dims.pp,
-        "steps": h[-1]["step"] if h else 0,
+        "steps": h[-1]["step"] if h else state.sampler.step,
         "final_loss": h[-1]["loss"] if h else None,
         "best_loss": min(m["loss"] for m in h) if h else None,
         **({k: v for k, v in vals[-1].items() if k.startswith("val_")} if vals else {}),
@@ -108,4 +169,20 @@ def summarize(state: TrainState, n_params: int, total_s: float) -> dict:
         "median_step_time_s": statistics.median(m["step_time_s"] for m in h) if h else None,
         "peak_memory_bytes": max((m.get("peak_memory_bytes", 0) for m in h), default=0),
         "total_time_s": total_s,
+        "restarts": env.restart_count,
+        "recoveries": recoveries,
     }
+
+
+def _read_json(path: Path):
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+
+
+def _write_json_atomic(path: Path, obj) -> None:
+    tmp = path.with_name(path.name + f".{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(obj), encoding="utf-8")
+    tmp.replace(path)
+

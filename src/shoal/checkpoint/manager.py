@@ -1,0 +1,107 @@
+"""Saving, finishing, pruning and finding checkpoints of one run (run_dir/checkpoints/step_XXXXXXXX).
+
+A save is collective: every rank writes its shard and its RNG file into the temporary folder; rank 0
+adds the train state, then, once DCP reports every rank's data written, the manifest and the rename
+([Note: atomic checkpoints] in manifest.py). With `checkpoint.async`, DCP copies the state to memory
+and writes it from a background thread on its own gloo group (the default group would interleave its
+collectives with training's; TORCH-CPU-FACTS trap 3); the save is finished before the next one starts
+and before the run ends.
+"""
+
+from __future__ import annotations
+
+import shutil
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import FileSystemWriter
+
+from shoal.checkpoint import manifest as mf
+from shoal.checkpoint.safe_io import SafeFileSystemReader, SafeLoadPlanner
+from shoal.checkpoint.state import TRAIN_STATE, apply_tensor_state, capture_rng, rng_file, tensor_state, write_json
+from shoal.config import CheckpointConfig
+
+
+@dataclass
+class _Pending:
+    future: object  # concurrent.futures.Future of dcp.async_save
+    tmp: Path
+    final: Path
+    info: dict
+    started: float
+
+
+class CheckpointManager:
+    def __init__(self, run_dir: Path, cfg: CheckpointConfig, rank: int, world_size: int):
+        self.root = run_dir / "checkpoints"
+        self.cfg, self.rank, self.world_size = cfg, rank, world_size
+        self.pending: _Pending | None = None
+        self.last_blocking_s = 0.0  # how long the training thread was stopped by the last save
+        # async saves get their own group: created collectively, by every rank, up front
+        self.group = dist.new_group(backend="gloo") if cfg.enabled and cfg.async_save else None
+
+    def due(self, step: int, last: bool) -> bool:
+        return self.cfg.enabled and (last or (self.cfg.interval > 0 and step % self.cfg.interval == 0))
+
+    def save(self, step: int, model, optimizer, train_state: dict) -> None:
+        """Collective. Returns once the state is captured; with async, before it is on disk."""
+        t0 = time.perf_counter()
+        self.wait()  # one save in flight at a time
+        name = mf.step_dir_name(step)
+        tmp, final = self.root / (name + ".tmp"), self.root / name
+        if self.rank == 0:
+            if tmp.exists():  # left by a save that crashed
+                shutil.rmtree(tmp)
+            tmp.mkdir(parents=True)
+        dist.barrier()  # the folder exists (and is empty) before anyone writes into it
+        write_json(tmp / rng_file(self.rank), capture_rng())
+        if self.rank == 0:
+            write_json(tmp / TRAIN_STATE, train_state)
+        info = {"step": step, "world_size": self.world_size, "time": time.time()}
+        state = tensor_state(model, optimizer)
+        if self.group is not None:
+            fut = dcp.async_save(state, storage_writer=FileSystemWriter(tmp), process_group=self.group)
+            self.pending = _Pending(fut, tmp, final, info, t0)
+        else:
+            dcp.save(state, storage_writer=FileSystemWriter(tmp))
+            self._finish(tmp, final, info)
+        self.last_blocking_s = time.perf_counter() - t0
+
+    def poll(self) -> None:
+        """Finish an async save whose writing is done (cheap; call once per step)."""
+        if self.pending is not None and self.pending.future.done():
+            self.wait()
+
+    def wait(self) -> None:
+        if self.pending is not None:
+            p, self.pending = self.pending, None
+            p.future.result()  # raises if writing failed
+            self._finish(p.tmp, p.final, p.info)
+
+    def _finish(self, tmp: Path, final: Path, info: dict) -> None:
+        # DCP returns on rank 0 only after every rank reported its data written, and every rank wrote
+        # its RNG file before entering DCP: rank 0 alone can seal the checkpoint
+        if self.rank != 0:
+            return
+        if final.exists():  # an older save of the same step (a rerun after a rollback)
+            shutil.rmtree(final)
+        mf.finalize(tmp, final, info)
+        self._prune(info["step"])
+
+    def _prune(self, newest: int) -> None:
+        valid = [c for c in mf.list_checkpoints(self.root, deep=False) if c.valid]
+        for c in valid[: max(len(valid) - self.cfg.keep, 0)]:
+            shutil.rmtree(c.path, ignore_errors=True)
+        for p in self.root.glob("step_*.tmp"):
+            if p.name < mf.step_dir_name(newest):  # stale partial saves, never the one being written
+                shutil.rmtree(p, ignore_errors=True)
+
+
+def load_checkpoint(path: Path, model, optimizer) -> None:
+    """Collective: load model and optimizer state from `path`, resharding to this run's layout."""
+    state = tensor_state(model, optimizer)
+    dcp.load(state, storage_reader=SafeFileSystemReader(path), planner=SafeLoadPlanner())
+    apply_tensor_state(model, optimizer, state)

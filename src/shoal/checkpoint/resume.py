@@ -1,0 +1,76 @@
+"""Resuming: which checkpoint, whether it fits this config, and restoring everything but the tensors'
+layout (which DCP reshards).
+
+`--resume auto` takes the newest checkpoint whose manifest verifies; a corrupt or truncated one is
+reported in one line and the one before it is used. `never` starts fresh; a path must verify.
+"""
+
+from __future__ import annotations
+
+import random
+import sys
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from shoal.checkpoint import manifest as mf
+from shoal.checkpoint.state import TRAIN_STATE, read_json, restore_rng, rng_file
+from shoal.config import Config, validate_config
+from shoal.errors import UserError
+
+# keys that must match for the checkpoint to be this run: the model's shape, and what decides the data
+MUST_MATCH = ("data.source", "data.path", "data.max_bytes", "data.val_fraction", "train.seed")
+
+
+def find_resume_point(run_dir: Path, resume: str) -> Path | None:
+    """Rank 0 only: the checkpoint folder to resume from, or None to start fresh."""
+    if resume == "never":
+        return None
+    if resume != "auto":
+        path = Path(resume)
+        problem = mf.verify(path) if path.is_dir() else "not a folder"
+        if problem:
+            raise UserError(f"--resume {resume}: not a usable checkpoint: {problem}; pick another or use --resume auto")
+        return path
+    for ckpt in reversed(mf.list_checkpoints(run_dir / "checkpoints")):
+        if ckpt.valid:
+            return ckpt.path
+        print(f"shoal: checkpoint {ckpt.path} is unusable ({ckpt.problem}); trying the one before it",
+              file=sys.stderr, flush=True)
+    return None
+
+
+def check_compatible(cfg: Config, path: Path) -> dict:
+    """The checkpoint's train state, after checking that its config describes this model and data."""
+    state = read_json(path / TRAIN_STATE)
+    saved = validate_config(_toml_loads(state["config"]), origin=f"{path}/train_state.json")
+    for key in [f"model.{k}" for k in type(cfg.model).model_fields] + list(MUST_MATCH):
+        section, name = key.split(".")
+        ours, theirs = getattr(getattr(cfg, section), name, None), getattr(getattr(saved, section), name, None)
+        if ours != theirs:
+            raise UserError(
+                f"{key} is {ours!r} here but {theirs!r} in checkpoint {path.name}; set {key} = {theirs!r} to resume "
+                f"it, or start fresh with --resume never or another --run-dir"
+            )
+    return state
+
+
+def restore_rng_for(path: Path, rank: int, world_size: int, seed: int, step: int) -> bool:
+    """This rank's RNG streams as saved, when the world size is unchanged (True). After a resize
+    there is no saved stream for a new rank: all ranks reseed from (seed, rank, step) instead (False)."""
+    manifest = mf.read_manifest(path)
+    if manifest["world_size"] == world_size:
+        restore_rng(read_json(path / rng_file(rank)))
+        return True
+    mixed = int(np.random.SeedSequence([seed, rank, step]).generate_state(1)[0])
+    random.seed(mixed)
+    np.random.seed(mixed)
+    torch.manual_seed(mixed)
+    return False
+
+
+def _toml_loads(text: str) -> dict:
+    from shoal.config import tomllib
+
+    return tomllib.loads(text)

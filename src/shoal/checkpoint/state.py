@@ -1,0 +1,66 @@
+"""What a checkpoint holds, split by how it is stored.
+
+Tensors (model, optimizer state) go through torch.distributed.checkpoint, sharded and resharded on
+load for any world size or layout. Everything else is small and goes to JSON, readable without
+unpickling: the step, the sampler position, the LR schedule, the grad scaler, counters, and each
+rank's RNG states (python, numpy, torch CPU and CUDA) in its own file.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch.distributed.checkpoint.state_dict import (
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
+
+TRAIN_STATE = "train_state.json"
+
+
+def rng_file(rank: int) -> str:
+    return f"rng_rank{rank:05d}.json"
+
+
+def tensor_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict:
+    """The DCP state dict: fully-qualified names, independent of DDP/compile/checkpoint wrappers."""
+    return {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, optimizer)}
+
+
+def apply_tensor_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer, state: dict) -> None:
+    set_model_state_dict(model, state["model"])
+    set_optimizer_state_dict(model, optimizer, state["optim"])
+
+
+def capture_rng() -> dict:
+    version, mt, gauss = random.getstate()
+    kind, keys, pos, has_gauss, cached = np.random.get_state()
+    out = {"python": [version, list(mt), gauss], "numpy": [kind, keys.tolist(), pos, has_gauss, cached],
+           "torch": torch.get_rng_state().tolist()}
+    if torch.cuda.is_available():
+        out["cuda"] = [s.tolist() for s in torch.cuda.get_rng_state_all()]
+    return out
+
+
+def restore_rng(state: dict) -> None:
+    version, mt, gauss = state["python"]
+    random.setstate((version, tuple(mt), gauss))
+    kind, keys, pos, has_gauss, cached = state["numpy"]
+    np.random.set_state((kind, np.array(keys, dtype=np.uint32), pos, has_gauss, cached))
+    torch.set_rng_state(torch.tensor(state["torch"], dtype=torch.uint8))
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all([torch.tensor(s, dtype=torch.uint8) for s in state["cuda"]])
+
+
+def write_json(path: Path, obj: dict) -> None:
+    path.write_text(json.dumps(obj), encoding="utf-8")
+
+
+def read_json(path: Path) -> dict:
+    return json.loads(path.read_text(encoding="utf-8"))

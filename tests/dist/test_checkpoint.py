@@ -1,0 +1,122 @@
+"""Checkpoints never lose work: a killed run resumes into exactly the run that would have happened.
+
+fp32 on CPU, one thread per worker: the resumed run must end with parameters *bitwise* equal to the
+uninterrupted run of the same config and world size (same data stream, RNG, optimizer and schedule).
+"""
+
+import json
+import random
+
+import pytest
+import torch
+
+from conftest import read_metrics, read_weights, run_cli
+
+STEPS = 12
+FORWARDS_PER_STEP = 2  # global batch 8 = micro 2 x dp x accumulation: 2 forwards per rank at dp=2, 4 at dp=1
+
+
+def args(run_dir, nproc, *extra):
+    return ["train", "--nproc", nproc, "--run-dir", run_dir,
+            "--set", 'model.name="faulty:build"', "--set", "model.seq_len=32", "--set", "model.rank=0",
+            "--set", "model.mode=none", "--set", "model.at_call=0",
+            "--set", "data.max_bytes=100000", "--set", f"train.steps={STEPS}", "--set", "train.warmup_steps=3",
+            "--set", "train.global_batch_size=8", "--set", "train.micro_batch_size=2", "--set", "train.val_interval=0",
+            "--set", "train.val_batches=1", "--set", "metrics.log_interval=1", "--set", "metrics.tensorboard=false",
+            "--set", "parallel.threads_per_worker=1", "--set", "checkpoint.interval=4", *extra]
+
+
+def fault(rank, at_call, once_file, mode="kill"):
+    return ["--set", f"model.rank={rank}", "--set", f"model.mode={mode}", "--set", f"model.at_call={at_call}",
+            "--set", f'model.once_file="{once_file}"']
+
+
+def train(*a, timeout=180, expect=0):
+    r = run_cli(list(a), timeout=timeout)
+    assert r.returncode == expect, r.output
+    return r
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    """Uninterrupted runs, per world size."""
+    out = {}
+    for nproc in (1, 2):
+        run_dir = tmp_path_factory.mktemp(f"ref{nproc}") / "run"
+        train(*args(run_dir, nproc))
+        out[nproc] = (read_metrics(run_dir), read_weights(run_dir))
+    return out
+
+
+def assert_bitwise(weights, ref):
+    assert weights.keys() == ref.keys()
+    for k in ref:
+        assert torch.equal(weights[k], ref[k]), f"{k} differs from the uninterrupted run"
+
+
+def losses_by_step(metrics):
+    return {m["step"]: m["loss"] for m in metrics}  # a redone step appears twice; the last one counts
+
+
+@pytest.mark.parametrize("nproc", [1, 2])
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_killed_and_resumed_equals_uninterrupted(tmp_path, reference, nproc, mode):
+    run_dir = tmp_path / "run"
+    async_flag = ["--set", f"checkpoint.async={'true' if mode == 'async' else 'false'}"]
+    forwards = FORWARDS_PER_STEP * (2 // nproc)
+    kill_at = 6 * forwards + 1  # the first forward of step 7: checkpoints at 4 exist, 8 does not
+    train(*args(run_dir, nproc, *async_flag, *fault(nproc - 1, kill_at, tmp_path / "fired")), expect=1)
+    assert sorted(p.name for p in (run_dir / "checkpoints").iterdir() if not p.name.endswith(".tmp")) == ["step_00000004"]
+    r = train(*args(run_dir, nproc, *async_flag))
+    assert "resumed from" in r.stdout and "(step 4)" in r.stdout
+    assert_bitwise(read_weights(run_dir), reference[nproc][1])
+    assert losses_by_step(read_metrics(run_dir)) == losses_by_step(reference[nproc][0])
+
+
+def test_sigkill_with_restarts_recovers_exactly(tmp_path, reference):
+    """--max-restarts: torch elastic restarts the group, which resumes from the newest checkpoint."""
+    rng = random.Random(20261121)
+    for attempt in range(3):
+        kill_at = rng.randrange(1, STEPS * FORWARDS_PER_STEP)
+        run_dir = tmp_path / f"run{attempt}"
+        r = train(*args(run_dir, 2, *fault(1, kill_at, tmp_path / f"fired{attempt}")), "--max-restarts", "2")
+        assert_bitwise(read_weights(run_dir), reference[2][1])
+        summary = json.loads((run_dir / "summary.json").read_text())
+        assert summary["restarts"] == 1, (kill_at, r.output)
+        (rec,) = summary["recoveries"]
+        step_killed = (kill_at - 1) // FORWARDS_PER_STEP + 1
+        assert rec["resumed_from_step"] == (step_killed - 1) // 4 * 4, (kill_at, rec)
+        assert rec["steps_redone"] == step_killed - 1 - rec["resumed_from_step"], (kill_at, rec)
+        assert 0 < rec["seconds_lost"] < 60, rec
+
+
+@pytest.mark.parametrize("before,after", [(2, 1), (1, 2)])
+def test_resize_continues_the_loss_curve(tmp_path, reference, before, after):
+    run_dir = tmp_path / "run"
+    forwards = FORWARDS_PER_STEP * (2 // before)
+    train(*args(run_dir, before, *fault(before - 1, 6 * forwards + 1, tmp_path / "fired")), expect=1)
+    train(*args(run_dir, after))
+    ours = losses_by_step(read_metrics(run_dir))
+    ref_metrics, ref_weights = reference[before]
+    ref = losses_by_step(ref_metrics)
+    # steps 5..12 ran at the new world size; same global batch, so the same math up to summation order
+    torch.testing.assert_close(torch.tensor([ours[s] for s in range(5, STEPS + 1)]),
+                               torch.tensor([ref[s] for s in range(5, STEPS + 1)]), rtol=1e-6, atol=0)
+    for k, w in read_weights(run_dir).items():
+        torch.testing.assert_close(w, ref_weights[k], rtol=0, atol=1e-6)
+
+
+def test_truncated_newest_checkpoint_falls_back_to_the_previous(tmp_path, reference):
+    run_dir = tmp_path / "run"
+    train(*args(run_dir, 2))
+    newest = run_dir / "checkpoints" / "step_00000012"
+    shard = newest / "__0_0.distcp"
+    shard.write_bytes(shard.read_bytes()[:100])  # a disk that filled up mid-write
+    (run_dir / "model.safetensors").unlink()
+    r = train(*args(run_dir, 2))
+    lines = [line for line in r.stderr.splitlines() if "unusable" in line]
+    assert lines == [f"shoal: checkpoint {newest} is unusable (__0_0.distcp has 100 bytes, the manifest says "
+                     f"{json.loads((newest / 'manifest.json').read_text())['files']['__0_0.distcp']['bytes']}); "
+                     f"trying the one before it"]
+    assert "(step 8)" in r.stdout
+    assert_bitwise(read_weights(run_dir), reference[2][1])
