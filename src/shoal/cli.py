@@ -27,7 +27,38 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--nnodes", type=int, default=1, help="nodes in the job (default 1)")
     t.add_argument("--node-rank", type=int, default=0, help="this node's rank; node 0 hosts the rendezvous")
     t.add_argument("--rdzv-endpoint", help="HOST:PORT of node 0, for multi-node jobs")
+    c = sub.add_parser("checkpoints", help="list a run's checkpoints with step, world size, size and validity")
+    c.add_argument("run_dir")
+    e = sub.add_parser("export", help="write a checkpoint's model weights as one safetensors file")
+    e.add_argument("run_dir")
+    e.add_argument("--step", type=int, help="the checkpoint's step (default: the newest valid one)")
+    e.add_argument("--out", required=True, help="output file, e.g. model.safetensors")
     return parser
+
+
+def checkpoints(args: argparse.Namespace) -> int:
+    from rich.console import Console
+    from rich.table import Table
+
+    from shoal.checkpoint.export import table_rows
+
+    rows = table_rows(Path(args.run_dir))
+    table = Table("step", "world size", "size", "saved at", "status", title=f"checkpoints of {args.run_dir}")
+    for row in rows:
+        table.add_row(*row)
+    console = Console()
+    if not console.is_terminal:
+        console.width = 200  # a pipe or a log file: do not wrap the problem text
+    console.print(table if rows else f"no checkpoints in {args.run_dir}")
+    return 0
+
+
+def export(args: argparse.Namespace) -> int:
+    from shoal.checkpoint.export import export_weights
+
+    ckpt = export_weights(Path(args.run_dir), Path(args.out), args.step)
+    print(f"wrote {args.out}: model weights of {ckpt.path} (step {ckpt.step})")
+    return 0
 
 
 def train(args: argparse.Namespace) -> int:
@@ -61,7 +92,7 @@ def train(args: argparse.Namespace) -> int:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
-        return {"train": train}[args.command](args)
+        return {"train": train, "checkpoints": checkpoints, "export": export}[args.command](args)
     except UserError as e:
         print(f"shoal: error: {e}", file=sys.stderr)
         return 2

@@ -44,7 +44,7 @@ def find_resume_point(run_dir: Path, resume: str) -> Path | None:
 def check_compatible(cfg: Config, path: Path) -> dict:
     """The checkpoint's train state, after checking that its config describes this model and data."""
     state = read_json(path / TRAIN_STATE)
-    saved = validate_config(_toml_loads(state["config"]), origin=f"{path}/train_state.json")
+    saved = validate_config(toml_loads(state["config"]), origin=f"{path}/train_state.json")
     for key in [f"model.{k}" for k in type(cfg.model).model_fields] + list(MUST_MATCH):
         section, name = key.split(".")
         ours, theirs = getattr(getattr(cfg, section), name, None), getattr(getattr(saved, section), name, None)
@@ -70,7 +70,7 @@ def restore_rng_for(path: Path, rank: int, world_size: int, seed: int, step: int
     return False
 
 
-def _toml_loads(text: str) -> dict:
+def toml_loads(text: str) -> dict:
     from shoal.config import tomllib
 
     return tomllib.loads(text)

@@ -7,6 +7,7 @@ heartbeat hooks) -> final weights and summary.json (rank 0).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import statistics
@@ -138,7 +139,7 @@ def save_if_due(ckpt: CheckpointManager, state: TrainState, step: int, last: boo
         ckpt.save(step, state.bundle.model, state.optimizer, {
             "step": step, "sampler": state.sampler.state_dict(), "scheduler": state.scheduler.state_dict(),
             "scaler": state.precision.scaler.state_dict() if state.precision.scaler else None,
-            "config": state.cfg.to_toml()})
+            "config": state.cfg.to_toml(), "data_spec": dataclasses.asdict(state.source.spec)})
     ckpt.poll()
 
 

@@ -1,0 +1,64 @@
+"""Offline tools on a run's checkpoints, in one process and without a process group: list them, and
+export one as a single safetensors file of consolidated model weights (no pickle), loadable into the
+single-process model with `safetensors.torch.load_model`."""
+
+from __future__ import annotations
+
+import datetime
+import warnings
+from pathlib import Path
+
+import torch.distributed.checkpoint as dcp
+
+from shoal.checkpoint import manifest as mf
+from shoal.checkpoint.resume import toml_loads
+from shoal.checkpoint.safe_io import SafeFileSystemReader, SafeLoadPlanner
+from shoal.checkpoint.state import TRAIN_STATE, read_json
+from shoal.config import validate_config
+from shoal.errors import UserError
+from shoal.models.registry import DataSpec, build_model
+
+
+def checkpoints_of(run_dir: Path) -> list[mf.CheckpointInfo]:
+    if not run_dir.is_dir():
+        raise UserError(f"run dir {run_dir} does not exist")
+    return mf.list_checkpoints(run_dir / "checkpoints")
+
+
+def table_rows(run_dir: Path) -> list[tuple[str, ...]]:
+    """(step, world size, size, saved at, status) per checkpoint, oldest first."""
+    rows = []
+    for c in checkpoints_of(run_dir):
+        m = c.manifest or {}
+        when = datetime.datetime.fromtimestamp(m["time"]).strftime("%Y-%m-%d %H:%M:%S") if "time" in m else "-"
+        rows.append((str(c.step), str(m.get("world_size", "-")), f"{c.bytes / 2**20:.1f} MiB", when,
+                     "valid" if c.valid else f"INVALID: {c.problem}"))
+    return rows
+
+
+def export_weights(run_dir: Path, out: Path, step: int | None = None) -> mf.CheckpointInfo:
+    found = checkpoints_of(run_dir)
+    if step is not None:
+        found = [c for c in found if c.step == step]
+        if not found:
+            raise UserError(f"{run_dir} has no checkpoint at step {step}; `shoal checkpoints {run_dir}` lists them")
+    valid = [c for c in found if c.valid]
+    if not valid:
+        what = f"at step {step}" if step is not None else "at all"
+        problem = f" ({found[-1].problem})" if found else ""
+        raise UserError(f"{run_dir} has no valid checkpoint {what}{problem}")
+    ckpt = valid[-1]
+    train_state = read_json(ckpt.path / TRAIN_STATE)
+    cfg = validate_config(toml_loads(train_state["config"]), origin=f"{ckpt.path}/{TRAIN_STATE}")
+    bundle = build_model(cfg.model, DataSpec(**train_state["data_spec"]))
+    state = {"model": bundle.model.state_dict()}
+    with warnings.catch_warnings():  # DCP warns that it loads without a process group: that is the intent
+        warnings.simplefilter("ignore", UserWarning)
+        dcp.load(state, storage_reader=SafeFileSystemReader(ckpt.path), planner=SafeLoadPlanner(), no_dist=True)
+    bundle.model.load_state_dict(state["model"])
+    from safetensors.torch import save_model
+
+    out.parent.mkdir(parents=True, exist_ok=True)
+    save_model(bundle.model, str(out))
+    return ckpt
+
