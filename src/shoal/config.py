@@ -90,6 +90,11 @@ class TrainConfig(Section):
     """Validate every this many steps (0: only at the end)."""
     val_batches: int = Field(8, ge=1)
     """Validation batches (each of global_batch_size samples) per evaluation."""
+    on_bad_step: Literal["skip", "rollback", "abort"] = "skip"
+    """A NaN/inf loss or gradient norm: skip the update, roll back to the last checkpoint and skip the
+    batch, or abort the run."""
+    max_bad_steps: int = Field(5, ge=1)
+    """skip: abort after this many bad steps in a row; rollback: abort after this many rollbacks."""
     compile: bool = False
     """torch.compile the model (first step is slow; measured no speedup for small models on CPU)."""
 

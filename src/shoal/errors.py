@@ -7,3 +7,7 @@ keeps its traceback.
 
 class UserError(ValueError):
     """A problem the user can fix: the message names the key, the value and the fix."""
+
+
+class TrainingError(RuntimeError):
+    """Training cannot go on (diverged, nothing to roll back to): reported as one line, exit code 1."""

@@ -20,7 +20,7 @@ from torch.distributed.elastic.multiprocessing.errors import get_error_handler
 
 from shoal import dist
 from shoal.config import Config
-from shoal.errors import UserError
+from shoal.errors import TrainingError, UserError
 from shoal.plan import make_plan
 
 
@@ -65,10 +65,10 @@ def main(cfg: Config, run_dir: str | None, config_path: str | None, resume: str 
                   f"{summary['final_loss']:.4f}{val}\nresults in {path}/ (summary.json, metrics.jsonl, "
                   f"config.toml, tensorboard/)", flush=True)
         dist.shutdown()
-    except UserError as e:
+    except (UserError, TrainingError) as e:  # one line, no traceback: the message says what to do
         handler.record_exception(e)
         print(f"shoal: error: {e}", file=sys.stderr)
-        code = 2
+        code = 2 if isinstance(e, UserError) else 1
     except BaseException as e:  # noqa: BLE001 - any failure must end this rank with its traceback shown
         handler.record_exception(e)
         rank = os.environ.get("RANK", "?")

@@ -5,6 +5,9 @@ seeded by (seed, e). The global batch at step k is stream positions [k*B, (k+1)*
 function of (seed, k): the same samples train whatever the dp degree or the accumulation, and a
 resumed run sees exactly the data the uninterrupted one would have. Rank r of dp takes the r-th
 contiguous slice of B/dp samples and splits it into micro-batches.
+
+Training step s normally trains on data step s; batches dropped by a rollback (`skip_data_step`) are
+passed over, so every later step trains on the next batch instead.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ class GlobalBatchSampler:
             raise ValueError("the data set is empty")
         self.n, self.batch, self.seed = num_samples, global_batch_size, seed
         self.step = 0  # the next step whose batch will be drawn (the resumable position)
+        self.skipped: list[int] = []  # data steps never to train on (sorted)
         self._perms: dict[int, np.ndarray] = {}
 
     def _perm(self, epoch: int) -> np.ndarray:
@@ -37,14 +41,26 @@ class GlobalBatchSampler:
             out[mask] = self._perm(int(e))[offsets[mask]]
         return torch.from_numpy(out)
 
+    def data_step(self, step: int) -> int:
+        """The data step that training step `step` trains on."""
+        d = step
+        for s in self.skipped:
+            if s <= d:
+                d += 1
+        return d
+
+    def skip_data_step(self, data_step: int) -> None:
+        self.skipped = sorted({*self.skipped, data_step})
+
     def local_micro_batches(self, step: int, dp_rank: int, dp: int, micro: int) -> list[torch.Tensor]:
-        """This rank's slice of the global batch at `step`, split into micro-batches of `micro`."""
+        """This rank's slice of the global batch of training step `step`, split into micro-batches."""
         per_rank = self.batch // dp
-        mine = self.global_indices(step)[dp_rank * per_rank:(dp_rank + 1) * per_rank]
+        mine = self.global_indices(self.data_step(step))[dp_rank * per_rank:(dp_rank + 1) * per_rank]
         return list(mine.split(micro))
 
     def state_dict(self) -> dict:
-        return {"step": self.step, "seed": self.seed, "num_samples": self.n, "global_batch_size": self.batch}
+        return {"step": self.step, "seed": self.seed, "num_samples": self.n, "global_batch_size": self.batch,
+                "skipped": self.skipped}
 
     def load_state_dict(self, state: dict) -> None:
         if state["seed"] != self.seed or state["num_samples"] != self.n:
@@ -56,4 +72,8 @@ class GlobalBatchSampler:
         pos = state["step"] * state["global_batch_size"]
         if pos % self.batch:
             raise ValueError(f"saved data position {pos} is not a multiple of global batch {self.batch}")
+        if state.get("skipped") and state["global_batch_size"] != self.batch:
+            raise ValueError("the saved run skipped batches after a rollback; resume it with the same "
+                             f"train.global_batch_size ({state['global_batch_size']})")
         self.step = pos // self.batch
+        self.skipped = list(state.get("skipped", []))

@@ -23,6 +23,7 @@ from shoal.metrics.timers import StepTimer
 from shoal.models.registry import Batch, ModelBundle
 from shoal.parallel.data import grad_sync
 from shoal.plan import RunPlan
+from shoal.train.bad_steps import BadStepPolicy
 from shoal.train.precision import Precision
 
 
@@ -40,6 +41,8 @@ class TrainState:
     device: torch.device
     dp_rank: int
     dp_group: object = None  # None: the default group
+    bad_steps: BadStepPolicy = None
+    rollback: Callable[[int], None] | None = None  # reload the newest checkpoint, skipping a data step
     history: list[dict] = field(default_factory=list)  # per-step metrics, kept on every rank
     # called after every step with (metrics, is_last_step): checkpoints, heartbeats (see train/run.py)
     hooks: list[Callable[[dict, bool], None]] = field(default_factory=list)
@@ -75,18 +78,21 @@ def train_step(state: TrainState, micro_batches: list[Batch], timer: StepTimer) 
         loss_sum += loss.detach().double()
     timer.mark("forward_backward_s")
 
-    pending = dist.all_reduce(loss_sum, group=state.dp_group, async_op=True)  # overlaps the optimizer step
+    pending = dist.all_reduce(loss_sum, group=state.dp_group, async_op=True)  # overlaps unscale and clip
     precision.unscale(state.optimizer)
     clip = state.cfg.train.grad_clip or math.inf
-    grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
-    precision.step(state.optimizer)
-    state.scheduler.step()
-    state.optimizer.zero_grad(set_to_none=True)
+    grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), clip).item()
     pending.wait()
-    loss = loss_sum / n_items
-    out = {"loss": loss.item(), "grad_norm": grad_norm.item(), "items": int(n_items.item())}
-    timer.mark("optimizer_s")  # includes the loss all-reduce: the step is not over until it is known
-    return out
+    loss = (loss_sum / n_items).item()
+    bad = state.bad_steps.is_bad(loss, grad_norm)  # the same verdict on every rank: both values are global
+    if bad:
+        precision.skip(state.optimizer)
+    else:
+        precision.step(state.optimizer)
+        state.scheduler.step()
+    state.optimizer.zero_grad(set_to_none=True)
+    timer.mark("optimizer_s")
+    return {"loss": loss, "grad_norm": grad_norm, "items": int(n_items.item()), "bad": bad}
 
 
 @torch.no_grad()
@@ -116,30 +122,52 @@ def evaluate(state: TrainState) -> dict[str, float]:
     return {f"val_{k}": (flat[2 * i] / flat[2 * i + 1]).item() for i, k in enumerate(keys)}
 
 
-def train_loop(state: TrainState, loader: Prefetcher, sinks: MetricsSinks) -> None:
+def train_loop(state: TrainState, make_loader: Callable[[int], Prefetcher], sinks: MetricsSinks) -> None:
     cfg = state.cfg
     items_name = state.bundle.items_name
     timer = StepTimer(state.device)
-    for step in range(state.sampler.step, cfg.train.steps):
-        timer.start()
-        micro_batches = loader.next()
-        timer.mark("data_wait_s")
-        lr = state.optimizer.param_groups[0]["lr"]
-        out = train_step(state, micro_batches, timer)
-        state.sampler.step = step + 1
-        done = step + 1  # steps completed; metrics are indexed by it
-        m = {"step": done, "time": time.time(), "loss": out["loss"], "lr": lr, "grad_norm": out["grad_norm"],
-             f"{items_name}_per_s": out["items"] / timer.total, "step_time_s": timer.total, **timer.phases}
-        last = done == cfg.train.steps
-        if done % cfg.metrics.log_interval == 0 or last:
-            peak = torch.tensor(float(peak_memory_bytes(state.device)), device=state.device)
-            m["peak_memory_bytes"] = int(all_reduce(peak, state, op=dist.ReduceOp.MAX).item())
-        if last or (cfg.train.val_interval and done % cfg.train.val_interval == 0):
-            m.update(evaluate(state))
-            sinks.print(f"step {done}: " + ", ".join(f"{k} {v:.4f}" for k, v in m.items() if k.startswith("val_")))
-        state.history.append(m)
-        sinks.step(m)
-        if "peak_memory_bytes" in m or any(k.startswith("val_") for k in m):
-            sinks.log(m)
-        for hook in state.hooks:
-            hook(m, last)
+    loader = make_loader(state.sampler.step)
+    try:
+        while state.sampler.step < cfg.train.steps:
+            step = state.sampler.step
+            timer.start()
+            micro_batches = loader.next()
+            timer.mark("data_wait_s")
+            lr = state.optimizer.param_groups[0]["lr"]
+            out = train_step(state, micro_batches, timer)
+            if out["bad"] and state.bad_steps.record_bad(step + 1, out["loss"], out["grad_norm"]) == "rollback":
+                loader.close()
+                state.rollback(state.sampler.data_step(step))  # back to the checkpoint, minus this batch
+                sinks.print(f"step {step + 1}: loss {out['loss']}; rolled back to step {state.sampler.step}")
+                loader = make_loader(state.sampler.step)
+                continue
+            if not out["bad"]:
+                state.bad_steps.record_good()
+            state.sampler.step = step + 1
+            after_step(state, step + 1, lr, out, timer, sinks, items_name)
+    finally:
+        loader.close()
+
+
+def after_step(state: TrainState, done: int, lr: float, out: dict, timer: StepTimer, sinks: MetricsSinks,
+               items_name: str) -> None:
+    """Metrics, validation and hooks of step `done` (1-based: steps completed)."""
+    cfg = state.cfg
+    m = {"step": done, "time": time.time(), "loss": out["loss"], "lr": lr, "grad_norm": out["grad_norm"],
+         f"{items_name}_per_s": out["items"] / timer.total, "step_time_s": timer.total, **timer.phases}
+    if out["bad"]:
+        m["skipped"] = True
+        sinks.print(f"step {done}: loss {out['loss']}, gradient norm {out['grad_norm']}: update skipped")
+    last = done == cfg.train.steps
+    if done % cfg.metrics.log_interval == 0 or last:
+        peak = torch.tensor(float(peak_memory_bytes(state.device)), device=state.device)
+        m["peak_memory_bytes"] = int(all_reduce(peak, state, op=dist.ReduceOp.MAX).item())
+    if last or (cfg.train.val_interval and done % cfg.train.val_interval == 0):
+        m.update(evaluate(state))
+        sinks.print(f"step {done}: " + ", ".join(f"{k} {v:.4f}" for k, v in m.items() if k.startswith("val_")))
+    state.history.append(m)
+    sinks.step(m)
+    if "peak_memory_bytes" in m or "skipped" in m or any(k.startswith("val_") for k in m):
+        sinks.log(m)
+    for hook in state.hooks:
+        hook(m, last)

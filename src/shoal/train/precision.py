@@ -32,6 +32,11 @@ class Precision:
         if self.scaler:
             self.scaler.unscale_(optimizer)
 
+    def skip(self, optimizer: torch.optim.Optimizer) -> None:
+        """No update this step; the scaler still closes its step (and lowers the scale on overflow)."""
+        if self.scaler:
+            self.scaler.update()
+
     def step(self, optimizer: torch.optim.Optimizer) -> None:
         if self.scaler:
             self.scaler.step(optimizer)  # skips the step when gradients overflowed

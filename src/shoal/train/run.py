@@ -17,17 +17,20 @@ from pathlib import Path
 import torch
 
 from shoal.checkpoint.manager import CheckpointManager, load_checkpoint
+from shoal.checkpoint.manifest import list_checkpoints
 from shoal.checkpoint.resume import check_compatible, find_resume_point, restore_rng_for
+from shoal.checkpoint.state import TRAIN_STATE, read_json
 from shoal.config import Config
 from shoal.data.loader import Prefetcher
 from shoal.data.sampler import GlobalBatchSampler
 from shoal.data.sources import build_source
 from shoal.dist import DistEnv
-from shoal.errors import UserError
+from shoal.errors import TrainingError, UserError
 from shoal.metrics.sinks import MetricsSinks
 from shoal.models.registry import build_model, count_parameters
 from shoal.parallel.apply import check_parallelizable, parallelize
 from shoal.plan import RunPlan, make_plan
+from shoal.train.bad_steps import BadStepPolicy
 from shoal.train.loop import TrainState, train_loop
 from shoal.train.optim import build_optimizer, build_scheduler
 from shoal.train.precision import Precision
@@ -60,10 +63,11 @@ def run_training(cfg: Config, run_dir: Path, env: DistEnv, resume: str = "auto")
     optimizer = build_optimizer(bundle.model, cfg.train)
     dp_rank = dims.coords(env.rank)["dp"]
     dp_group = dims.mesh["dp"].get_group() if dims.world_size > dims.dp else None
-    state = TrainState(cfg, plan, bundle, model, optimizer, build_scheduler(optimizer, cfg.train),
-                       Precision(cfg.precision.dtype, env.device),
+    precision = Precision(cfg.precision.dtype, env.device)
+    bad_steps = BadStepPolicy(cfg.train.on_bad_step, cfg.train.max_bad_steps, scaled=precision.scaler is not None)
+    state = TrainState(cfg, plan, bundle, model, optimizer, build_scheduler(optimizer, cfg.train), precision,
                        GlobalBatchSampler(source.num_train, cfg.train.global_batch_size, cfg.train.seed),
-                       source, env.device, dp_rank, dp_group)
+                       source, env.device, dp_rank, dp_group, bad_steps=bad_steps)
     is_main = env.rank == 0
     if is_main:
         run_dir.mkdir(parents=True, exist_ok=True)
@@ -71,6 +75,7 @@ def run_training(cfg: Config, run_dir: Path, env: DistEnv, resume: str = "auto")
     recovery = resume_state(state, run_dir, env, resume)
     ckpt = CheckpointManager(run_dir, cfg.checkpoint, env.rank, env.world_size)
     state.hooks.append(lambda m, last: save_if_due(ckpt, state, m["step"], last))
+    state.rollback = lambda data_step: rollback(state, ckpt, run_dir, env, data_step)
     if is_main:
         heartbeat = run_dir / PROGRESS
         state.hooks.append(lambda m, last: _write_json_atomic(heartbeat, {"step": m["step"], "time": m["time"]}))
@@ -91,12 +96,10 @@ def run_training(cfg: Config, run_dir: Path, env: DistEnv, resume: str = "auto")
         sinks.print(f"resumed from {recovery['checkpoint']} (step {recovery['resumed_from_step']})")
     elif recovery:
         sinks.print(f"restart {recovery['restart']}: no checkpoint yet, starting from step 0")
-    loader = Prefetcher(make, start=state.sampler.step, depth=cfg.data.prefetch)
     try:
-        train_loop(state, loader, sinks)
+        train_loop(state, lambda start: Prefetcher(make, start, cfg.data.prefetch), sinks)
         ckpt.wait()  # an async save in flight is part of the run
     finally:
-        loader.close()
         sinks.close()
     summary = summarize(state, n_params, time.perf_counter() - t_start, env, recovery, run_dir)
     if is_main:
@@ -122,6 +125,13 @@ def resume_state(state: TrainState, run_dir: Path, env: DistEnv, resume: str) ->
         return {"checkpoint": None, "resumed_from_step": 0, **failure} if env.restart_count else None
     path = Path(value)
     train_state = check_compatible(state.cfg, path)
+    same_rng = restore_from(state, path, train_state, env)
+    state.bad_steps.load_state_dict(train_state["bad_steps"])
+    return {"checkpoint": str(path), "resumed_from_step": state.sampler.step, "rng_restored": same_rng, **failure}
+
+
+def restore_from(state: TrainState, path: Path, train_state: dict, env: DistEnv) -> bool:
+    """Collective: model, optimizer, data position, schedule, scaler and RNG as saved at `path`."""
     load_checkpoint(path, state.bundle.model, state.optimizer)
     try:
         state.sampler.load_state_dict(train_state["sampler"])
@@ -130,8 +140,23 @@ def resume_state(state: TrainState, run_dir: Path, env: DistEnv, resume: str) ->
     state.scheduler.load_state_dict(train_state["scheduler"])
     if state.precision.scaler is not None and train_state.get("scaler"):
         state.precision.scaler.load_state_dict(train_state["scaler"])
-    same_rng = restore_rng_for(path, env.rank, env.world_size, state.cfg.train.seed, state.sampler.step)
-    return {"checkpoint": str(path), "resumed_from_step": state.sampler.step, "rng_restored": same_rng, **failure}
+    return restore_rng_for(path, env.rank, env.world_size, state.cfg.train.seed, state.sampler.step)
+
+
+def rollback(state: TrainState, ckpt: CheckpointManager, run_dir: Path, env: DistEnv, bad_data_step: int) -> None:
+    """Collective: back to the newest checkpoint, never to train on data step `bad_data_step` again."""
+    ckpt.wait()
+    key = f"rollback_{state.bad_steps.rollbacks}"
+    if env.rank == 0:
+        valid = [c for c in list_checkpoints(run_dir / "checkpoints") if c.valid]
+        env.store.set(key, str(valid[-1].path) if valid else "")
+    value = env.store.get(key).decode()
+    if not value:
+        raise TrainingError('train.on_bad_step = "rollback" found no checkpoint to go back to; save one earlier '
+                            '(checkpoint.interval) or use "skip"')
+    path = Path(value)
+    restore_from(state, path, read_json(path / TRAIN_STATE), env)
+    state.sampler.skip_data_step(bad_data_step)
 
 
 def save_if_due(ckpt: CheckpointManager, state: TrainState, step: int, last: bool) -> None:
@@ -139,7 +164,8 @@ def save_if_due(ckpt: CheckpointManager, state: TrainState, step: int, last: boo
         ckpt.save(step, state.bundle.model, state.optimizer, {
             "step": step, "sampler": state.sampler.state_dict(), "scheduler": state.scheduler.state_dict(),
             "scaler": state.precision.scaler.state_dict() if state.precision.scaler else None,
-            "config": state.cfg.to_toml(), "data_spec": dataclasses.asdict(state.source.spec)})
+            "bad_steps": state.bad_steps.state_dict(), "config": state.cfg.to_toml(),
+            "data_spec": dataclasses.asdict(state.source.spec)})
     ckpt.poll()
 
 
@@ -170,6 +196,8 @@ def summarize(state: TrainState, n_params: int, total_s: float, env: DistEnv, re
         "median_step_time_s": statistics.median(m["step_time_s"] for m in h) if h else None,
         "peak_memory_bytes": max((m.get("peak_memory_bytes", 0) for m in h), default=0),
         "total_time_s": total_s,
+        "bad_steps": state.bad_steps.total,
+        "rollbacks": state.bad_steps.rollbacks,
         "restarts": env.restart_count,
         "recoveries": recoveries,
     }
