@@ -49,6 +49,7 @@ class DistEnv:
     restart_count: int
     device: torch.device
     store: dist.Store  # prefixed per attempt; shared by all ranks for small key/value exchanges
+    status_store: dist.Store  # the same keys over a second connection, for the watchdog thread
 
 
 def init(backend: str, timeout_s: float) -> DistEnv:
@@ -64,16 +65,20 @@ def init(backend: str, timeout_s: float) -> DistEnv:
         agent_store = env.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
         base = dist.TCPStore(env["MASTER_ADDR"], int(env["MASTER_PORT"]), world,
                              is_master=(rank == 0 and not agent_store), timeout=timeout)
-        store = dist.PrefixStore(f"shoal/attempt_{restart}", base)  # [Note: per-attempt store]
+        prefix = f"shoal/attempt_{restart}"
+        store = dist.PrefixStore(prefix, base)  # [Note: per-attempt store]
+        side = dist.TCPStore(env["MASTER_ADDR"], int(env["MASTER_PORT"]), world, is_master=False,
+                             timeout=timedelta(seconds=10), wait_for_workers=False)
+        status_store = dist.PrefixStore(prefix, side)
     else:
         rank, world, local_rank, local_world, restart = 0, 1, 0, 1, 0
-        store = dist.HashStore()
+        store = status_store = dist.HashStore()
     device = torch.device("cpu")
     if backend == "nccl":
         device = torch.device("cuda", local_rank)
         torch.cuda.set_device(device)
     dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timeout)
-    return DistEnv(rank, world, local_rank, local_world, restart, device, store)
+    return DistEnv(rank, world, local_rank, local_world, restart, device, store, status_store)
 
 
 def shutdown() -> None:

@@ -19,6 +19,7 @@ import torch
 from torch.distributed.elastic.multiprocessing.errors import get_error_handler
 
 from shoal import dist
+from shoal.comm.watchdog import CollectiveLog, Watchdog, collective_report
 from shoal.config import Config
 from shoal.errors import TrainingError, UserError
 from shoal.plan import make_plan
@@ -47,18 +48,20 @@ def main(cfg: Config, run_dir: str | None, config_path: str | None, resume: str 
     faulthandler.register(signal.SIGTERM, all_threads=True, chain=True)
     handler = get_error_handler()
     handler.initialize()
-    code = 0
+    code, watchdog = 0, None
+    log = CollectiveLog()
     try:
         torch.set_num_threads(threads_per_worker(cfg, int(os.environ.get("LOCAL_WORLD_SIZE", 1))))
         plan = make_plan(cfg, int(os.environ["WORLD_SIZE"]))
         env = dist.init(plan.backend, cfg.parallel.timeout_s)
+        watchdog = Watchdog(log, env.status_store, env.rank)
         # every rank must write to the same place: rank 0 names it, the others read it from the store
         if env.rank == 0:
             env.store.set("run_dir", str(run_dir or default_run_dir(config_path)))
         path = Path(env.store.get("run_dir").decode())
         from shoal.train.run import run_training  # after set_num_threads: heavy imports come here
 
-        summary = run_training(cfg, path, env, resume)
+        summary = run_training(cfg, path, env, resume, log)
         if env.rank == 0:
             val = f", val loss {summary['val_loss']:.4f}" if summary.get("val_loss") is not None else ""
             print(f"done: {summary['steps']} steps in {summary['total_time_s']:.1f} s; final loss "
@@ -70,8 +73,12 @@ def main(cfg: Config, run_dir: str | None, config_path: str | None, resume: str 
         print(f"shoal: error: {e}", file=sys.stderr)
         code = 2 if isinstance(e, UserError) else 1
     except BaseException as e:  # noqa: BLE001 - any failure must end this rank with its traceback shown
-        handler.record_exception(e)
         rank = os.environ.get("RANK", "?")
         print(f"[rank {rank}] " + "".join(traceback.format_exception(e)), file=sys.stderr)
+        report = collective_report(watchdog, int(os.environ["WORLD_SIZE"]), e) if watchdog else None
+        if report:  # a collective failed: say who did not arrive and where everyone was
+            print(f"shoal: {report}", file=sys.stderr, flush=True)
+            e = RuntimeError(report.splitlines()[0])
+        handler.record_exception(e)
         code = 1
     dist.exit_process(code)

@@ -22,6 +22,7 @@ from torch.distributed.checkpoint import FileSystemWriter
 from shoal.checkpoint import manifest as mf
 from shoal.checkpoint.safe_io import SafeFileSystemReader, SafeLoadPlanner
 from shoal.checkpoint.state import TRAIN_STATE, apply_tensor_state, capture_rng, rng_file, tensor_state, write_json
+from shoal.comm.watchdog import CollectiveLog
 from shoal.config import CheckpointConfig
 
 
@@ -35,10 +36,12 @@ class _Pending:
 
 
 class CheckpointManager:
-    def __init__(self, run_dir: Path, cfg: CheckpointConfig, rank: int, world_size: int):
+    def __init__(self, run_dir: Path, cfg: CheckpointConfig, rank: int, world_size: int,
+                 log: CollectiveLog | None = None):
         self.root = run_dir / "checkpoints"
         self.cfg, self.rank, self.world_size = cfg, rank, world_size
         self.pending: _Pending | None = None
+        self.log = log or CollectiveLog()
         self.last_blocking_s = 0.0  # how long the training thread was stopped by the last save
         # async saves get their own group: created collectively, by every rank, up front
         self.group = dist.new_group(backend="gloo") if cfg.enabled and cfg.async_save else None
@@ -56,17 +59,20 @@ class CheckpointManager:
             if tmp.exists():  # left by a save that crashed
                 shutil.rmtree(tmp)
             tmp.mkdir(parents=True)
-        dist.barrier()  # the folder exists (and is empty) before anyone writes into it
+        with self.log.record("barrier", "world, checkpoint folder"):
+            dist.barrier()  # the folder exists (and is empty) before anyone writes into it
         write_json(tmp / rng_file(self.rank), capture_rng())
         if self.rank == 0:
             write_json(tmp / TRAIN_STATE, train_state)
         info = {"step": step, "world_size": self.world_size, "time": time.time()}
         state = tensor_state(model, optimizer)
         if self.group is not None:
-            fut = dcp.async_save(state, storage_writer=FileSystemWriter(tmp), process_group=self.group)
+            with self.log.record("dcp.async_save (staging)", "checkpoint group"):
+                fut = dcp.async_save(state, storage_writer=FileSystemWriter(tmp), process_group=self.group)
             self.pending = _Pending(fut, tmp, final, info, t0)
         else:
-            dcp.save(state, storage_writer=FileSystemWriter(tmp))
+            with self.log.record("dcp.save", "world"):
+                dcp.save(state, storage_writer=FileSystemWriter(tmp))
             self._finish(tmp, final, info)
         self.last_blocking_s = time.perf_counter() - t0
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import apply_activation_checkpointing
 
+from shoal.comm.watchdog import CollectiveLog
 from shoal.config import Config
 from shoal.errors import UserError
 from shoal.models.registry import ModelBundle
@@ -28,7 +29,8 @@ def check_parallelizable(bundle: ModelBundle, cfg: Config) -> None:
         )
 
 
-def parallelize(bundle: ModelBundle, dims: ParallelDims, cfg: Config, device: torch.device) -> torch.nn.Module:
+def parallelize(bundle: ModelBundle, dims: ParallelDims, cfg: Config, device: torch.device,
+                log: CollectiveLog | None = None) -> torch.nn.Module:
     """Returns the module the training loop calls; `bundle.model` stays the unwrapped model."""
     model = bundle.model.to(device)
     if cfg.precision.activation_checkpointing:
@@ -38,5 +40,5 @@ def parallelize(bundle: ModelBundle, dims: ParallelDims, cfg: Config, device: to
         model = torch.compile(model)
     if dims.dp > 1:
         group = dims.mesh["dp"].get_group() if dims.world_size > dims.dp else None
-        model = apply_data_parallel(model, device, group)
+        model = apply_data_parallel(model, device, group, log)
     return model

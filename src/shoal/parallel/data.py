@@ -6,17 +6,37 @@ from __future__ import annotations
 import contextlib
 
 import torch
+from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+from shoal.comm.watchdog import CollectiveLog
 
-def apply_data_parallel(model: torch.nn.Module, device: torch.device, group=None) -> DDP:
-    return DDP(
+
+def apply_data_parallel(model: torch.nn.Module, device: torch.device, group=None,
+                        log: CollectiveLog | None = None) -> DDP:
+    ddp = DDP(
         model,
         device_ids=[device.index] if device.type == "cuda" else None,
         process_group=group,
         # gradients live in the communication buckets: one copy of the gradients instead of two
         gradient_as_bucket_view=True,
     )
+    if log is not None:
+        ddp.register_comm_hook((log, group), logged_allreduce_hook)
+    return ddp
+
+
+def logged_allreduce_hook(state, bucket):  # no annotations: DDP checks them, and they would be strings here
+    """DDP's default gradient all-reduce (average over dp), recorded in the collective log."""
+    log, group = state
+    rec = log.enter("all_reduce", f"dp, gradient bucket {bucket.index()}", [bucket.buffer()])
+
+    def finished(fut: torch.futures.Future) -> torch.Tensor:
+        value = fut.value()  # raises if the all-reduce failed: the record then stays open
+        CollectiveLog.done(rec)
+        return value
+
+    return allreduce_hook(group, bucket).then(finished)
 
 
 def grad_sync(model: torch.nn.Module, sync: bool):

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
+from shoal.comm.watchdog import CollectiveLog
 from shoal.config import Config
 from shoal.data.loader import Prefetcher
 from shoal.data.sampler import GlobalBatchSampler
@@ -43,6 +44,7 @@ class TrainState:
     dp_group: object = None  # None: the default group
     bad_steps: BadStepPolicy = None
     rollback: Callable[[int], None] | None = None  # reload the newest checkpoint, skipping a data step
+    log: CollectiveLog = field(default_factory=CollectiveLog)  # collectives entered, for hang reports
     history: list[dict] = field(default_factory=list)  # per-step metrics, kept on every rank
     # called after every step with (metrics, is_last_step): checkpoints, heartbeats (see train/run.py)
     hooks: list[Callable[[dict, bool], None]] = field(default_factory=list)
@@ -52,8 +54,24 @@ def to_device(batch: Batch, device: torch.device) -> Batch:
     return {k: v.to(device, non_blocking=True) for k, v in batch.items()}
 
 
-def all_reduce(t: torch.Tensor, state: TrainState, op=dist.ReduceOp.SUM) -> torch.Tensor:
-    dist.all_reduce(t, op=op, group=state.dp_group)
+class _Pending:
+    """An async collective whose completion is also written to the collective log."""
+
+    def __init__(self, work, rec: dict):
+        self.work, self.rec = work, rec
+
+    def wait(self) -> None:
+        self.work.wait()
+        CollectiveLog.done(self.rec)
+
+
+def all_reduce(t: torch.Tensor, state: TrainState, op=dist.ReduceOp.SUM, async_op: bool = False):
+    """All-reduce over the dp group, recorded for hang diagnosis (comm/watchdog.py)."""
+    pending = _Pending(dist.all_reduce(t, op=op, group=state.dp_group, async_op=True),
+                       state.log.enter("all_reduce", "dp", [t]))
+    if async_op:
+        return pending
+    pending.wait()
     return t
 
 
@@ -64,7 +82,7 @@ def train_step(state: TrainState, micro_batches: list[Batch], timer: StepTimer) 
     batches = [to_device(mb, state.device) for mb in micro_batches]
     # items (tokens or samples) in the whole global batch: summed over ranks while the first forward runs
     n_items = torch.stack([bundle.count_fn(b) for b in batches]).sum().double().to(state.device)
-    pending = dist.all_reduce(n_items, group=state.dp_group, async_op=True)
+    pending = all_reduce(n_items, state, async_op=True)
     loss_sum = torch.zeros((), device=state.device, dtype=torch.float64)
     for i, batch in enumerate(batches):
         with grad_sync(model, sync=i == len(batches) - 1):
@@ -78,7 +96,7 @@ def train_step(state: TrainState, micro_batches: list[Batch], timer: StepTimer) 
         loss_sum += loss.detach().double()
     timer.mark("forward_backward_s")
 
-    pending = dist.all_reduce(loss_sum, group=state.dp_group, async_op=True)  # overlaps unscale and clip
+    pending = all_reduce(loss_sum, state, async_op=True)  # overlaps unscale and clip
     precision.unscale(state.optimizer)
     clip = state.cfg.train.grad_clip or math.inf
     grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), clip).item()

@@ -20,6 +20,7 @@ from shoal.checkpoint.manager import CheckpointManager, load_checkpoint
 from shoal.checkpoint.manifest import list_checkpoints
 from shoal.checkpoint.resume import check_compatible, find_resume_point, restore_rng_for
 from shoal.checkpoint.state import TRAIN_STATE, read_json
+from shoal.comm.watchdog import CollectiveLog
 from shoal.config import Config
 from shoal.data.loader import Prefetcher
 from shoal.data.sampler import GlobalBatchSampler
@@ -51,14 +52,16 @@ def build_data_and_model(cfg: Config, plan: RunPlan, device: str = "cpu"):
     return source, bundle
 
 
-def run_training(cfg: Config, run_dir: Path, env: DistEnv, resume: str = "auto") -> dict:
+def run_training(cfg: Config, run_dir: Path, env: DistEnv, resume: str = "auto",
+                 log: CollectiveLog | None = None) -> dict:
     """Train on this rank; returns the run summary (identical on every rank)."""
     t_start = time.perf_counter()
     plan = make_plan(cfg, env.world_size)
     dims = plan.dims
     torch.manual_seed(cfg.train.seed)  # identical initial weights on every rank
     source, bundle = build_data_and_model(cfg, plan)
-    model = parallelize(bundle, dims, cfg, env.device)
+    log = log or CollectiveLog()
+    model = parallelize(bundle, dims, cfg, env.device, log)
     torch.manual_seed(cfg.train.seed + 1 + env.rank)  # dropout etc. differ per rank, reproducibly
     optimizer = build_optimizer(bundle.model, cfg.train)
     dp_rank = dims.coords(env.rank)["dp"]
@@ -67,13 +70,13 @@ def run_training(cfg: Config, run_dir: Path, env: DistEnv, resume: str = "auto")
     bad_steps = BadStepPolicy(cfg.train.on_bad_step, cfg.train.max_bad_steps, scaled=precision.scaler is not None)
     state = TrainState(cfg, plan, bundle, model, optimizer, build_scheduler(optimizer, cfg.train), precision,
                        GlobalBatchSampler(source.num_train, cfg.train.global_batch_size, cfg.train.seed),
-                       source, env.device, dp_rank, dp_group, bad_steps=bad_steps)
+                       source, env.device, dp_rank, dp_group, bad_steps=bad_steps, log=log)
     is_main = env.rank == 0
     if is_main:
         run_dir.mkdir(parents=True, exist_ok=True)
         (run_dir / "config.toml").write_text(cfg.to_toml(), encoding="utf-8")
     recovery = resume_state(state, run_dir, env, resume)
-    ckpt = CheckpointManager(run_dir, cfg.checkpoint, env.rank, env.world_size)
+    ckpt = CheckpointManager(run_dir, cfg.checkpoint, env.rank, env.world_size, log)
     state.hooks.append(lambda m, last: save_if_due(ckpt, state, m["step"], last))
     state.rollback = lambda data_step: rollback(state, ckpt, run_dir, env, data_step)
     if is_main:
