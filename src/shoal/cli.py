@@ -70,19 +70,21 @@ def train(args: argparse.Namespace) -> int:
         from shoal import worker
 
         worker.main(cfg, args.run_dir, args.config, args.resume)  # does not return
+    from shoal.checkpoint.resume import check_compatible, check_run_dir, find_resume_point
     from shoal.launch import check_launch_args, launch
+    from shoal.models.registry import count_parameters
     from shoal.plan import make_plan
     from shoal.train.run import build_data_and_model
     from shoal.worker import default_run_dir, threads_per_worker
 
     check_launch_args(args.nproc, args.nnodes, args.node_rank, args.rdzv_endpoint, args.max_restarts)
     plan = make_plan(cfg, args.nproc * args.nnodes)  # everything that can be checked is, before any worker starts
-    build_data_and_model(cfg, plan, device="meta")
+    _, bundle = build_data_and_model(cfg, plan, device="meta")
     run_dir = args.run_dir or str(default_run_dir(args.config))
-    try:
-        Path(run_dir).mkdir(parents=True, exist_ok=True)
-    except OSError as e:
-        raise UserError(f"cannot create the run dir {run_dir} ({e.strerror}); pass a writable --run-dir") from None
+    check_run_dir(Path(run_dir), cfg, count_parameters(bundle.model))
+    resume_from = find_resume_point(Path(run_dir), args.resume, quiet=True)
+    if resume_from is not None:
+        check_compatible(cfg, resume_from)
     worker_argv = ["-m", "shoal", "train", *([args.config] if args.config else []),
                    *[a for s in args.set for a in ("--set", s)], "--run-dir", run_dir, "--resume", args.resume]
     return launch(worker_argv, args.nproc, args.nnodes, args.node_rank, args.rdzv_endpoint,

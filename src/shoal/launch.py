@@ -9,8 +9,10 @@ TORCH-CPU-FACTS "Multi-host").
 from __future__ import annotations
 
 import os
+import signal
 import sys
 
+from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
@@ -35,8 +37,9 @@ def launch(worker_argv: list[str], nproc: int, nnodes: int = 1, node_rank: int =
         elastic_launch(config, entrypoint=sys.executable)(*worker_argv)
     except ChildFailedError as e:
         return report_failures(e)
-    except KeyboardInterrupt:
-        return 130
+    except SignalException as e:  # the launcher itself was asked to stop; workers saved and stopped
+        print(f"shoal: interrupted by {signal.Signals(e.sigval).name}", file=sys.stderr)
+        return 128 + e.sigval
     return 0
 
 

@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 from torch.distributed.elastic.multiprocessing.errors import get_error_handler
 
-from shoal import dist
+from shoal import dist, signals
 from shoal.comm.watchdog import CollectiveLog, Watchdog, collective_report
 from shoal.config import Config
 from shoal.errors import TrainingError, UserError
@@ -42,10 +42,8 @@ def threads_per_worker(cfg: Config, local_world_size: int) -> int:
 
 def main(cfg: Config, run_dir: str | None, config_path: str | None, resume: str = "auto") -> None:
     """Entry point of a launched worker; never returns."""
-    # Where is a rank stuck? `kill -USR1 PID` prints its Python stacks; so does the SIGTERM the elastic
-    # agent sends to the surviving ranks when another rank fails (then the default action ends it).
-    faulthandler.register(signal.SIGUSR1, all_threads=True)
-    faulthandler.register(signal.SIGTERM, all_threads=True, chain=True)
+    faulthandler.register(signal.SIGUSR1, all_threads=True)  # `kill -USR1 PID`: where is this rank?
+    signals.install()  # SIGTERM / Ctrl-C: finish the step, save, exit (signals.py)
     handler = get_error_handler()
     handler.initialize()
     code, watchdog = 0, None
@@ -68,6 +66,11 @@ def main(cfg: Config, run_dir: str | None, config_path: str | None, resume: str 
                   f"{summary['final_loss']:.4f}{val}\nresults in {path}/ (summary.json, metrics.jsonl, "
                   f"config.toml, tensorboard/)", flush=True)
         dist.shutdown()
+    except signals.Interrupted as e:
+        handler.record_exception(e)
+        if os.environ.get("RANK") == "0":
+            print(f"shoal: {e}; run the same command to resume", file=sys.stderr, flush=True)
+        code = 128 + e.signum
     except (UserError, TrainingError) as e:  # one line, no traceback: the message says what to do
         handler.record_exception(e)
         print(f"shoal: error: {e}", file=sys.stderr)

@@ -7,7 +7,9 @@ reported in one line and the one before it is used. `never` starts fresh; a path
 
 from __future__ import annotations
 
+import os
 import random
+import shutil
 import sys
 from pathlib import Path
 
@@ -23,8 +25,8 @@ from shoal.errors import UserError
 MUST_MATCH = ("data.source", "data.path", "data.max_bytes", "data.val_fraction", "train.seed")
 
 
-def find_resume_point(run_dir: Path, resume: str) -> Path | None:
-    """Rank 0 only: the checkpoint folder to resume from, or None to start fresh."""
+def find_resume_point(run_dir: Path, resume: str, quiet: bool = False) -> Path | None:
+    """The checkpoint folder to resume from, or None to start fresh (decided by rank 0)."""
     if resume == "never":
         return None
     if resume != "auto":
@@ -36,9 +38,30 @@ def find_resume_point(run_dir: Path, resume: str) -> Path | None:
     for ckpt in reversed(mf.list_checkpoints(run_dir / "checkpoints")):
         if ckpt.valid:
             return ckpt.path
-        print(f"shoal: checkpoint {ckpt.path} is unusable ({ckpt.problem}); trying the one before it",
-              file=sys.stderr, flush=True)
+        if not quiet:
+            print(f"shoal: checkpoint {ckpt.path} is unusable ({ckpt.problem}); trying the one before it",
+                  file=sys.stderr, flush=True)
     return None
+
+
+def check_run_dir(run_dir: Path, cfg: Config, n_params: int) -> None:
+    """Fail at start, not after an hour of training, when results could not be written."""
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        probe = run_dir / f".shoal-write-test-{os.getpid()}"
+        probe.write_bytes(b"x")
+        probe.unlink()
+    except OSError as e:
+        raise UserError(f"run dir {run_dir} is not writable ({e.strerror or e}); pass a writable --run-dir") from None
+    # weights + two AdamW moments in fp32, for each kept checkpoint and the one being written
+    ckpt = n_params * 4 * 3 * (cfg.checkpoint.keep + 1) if cfg.checkpoint.enabled else 0
+    need = ckpt + n_params * 4 * cfg.checkpoint.final_weights
+    free = shutil.disk_usage(run_dir).free
+    if free < need:
+        raise UserError(
+            f"run dir {run_dir} has {free / 2**20:.0f} MiB free, but this run needs about {need / 2**20:.0f} MiB "
+            f"({cfg.checkpoint.keep} checkpoints kept + 1 being written, {n_params:,} parameters with AdamW state); "
+            f"free space, lower checkpoint.keep or pass another --run-dir")
 
 
 def check_compatible(cfg: Config, path: Path) -> dict:

@@ -45,6 +45,7 @@ class TrainState:
     bad_steps: BadStepPolicy = None
     rollback: Callable[[int], None] | None = None  # reload the newest checkpoint, skipping a data step
     log: CollectiveLog = field(default_factory=CollectiveLog)  # collectives entered, for hang reports
+    stop_requested: Callable[[], int] = lambda: 0  # nonzero when this process was asked to stop
     history: list[dict] = field(default_factory=list)  # per-step metrics, kept on every rank
     # called after every step with (metrics, is_last_step): checkpoints, heartbeats (see train/run.py)
     hooks: list[Callable[[dict, bool], None]] = field(default_factory=list)
@@ -96,12 +97,15 @@ def train_step(state: TrainState, micro_batches: list[Batch], timer: StepTimer) 
         loss_sum += loss.detach().double()
     timer.mark("forward_backward_s")
 
-    pending = all_reduce(loss_sum, state, async_op=True)  # overlaps unscale and clip
+    # the loss, and whether any rank was asked to stop (signals.py): one all-reduce, overlapping the clip
+    flags = torch.stack([loss_sum, torch.tensor(float(state.stop_requested() > 0), dtype=torch.float64,
+                                                device=state.device)])
+    pending = all_reduce(flags, state, async_op=True)
     precision.unscale(state.optimizer)
     clip = state.cfg.train.grad_clip or math.inf
     grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), clip).item()
     pending.wait()
-    loss = (loss_sum / n_items).item()
+    loss = (flags[0] / n_items).item()
     bad = state.bad_steps.is_bad(loss, grad_norm)  # the same verdict on every rank: both values are global
     if bad:
         precision.skip(state.optimizer)
@@ -110,7 +114,8 @@ def train_step(state: TrainState, micro_batches: list[Batch], timer: StepTimer) 
         state.scheduler.step()
     state.optimizer.zero_grad(set_to_none=True)
     timer.mark("optimizer_s")
-    return {"loss": loss, "grad_norm": grad_norm, "items": int(n_items.item()), "bad": bad}
+    return {"loss": loss, "grad_norm": grad_norm, "items": int(n_items.item()), "bad": bad,
+            "stop": flags[1].item() > 0}
 
 
 @torch.no_grad()
@@ -140,7 +145,8 @@ def evaluate(state: TrainState) -> dict[str, float]:
     return {f"val_{k}": (flat[2 * i] / flat[2 * i + 1]).item() for i, k in enumerate(keys)}
 
 
-def train_loop(state: TrainState, make_loader: Callable[[int], Prefetcher], sinks: MetricsSinks) -> None:
+def train_loop(state: TrainState, make_loader: Callable[[int], Prefetcher], sinks: MetricsSinks) -> bool:
+    """Train until train.steps; returns False when the ranks agreed to stop early (a signal)."""
     cfg = state.cfg
     items_name = state.bundle.items_name
     timer = StepTimer(state.device)
@@ -163,8 +169,11 @@ def train_loop(state: TrainState, make_loader: Callable[[int], Prefetcher], sink
                 state.bad_steps.record_good()
             state.sampler.step = step + 1
             after_step(state, step + 1, lr, out, timer, sinks, items_name)
+            if out["stop"]:
+                return False
     finally:
         loader.close()
+    return True
 
 
 def after_step(state: TrainState, done: int, lr: float, out: dict, timer: StepTimer, sinks: MetricsSinks,

@@ -10,14 +10,16 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import signal
 import statistics
 import time
 from pathlib import Path
 
 import torch
 
+from shoal import signals
 from shoal.checkpoint.manager import CheckpointManager, load_checkpoint
-from shoal.checkpoint.manifest import list_checkpoints
+from shoal.checkpoint.manifest import list_checkpoints, step_dir_name
 from shoal.checkpoint.resume import check_compatible, find_resume_point, restore_rng_for
 from shoal.checkpoint.state import TRAIN_STATE, read_json
 from shoal.comm.watchdog import CollectiveLog
@@ -99,8 +101,17 @@ def run_training(cfg: Config, run_dir: Path, env: DistEnv, resume: str = "auto",
         sinks.print(f"resumed from {recovery['checkpoint']} (step {recovery['resumed_from_step']})")
     elif recovery:
         sinks.print(f"restart {recovery['restart']}: no checkpoint yet, starting from step 0")
+    state.stop_requested = signals.requested
     try:
-        train_loop(state, lambda start: Prefetcher(make, start, cfg.data.prefetch), sinks)
+        finished = train_loop(state, lambda start: Prefetcher(make, start, cfg.data.prefetch), sinks)
+        if not finished:  # asked to stop: keep the work done so far, then leave
+            step = state.sampler.step
+            if cfg.checkpoint.enabled and not (run_dir / "checkpoints" / step_dir_name(step)).exists():
+                save_if_due(ckpt, state, step, last=True)
+            ckpt.wait()
+            saved = run_dir / "checkpoints" / step_dir_name(step)
+            signum = signals.requested() or signal.SIGTERM  # another rank got the signal: say it was SIGTERM
+            raise signals.Interrupted(signum, step, str(saved) if saved.exists() else None)
         ckpt.wait()  # an async save in flight is part of the run
     finally:
         sinks.close()

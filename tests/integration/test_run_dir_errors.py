@@ -1,0 +1,54 @@
+"""Problems with the run dir or the checkpoint to resume are found at start: one line, exit 2."""
+
+import shutil
+from collections import namedtuple
+
+import pytest
+
+from conftest import TINY_GPT, run_cli
+from shoal.cli import main
+
+SMALL = [*TINY_GPT, "--set", "train.steps=2", "--set", "train.global_batch_size=4", "--set", "train.micro_batch_size=2"]
+
+
+def error_of(argv, capsys) -> str:
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("shoal: error: ") and err.count("\n") == 1, err
+    return err
+
+
+@pytest.fixture(scope="module")
+def finished_run(tmp_path_factory):
+    run_dir = tmp_path_factory.mktemp("done") / "run"
+    r = run_cli(["train", "--run-dir", run_dir, *SMALL], timeout=120)
+    assert r.returncode == 0, r.output
+    return run_dir
+
+
+def test_resume_into_a_different_model_names_the_key(finished_run, capsys):
+    err = error_of(["train", "--run-dir", str(finished_run), *SMALL, "--set", "model.d_model=64"], capsys)
+    assert "model.d_model is 64 here but 32 in checkpoint step_00000002" in err and "--resume never" in err
+
+
+def test_resume_with_another_seed_is_refused(finished_run, capsys):
+    assert "train.seed is 7 here but 1337" in error_of(
+        ["train", "--run-dir", str(finished_run), *SMALL, "--set", "train.seed=7"], capsys)
+
+
+def test_resume_from_a_path_that_is_no_checkpoint(finished_run, tmp_path, capsys):
+    (tmp_path / "empty").mkdir()
+    err = error_of(["train", "--run-dir", str(tmp_path / "new"), *SMALL, "--resume", str(tmp_path / "empty")], capsys)
+    assert "not a usable checkpoint: no manifest" in err
+
+
+def test_unwritable_run_dir(tmp_path, capsys):
+    (tmp_path / "file").write_text("x")
+    assert "is not writable" in error_of(["train", "--run-dir", str(tmp_path / "file" / "run"), *SMALL], capsys)
+
+
+def test_full_disk(tmp_path, capsys, monkeypatch):
+    usage = namedtuple("usage", "total used free")
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: usage(10**9, 10**9 - 1000, 1000))
+    err = error_of(["train", "--run-dir", str(tmp_path / "run"), *SMALL], capsys)
+    assert "has 0 MiB free, but this run needs about" in err and "checkpoint.keep" in err
