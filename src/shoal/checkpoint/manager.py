@@ -42,7 +42,8 @@ class CheckpointManager:
         self.cfg, self.rank, self.world_size = cfg, rank, world_size
         self.pending: _Pending | None = None
         self.log = log or CollectiveLog()
-        self.last_blocking_s = 0.0  # how long the training thread was stopped by the last save
+        # per save: step, seconds the training thread was stopped, seconds until sealed (rank 0), bytes
+        self.stats: list[dict] = []
         # async saves get their own group: created collectively, by every rank, up front
         self.group = dist.new_group(backend="gloo") if cfg.enabled and cfg.async_save else None
 
@@ -66,6 +67,7 @@ class CheckpointManager:
             write_json(tmp / TRAIN_STATE, train_state)
         info = {"step": step, "world_size": self.world_size, "time": time.time()}
         state = tensor_state(model, optimizer)
+        self.stats.append({"step": step, "async": self.group is not None})
         if self.group is not None:
             with self.log.record("dcp.async_save (staging)", "checkpoint group"):
                 fut = dcp.async_save(state, storage_writer=FileSystemWriter(tmp), process_group=self.group)
@@ -73,8 +75,8 @@ class CheckpointManager:
         else:
             with self.log.record("dcp.save", "world"):
                 dcp.save(state, storage_writer=FileSystemWriter(tmp))
-            self._finish(tmp, final, info)
-        self.last_blocking_s = time.perf_counter() - t0
+            self._finish(tmp, final, info, t0)
+        self.stats[-1]["blocking_s"] = time.perf_counter() - t0
 
     def poll(self) -> None:
         """Finish an async save whose writing is done (cheap; call once per step)."""
@@ -85,16 +87,18 @@ class CheckpointManager:
         if self.pending is not None:
             p, self.pending = self.pending, None
             p.future.result()  # raises if writing failed
-            self._finish(p.tmp, p.final, p.info)
+            self._finish(p.tmp, p.final, p.info, p.started)
 
-    def _finish(self, tmp: Path, final: Path, info: dict) -> None:
+    def _finish(self, tmp: Path, final: Path, info: dict, started: float) -> None:
         # DCP returns on rank 0 only after every rank reported its data written, and every rank wrote
         # its RNG file before entering DCP: rank 0 alone can seal the checkpoint
         if self.rank != 0:
             return
         if final.exists():  # an older save of the same step (a rerun after a rollback)
             shutil.rmtree(final)
-        mf.finalize(tmp, final, info)
+        manifest = mf.finalize(tmp, final, info)
+        stat = next(s for s in reversed(self.stats) if s["step"] == info["step"])
+        stat.update(total_s=time.perf_counter() - started, bytes=sum(f["bytes"] for f in manifest["files"].values()))
         self._prune(info["step"])
 
     def _prune(self, newest: int) -> None:

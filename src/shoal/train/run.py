@@ -116,6 +116,7 @@ def run_training(cfg: Config, run_dir: Path, env: DistEnv, resume: str = "auto",
     finally:
         sinks.close()
     summary = summarize(state, n_params, time.perf_counter() - t_start, env, recovery, run_dir)
+    summary["checkpoints"] = ckpt.stats
     if is_main:
         if cfg.checkpoint.final_weights:
             from safetensors.torch import save_model  # handles tied weights (GPT's embedding/head)
@@ -138,10 +139,12 @@ def resume_state(state: TrainState, run_dir: Path, env: DistEnv, resume: str) ->
     if not value:  # a fresh start; after an elastic restart with no checkpoint yet, all steps are redone
         return {"checkpoint": None, "resumed_from_step": 0, **failure} if env.restart_count else None
     path = Path(value)
+    t0 = time.perf_counter()
     train_state = check_compatible(state.cfg, path)
     same_rng = restore_from(state, path, train_state, env)
     state.bad_steps.load_state_dict(train_state["bad_steps"])
-    return {"checkpoint": str(path), "resumed_from_step": state.sampler.step, "rng_restored": same_rng, **failure}
+    return {"checkpoint": str(path), "resumed_from_step": state.sampler.step, "rng_restored": same_rng,
+            "restore_s": time.perf_counter() - t0, **failure}
 
 
 def restore_from(state: TrainState, path: Path, train_state: dict, env: DistEnv) -> bool:
