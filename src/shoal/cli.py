@@ -24,7 +24,7 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--max-restarts", type=int, default=0,
                    help="restart the worker group this many times after a failure; it resumes from the newest "
                         "checkpoint (default 0)")
-    t.add_argument("--nnodes", type=int, default=1, help="nodes in the job (default 1)")
+    t.add_argument("--nnodes", default="1", metavar="N", help="nodes in the job (default 1)")
     t.add_argument("--node-rank", type=int, default=0, help="this node's rank; node 0 hosts the rendezvous")
     t.add_argument("--rdzv-endpoint", help="HOST:PORT of node 0, for multi-node jobs")
     c = sub.add_parser("checkpoints", help="list a run's checkpoints with step, world size, size and validity")
@@ -71,14 +71,16 @@ def train(args: argparse.Namespace) -> int:
 
         worker.main(cfg, args.run_dir, args.config, args.resume)  # does not return
     from shoal.checkpoint.resume import check_compatible, check_run_dir, find_resume_point
-    from shoal.launch import check_launch_args, launch
+    from shoal.launch import check_launch_args, launch, parse_nnodes
     from shoal.models.registry import count_parameters
     from shoal.plan import make_plan
     from shoal.train.run import build_data_and_model
     from shoal.worker import default_run_dir, threads_per_worker
 
-    check_launch_args(args.nproc, args.nnodes, args.node_rank, args.rdzv_endpoint, args.max_restarts)
-    plan = make_plan(cfg, args.nproc * args.nnodes)  # everything that can be checked is, before any worker starts
+    nodes = parse_nnodes(args.nnodes)
+    check_launch_args(args.nproc, nodes, args.node_rank, args.rdzv_endpoint, args.max_restarts)
+    for n in range(nodes[0], nodes[1] + 1):  # every world size the job may take must be a valid layout
+        plan = make_plan(cfg, args.nproc * n)  # everything that can be checked is, before any worker starts
     _, bundle = build_data_and_model(cfg, plan, device="meta")
     run_dir = args.run_dir or str(default_run_dir(args.config))
     check_run_dir(Path(run_dir), cfg, count_parameters(bundle.model))
@@ -87,7 +89,7 @@ def train(args: argparse.Namespace) -> int:
         check_compatible(cfg, resume_from)
     worker_argv = ["-m", "shoal", "train", *([args.config] if args.config else []),
                    *[a for s in args.set for a in ("--set", s)], "--run-dir", run_dir, "--resume", args.resume]
-    return launch(worker_argv, args.nproc, args.nnodes, args.node_rank, args.rdzv_endpoint,
+    return launch(worker_argv, args.nproc, nodes, args.node_rank, args.rdzv_endpoint,
                   threads=threads_per_worker(cfg, args.nproc), max_restarts=args.max_restarts)
 
 

@@ -65,7 +65,9 @@ def init(backend: str, timeout_s: float) -> DistEnv:
         agent_store = env.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
         base = dist.TCPStore(env["MASTER_ADDR"], int(env["MASTER_PORT"]), world,
                              is_master=(rank == 0 and not agent_store), timeout=timeout)
-        prefix = f"shoal/attempt_{restart}"
+        # a node joining an elastic job re-forms the group without counting a restart: the world size
+        # tells those rounds apart
+        prefix = f"shoal/attempt_{restart}_world_{world}"
         store = dist.PrefixStore(prefix, base)  # [Note: per-attempt store]
         side = dist.TCPStore(env["MASTER_ADDR"], int(env["MASTER_PORT"]), world, is_master=False,
                              timeout=timedelta(seconds=10), wait_for_workers=False)

@@ -64,7 +64,7 @@ def main(cfg: Config, run_dir: str | None, config_path: str | None, resume: str 
             val = f", val loss {summary['val_loss']:.4f}" if summary.get("val_loss") is not None else ""
             print(f"done: {summary['steps']} steps in {summary['total_time_s']:.1f} s; final loss "
                   f"{summary['final_loss']:.4f}{val}\nresults in {path}/ (summary.json, metrics.jsonl, "
-                  f"config.toml, tensorboard/)", flush=True)
+                  f"config.toml, checkpoints/, tensorboard/)", flush=True)
         dist.shutdown()
     except signals.Interrupted as e:
         handler.record_exception(e)

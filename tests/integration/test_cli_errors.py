@@ -18,7 +18,9 @@ CASES = {
                           "data.path = '/no/such/corpus' does not exist"),
     "unknown model name": (["--set", "model.name=gtp"], 'unknown model.name = "gtp"'),
     "fp16 on CPU": (["--set", "precision.dtype=fp16"], '"fp16" needs CUDA'),
-    "bad --nproc": (["--nproc", "0"], "--nproc (0) and --nnodes (1) must be >= 1"),
+    "bad --nproc": (["--nproc", "0"], "--nproc (0) must be >= 1"),
+    "bad --nnodes": (["--nnodes", "two"], "--nnodes 'two': expected a number of nodes"),
+    "elastic --nnodes range": (["--nnodes", "1:2"], "--nnodes 1:2: elastic node ranges are not supported yet"),
     "multi-node without endpoint": (["--nnodes", "2"], "--nnodes 2 needs --rdzv-endpoint"),
 }
 

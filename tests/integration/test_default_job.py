@@ -22,3 +22,4 @@ def test_default_job_reaches_target_and_writes_results(tmp_path):
     assert (run_dir / "config.toml").read_text().startswith("[model]")
     assert list((run_dir / "tensorboard").glob("events.out.tfevents.*"))
     assert (run_dir / "model.safetensors").stat().st_size > 3_000_000  # 842k fp32 parameters
+    assert [p.name for p in (run_dir / "checkpoints").iterdir()] == ["step_00000600"]

@@ -18,6 +18,7 @@ from pathlib import Path
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemWriter
+from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
 from shoal.checkpoint import manifest as mf
 from shoal.checkpoint.safe_io import SafeFileSystemReader, SafeLoadPlanner
@@ -28,7 +29,8 @@ from shoal.config import CheckpointConfig
 
 @dataclass
 class _Pending:
-    future: object  # concurrent.futures.Future of dcp.async_save
+    staged: object  # Future: the state is copied; the model may change again
+    future: object  # Future: the copy is on disk
     tmp: Path
     final: Path
     info: dict
@@ -46,6 +48,13 @@ class CheckpointManager:
         self.stats: list[dict] = []
         # async saves get their own group: created collectively, by every rank, up front
         self.group = dist.new_group(backend="gloo") if cfg.enabled and cfg.async_save else None
+        # [Note: async staging] the copy of the state is made by a background thread while the next
+        # step's forward and backward run; the optimizer waits for it (wait_staged) before it changes
+        # the weights. Measured on a 100M-parameter GPT on CPU: staging in the training thread
+        # stalled it 2.7 s of a 2.8 s blocking save.
+        self.stager = DefaultStager(StagingOptions(use_pinned_memory=False, use_shared_memory=False,
+                                                   use_async_staging=True, use_non_blocking_copy=False)) \
+            if self.group is not None else None
 
     def due(self, step: int, last: bool) -> bool:
         return self.cfg.enabled and (last or (self.cfg.interval > 0 and step % self.cfg.interval == 0))
@@ -69,14 +78,22 @@ class CheckpointManager:
         state = tensor_state(model, optimizer)
         self.stats.append({"step": step, "async": self.group is not None})
         if self.group is not None:
-            with self.log.record("dcp.async_save (staging)", "checkpoint group"):
-                fut = dcp.async_save(state, storage_writer=FileSystemWriter(tmp), process_group=self.group)
-            self.pending = _Pending(fut, tmp, final, info, t0)
+            with self.log.record("dcp.async_save (planning)", "checkpoint group"):
+                response = dcp.async_save(state, storage_writer=FileSystemWriter(tmp), process_group=self.group,
+                                          async_stager=self.stager)
+            self.pending = _Pending(response.staging_completion, response.upload_completion, tmp, final, info, t0)
         else:
             with self.log.record("dcp.save", "world"):
                 dcp.save(state, storage_writer=FileSystemWriter(tmp))
             self._finish(tmp, final, info, t0)
         self.stats[-1]["blocking_s"] = time.perf_counter() - t0
+
+    def wait_staged(self) -> None:
+        """Block until an async save has its copy of the state ([Note: async staging]); cheap otherwise."""
+        if self.pending is not None and not self.pending.staged.done():
+            t0 = time.perf_counter()
+            self.pending.staged.result()
+            self.stats[-1]["blocking_s"] += time.perf_counter() - t0
 
     def poll(self) -> None:
         """Finish an async save whose writing is done (cheap; call once per step)."""
@@ -86,8 +103,14 @@ class CheckpointManager:
     def wait(self) -> None:
         if self.pending is not None:
             p, self.pending = self.pending, None
+            self.wait_staged()
             p.future.result()  # raises if writing failed
             self._finish(p.tmp, p.final, p.info, p.started)
+
+    def close(self) -> None:
+        self.wait()
+        if self.stager is not None:
+            self.stager.close()
 
     def _finish(self, tmp: Path, final: Path, info: dict, started: float) -> None:
         # DCP returns on rank 0 only after every rank reported its data written, and every rank wrote

@@ -46,6 +46,7 @@ class TrainState:
     rollback: Callable[[int], None] | None = None  # reload the newest checkpoint, skipping a data step
     log: CollectiveLog = field(default_factory=CollectiveLog)  # collectives entered, for hang reports
     stop_requested: Callable[[], int] = lambda: 0  # nonzero when this process was asked to stop
+    before_update: Callable[[], None] = lambda: None  # runs before the optimizer changes the weights
     history: list[dict] = field(default_factory=list)  # per-step metrics, kept on every rank
     # called after every step with (metrics, is_last_step): checkpoints, heartbeats (see train/run.py)
     hooks: list[Callable[[dict, bool], None]] = field(default_factory=list)
@@ -110,6 +111,7 @@ def train_step(state: TrainState, micro_batches: list[Batch], timer: StepTimer) 
     if bad:
         precision.skip(state.optimizer)
     else:
+        state.before_update()  # e.g. an async checkpoint still copying the weights
         precision.step(state.optimizer)
         state.scheduler.step()
     state.optimizer.zero_grad(set_to_none=True)

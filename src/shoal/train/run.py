@@ -81,6 +81,7 @@ def run_training(cfg: Config, run_dir: Path, env: DistEnv, resume: str = "auto",
     ckpt = CheckpointManager(run_dir, cfg.checkpoint, env.rank, env.world_size, log)
     state.hooks.append(lambda m, last: save_if_due(ckpt, state, m["step"], last))
     state.rollback = lambda data_step: rollback(state, ckpt, run_dir, env, data_step)
+    state.before_update = ckpt.wait_staged
     if is_main:
         heartbeat = run_dir / PROGRESS
         state.hooks.append(lambda m, last: _write_json_atomic(heartbeat, {"step": m["step"], "time": m["time"]}))
@@ -108,11 +109,11 @@ def run_training(cfg: Config, run_dir: Path, env: DistEnv, resume: str = "auto",
             step = state.sampler.step
             if cfg.checkpoint.enabled and not (run_dir / "checkpoints" / step_dir_name(step)).exists():
                 save_if_due(ckpt, state, step, last=True)
-            ckpt.wait()
+            ckpt.close()
             saved = run_dir / "checkpoints" / step_dir_name(step)
             signum = signals.requested() or signal.SIGTERM  # another rank got the signal: say it was SIGTERM
             raise signals.Interrupted(signum, step, str(saved) if saved.exists() else None)
-        ckpt.wait()  # an async save in flight is part of the run
+        ckpt.close()  # an async save in flight is part of the run
     finally:
         sinks.close()
     summary = summarize(state, n_params, time.perf_counter() - t_start, env, recovery, run_dir)
