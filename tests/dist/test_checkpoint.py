@@ -94,10 +94,10 @@ def test_sigkill_with_restarts_recovers_exactly(tmp_path, reference):
         assert 0 < rec["seconds_lost"] < 60, rec
 
 
-@pytest.mark.parametrize("before,after", [(2, 1), (1, 2)])
+@pytest.mark.parametrize("before,after", [(2, 1), (1, 2), (2, 4)])
 def test_resize_continues_the_loss_curve(tmp_path, reference, before, after):
     run_dir = tmp_path / "run"
-    forwards = FORWARDS_PER_STEP * (2 // before)
+    forwards = FORWARDS_PER_STEP * 2 // before
     train(*args(run_dir, before, *fault(before - 1, 6 * forwards + 1, tmp_path / "fired")), expect=1)
     train(*args(run_dir, after))
     ours = losses_by_step(read_metrics(run_dir))

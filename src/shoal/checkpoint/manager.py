@@ -1,4 +1,4 @@
-"""Saving, finishing, pruning and finding checkpoints of one run (run_dir/checkpoints/step_XXXXXXXX).
+"""Saving, finishing, pruning and finding checkpoints of one run (run_dir/checkpoints/step_<step:08d>).
 
 A save is collective: every rank writes its shard and its RNG file into the temporary folder; rank 0
 adds the train state, then, once DCP reports every rank's data written, the manifest and the rename

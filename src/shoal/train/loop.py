@@ -126,7 +126,7 @@ def evaluate(state: TrainState) -> dict[str, float]:
     cfg, source = state.cfg, state.source
     model = state.model.module if isinstance(state.model, torch.nn.parallel.DistributedDataParallel) else state.model
     was_training = model.training
-    model.eval()
+    model.train(False)  # evaluation mode: no dropout, BatchNorm uses running statistics
     totals: dict[str, list[torch.Tensor]] = {}
     B = cfg.train.global_batch_size
     for b in range(cfg.train.val_batches):

@@ -107,7 +107,8 @@ def run_training(cfg: Config, run_dir: Path, env: DistEnv, resume: str = "auto",
         finished = train_loop(state, lambda start: Prefetcher(make, start, cfg.data.prefetch), sinks)
         if not finished:  # asked to stop: keep the work done so far, then leave
             step = state.sampler.step
-            if cfg.checkpoint.enabled and not (run_dir / "checkpoints" / step_dir_name(step)).exists():
+            # decided from what every rank knows alike (not the filesystem, which rank 0 may still be sealing)
+            if not ckpt.stats or ckpt.stats[-1]["step"] != step:
                 save_if_due(ckpt, state, step, last=True)
             ckpt.close()
             saved = run_dir / "checkpoints" / step_dir_name(step)
