@@ -33,6 +33,18 @@ class Result:
         return self.stdout + self.stderr
 
 
+def pytest_collection_finish(session):
+    """A whole-suite run must collect every test folder: a folder skipped by a collection rule (pytest
+    ignores folders named "dist" unless told otherwise) would otherwise pass silently."""
+    roots = [Path(a.split("::")[0]).resolve() for a in session.config.args]
+    here = Path(__file__).parent.resolve()
+    if here in roots or ROOT in roots:
+        found = {Path(str(item.fspath)).parent.name for item in session.items}
+        missing = {"unit", "dist", "integration"} - found
+        if missing:
+            raise pytest.UsageError(f"no tests were collected from tests/{', tests/'.join(sorted(missing))}")
+
+
 def descendants(pid: int) -> list[int]:
     """PIDs of every process below `pid` (from /proc), deepest last."""
     children: dict[int, list[int]] = {}
