@@ -2,23 +2,43 @@
 
 The handler only records the request. The training loop folds it into the step's loss all-reduce,
 so every rank learns at the same step that some rank was asked to stop; then the run saves a final
-checkpoint (unless one exists for that step) and exits with 128 + the signal number. A rank stuck
-where Python cannot run its handler is ended by the elastic agent's SIGKILL after its grace period.
+checkpoint (unless one exists for that step) and exits with 128 + the signal number.
+
+When the signal is the elastic agent stopping the survivors of a failed run (another rank has
+published its failure), there is nothing to save and no step to finish: the rank exits at once
+instead of making the agent wait out its grace period. A rank stuck where Python cannot run its
+handler is ended by the agent's SIGKILL after that period.
 """
 
 from __future__ import annotations
 
+import os
 import signal
+import sys
+from collections.abc import Callable
+
+
+
+def _never() -> bool:
+    return False
+
 
 _requested = 0
+_run_failed: Callable[[], bool] = _never
 
 
 def _handler(signum, frame) -> None:
     global _requested
+    if _run_failed():
+        sys.stderr.flush()
+        os._exit(128 + signum)
     _requested = _requested or signum
 
 
-def install() -> None:
+def install(run_failed: Callable[[], bool] = _never) -> None:
+    """Handle SIGTERM and SIGINT; `run_failed()` says whether another rank already failed."""
+    global _run_failed
+    _run_failed = run_failed
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, _handler)
 

@@ -40,10 +40,18 @@ def threads_per_worker(cfg: Config, local_world_size: int) -> int:
     return cfg.parallel.threads_per_worker or max(1, cores // local_world_size)
 
 
+def _quiet(fn, default):
+    """fn(), or `default` if it raises: for best-effort store calls while a run is failing."""
+    try:
+        return fn()
+    except Exception:  # noqa: BLE001
+        return default
+
+
 def main(cfg: Config, run_dir: str | None, config_path: str | None, resume: str = "auto") -> None:
     """Entry point of a launched worker; never returns."""
     faulthandler.register(signal.SIGUSR1, all_threads=True)  # `kill -USR1 PID`: where is this rank?
-    signals.install()  # SIGTERM / Ctrl-C: finish the step, save, exit (signals.py)
+    failed_key = "shoal/failed"
     handler = get_error_handler()
     handler.initialize()
     code, watchdog = 0, None
@@ -53,6 +61,8 @@ def main(cfg: Config, run_dir: str | None, config_path: str | None, resume: str 
         plan = make_plan(cfg, int(os.environ["WORLD_SIZE"]))
         env = dist.init(plan.backend, cfg.parallel.timeout_s)
         watchdog = Watchdog(log, env.status_store, env.rank)
+        # SIGTERM / Ctrl-C: finish the step, save, exit; but at once when another rank failed (signals.py)
+        signals.install(lambda: _quiet(lambda: env.status_store.check([failed_key]), False))
         # every rank must write to the same place: rank 0 names it, the others read it from the store
         if env.rank == 0:
             env.store.set("run_dir", str(run_dir or default_run_dir(config_path)))
@@ -78,6 +88,8 @@ def main(cfg: Config, run_dir: str | None, config_path: str | None, resume: str 
     except BaseException as e:  # noqa: BLE001 - any failure must end this rank with its traceback shown
         rank = os.environ.get("RANK", "?")
         print(f"[rank {rank}] " + "".join(traceback.format_exception(e)), file=sys.stderr)
+        if watchdog:  # tell the other ranks: the agent's coming SIGTERM means "leave now"
+            _quiet(lambda: watchdog.store.set(failed_key, rank), None)
         report = collective_report(watchdog, int(os.environ["WORLD_SIZE"]), e) if watchdog else None
         if report:  # a collective failed: say who did not arrive and where everyone was
             print(f"shoal: {report}", file=sys.stderr, flush=True)
