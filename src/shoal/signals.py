@@ -18,7 +18,6 @@ import sys
 from collections.abc import Callable
 
 
-
 def _never() -> bool:
     return False
 
