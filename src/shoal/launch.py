@@ -50,8 +50,9 @@ def launch(worker_argv: list[str], nproc: int, nnodes: tuple[int, int] = (1, 1),
 
 def parse_nnodes(text: str) -> tuple[int, int]:
     """--nnodes as (min, max) nodes. An elastic range MIN:MAX (torchrun's syntax) is refused: with torch
-    2.13 a node joining a running c10d job hung both agents in re-rendezvous (waiting on each other's
-    store keys for 60 s), so shoal does not offer it until that is solved."""
+    2.13 a node joining a running c10d job hangs both agents in re-rendezvous (each waits 60 s on the
+    other's store keys, role_info / MASTER_ADDR), reproduced with plain torchrun and a 10-line script
+    (upstream: pytorch/pytorch#123678, scale-up with c10d). Runs still resize through checkpoints."""
     if ":" in text:
         raise UserError(f"--nnodes {text}: elastic node ranges are not supported yet; give a fixed number of nodes "
                         f"(a run still resumes on any world size from its checkpoints)")
