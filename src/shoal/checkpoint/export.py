@@ -11,10 +11,8 @@ from pathlib import Path
 import torch.distributed.checkpoint as dcp
 
 from shoal.checkpoint import manifest as mf
-from shoal.checkpoint.resume import toml_loads
 from shoal.checkpoint.safe_io import SafeFileSystemReader, SafeLoadPlanner
-from shoal.checkpoint.state import TRAIN_STATE, read_json
-from shoal.config import validate_config
+from shoal.checkpoint.state import TRAIN_STATE, read_json, saved_config
 from shoal.errors import UserError
 from shoal.models.registry import DataSpec, build_model
 
@@ -49,7 +47,7 @@ def export_weights(run_dir: Path, out: Path, step: int | None = None) -> mf.Chec
         raise UserError(f"{run_dir} has no valid checkpoint {what}{problem}")
     ckpt = valid[-1]
     train_state = read_json(ckpt.path / TRAIN_STATE)
-    cfg = validate_config(toml_loads(train_state["config"]), origin=f"{ckpt.path}/{TRAIN_STATE}")
+    cfg = saved_config(train_state, f"{ckpt.path}/{TRAIN_STATE}")
     bundle = build_model(cfg.model, DataSpec(**train_state["data_spec"]))
     state = {"model": bundle.model.state_dict()}
     with warnings.catch_warnings():  # DCP warns that it loads without a process group: that is the intent

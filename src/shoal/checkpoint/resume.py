@@ -17,8 +17,8 @@ import numpy as np
 import torch
 
 from shoal.checkpoint import manifest as mf
-from shoal.checkpoint.state import TRAIN_STATE, read_json, restore_rng, rng_file
-from shoal.config import Config, validate_config
+from shoal.checkpoint.state import TRAIN_STATE, read_json, restore_rng, rng_file, saved_config
+from shoal.config import Config
 from shoal.errors import UserError
 
 # keys that must match for the checkpoint to be this run: the model's shape, and what decides the data
@@ -67,7 +67,7 @@ def check_run_dir(run_dir: Path, cfg: Config, n_params: int) -> None:
 def check_compatible(cfg: Config, path: Path) -> dict:
     """The checkpoint's train state, after checking that its config describes this model and data."""
     state = read_json(path / TRAIN_STATE)
-    saved = validate_config(toml_loads(state["config"]), origin=f"{path}/train_state.json")
+    saved = saved_config(state, f"{path}/{TRAIN_STATE}")
     for key in [f"model.{k}" for k in type(cfg.model).model_fields] + list(MUST_MATCH):
         section, name = key.split(".")
         ours, theirs = getattr(getattr(cfg, section), name, None), getattr(getattr(saved, section), name, None)
@@ -91,9 +91,3 @@ def restore_rng_for(path: Path, rank: int, world_size: int, seed: int, step: int
     np.random.seed(mixed)
     torch.manual_seed(mixed)
     return False
-
-
-def toml_loads(text: str) -> dict:
-    from shoal.config import tomllib
-
-    return tomllib.loads(text)

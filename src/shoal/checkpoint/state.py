@@ -9,6 +9,7 @@ rank's RNG states (python, numpy, torch CPU and CUDA) in its own file.
 from __future__ import annotations
 
 import json
+import os
 import random
 from pathlib import Path
 
@@ -20,6 +21,8 @@ from torch.distributed.checkpoint.state_dict import (
     set_model_state_dict,
     set_optimizer_state_dict,
 )
+
+from shoal.config import Config, tomllib, validate_config
 
 TRAIN_STATE = "train_state.json"
 
@@ -58,9 +61,26 @@ def restore_rng(state: dict) -> None:
         torch.cuda.set_rng_state_all([torch.tensor(s, dtype=torch.uint8) for s in state["cuda"]])
 
 
-def write_json(path: Path, obj: dict) -> None:
-    path.write_text(json.dumps(obj), encoding="utf-8")
+def write_json(path: Path, obj) -> None:
+    """Write through a temporary file and a rename: a reader never sees half a file."""
+    tmp = path.with_name(path.name + f".{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(obj), encoding="utf-8")
+    tmp.replace(path)
 
 
-def read_json(path: Path) -> dict:
-    return json.loads(path.read_text(encoding="utf-8"))
+_REQUIRED = object()
+
+
+def read_json(path: Path, default=_REQUIRED):
+    """The file's JSON; `default` instead when it is missing or unreadable, if one is given."""
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        if default is _REQUIRED:
+            raise
+        return default
+
+
+def saved_config(train_state: dict, where: str) -> Config:
+    """The validated config a checkpoint was written with."""
+    return validate_config(tomllib.loads(train_state["config"]), origin=where)

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
 import signal
 import statistics
 import time
@@ -21,7 +20,7 @@ from shoal import signals
 from shoal.checkpoint.manager import CheckpointManager, load_checkpoint
 from shoal.checkpoint.manifest import list_checkpoints, step_dir_name
 from shoal.checkpoint.resume import check_compatible, find_resume_point, restore_rng_for
-from shoal.checkpoint.state import TRAIN_STATE, read_json
+from shoal.checkpoint.state import TRAIN_STATE, read_json, write_json
 from shoal.comm.watchdog import CollectiveLog
 from shoal.config import Config
 from shoal.data.loader import Prefetcher
@@ -84,7 +83,7 @@ def run_training(cfg: Config, run_dir: Path, env: DistEnv, resume: str = "auto",
     state.before_update = ckpt.wait_staged
     if is_main:
         heartbeat = run_dir / PROGRESS
-        state.hooks.append(lambda m, last: _write_json_atomic(heartbeat, {"step": m["step"], "time": m["time"]}))
+        state.hooks.append(lambda m, last: write_json(heartbeat, {"step": m["step"], "time": m["time"]}))
 
     def make(step: int):
         return [source.train_batch(i) for i in
@@ -135,7 +134,7 @@ def resume_state(state: TrainState, run_dir: Path, env: DistEnv, resume: str) ->
         path = find_resume_point(run_dir, resume)
         env.store.set("resume_from", str(path) if path else "")
     value = env.store.get("resume_from").decode()
-    progress = _read_json(run_dir / PROGRESS) or {}
+    progress = read_json(run_dir / PROGRESS, {})
     failure = {"restart": env.restart_count, "failed_after_step": progress.get("step"),
                "failed_at": progress.get("time")}
     if not value:  # a fresh start; after an elastic restart with no checkpoint yet, all steps are redone
@@ -194,14 +193,14 @@ def summarize(state: TrainState, n_params: int, total_s: float, env: DistEnv, re
     speeds = [m[f"{items}_per_s"] for m in h[1:]] or [m[f"{items}_per_s"] for m in h]  # step 1 warms up
     vals = [m for m in h if "val_loss" in m]
     dims = state.plan.dims
-    recoveries = _read_json(run_dir / "recoveries.json") or []
+    recoveries = read_json(run_dir / "recoveries.json", [])
     if recovery and h:
         # time lost to the failure: from the last step completed before it to the first step after it
         recovery = {**recovery, "steps_redone": (recovery["failed_after_step"] or 0) - recovery["resumed_from_step"],
                     "seconds_lost": h[0]["time"] - recovery["failed_at"] if recovery["failed_at"] else None}
         recoveries.append(recovery)
         if env.rank == 0:
-            _write_json_atomic(run_dir / "recoveries.json", recoveries)
+            write_json(run_dir / "recoveries.json", recoveries)
     return {
         "model": state.cfg.model.name,
         "parameters": n_params,
@@ -220,17 +219,3 @@ def summarize(state: TrainState, n_params: int, total_s: float, env: DistEnv, re
         "restarts": env.restart_count,
         "recoveries": recoveries,
     }
-
-
-def _read_json(path: Path):
-    try:
-        return json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return None
-
-
-def _write_json_atomic(path: Path, obj) -> None:
-    tmp = path.with_name(path.name + f".{os.getpid()}.tmp")
-    tmp.write_text(json.dumps(obj), encoding="utf-8")
-    tmp.replace(path)
-
