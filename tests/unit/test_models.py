@@ -56,3 +56,27 @@ def test_gpt_vocab_smaller_than_data_is_refused():
 
     with pytest.raises(UserError, match=r"model.vocab_size \(100\) is smaller than the data's vocabulary \(256\)"):
         bundle_for("model.vocab_size=100", spec=DataSpec("tokens", vocab_size=256))
+
+
+def test_meta_build_materializes_with_ties_and_loads_exactly():
+    from shoal.models.meta import has_transient_buffers, materialize, on_meta
+
+    spec = DataSpec("tokens", vocab_size=256)
+    torch.manual_seed(0)
+    ref = bundle_for("model.n_layer=2", "model.d_model=32", "model.n_head=2", spec=spec).model
+    with on_meta():
+        m = bundle_for("model.n_layer=2", "model.d_model=32", "model.n_head=2", spec=spec).model
+    assert all(p.is_meta for p in m.parameters())
+    materialize(m, "cpu")
+    assert m.head.weight is m.tok_emb.weight  # the tie survives allocation
+    assert not has_transient_buffers(m)
+    m.load_state_dict(ref.state_dict())
+    x = torch.randint(256, (2, 16))
+    assert torch.equal(m(x), ref(x))
+    # a loaded tied weight is one tensor: training it moves both ends
+    with torch.no_grad():
+        m.tok_emb.weight.add_(1)
+    assert torch.equal(m.head.weight, ref.head.weight + 1)
+    r = bundle_for("model.name=resnet", "data.source=synthetic-images",
+                   spec=DataSpec("images", num_classes=7, image_size=32)).model
+    assert not has_transient_buffers(r)  # batch-norm statistics are persistent: in the checkpoint

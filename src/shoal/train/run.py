@@ -29,6 +29,7 @@ from shoal.data.sources import build_source
 from shoal.dist import DistEnv
 from shoal.errors import TrainingError, UserError
 from shoal.metrics.sinks import MetricsSinks
+from shoal.models.meta import has_transient_buffers, materialize, on_meta
 from shoal.models.registry import build_model, count_parameters
 from shoal.parallel.apply import check_parallelizable, parallelize
 from shoal.plan import RunPlan, make_plan
@@ -40,15 +41,24 @@ from shoal.train.precision import Precision
 PROGRESS = "progress.json"  # rank 0's heartbeat: the last completed step and when
 
 
-def build_data_and_model(cfg: Config, plan: RunPlan, device: str = "cpu"):
+def build_data_and_model(cfg: Config, plan: RunPlan, device: str = "cpu", init: bool = True):
     """The data source and the model bundle; also used before launch (on the meta device) to check
-    that they fit together without allocating the weights."""
+    that they fit together without allocating the weights. `init=False`: the weights are allocated
+    but not computed, for a resume that is about to load them."""
     source = build_source(cfg.data, getattr(cfg.model, "seq_len", None))
     if source.num_val < plan.dims.dp:
         raise UserError(f"the validation split has {source.num_val} samples, fewer than dp ({plan.dims.dp}); "
                         f"raise data.val_fraction")
-    with torch.device(device):
-        bundle = build_model(cfg.model, source.spec)
+    if device == "meta" or not init:
+        with on_meta():
+            bundle = build_model(cfg.model, source.spec)
+        if device != "meta":
+            if has_transient_buffers(bundle.model):  # state a checkpoint does not hold: build it normally
+                return build_data_and_model(cfg, plan, device)
+            materialize(bundle.model, device)
+    else:
+        with torch.device(device):
+            bundle = build_model(cfg.model, source.spec)
     check_parallelizable(bundle, cfg)
     return source, bundle
 
@@ -59,8 +69,9 @@ def run_training(cfg: Config, run_dir: Path, env: DistEnv, resume: str = "auto",
     t_start = time.perf_counter()
     plan = make_plan(cfg, env.world_size)
     dims = plan.dims
+    resume_path = agree_resume_point(run_dir, env, resume)
     torch.manual_seed(cfg.train.seed)  # identical initial weights on every rank
-    source, bundle = build_data_and_model(cfg, plan)
+    source, bundle = build_data_and_model(cfg, plan, init=resume_path is None)
     log = log or CollectiveLog()
     model = parallelize(bundle, dims, cfg, env.device, log)
     torch.manual_seed(cfg.train.seed + 1 + env.rank)  # dropout etc. differ per rank, reproducibly
@@ -76,7 +87,7 @@ def run_training(cfg: Config, run_dir: Path, env: DistEnv, resume: str = "auto",
     if is_main:
         run_dir.mkdir(parents=True, exist_ok=True)
         (run_dir / "config.toml").write_text(cfg.to_toml(), encoding="utf-8")
-    recovery = resume_state(state, run_dir, env, resume)
+    recovery = resume_state(state, resume_path, run_dir, env)
     ckpt = CheckpointManager(run_dir, cfg.checkpoint, env.rank, env.world_size, log)
     state.hooks.append(lambda m, last: save_if_due(ckpt, state, m["step"], last))
     state.rollback = lambda data_step: rollback(state, ckpt, run_dir, env, data_step)
@@ -127,19 +138,23 @@ def run_training(cfg: Config, run_dir: Path, env: DistEnv, resume: str = "auto",
     return summary
 
 
-def resume_state(state: TrainState, run_dir: Path, env: DistEnv, resume: str) -> dict | None:
-    """Collective: restore the newest usable checkpoint, if any. Returns what the summary reports
-    about the recovery (None on a fresh start)."""
+def agree_resume_point(run_dir: Path, env: DistEnv, resume: str) -> Path | None:
+    """Collective: the checkpoint every rank resumes from (rank 0 picks it), or None."""
     if env.rank == 0:
         path = find_resume_point(run_dir, resume)
         env.store.set("resume_from", str(path) if path else "")
     value = env.store.get("resume_from").decode()
+    return Path(value) if value else None
+
+
+def resume_state(state: TrainState, path: Path | None, run_dir: Path, env: DistEnv) -> dict | None:
+    """Collective: restore the checkpoint at `path`, if any. Returns what the summary reports about the
+    recovery (None on a fresh start)."""
     progress = read_json(run_dir / PROGRESS, {})
     failure = {"restart": env.restart_count, "failed_after_step": progress.get("step"),
                "failed_at": progress.get("time")}
-    if not value:  # a fresh start; after an elastic restart with no checkpoint yet, all steps are redone
+    if path is None:  # a fresh start; after an elastic restart with no checkpoint yet, all steps are redone
         return {"checkpoint": None, "resumed_from_step": 0, **failure} if env.restart_count else None
-    path = Path(value)
     t0 = time.perf_counter()
     train_state = check_compatible(state.cfg, path)
     same_rng = restore_from(state, path, train_state, env)
