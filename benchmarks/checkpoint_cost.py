@@ -78,6 +78,9 @@ def recovery_seconds(run_dir: Path, size: str) -> float:
     if proc.wait(timeout=900) != 0:
         raise RuntimeError(f"the run did not recover (exit {proc.returncode})")
     after = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    parts = json.loads((run_dir / "summary.json").read_text())["recoveries"][-1]["breakdown_s"]
+    print("  recovery breakdown (s, from the last step before the kill): "
+          + ", ".join(f"{k} {v:.2f}" for k, v in parts.items()), flush=True)
     return min(m["time"] for m in after if m["time"] > killed_at) - killed_at
 
 

@@ -92,6 +92,9 @@ def test_sigkill_with_restarts_recovers_exactly(tmp_path, reference):
         assert rec["resumed_from_step"] == (step_killed - 1) // 4 * 4, (kill_at, rec)
         assert rec["steps_redone"] == step_killed - 1 - rec["resumed_from_step"], (kill_at, rec)
         assert 0 < rec["seconds_lost"] < 60, rec
+        parts = rec["breakdown_s"]  # the parts are consecutive spans of the seconds lost
+        assert set(parts) == {"respawn", "startup", "restore", "first_step"} and min(parts.values()) >= 0, rec
+        assert sum(parts.values()) == pytest.approx(rec["seconds_lost"], abs=1e-3), rec
 
 
 @pytest.mark.parametrize("before,after", [(2, 1), (1, 2), (2, 4)])

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import torch
 
+import shoal
 from shoal import signals
 from shoal.checkpoint.manager import CheckpointManager, load_checkpoint
 from shoal.checkpoint.manifest import list_checkpoints, step_dir_name
@@ -154,13 +155,14 @@ def resume_state(state: TrainState, path: Path | None, run_dir: Path, env: DistE
     failure = {"restart": env.restart_count, "failed_after_step": progress.get("step"),
                "failed_at": progress.get("time")}
     if path is None:  # a fresh start; after an elastic restart with no checkpoint yet, all steps are redone
-        return {"checkpoint": None, "resumed_from_step": 0, **failure} if env.restart_count else None
-    t0 = time.perf_counter()
+        return ({"checkpoint": None, "resumed_from_step": 0, "restore_s": 0.0, "restore_started_at": time.time(),
+                 **failure} if env.restart_count else None)
+    t0, started = time.perf_counter(), time.time()
     train_state = check_compatible(state.cfg, path)
     same_rng = restore_from(state, path, train_state, env)
     state.bad_steps.load_state_dict(train_state["bad_steps"])
     return {"checkpoint": str(path), "resumed_from_step": state.sampler.step, "rng_restored": same_rng,
-            "restore_s": time.perf_counter() - t0, **failure}
+            "restore_s": time.perf_counter() - t0, "restore_started_at": started, **failure}
 
 
 def restore_from(state: TrainState, path: Path, train_state: dict, env: DistEnv) -> bool:
@@ -212,7 +214,8 @@ def summarize(state: TrainState, n_params: int, total_s: float, env: DistEnv, re
     if recovery and h:
         # time lost to the failure: from the last step completed before it to the first step after it
         recovery = {**recovery, "steps_redone": (recovery["failed_after_step"] or 0) - recovery["resumed_from_step"],
-                    "seconds_lost": h[0]["time"] - recovery["failed_at"] if recovery["failed_at"] else None}
+                    "seconds_lost": h[0]["time"] - recovery["failed_at"] if recovery["failed_at"] else None,
+                    "breakdown_s": recovery_breakdown(recovery, h[0]["time"])}
         recoveries.append(recovery)
         if env.rank == 0:
             write_json(run_dir / "recoveries.json", recoveries)
@@ -234,3 +237,13 @@ def summarize(state: TrainState, n_params: int, total_s: float, env: DistEnv, re
         "restarts": env.restart_count,
         "recoveries": recoveries,
     }
+
+
+def recovery_breakdown(recovery: dict, first_step_at: float) -> dict:
+    """Where a recovery's seconds went: until this process started (failure detection, stopping the
+    old workers, spawning), its start-up (imports, rendezvous, model), the restore, the first step."""
+    restored_at = recovery["restore_started_at"] + recovery["restore_s"]
+    return {"respawn": shoal.STARTED_AT - recovery["failed_at"] if recovery["failed_at"] else None,
+            "startup": recovery["restore_started_at"] - shoal.STARTED_AT,
+            "restore": recovery["restore_s"],
+            "first_step": first_step_at - restored_at}
