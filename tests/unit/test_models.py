@@ -80,3 +80,41 @@ def test_meta_build_materializes_with_ties_and_loads_exactly():
     r = bundle_for("model.name=resnet", "data.source=synthetic-images",
                    spec=DataSpec("images", num_classes=7, image_size=32)).model
     assert not has_transient_buffers(r)  # batch-norm statistics are persistent: in the checkpoint
+
+
+def test_cached_checkpoint_state_follows_training_and_loads():
+    """The checkpoint's cached state dict must always equal a freshly built one: after optimizer
+    steps that change the scheduled learning rate, and after a load replaced the optimizer's tensors."""
+    from shoal.checkpoint.state import TensorStateCache, tensor_state
+
+    torch.manual_seed(0)
+    m = bundle_for("model.n_layer=1", "model.d_model=16", "model.n_head=2", "model.seq_len=8",
+                   spec=DataSpec("tokens", vocab_size=256)).model
+    opt = torch.optim.AdamW(m.parameters(), lr=1.0)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (s + 1))
+    cache = TensorStateCache(m, opt)
+
+    def step():
+        m(torch.randint(256, (2, 8))).sum().backward()
+        opt.step()
+        opt.zero_grad()
+        sched.step()
+
+    def same(a, b):
+        if isinstance(a, dict):
+            assert a.keys() == b.keys()
+            return all(same(a[k], b[k]) for k in a)
+        if isinstance(a, list):
+            return len(a) == len(b) and all(same(x, y) for x, y in zip(a, b))
+        return torch.equal(a, b) if isinstance(a, torch.Tensor) else a == b
+
+    assert same(cache.get(), tensor_state(m, opt))  # before the first step: no moments yet
+    for _ in range(3):
+        step()
+        assert same(cache.get(), tensor_state(m, opt))
+    assert cache.get()["optim"]["param_groups"][0]["lr"] == 0.25
+    import copy
+
+    opt.load_state_dict(copy.deepcopy(opt.state_dict()))  # new state tensors: the cache must notice
+    step()
+    assert same(cache.get(), tensor_state(m, opt))

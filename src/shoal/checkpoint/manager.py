@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import shutil
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -22,19 +23,23 @@ from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
 from shoal.checkpoint import manifest as mf
 from shoal.checkpoint.safe_io import SafeFileSystemReader, SafeLoadPlanner
-from shoal.checkpoint.state import TRAIN_STATE, apply_tensor_state, capture_rng, rng_file, tensor_state, write_json
+from shoal.checkpoint.state import (
+    TRAIN_STATE,
+    TensorStateCache,
+    apply_tensor_state,
+    capture_rng,
+    rng_file,
+    tensor_state,
+    write_json,
+)
 from shoal.comm.watchdog import CollectiveLog
 from shoal.config import CheckpointConfig
 
 
 @dataclass
 class _Pending:
-    staged: object  # Future: the state is copied; the model may change again
-    future: object  # Future: the copy is on disk
-    tmp: Path
-    final: Path
-    info: dict
-    started: float
+    staged: Future  # the state is copied; the model may change again
+    sealed: Future  # the copy is on disk, and (rank 0) the manifest written and the folder renamed
 
 
 class CheckpointManager:
@@ -55,6 +60,9 @@ class CheckpointManager:
         self.stager = DefaultStager(StagingOptions(use_pinned_memory=False, use_shared_memory=False,
                                                    use_async_staging=True, use_non_blocking_copy=False)) \
             if self.group is not None else None
+        # sealing (hashing the files, the manifest, the rename, pruning) also leaves the training thread
+        self.sealer = ThreadPoolExecutor(1, thread_name_prefix="shoal-seal") if self.group is not None else None
+        self.cache: TensorStateCache | None = None
 
     def due(self, step: int, last: bool) -> bool:
         return self.cfg.enabled and (last or (self.cfg.interval > 0 and step % self.cfg.interval == 0))
@@ -75,13 +83,16 @@ class CheckpointManager:
         if self.rank == 0:
             write_json(tmp / TRAIN_STATE, train_state)
         info = {"step": step, "world_size": self.world_size, "time": time.time()}
-        state = tensor_state(model, optimizer)
+        if self.cache is None or self.cache.model is not model or self.cache.optimizer is not optimizer:
+            self.cache = TensorStateCache(model, optimizer)
+        state = self.cache.get()
         self.stats.append({"step": step, "async": self.group is not None})
         if self.group is not None:
             with self.log.record("dcp.async_save (planning)", "checkpoint group"):
                 response = dcp.async_save(state, storage_writer=FileSystemWriter(tmp), process_group=self.group,
                                           async_stager=self.stager)
-            self.pending = _Pending(response.staging_completion, response.upload_completion, tmp, final, info, t0)
+            sealed = self.sealer.submit(self._seal_when_written, response.upload_completion, tmp, final, info, t0)
+            self.pending = _Pending(response.staging_completion, sealed)
         else:
             with self.log.record("dcp.save", "world"):
                 dcp.save(state, storage_writer=FileSystemWriter(tmp))
@@ -96,21 +107,25 @@ class CheckpointManager:
             self.stats[-1]["blocking_s"] += time.perf_counter() - t0
 
     def poll(self) -> None:
-        """Finish an async save whose writing is done (cheap; call once per step)."""
-        if self.pending is not None and self.pending.future.done():
+        """Collect an async save that is sealed (cheap; call once per step)."""
+        if self.pending is not None and self.pending.sealed.done():
             self.wait()
 
     def wait(self) -> None:
         if self.pending is not None:
-            p, self.pending = self.pending, None
             self.wait_staged()
-            p.future.result()  # raises if writing failed
-            self._finish(p.tmp, p.final, p.info, p.started)
+            p, self.pending = self.pending, None
+            p.sealed.result()  # raises if writing or sealing failed
 
     def close(self) -> None:
         self.wait()
         if self.stager is not None:
             self.stager.close()
+            self.sealer.shutdown()
+
+    def _seal_when_written(self, written: Future, tmp: Path, final: Path, info: dict, started: float) -> None:
+        written.result()
+        self._finish(tmp, final, info, started)
 
     def _finish(self, tmp: Path, final: Path, info: dict, started: float) -> None:
         # DCP returns on rank 0 only after every rank reported its data written, and every rank wrote
