@@ -33,6 +33,17 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("run_dir")
     e.add_argument("--step", type=int, help="the checkpoint's step (default: the newest valid one)")
     e.add_argument("--out", required=True, help="output file, e.g. model.safetensors")
+    p = sub.add_parser("parity", help="train two configs (two layouts of one run) side by side and compare "
+                                      "their loss and gradient norm step by step")
+    p.add_argument("config_a")
+    p.add_argument("config_b")
+    p.add_argument("--steps", type=int, default=20, help="steps to compare (default 20)")
+    p.add_argument("--rtol", type=float, help="largest relative difference accepted (default: 1e-5 for fp32, "
+                                              "2e-2 when either config computes in bf16, 1e-2 for fp16)")
+    p.add_argument("--nproc", metavar="A,B", help='processes for each config (default: dp x tp x pp; needed when '
+                                                  'parallel.dp = "auto")')
+    p.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
+                   help="override a config value in both configs (repeatable)")
     return parser
 
 
@@ -93,10 +104,25 @@ def train(args: argparse.Namespace) -> int:
                   threads=threads_per_worker(cfg, args.nproc), max_restarts=args.max_restarts)
 
 
+def parity(args: argparse.Namespace) -> int:
+    from shoal.parity import parity as run_parity
+
+    nprocs = (None, None)
+    if args.nproc:
+        try:
+            a, b = (int(x) for x in args.nproc.split(","))
+        except ValueError:
+            raise UserError(f"--nproc {args.nproc!r}: expected two numbers A,B, for example --nproc 1,2") from None
+        if min(a, b) < 1:
+            raise UserError(f"--nproc {args.nproc}: both must be >= 1")
+        nprocs = (a, b)
+    return run_parity(args.config_a, args.config_b, args.steps, args.rtol, nprocs, args.set)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
-        return {"train": train, "checkpoints": checkpoints, "export": export}[args.command](args)
+        return {"train": train, "checkpoints": checkpoints, "export": export, "parity": parity}[args.command](args)
     except UserError as e:
         print(f"shoal: error: {e}", file=sys.stderr)
         return 2

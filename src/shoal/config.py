@@ -107,7 +107,12 @@ class ParallelConfig(Section):
     pp: int = Field(1, ge=1)
     """Pipeline-parallel degree (only 1 is supported yet)."""
     zero: int = Field(0, ge=0, le=3)
-    """ZeRO stage within dp (only 0 is supported yet)."""
+    """ZeRO stage within dp: 0 replicates everything (DDP); 1 shards the optimizer state
+    (ZeroRedundancyOptimizer); 2 also the gradients and 3 also the parameters (FSDP2 `fully_shard`;
+    2 keeps a block's gathered parameters from forward to backward, 3 frees them after forward)."""
+    offload: bool = False
+    """ZeRO 2/3 on CUDA: keep parameters, gradients and optimizer state in CPU memory and run the
+    optimizer step there (FSDP2 CPUOffloadPolicy)."""
     backend: Literal["auto", "gloo", "nccl"] = "auto"
     """Collective backend; auto: nccl when CUDA is available, gloo otherwise."""
     threads_per_worker: int = Field(0, ge=0)
@@ -117,7 +122,7 @@ class ParallelConfig(Section):
 
     @model_validator(mode="after")
     def _supported(self) -> ParallelConfig:
-        for key, value, ok in (("tp", self.tp, 1), ("pp", self.pp, 1), ("zero", self.zero, 0)):
+        for key, value, ok in (("tp", self.tp, 1), ("pp", self.pp, 1)):
             if value != ok:
                 raise ValueError(f"parallel.{key} = {value} is not yet supported; set parallel.{key} = {ok}")
         if self.dp != "auto" and self.dp < 1:
@@ -128,6 +133,9 @@ class ParallelConfig(Section):
 class PrecisionConfig(Section):
     dtype: Literal["fp32", "bf16", "fp16"] = "fp32"
     """Compute dtype under autocast; parameters and optimizer state stay fp32. fp16 needs CUDA."""
+    reduce_dtype: Literal["fp32", "bf16"] = "fp32"
+    """ZeRO 2/3 with dtype bf16: parameters are gathered in bf16 and gradients reduced in this dtype
+    (fp32: exact sums, twice the traffic)."""
     activation_checkpointing: bool = False
     """Recompute each block's activations in backward instead of storing them."""
 

@@ -26,8 +26,9 @@ class RunPlan:
     def describe(self, cfg: Config, items_name: str, items_per_sample: int) -> str:
         t = cfg.train
         return (
-            f"world {self.dims.world_size} = dp {self.dims.dp} x tp {self.dims.tp} x pp {self.dims.pp} "
-            f"({self.backend}); global batch {t.global_batch_size} = micro {t.micro_batch_size} x dp "
+            f"world {self.dims.world_size} = dp {self.dims.dp} x tp {self.dims.tp} x pp {self.dims.pp}"
+            f"{f', ZeRO {cfg.parallel.zero}' if cfg.parallel.zero else ''} ({self.backend}); "
+            f"global batch {t.global_batch_size} = micro {t.micro_batch_size} x dp "
             f"{self.dims.dp} x accumulation {self.grad_accum}; {t.global_batch_size * items_per_sample:,} "
             f"{items_name} per step"
         )
@@ -44,6 +45,18 @@ def make_plan(cfg: Config, world_size: int) -> RunPlan:
             f"({t.micro_batch_size}) x dp ({dims.dp}) = {step}; set it to a multiple of {step} "
             f"(for example {max(step, t.global_batch_size // step * step)})"
         )
+    if p.zero and dims.dp == 1:
+        raise UserError(f"parallel.zero = {p.zero} shards state across the dp ranks, but dp = 1 (world {world_size} = "
+                        f"tp {dims.tp} x pp {dims.pp}): there is nothing to shard across; set parallel.zero = 0 "
+                        f"or start more processes")
+    if p.offload and p.zero < 2:
+        raise UserError(f"parallel.offload = true needs parallel.zero = 2 or 3 (FSDP2), not {p.zero}")
+    if p.offload and backend != "nccl":
+        raise UserError("parallel.offload = true moves sharded state from GPU to CPU memory; this run trains on "
+                        "CPU already (backend gloo): set parallel.offload = false")
+    if cfg.precision.dtype == "fp16" and p.zero >= 2:
+        raise UserError('precision.dtype = "fp16" with parallel.zero >= 2 is not supported (loss scaling of '
+                        'sharded gradients); use "bf16"')
     if cfg.precision.dtype == "fp16" and not torch.cuda.is_available():
         raise UserError('precision.dtype = "fp16" needs CUDA (loss scaling); on CPU use "bf16" or "fp32"')
     if cfg.precision.dtype == "fp16" and backend != "nccl":

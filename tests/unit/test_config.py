@@ -107,7 +107,7 @@ def test_heads_must_divide_width():
 
 def test_not_yet_supported_degrees():
     assert "parallel.tp = 2 is not yet supported" in error_of(load_config, None, ["parallel.tp=2"])
-    assert "parallel.zero = 1 is not yet supported" in error_of(load_config, None, ["parallel.zero=1"])
+    assert "parallel.pp = 2 is not yet supported" in error_of(load_config, None, ["parallel.pp=2"])
 
 
 def test_missing_config_file(tmp_path):

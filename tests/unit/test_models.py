@@ -105,14 +105,14 @@ def test_cached_checkpoint_state_follows_training_and_loads():
             assert a.keys() == b.keys()
             return all(same(a[k], b[k]) for k in a)
         if isinstance(a, list):
-            return len(a) == len(b) and all(same(x, y) for x, y in zip(a, b))
+            return len(a) == len(b) and all(same(x, y) for x, y in zip(a, b, strict=True))
         return torch.equal(a, b) if isinstance(a, torch.Tensor) else a == b
 
     assert same(cache.get(), tensor_state(m, opt))  # before the first step: no moments yet
     for _ in range(3):
         step()
         assert same(cache.get(), tensor_state(m, opt))
-    assert cache.get()["optim"]["param_groups"][0]["lr"] == 0.25
+    assert cache.get()["optim"]["param_groups.tok_emb.weight.lr"] == 0.25
     import copy
 
     opt.load_state_dict(copy.deepcopy(opt.state_dict()))  # new state tensors: the cache must notice

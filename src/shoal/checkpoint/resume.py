@@ -17,7 +17,7 @@ import numpy as np
 import torch
 
 from shoal.checkpoint import manifest as mf
-from shoal.checkpoint.state import TRAIN_STATE, read_json, restore_rng, rng_file, saved_config
+from shoal.checkpoint.state import CHECKPOINT_FORMAT, TRAIN_STATE, read_json, restore_rng, rng_file, saved_config
 from shoal.config import Config
 from shoal.errors import UserError
 
@@ -67,6 +67,10 @@ def check_run_dir(run_dir: Path, cfg: Config, n_params: int) -> None:
 def check_compatible(cfg: Config, path: Path) -> dict:
     """The checkpoint's train state, after checking that its config describes this model and data."""
     state = read_json(path / TRAIN_STATE)
+    if state.get("format", 1) != CHECKPOINT_FORMAT:
+        raise UserError(f"checkpoint {path} is in checkpoint format {state.get('format', 1)}, written by another "
+                        f"version of shoal; this one reads format {CHECKPOINT_FORMAT}: resume it with the version that "
+                        f"wrote it, or start fresh with --resume never or another --run-dir")
     saved = saved_config(state, f"{path}/{TRAIN_STATE}")
     for key in [f"model.{k}" for k in type(cfg.model).model_fields] + list(MUST_MATCH):
         section, name = key.split(".")

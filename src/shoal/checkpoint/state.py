@@ -16,6 +16,8 @@ from pathlib import Path
 import numpy as np
 import torch
 from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    _flatten_optim_state_dict,
     get_model_state_dict,
     get_optimizer_state_dict,
     set_model_state_dict,
@@ -23,6 +25,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from shoal.config import Config, tomllib, validate_config
+from shoal.parallel.zero import local_optimizer
 
 TRAIN_STATE = "train_state.json"
 
@@ -31,9 +34,20 @@ def rng_file(rank: int) -> str:
     return f"rng_rank{rank:05d}.json"
 
 
+# The optimizer state is stored flat, one key per parameter ("state.<fqn>.exp_avg",
+# "param_groups.<fqn>.lr"): no list whose length depends on the layout (a ZeRO 1 rank's groups hold
+# only its own parameters), so any layout loads any other's checkpoint.
+FLAT_OPTIM = StateDictOptions(flatten_optimizer_state_dict=True)
+# written into train_state.json; a checkpoint of another format is refused at resume, in one line
+CHECKPOINT_FORMAT = 2
+
+
 def tensor_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict:
-    """The DCP state dict: fully-qualified names, independent of DDP/compile/checkpoint wrappers."""
-    return {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, optimizer)}
+    """The DCP state dict: fully-qualified names, independent of DDP/compile/checkpoint wrappers and of
+    the layout (FSDP2 gives DTensor shards; under ZeRO 1 each rank gives the state it holds, and the
+    union over ranks is the state of the unsharded optimizer). DCP reshards between layouts on load."""
+    return {"model": get_model_state_dict(model),
+            "optim": get_optimizer_state_dict(model, local_optimizer(optimizer), options=FLAT_OPTIM)}
 
 
 class TensorStateCache:
@@ -50,7 +64,7 @@ class TensorStateCache:
 
     def _identity(self) -> tuple[int, ...] | None:
         ids = [id(t) for t in self.model.parameters()] + [id(t) for t in self.model.buffers()]
-        for per_param in self.optimizer.state.values():
+        for per_param in local_optimizer(self.optimizer).state.values():
             if not all(isinstance(v, torch.Tensor) for v in per_param.values()):
                 return None  # a plain number in the state is copied, not shared: never reuse
             ids += [id(v) for v in per_param.values()]
@@ -58,17 +72,35 @@ class TensorStateCache:
 
     def get(self) -> dict:
         key = self._identity()
+        local = local_optimizer(self.optimizer)
         if key is None or key != self._key or self._state is None:
-            self._state, self._key = tensor_state(self.model, self.optimizer), key
+            # nested optimizer state here (its groups can be refreshed in place), flattened per save
+            self._state = {"model": get_model_state_dict(self.model),
+                           "optim": get_optimizer_state_dict(self.model, local)}
+            self._key = key
         else:
-            for saved, live in zip(self._state["optim"]["param_groups"], self.optimizer.param_groups, strict=True):
+            for saved, live in zip(self._state["optim"]["param_groups"], local.param_groups, strict=True):
                 saved.update((k, v) for k, v in live.items() if k != "params")
-        return self._state
+        # torch's own flattening (what set_optimizer_state_dict(options=FLAT_OPTIM) reads back); it pops
+        # each group's "params", so it gets copies of the groups
+        optim = self._state["optim"]
+        groups = [dict(g) for g in optim["param_groups"]]
+        flat = _flatten_optim_state_dict({"state": optim["state"], "param_groups": groups})
+        return {"model": self._state["model"], "optim": flat}
 
 
 def apply_tensor_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer, state: dict) -> None:
     set_model_state_dict(model, state["model"])
-    set_optimizer_state_dict(model, optimizer, state["optim"])
+    local = local_optimizer(optimizer)
+    # torch cannot load flat state into an empty parameter group, and ZeRO 1 gives a rank an empty group
+    # when it owns none of that group's parameters: load around them, then put them back in place
+    groups = local.param_groups
+    local.param_groups = [g for g in groups if g["params"]]
+    try:
+        set_optimizer_state_dict(model, local, state["optim"], options=FLAT_OPTIM)
+    finally:
+        loaded = iter(local.param_groups)
+        local.param_groups = [next(loaded) if g["params"] else g for g in groups]
 
 
 def capture_rng() -> dict:

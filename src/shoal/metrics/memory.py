@@ -1,11 +1,16 @@
-"""Peak memory of this process: CUDA max allocated on GPU, peak resident set size (RSS) on CPU."""
+"""Memory of this process: what the model state holds (parameters, gradients, optimizer state, counting
+only this rank's shards), and the peak (CUDA max allocated on GPU, peak resident set size on CPU)."""
 
 from __future__ import annotations
 
 import resource
 import sys
+from collections.abc import Iterable
 
 import torch
+from torch.distributed.tensor import DTensor
+
+STATE_KINDS = ("params", "grads", "optimizer")
 
 
 def peak_memory_bytes(device: torch.device) -> int:
@@ -13,3 +18,29 @@ def peak_memory_bytes(device: torch.device) -> int:
         return torch.cuda.max_memory_allocated(device)
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return rss if sys.platform == "darwin" else rss * 1024  # Linux reports KiB
+
+
+def _local_bytes(tensors: Iterable[torch.Tensor]) -> int:
+    """Bytes held here: a DTensor counts its local shard; tensors sharing memory (tied weights,
+    gradients that are views of DDP buckets) count once per storage."""
+    seen: set[tuple[int, int]] = set()
+    total = 0
+    for t in tensors:
+        if t is None:
+            continue
+        if isinstance(t, DTensor):
+            t = t.to_local()
+        key = (t.untyped_storage().data_ptr(), t.storage_offset())
+        if key not in seen:
+            seen.add(key)
+            total += t.numel() * t.element_size()
+    return total
+
+
+def model_state_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, int]:
+    """Bytes of parameters, gradients and optimizer state held by this rank (call before zero_grad).
+    `optimizer` is the one whose state this rank holds (ZeRO 1: the shard's inner optimizer)."""
+    params = list(model.parameters())
+    state = [v for per_param in optimizer.state.values() for v in per_param.values() if isinstance(v, torch.Tensor)]
+    return {"params": _local_bytes(params), "grads": _local_bytes(p.grad for p in params),
+            "optimizer": _local_bytes(state)}

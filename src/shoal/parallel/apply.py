@@ -4,7 +4,8 @@
 
 Sharding goes first because the later steps wrap what they see: checkpointing and compile must see
 the sharded modules, and the data-parallel wrapper must see the final parameters it synchronizes.
-Tensor and pipeline parallelism and ZeRO are refused by config validation until they exist.
+ZeRO 2/3 (FSDP2) takes the place of DDP; ZeRO 1 is DDP plus a sharded optimizer (train/optim.py).
+Tensor and pipeline parallelism are refused by config validation until they exist.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from shoal.config import Config
 from shoal.errors import UserError
 from shoal.models.registry import ModelBundle
 from shoal.parallel.data import apply_data_parallel
+from shoal.parallel.zero import apply_fsdp
 from shoal.topology import ParallelDims
 
 
@@ -38,7 +40,9 @@ def parallelize(bundle: ModelBundle, dims: ParallelDims, cfg: Config, device: to
         apply_activation_checkpointing(model, check_fn=lambda m: isinstance(m, types))
     if cfg.train.compile:
         model = torch.compile(model)
-    if dims.dp > 1:
+    if cfg.parallel.zero >= 2:
+        model = apply_fsdp(model, bundle, dims.mesh["dp"], cfg)
+    elif dims.dp > 1:
         group = dims.mesh["dp"].get_group() if dims.world_size > dims.dp else None
         model = apply_data_parallel(model, device, group, log)
     return model

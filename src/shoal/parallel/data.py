@@ -1,5 +1,6 @@
 """Data parallelism through torch DDP: gradients are averaged over the dp group in buckets that
-overlap with backward; during gradient accumulation only the last micro-batch synchronizes."""
+overlap with backward; during gradient accumulation only the last micro-batch synchronizes (for DDP
+and for FSDP2, see zero.py)."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import contextlib
 
 import torch
 from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+from torch.distributed.fsdp import FSDPModule
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from shoal.comm.watchdog import CollectiveLog
@@ -39,8 +41,15 @@ def logged_allreduce_hook(state, bucket):  # no annotations: DDP checks them, an
     return allreduce_hook(group, bucket).then(finished)
 
 
+@contextlib.contextmanager
 def grad_sync(model: torch.nn.Module, sync: bool):
-    """Context for one micro-batch's forward+backward: all-reduce gradients only when `sync`."""
+    """Context for one micro-batch's forward+backward: reduce gradients over dp only when `sync`
+    (the last micro-batch of a step); the others accumulate locally."""
     if isinstance(model, DDP) and not sync:
-        return model.no_sync()
-    return contextlib.nullcontext()
+        with model.no_sync():
+            yield
+    elif isinstance(model, FSDPModule):
+        model.set_requires_gradient_sync(sync)
+        yield
+    else:
+        yield

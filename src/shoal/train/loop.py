@@ -13,16 +13,19 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
+from torch.distributed.fsdp import FSDPModule
+from torch.distributed.tensor import DTensor
 
 from shoal.comm.watchdog import CollectiveLog
 from shoal.config import Config
 from shoal.data.loader import Prefetcher
 from shoal.data.sampler import GlobalBatchSampler
-from shoal.metrics.memory import peak_memory_bytes
+from shoal.metrics.memory import STATE_KINDS, model_state_bytes, peak_memory_bytes
 from shoal.metrics.sinks import MetricsSinks
 from shoal.metrics.timers import StepTimer
 from shoal.models.registry import Batch, ModelBundle
 from shoal.parallel.data import grad_sync
+from shoal.parallel.zero import local_optimizer
 from shoal.plan import RunPlan
 from shoal.train.bad_steps import BadStepPolicy
 from shoal.train.precision import Precision
@@ -47,6 +50,8 @@ class TrainState:
     log: CollectiveLog = field(default_factory=CollectiveLog)  # collectives entered, for hang reports
     stop_requested: Callable[[], int] = lambda: 0  # nonzero when this process was asked to stop
     before_update: Callable[[], None] = lambda: None  # runs before the optimizer changes the weights
+    memory_due: bool = False  # measure the model state's bytes in this step (a logged step)
+    memory_per_rank: list[dict] = field(default_factory=list)  # the last measurement, rank by rank
     history: list[dict] = field(default_factory=list)  # per-step metrics, kept on every rank
     # called after every step with (metrics, is_last_step): checkpoints, heartbeats (see train/run.py)
     hooks: list[Callable[[dict, bool], None]] = field(default_factory=list)
@@ -104,7 +109,8 @@ def train_step(state: TrainState, micro_batches: list[Batch], timer: StepTimer) 
     pending = all_reduce(flags, state, async_op=True)
     precision.unscale(state.optimizer)
     clip = state.cfg.train.grad_clip or math.inf
-    grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), clip).item()
+    grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+    grad_norm = (grad_norm.full_tensor() if isinstance(grad_norm, DTensor) else grad_norm).item()
     pending.wait()
     loss = (flags[0] / n_items).item()
     bad = state.bad_steps.is_bad(loss, grad_norm)  # the same verdict on every rank: both values are global
@@ -114,10 +120,11 @@ def train_step(state: TrainState, micro_batches: list[Batch], timer: StepTimer) 
         state.before_update()  # e.g. an async checkpoint still copying the weights
         precision.step(state.optimizer)
         state.scheduler.step()
+    held = model_state_bytes(state.bundle.model, local_optimizer(state.optimizer)) if state.memory_due else None
     state.optimizer.zero_grad(set_to_none=True)
     timer.mark("optimizer_s")
     return {"loss": loss, "grad_norm": grad_norm, "items": int(n_items.item()), "bad": bad,
-            "stop": flags[1].item() > 0}
+            "stop": flags[1].item() > 0, "held": held}
 
 
 @torch.no_grad()
@@ -125,16 +132,24 @@ def evaluate(state: TrainState) -> dict[str, float]:
     """Metrics over the first `val_batches` global batches of the held-out set, split over dp ranks."""
     cfg, source = state.cfg, state.source
     model = state.model.module if isinstance(state.model, torch.nn.parallel.DistributedDataParallel) else state.model
+    # a sharded model gathers parameters in every forward: every rank must run as many as the others
+    sharded = isinstance(model, FSDPModule)
     was_training = model.training
     model.train(False)  # evaluation mode: no dropout, BatchNorm uses running statistics
     totals: dict[str, list[torch.Tensor]] = {}
-    B = cfg.train.global_batch_size
+    B, micro, dp = cfg.train.global_batch_size, cfg.train.micro_batch_size, state.plan.dims.dp
     for b in range(cfg.train.val_batches):
         if b * B >= source.num_val:
             break
         idx = torch.arange(b * B, min((b + 1) * B, source.num_val))
-        mine = idx.tensor_split(state.plan.dims.dp)[state.dp_rank]
-        for chunk in mine.split(cfg.train.micro_batch_size):
+        chunks = [c for c in idx.tensor_split(dp)[state.dp_rank].split(micro) if len(c)]
+        n_forwards = math.ceil(math.ceil(len(idx) / dp) / micro)  # the most any rank runs
+        if sharded and len(chunks) < n_forwards:
+            pad = idx[:1]
+            with state.precision.autocast():
+                for _ in range(n_forwards - len(chunks)):  # results unused: only the collectives count
+                    state.bundle.eval_fn(model, to_device(source.val_batch(pad), state.device))
+        for chunk in chunks:
             with state.precision.autocast():
                 out = state.bundle.eval_fn(model, to_device(source.val_batch(chunk), state.device))
             for k, (s, n) in out.items():
@@ -142,9 +157,24 @@ def evaluate(state: TrainState) -> dict[str, float]:
                 acc[0] += s.double().cpu()
                 acc[1] += n.double().cpu()
     model.train(was_training)
+    if sharded:  # no backward follows to free what the forwards gathered (ZeRO 2 keeps it after forward)
+        for m in model.modules():
+            if isinstance(m, FSDPModule):
+                m.reshard()
     keys = sorted(totals)
     flat = all_reduce(torch.stack([v for k in keys for v in totals[k]]).to(state.device), state).cpu()
     return {f"val_{k}": (flat[2 * i] / flat[2 * i + 1]).item() for i, k in enumerate(keys)}
+
+
+def gather_memory(state: TrainState, held: dict[str, int]) -> list[dict]:
+    """Every rank's model-state bytes and peak memory (one small all-gather over the world)."""
+    mine = torch.tensor([float(held[k]) for k in STATE_KINDS] + [float(peak_memory_bytes(state.device))],
+                        dtype=torch.float64, device=state.device)
+    out = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
+    with state.log.record("all_gather", "world, memory accounting"):
+        dist.all_gather(out, mine)
+    return [{"rank": r, **{k: int(v) for k, v in zip((*STATE_KINDS, "peak"), t.tolist(), strict=True)}}
+            for r, t in enumerate(out)]
 
 
 def train_loop(state: TrainState, make_loader: Callable[[int], Prefetcher], sinks: MetricsSinks) -> bool:
@@ -160,6 +190,7 @@ def train_loop(state: TrainState, make_loader: Callable[[int], Prefetcher], sink
             micro_batches = loader.next()
             timer.mark("data_wait_s")
             lr = state.optimizer.param_groups[0]["lr"]
+            state.memory_due = (step + 1) % cfg.metrics.log_interval == 0 or step + 1 == cfg.train.steps
             out = train_step(state, micro_batches, timer)
             if out["bad"] and state.bad_steps.record_bad(step + 1, out["loss"], out["grad_norm"]) == "rollback":
                 loader.close()
@@ -188,9 +219,11 @@ def after_step(state: TrainState, done: int, lr: float, out: dict, timer: StepTi
         m["skipped"] = True
         sinks.print(f"step {done}: loss {out['loss']}, gradient norm {out['grad_norm']}: update skipped")
     last = done == cfg.train.steps
-    if done % cfg.metrics.log_interval == 0 or last:
-        peak = torch.tensor(float(peak_memory_bytes(state.device)), device=state.device)
-        m["peak_memory_bytes"] = int(all_reduce(peak, state, op=dist.ReduceOp.MAX).item())
+    if out["held"] is not None:
+        state.memory_per_rank = gather_memory(state, out["held"])
+        m["peak_memory_bytes"] = max(r["peak"] for r in state.memory_per_rank)
+        # the largest rank's: the one that runs out first
+        m.update({f"{k}_bytes": max(r[k] for r in state.memory_per_rank) for k in STATE_KINDS})
     if last or (cfg.train.val_interval and done % cfg.train.val_interval == 0):
         m.update(evaluate(state))
         sinks.print(f"step {done}: " + ", ".join(f"{k} {v:.4f}" for k, v in m.items() if k.startswith("val_")))

@@ -9,13 +9,20 @@ import torch
 from shoal.config import TrainConfig
 
 
-def build_optimizer(model: torch.nn.Module, cfg: TrainConfig) -> torch.optim.AdamW:
+def build_optimizer(model: torch.nn.Module, cfg: TrainConfig, shard_group=None) -> torch.optim.Optimizer:
+    """AdamW; with `shard_group` (ZeRO 1), its state sharded over that group by ZeroRedundancyOptimizer."""
     params = [p for p in model.parameters() if p.requires_grad]
     # decay weight matrices and embeddings; not biases or norm gains (as in GPT-2 / nanoGPT)
     decay = [p for p in params if p.dim() >= 2]
     no_decay = [p for p in params if p.dim() < 2]
     groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-    return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2))
+    hyper = {"lr": cfg.lr, "betas": (cfg.beta1, cfg.beta2)}
+    if shard_group is not None:
+        from torch.distributed.optim import ZeroRedundancyOptimizer
+
+        return ZeroRedundancyOptimizer([g for g in groups if g["params"]], torch.optim.AdamW,
+                                       process_group=shard_group, **hyper)
+    return torch.optim.AdamW(groups, **hyper)
 
 
 def lr_factor(step: int, cfg: TrainConfig) -> float:

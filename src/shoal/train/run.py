@@ -15,13 +15,15 @@ import time
 from pathlib import Path
 
 import torch
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+from torch.distributed.fsdp import FSDPModule
 
 import shoal
 from shoal import signals
 from shoal.checkpoint.manager import CheckpointManager, load_checkpoint
 from shoal.checkpoint.manifest import list_checkpoints, step_dir_name
 from shoal.checkpoint.resume import check_compatible, find_resume_point, restore_rng_for
-from shoal.checkpoint.state import TRAIN_STATE, read_json, write_json
+from shoal.checkpoint.state import CHECKPOINT_FORMAT, TRAIN_STATE, read_json, write_json
 from shoal.comm.watchdog import CollectiveLog
 from shoal.config import Config
 from shoal.data.loader import Prefetcher
@@ -76,7 +78,8 @@ def run_training(cfg: Config, run_dir: Path, env: DistEnv, resume: str = "auto",
     log = log or CollectiveLog()
     model = parallelize(bundle, dims, cfg, env.device, log)
     torch.manual_seed(cfg.train.seed + 1 + env.rank)  # dropout etc. differ per rank, reproducibly
-    optimizer = build_optimizer(bundle.model, cfg.train)
+    optimizer = build_optimizer(bundle.model, cfg.train,
+                                shard_group=dims.mesh["dp"].get_group() if cfg.parallel.zero == 1 else None)
     dp_rank = dims.coords(env.rank)["dp"]
     dp_group = dims.mesh["dp"].get_group() if dims.world_size > dims.dp else None
     precision = Precision(cfg.precision.dtype, env.device)
@@ -130,11 +133,9 @@ def run_training(cfg: Config, run_dir: Path, env: DistEnv, resume: str = "auto",
         sinks.close()
     summary = summarize(state, n_params, time.perf_counter() - t_start, env, recovery, run_dir)
     summary["checkpoints"] = ckpt.stats
+    if cfg.checkpoint.final_weights:
+        save_final_weights(cfg, source, bundle.model, run_dir / "model.safetensors", is_main)
     if is_main:
-        if cfg.checkpoint.final_weights:
-            from safetensors.torch import save_model  # handles tied weights (GPT's embedding/head)
-
-            save_model(bundle.model, str(run_dir / "model.safetensors"))
         (run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n", encoding="utf-8")
     return summary
 
@@ -146,6 +147,23 @@ def agree_resume_point(run_dir: Path, env: DistEnv, resume: str) -> Path | None:
         env.store.set("resume_from", str(path) if path else "")
     value = env.store.get("resume_from").decode()
     return Path(value) if value else None
+
+
+def save_final_weights(cfg: Config, source, model: torch.nn.Module, path: Path, is_main: bool) -> None:
+    """Collective when the parameters are sharded: rank 0 writes the whole model, as the single-process
+    model would save it (safetensors, tied weights once)."""
+    from safetensors.torch import save_model  # handles tied weights (GPT's embedding/head)
+
+    if isinstance(model, FSDPModule):
+        full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        if not is_main:
+            return
+        with on_meta():
+            plain = build_model(cfg.model, source.spec).model
+        materialize(plain, "cpu").load_state_dict(full)
+        model = plain
+    if is_main:
+        save_model(model, str(path))
 
 
 def resume_state(state: TrainState, path: Path | None, run_dir: Path, env: DistEnv) -> dict | None:
@@ -173,6 +191,9 @@ def restore_from(state: TrainState, path: Path, train_state: dict, env: DistEnv)
     except ValueError as e:
         raise UserError(f"cannot resume from {path}: {e}") from None
     state.scheduler.load_state_dict(train_state["scheduler"])
+    # the learning rate the schedule is at (a sharded optimizer's outer groups are not in its saved state)
+    for group, lr in zip(state.optimizer.param_groups, state.scheduler.get_last_lr(), strict=True):
+        group["lr"] = lr
     if state.precision.scaler is not None and train_state.get("scaler"):
         state.precision.scaler.load_state_dict(train_state["scaler"])
     return restore_rng_for(path, env.rank, env.world_size, state.cfg.train.seed, state.sampler.step)
@@ -197,7 +218,8 @@ def rollback(state: TrainState, ckpt: CheckpointManager, run_dir: Path, env: Dis
 def save_if_due(ckpt: CheckpointManager, state: TrainState, step: int, last: bool) -> None:
     if ckpt.due(step, last):
         ckpt.save(step, state.bundle.model, state.optimizer, {
-            "step": step, "sampler": state.sampler.state_dict(), "scheduler": state.scheduler.state_dict(),
+            "format": CHECKPOINT_FORMAT, "step": step, "sampler": state.sampler.state_dict(),
+            "scheduler": state.scheduler.state_dict(),
             "scaler": state.precision.scaler.state_dict() if state.precision.scaler else None,
             "bad_steps": state.bad_steps.state_dict(), "config": state.cfg.to_toml(),
             "data_spec": dataclasses.asdict(state.source.spec)})
@@ -236,6 +258,7 @@ def summarize(state: TrainState, n_params: int, total_s: float, env: DistEnv, re
         "rollbacks": state.bad_steps.rollbacks,
         "restarts": env.restart_count,
         "recoveries": recoveries,
+        "memory_per_rank": state.memory_per_rank,
     }
 
 
