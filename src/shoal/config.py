@@ -103,7 +103,7 @@ class ParallelConfig(Section):
     dp: int | Literal["auto"] = "auto"
     """Data-parallel degree; "auto" uses every process left after tp and pp."""
     tp: int = Field(1, ge=1)
-    """Tensor-parallel degree (only 1 is supported yet)."""
+    """Tensor-parallel degree: each layer split over this many ranks (the model's plan; gpt has one)."""
     pp: int = Field(1, ge=1)
     """Pipeline-parallel degree (only 1 is supported yet)."""
     zero: int = Field(0, ge=0, le=3)
@@ -122,7 +122,7 @@ class ParallelConfig(Section):
 
     @model_validator(mode="after")
     def _supported(self) -> ParallelConfig:
-        for key, value, ok in (("tp", self.tp, 1), ("pp", self.pp, 1)):
+        for key, value, ok in (("pp", self.pp, 1),):
             if value != ok:
                 raise ValueError(f"parallel.{key} = {value} is not yet supported; set parallel.{key} = {ok}")
         if self.dp != "auto" and self.dp < 1:

@@ -49,6 +49,9 @@ def make_plan(cfg: Config, world_size: int) -> RunPlan:
         raise UserError(f"parallel.zero = {p.zero} shards state across the dp ranks, but dp = 1 (world {world_size} = "
                         f"tp {dims.tp} x pp {dims.pp}): there is nothing to shard across; set parallel.zero = 0 "
                         f"or start more processes")
+    if p.zero == 1 and dims.tp > 1:
+        raise UserError(f"parallel.zero = 1 with parallel.tp = {dims.tp} is not supported (ZeroRedundancyOptimizer "
+                        f"cannot shard tensor-parallel parameters); use parallel.zero = 2 or 3, which compose with tp")
     if p.offload and p.zero < 2:
         raise UserError(f"parallel.offload = true needs parallel.zero = 2 or 3 (FSDP2), not {p.zero}")
     if p.offload and backend != "nccl":

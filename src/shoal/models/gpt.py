@@ -35,6 +35,10 @@ class GPTConfig(ModelSection):
     """Output classes; default: the data's vocabulary (256 for byte-level text)."""
     dropout: float = Field(0.0, ge=0.0, lt=1.0)
     """Dropout on attention and residual paths (0: off, the usual choice for short runs)."""
+    vocab_multiple: int = Field(1, ge=1)
+    """Pad the vocabulary (embedding and output rows) up to a multiple of this, as GPT-2's 50257 ->
+    50304: tensor parallelism needs the vocabulary divisible by tp. Padded classes never occur in the
+    data; their logits are trained down like any wrong class."""
 
     @model_validator(mode="after")
     def _heads_divide(self) -> GPTConfig:
@@ -49,20 +53,22 @@ class GPTConfig(ModelSection):
 class CausalSelfAttention(nn.Module):
     def __init__(self, d_model: int, n_head: int, dropout: float):
         super().__init__()
-        self.n_head = n_head
-        self.qkv = nn.Linear(d_model, 3 * d_model)
+        self.head_dim = d_model // n_head
+        # separate projections, so that tensor parallelism can split each by heads (gpt_parallel.py)
+        self.q = nn.Linear(d_model, d_model)
+        self.k = nn.Linear(d_model, d_model)
+        self.v = nn.Linear(d_model, d_model)
         self.proj = nn.Linear(d_model, d_model)
         self.dropout = dropout
         self.resid_drop = nn.Dropout(dropout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        B, T, C = x.shape
-        q, k, v = self.qkv(x).split(C, dim=2)  # each (B, T, C)
-        # (B, T, C) -> (B, n_head, T, head_dim)
-        q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for t in (q, k, v))
+        B, T, _ = x.shape
+        # (B, T, C) -> (B, heads, T, head_dim); under tensor parallelism C and heads are this rank's share
+        q, k, v = (lin(x).view(B, T, -1, self.head_dim).transpose(1, 2) for lin in (self.q, self.k, self.v))
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True,
                                            dropout_p=self.dropout if self.training else 0.0)
-        y = y.transpose(1, 2).reshape(B, T, C)
+        y = y.transpose(1, 2).reshape(B, T, -1)
         return self.resid_drop(self.proj(y))
 
 
@@ -143,4 +149,8 @@ def build(cfg: GPTConfig, spec: DataSpec) -> ModelBundle:
             f"model.vocab_size ({vocab}) is smaller than the data's vocabulary ({spec.vocab_size}); "
             f"raise it or leave it unset"
         )
-    return ModelBundle(GPT(cfg, vocab), lm_loss, count_tokens, block_types=(Block,), items_name="tokens")
+    vocab = -(-vocab // cfg.vocab_multiple) * cfg.vocab_multiple
+    from shoal.models.gpt_parallel import tensor_parallel_plan
+
+    return ModelBundle(GPT(cfg, vocab), lm_loss, count_tokens, block_types=(Block,), items_name="tokens",
+                       tp_plan=tensor_parallel_plan)

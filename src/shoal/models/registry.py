@@ -12,6 +12,7 @@ gradient of one big batch's mean loss, whatever the split (torch DDP averages ov
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import sys
 from collections.abc import Callable
@@ -56,6 +57,11 @@ class ModelBundle:
     # module types wrapped by activation checkpointing (transformer blocks, residual blocks)
     block_types: tuple[type, ...] = ()
     items_name: str = "samples"  # what loss_fn counts: "tokens" or "samples"
+    # tensor parallelism: tp_plan(model, tp_mesh, model_cfg) splits the model in place and returns the
+    # context that loss_fn and its backward run in (e.g. loss_parallel for a vocab-sharded output);
+    # it raises UserError when the degree does not fit the model. None: the model has no plan.
+    tp_plan: Callable[..., Any] | None = None
+    loss_context: Callable[[], Any] = contextlib.nullcontext  # set by parallelize() from the tp plan
 
 
 class ModelSection(BaseModel):

@@ -28,6 +28,17 @@ def apply_data_parallel(model: torch.nn.Module, device: torch.device, group=None
     return ddp
 
 
+def apply_replicate(model: torch.nn.Module, block_types: tuple[type, ...], dp_mesh) -> torch.nn.Module:
+    """Data parallelism for a model whose parameters are DTensors (tensor-parallel), which DDP cannot
+    hold: torch's FSDP2-based `replicate`, per block (one gradient all-reduce per block, overlapped
+    with backward) and for the rest of the model."""
+    from torch.distributed._composable.replicate_with_fsdp import replicate
+
+    for block in [m for m in model.modules() if block_types and isinstance(m, block_types)]:
+        replicate(block, mesh=dp_mesh)
+    return replicate(model, mesh=dp_mesh)
+
+
 def logged_allreduce_hook(state, bucket):  # no annotations: DDP checks them, and they would be strings here
     """DDP's default gradient all-reduce (average over dp), recorded in the collective log."""
     log, group = state

@@ -45,6 +45,7 @@ class TrainState:
     device: torch.device
     dp_rank: int
     dp_group: object = None  # None: the default group
+    counts_loss: bool = True  # this rank's loss enters the global loss (not a tensor-parallel peer's copy)
     bad_steps: BadStepPolicy = None
     rollback: Callable[[int], None] | None = None  # reload the newest checkpoint, skipping a data step
     log: CollectiveLog = field(default_factory=CollectiveLog)  # collectives entered, for hang reports
@@ -72,14 +73,39 @@ class _Pending:
         CollectiveLog.done(self.rec)
 
 
-def all_reduce(t: torch.Tensor, state: TrainState, op=dist.ReduceOp.SUM, async_op: bool = False):
-    """All-reduce over the dp group, recorded for hang diagnosis (comm/watchdog.py)."""
-    pending = _Pending(dist.all_reduce(t, op=op, group=state.dp_group, async_op=True),
-                       state.log.enter("all_reduce", "dp", [t]))
+def all_reduce(t: torch.Tensor, state: TrainState, op=dist.ReduceOp.SUM, async_op: bool = False,
+               world: bool = False):
+    """All-reduce over the dp group (or every rank), recorded for hang diagnosis (comm/watchdog.py)."""
+    group = None if world else state.dp_group
+    pending = _Pending(dist.all_reduce(t, op=op, group=group, async_op=True),
+                       state.log.enter("all_reduce", "world" if world else "dp", [t]))
     if async_op:
         return pending
     pending.wait()
     return t
+
+
+def plain(t: torch.Tensor) -> torch.Tensor:
+    """A loss computed on DTensors (a vocab-parallel output) as an ordinary, replicated tensor."""
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
+def clip_grad_norm(params: list[torch.Tensor], max_norm: float) -> float:
+    """torch's clip_grad_norm_ over a model whose gradients are plain tensors and DTensors on
+    different meshes (tensor-parallel layers on dp x tp, replicated ones on dp only, ...): tensors of
+    different kinds cannot share one foreach kernel, so each kind's norm is taken apart and the total
+    combined. Returns the total norm."""
+    groups: dict[object, list[torch.Tensor]] = {}
+    for p in params:
+        groups.setdefault(p.grad.device_mesh if isinstance(p.grad, DTensor) else None, []).append(p)
+    squares = torch.zeros((), dtype=torch.float64)
+    for group in groups.values():
+        norm = plain(torch.nn.utils.get_total_norm([p.grad for p in group]))
+        squares = squares + norm.double().cpu() ** 2
+    total = squares.sqrt()
+    for group in groups.values():
+        torch.nn.utils.clip_grads_with_norm_(group, max_norm, total.float().to(group[0].grad.device))
+    return total.item()
 
 
 def train_step(state: TrainState, micro_batches: list[Batch], timer: StepTimer) -> dict:
@@ -92,9 +118,9 @@ def train_step(state: TrainState, micro_batches: list[Batch], timer: StepTimer) 
     pending = all_reduce(n_items, state, async_op=True)
     loss_sum = torch.zeros((), device=state.device, dtype=torch.float64)
     for i, batch in enumerate(batches):
-        with grad_sync(model, sync=i == len(batches) - 1):
+        with grad_sync(model, sync=i == len(batches) - 1), bundle.loss_context():
             with precision.autocast():
-                loss = bundle.loss_fn(model, batch)
+                loss = plain(bundle.loss_fn(model, batch))
             if i == 0:
                 pending.wait()
                 # DDP averages over dp: multiply that back, then divide by the global item count
@@ -103,14 +129,15 @@ def train_step(state: TrainState, micro_batches: list[Batch], timer: StepTimer) 
         loss_sum += loss.detach().double()
     timer.mark("forward_backward_s")
 
-    # the loss, and whether any rank was asked to stop (signals.py): one all-reduce, overlapping the clip
-    flags = torch.stack([loss_sum, torch.tensor(float(state.stop_requested() > 0), dtype=torch.float64,
-                                                device=state.device)])
-    pending = all_reduce(flags, state, async_op=True)
+    # the loss, and whether any rank was asked to stop (signals.py): one all-reduce over all ranks,
+    # overlapping the clip. Tensor-parallel peers hold the same loss: only the first one contributes it.
+    mine = loss_sum if state.counts_loss else torch.zeros_like(loss_sum)
+    flags = torch.stack([mine, torch.tensor(float(state.stop_requested() > 0), dtype=torch.float64,
+                                            device=state.device)])
+    pending = all_reduce(flags, state, async_op=True, world=True)
     precision.unscale(state.optimizer)
-    clip = state.cfg.train.grad_clip or math.inf
-    grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
-    grad_norm = (grad_norm.full_tensor() if isinstance(grad_norm, DTensor) else grad_norm).item()
+    grad_norm = clip_grad_norm([p for p in model.parameters() if p.grad is not None],
+                               state.cfg.train.grad_clip or math.inf)
     pending.wait()
     loss = (flags[0] / n_items).item()
     bad = state.bad_steps.is_bad(loss, grad_norm)  # the same verdict on every rank: both values are global
@@ -146,13 +173,14 @@ def evaluate(state: TrainState) -> dict[str, float]:
         n_forwards = math.ceil(math.ceil(len(idx) / dp) / micro)  # the most any rank runs
         if sharded and len(chunks) < n_forwards:
             pad = idx[:1]
-            with state.precision.autocast():
+            with state.precision.autocast(), state.bundle.loss_context():
                 for _ in range(n_forwards - len(chunks)):  # results unused: only the collectives count
                     state.bundle.eval_fn(model, to_device(source.val_batch(pad), state.device))
         for chunk in chunks:
-            with state.precision.autocast():
+            with state.precision.autocast(), state.bundle.loss_context():
                 out = state.bundle.eval_fn(model, to_device(source.val_batch(chunk), state.device))
             for k, (s, n) in out.items():
+                s, n = plain(s), plain(n)
                 acc = totals.setdefault(k, [torch.zeros((), dtype=torch.float64), torch.zeros((), dtype=torch.float64)])
                 acc[0] += s.double().cpu()
                 acc[1] += n.double().cpu()

@@ -17,6 +17,7 @@ from pathlib import Path
 import torch
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from torch.distributed.fsdp import FSDPModule
+from torch.distributed.tensor import DTensor
 
 import shoal
 from shoal import signals
@@ -86,7 +87,8 @@ def run_training(cfg: Config, run_dir: Path, env: DistEnv, resume: str = "auto",
     bad_steps = BadStepPolicy(cfg.train.on_bad_step, cfg.train.max_bad_steps, scaled=precision.scaler is not None)
     state = TrainState(cfg, plan, bundle, model, optimizer, build_scheduler(optimizer, cfg.train), precision,
                        GlobalBatchSampler(source.num_train, cfg.train.global_batch_size, cfg.train.seed),
-                       source, env.device, dp_rank, dp_group, bad_steps=bad_steps, log=log)
+                       source, env.device, dp_rank, dp_group, counts_loss=dims.coords(env.rank)["tp"] == 0,
+                       bad_steps=bad_steps, log=log)
     is_main = env.rank == 0
     if is_main:
         run_dir.mkdir(parents=True, exist_ok=True)
@@ -154,7 +156,7 @@ def save_final_weights(cfg: Config, source, model: torch.nn.Module, path: Path, 
     model would save it (safetensors, tied weights once)."""
     from safetensors.torch import save_model  # handles tied weights (GPT's embedding/head)
 
-    if isinstance(model, FSDPModule):
+    if isinstance(model, FSDPModule) or any(isinstance(p, DTensor) for p in model.parameters()):
         full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
         if not is_main:
             return

@@ -1,7 +1,7 @@
-"""ZeRO 1/2/3 train the same model as one process: every layout against the single-process reference
-with the same seed and global batch (fp32: losses within 1e-5 relative, final weights within 1e-5;
-bf16: within the tolerance stated below), memory accounting that shows the sharding, and checkpoints
-that reshard between layouts.
+"""Every parallel layout trains the same model as one process: ZeRO 1/2/3, tensor parallelism and
+their hybrids against the single-process reference with the same seed and global batch (fp32: losses
+within 1e-5 relative, final weights within 1e-5; bf16: within the tolerance stated below), memory
+accounting that shows the sharding, and checkpoints that reshard between layouts.
 """
 
 import json
@@ -73,6 +73,25 @@ def test_zero_matches_single_process(tmp_path, reference, zero):
             assert r["params"] == n_bytes and r["grads"] == n_bytes, mem
 
 
+# name -> (processes, overrides)
+LAYOUTS = {"dp1": (1, []), "dp2": (2, []), "dp2-zero1": (2, ["--set", "parallel.zero=1"]),
+           "dp2-zero2": (2, ["--set", "parallel.zero=2"]), "dp2-zero3": (2, ["--set", "parallel.zero=3"]),
+           "tp2": (2, ["--set", "parallel.tp=2"]), "dp2-tp2": (4, ["--set", "parallel.tp=2"]),
+           "dp2-tp2-zero3": (4, ["--set", "parallel.tp=2", "--set", "parallel.zero=3"])}
+
+
+@pytest.mark.parametrize("layout", ["tp2", "dp2-tp2", "dp2-tp2-zero3"])
+def test_tensor_parallel_layouts_match_single_process(tmp_path, reference, layout):
+    nproc, extra = LAYOUTS[layout]
+    run_dir = tmp_path / "run"
+    train(*args(run_dir, nproc, *extra))
+    assert_same_training(run_dir, reference["fp32"], rtol=1e-5, atol=1e-5)
+    mem = json.loads((run_dir / "summary.json").read_text())["memory_per_rank"]
+    ref_mem = json.loads((reference["fp32"] / "summary.json").read_text())["memory_per_rank"][0]
+    # every layer but the norms and position embedding is split in two: well under the whole model
+    assert all(r["params"] < 0.7 * ref_mem["params"] for r in mem), mem
+
+
 def test_zero3_bf16_matches_single_process_bf16(tmp_path, reference):
     """bf16 compute: the one process casts under autocast, ZeRO 3 gathers bf16 parameters (FSDP2
     mixed precision) and reduces gradients in fp32. Stated tolerance: losses within 1e-2 relative;
@@ -85,13 +104,9 @@ def test_zero3_bf16_matches_single_process_bf16(tmp_path, reference):
 
 
 # save with the first layout at step 5, resume with the second, finish at step 10: the same run as the
-# uninterrupted single-process reference (DCP reshards between plain, ZeRO 1 and FSDP2 state dicts)
-LAYOUTS = {"dp1": (1, []), "dp2": (2, []), "dp2-zero1": (2, ["--set", "parallel.zero=1"]),
-           "dp2-zero2": (2, ["--set", "parallel.zero=2"]), "dp2-zero3": (2, ["--set", "parallel.zero=3"])}
-
-
+# uninterrupted single-process reference (DCP reshards between plain, ZeRO 1, FSDP2 and TP state dicts)
 @pytest.mark.parametrize("before,after", [("dp2", "dp2-zero3"), ("dp2-zero3", "dp1"), ("dp2-zero1", "dp2-zero2"),
-                                          ("dp1", "dp2-zero1")])
+                                          ("dp1", "dp2-zero1"), ("dp2", "tp2"), ("tp2", "dp2-zero3")])
 def test_checkpoints_reshard_across_layouts(tmp_path, reference, before, after):
     first, second = tmp_path / "first", tmp_path / "second"
     nproc, extra = LAYOUTS[before]
@@ -114,9 +129,21 @@ def test_checkpoints_reshard_across_layouts(tmp_path, reference, before, after):
     (["parallel.zero=3", "parallel.offload=true"], 2, "parallel.offload = true moves sharded state from GPU"),
     (["parallel.zero=1", "parallel.offload=true"], 2, "parallel.offload = true needs parallel.zero = 2 or 3"),
     (["parallel.zero=4"], 2, "parallel.zero"),
+    (["parallel.tp=2", "parallel.zero=1"], 4, "parallel.zero = 1 with parallel.tp = 2 is not supported"),
+    (["parallel.tp=4"], 4, "parallel.tp (4) must divide model.n_head (2); choose a tp that divides it"),
+    (["parallel.tp=2", "model.vocab_size=257"], 2,
+     "parallel.tp (2) must divide the vocabulary (257); set model.vocab_multiple = 2 to pad it to 258"),
+    (["parallel.tp=2", "model.dropout=0.1"], 2, "model.dropout > 0 with parallel.tp > 1 is not supported"),
+    (["parallel.tp=2", 'model.name="resnet"', 'data.source="synthetic-images"'], 2,
+     'parallel.tp = 2, but model "resnet" has no tensor-parallel plan'),
+    (["parallel.tp=3"], 2, "parallel.tp (3) x parallel.pp (1) = 3 does not divide the 2 processes"),
 ])
-def test_invalid_zero_layouts_fail_before_start(tmp_path, overrides, nproc, message):
-    r = run_cli(["train", "--nproc", nproc, "--run-dir", tmp_path / "run", *TINY_GPT,
+def test_invalid_layouts_fail_before_start(tmp_path, overrides, nproc, message):
+    base = TINY_GPT
+    if any(o.startswith("model.name=") for o in overrides):  # another model: without the GPT's keys
+        pairs = zip(TINY_GPT[::2], TINY_GPT[1::2], strict=True)
+        base = [a for flag, value in pairs if not value.startswith("model.") for a in (flag, value)]
+    r = run_cli(["train", "--nproc", nproc, "--run-dir", tmp_path / "run", *base,
                  *[a for o in overrides for a in ("--set", o)]], timeout=60)
     assert r.returncode == 2, r.output
     lines = [line for line in r.stderr.splitlines() if line.strip()]

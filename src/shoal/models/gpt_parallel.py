@@ -1,0 +1,56 @@
+"""How to split the GPT for tensor parallelism (Megatron-LM, Shoeybi et al. 2019), with DTensor's
+parallel styles. It lives beside the model, not in it: a user model brings its own plan the same way
+(ModelBundle.tp_plan).
+
+  q, k, v, mlp.up   column-parallel: each rank computes its share of the heads / hidden units
+  proj, mlp.down    row-parallel: partial results all-reduced back into the replicated residual stream
+  tok_emb           vocab-parallel: each rank holds a slice of the vocabulary's rows; outputs summed
+  head              vocab-parallel output, tied to tok_emb (both shard the same [vocab, d] matrix by
+                    rows); logits stay sharded and the cross-entropy runs over the sharded vocabulary
+                    (loss_parallel), so no rank materializes the full logits
+  norms, pos_emb    replicated
+
+Sequence parallelism of the norms is not implemented: the norms run replicated on every tp rank.
+"""
+
+from __future__ import annotations
+
+from torch import nn
+from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, loss_parallel, parallelize_module
+
+from shoal.errors import UserError
+
+
+def tensor_parallel_plan(model, tp: int, mesh=None):
+    """Check that `tp` divides the model's heads, hidden sizes and vocabulary (always); with a mesh,
+    split the model in place and return the context for the loss and its backward."""
+    n_head = model.blocks[0].attn.q.out_features // model.blocks[0].attn.head_dim
+    d_model, vocab = model.tok_emb.embedding_dim, model.tok_emb.num_embeddings
+    for what, n in (("model.n_head", n_head), ("model.d_model", d_model), ("4 x model.d_model", 4 * d_model)):
+        if n % tp:
+            raise UserError(f"parallel.tp ({tp}) must divide {what} ({n}); choose a tp that divides it")
+    if vocab % tp:
+        padded = -(-vocab // tp) * tp
+        raise UserError(f"parallel.tp ({tp}) must divide the vocabulary ({vocab}); set model.vocab_multiple = {tp} "
+                        f"to pad it to {padded} (as GPT-2 pads 50257 to 50304)")
+    if any(isinstance(m, nn.Dropout) and m.p > 0 for m in model.modules()):
+        raise UserError("model.dropout > 0 with parallel.tp > 1 is not supported (dropout masks would differ "
+                        "between tensor-parallel ranks); set model.dropout = 0")
+    if mesh is None:
+        return None
+    plan = {
+        "tok_emb": RowwiseParallel(input_layouts=Replicate()),
+        "head": ColwiseParallel(output_layouts=Shard(-1), use_local_output=False),
+    }
+    for i in range(len(model.blocks)):
+        plan.update({f"blocks.{i}.attn.{name}": ColwiseParallel() for name in ("q", "k", "v")})
+        plan[f"blocks.{i}.attn.proj"] = RowwiseParallel()
+        plan[f"blocks.{i}.mlp.up"] = ColwiseParallel()
+        plan[f"blocks.{i}.mlp.down"] = RowwiseParallel()
+    tied = model.head.weight is model.tok_emb.weight
+    parallelize_module(model, mesh, plan)
+    if tied:  # each style distributed its own copy of the shared matrix: share it again
+        model.head.weight = model.tok_emb.weight
+    return loss_parallel
+
