@@ -17,14 +17,15 @@ global_batch_size = 8
 micro_batch_size = {micro}
 [parallel]
 dp = {dp}
+tp = {tp}
 zero = {zero}
 threads_per_worker = 1
 """
 GPT = 'name = "gpt"\nn_layer = 2\nn_head = 2\nd_model = 32'
 
 
-def write(path, model=GPT, dp=1, zero=0, micro=2):
-    path.write_text(COMMON.format(model=model, dp=dp, zero=zero, micro=micro))
+def write(path, model=GPT, dp=1, tp=1, zero=0, micro=2):
+    path.write_text(COMMON.format(model=model, dp=dp, tp=tp, zero=zero, micro=micro))
     return path
 
 
@@ -58,3 +59,12 @@ def test_parity_refuses_configs_of_different_runs(tmp_path):
                                 "[checkpoint], [metrics], train.compile, train.micro_batch_size)")
     r = run_cli(["parity", a, b, "--nproc", "x"], timeout=60)
     assert r.returncode == 2 and "--nproc 'x': expected two numbers A,B" in r.stderr
+
+
+def test_parity_catches_a_tensor_parallel_plan_without_its_all_reduce(tmp_path):
+    model = 'name = "badplan:build"'
+    a = write(tmp_path / "a.toml", model=model, dp=1)
+    b = write(tmp_path / "b.toml", model=model, dp=1, tp=2)
+    r = run_cli(["parity", a, b, "--steps", "3"], timeout=240)
+    assert r.returncode == 1, r.output
+    assert r.stdout.strip().splitlines()[-1].startswith("FAIL: largest relative difference"), r.stdout
