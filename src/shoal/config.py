@@ -106,6 +106,9 @@ class ParallelConfig(Section):
     """Tensor-parallel degree: each layer split over this many ranks (the model's plan; gpt has one)."""
     pp: int = Field(1, ge=1)
     """Pipeline-parallel degree (only 1 is supported yet)."""
+    sequence_parallel: bool = False
+    """With tp > 1: run the norms, residual adds and dropout on 1/tp of the sequence instead of
+    replicated (the model's plan decides what that means; gpt supports it)."""
     zero: int = Field(0, ge=0, le=3)
     """ZeRO stage within dp: 0 replicates everything (DDP); 1 shards the optimizer state
     (ZeroRedundancyOptimizer); 2 also the gradients and 3 also the parameters (FSDP2 `fully_shard`;
@@ -125,6 +128,9 @@ class ParallelConfig(Section):
         for key, value, ok in (("pp", self.pp, 1),):
             if value != ok:
                 raise ValueError(f"parallel.{key} = {value} is not yet supported; set parallel.{key} = {ok}")
+        if self.sequence_parallel and self.tp == 1:
+            raise ValueError("parallel.sequence_parallel = true splits the sequence over the tp ranks, but tp = 1; "
+                             "set parallel.tp > 1 or sequence_parallel = false")
         if self.dp != "auto" and self.dp < 1:
             raise ValueError(f'parallel.dp = {self.dp} must be >= 1 or "auto"')
         return self

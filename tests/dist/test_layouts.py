@@ -77,10 +77,11 @@ def test_zero_matches_single_process(tmp_path, reference, zero):
 LAYOUTS = {"dp1": (1, []), "dp2": (2, []), "dp2-zero1": (2, ["--set", "parallel.zero=1"]),
            "dp2-zero2": (2, ["--set", "parallel.zero=2"]), "dp2-zero3": (2, ["--set", "parallel.zero=3"]),
            "tp2": (2, ["--set", "parallel.tp=2"]), "dp2-tp2": (4, ["--set", "parallel.tp=2"]),
+           "tp2-sp": (2, ["--set", "parallel.tp=2", "--set", "parallel.sequence_parallel=true"]),
            "dp2-tp2-zero3": (4, ["--set", "parallel.tp=2", "--set", "parallel.zero=3"])}
 
 
-@pytest.mark.parametrize("layout", ["tp2", "dp2-tp2", "dp2-tp2-zero3"])
+@pytest.mark.parametrize("layout", ["tp2", "tp2-sp", "dp2-tp2", "dp2-tp2-zero3"])
 def test_tensor_parallel_layouts_match_single_process(tmp_path, reference, layout):
     nproc, extra = LAYOUTS[layout]
     run_dir = tmp_path / "run"
@@ -136,6 +137,9 @@ def test_checkpoints_reshard_across_layouts(tmp_path, reference, before, after):
     (["parallel.tp=2", "model.dropout=0.1"], 2, "model.dropout > 0 with parallel.tp > 1 is not supported"),
     (["parallel.tp=2", 'model.name="resnet"', 'data.source="synthetic-images"'], 2,
      'parallel.tp = 2, but model "resnet" has no tensor-parallel plan'),
+    (["parallel.sequence_parallel=true"], 2, "parallel.sequence_parallel = true splits the sequence over the tp"),
+    (["parallel.tp=2", "parallel.sequence_parallel=true", "model.seq_len=33"], 2,
+     "parallel.tp (2) must divide model.seq_len (33)"),
     (["parallel.tp=3"], 2, "parallel.tp (3) x parallel.pp (1) = 3 does not divide the 2 processes"),
 ])
 def test_invalid_layouts_fail_before_start(tmp_path, overrides, nproc, message):

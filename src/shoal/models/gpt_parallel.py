@@ -10,19 +10,30 @@ parallel styles. It lives beside the model, not in it: a user model brings its o
                     (loss_parallel), so no rank materializes the full logits
   norms, pos_emb    replicated
 
-Sequence parallelism of the norms is not implemented: the norms run replicated on every tp rank.
+With sequence parallelism (Korthikanti et al. 2022) the norms, residual adds and dropout, which
+tensor parallelism leaves replicated, run on 1/tp of the sequence instead: each row-parallel
+all-reduce becomes a reduce-scatter over the sequence, and each column-parallel layer all-gathers the
+sequence first; the same bytes move, and activations outside the split layers take 1/tp the memory.
 """
 
 from __future__ import annotations
 
 from torch import nn
 from torch.distributed.tensor import Replicate, Shard
-from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, loss_parallel, parallelize_module
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    PrepareModuleInput,
+    PrepareModuleOutput,
+    RowwiseParallel,
+    SequenceParallel,
+    loss_parallel,
+    parallelize_module,
+)
 
 from shoal.errors import UserError
 
 
-def tensor_parallel_plan(model, tp: int, mesh=None):
+def tensor_parallel_plan(model, tp: int, mesh=None, sequence_parallel: bool = False):
     """Check that `tp` divides the model's heads, hidden sizes and vocabulary (always); with a mesh,
     split the model in place and return the context for the loss and its backward."""
     n_head = model.blocks[0].attn.q.out_features // model.blocks[0].attn.head_dim
@@ -37,17 +48,30 @@ def tensor_parallel_plan(model, tp: int, mesh=None):
     if any(isinstance(m, nn.Dropout) and m.p > 0 for m in model.modules()):
         raise UserError("model.dropout > 0 with parallel.tp > 1 is not supported (dropout masks would differ "
                         "between tensor-parallel ranks); set model.dropout = 0")
+    if sequence_parallel and model.seq_len % tp:
+        raise UserError(f"parallel.sequence_parallel splits the sequence: parallel.tp ({tp}) must divide "
+                        f"model.seq_len ({model.seq_len})")
     if mesh is None:
         return None
+    seq = Shard(1) if sequence_parallel else Replicate()  # the residual stream between split layers
     plan = {
         "tok_emb": RowwiseParallel(input_layouts=Replicate()),
-        "head": ColwiseParallel(output_layouts=Shard(-1), use_local_output=False),
+        "head": ColwiseParallel(input_layouts=seq, output_layouts=Shard(-1), use_local_output=False),
     }
+    if sequence_parallel:
+        # the embeddings' sum is split by sequence where it leaves the dropout (a slice: no communication)
+        plan["drop"] = PrepareModuleOutput(output_layouts=Replicate(), desired_output_layouts=seq)
+        plan["ln_f"] = SequenceParallel()
     for i in range(len(model.blocks)):
-        plan.update({f"blocks.{i}.attn.{name}": ColwiseParallel() for name in ("q", "k", "v")})
-        plan[f"blocks.{i}.attn.proj"] = RowwiseParallel()
-        plan[f"blocks.{i}.mlp.up"] = ColwiseParallel()
-        plan[f"blocks.{i}.mlp.down"] = RowwiseParallel()
+        block = f"blocks.{i}"
+        plan.update({f"{block}.attn.{name}": ColwiseParallel() for name in ("q", "k", "v")})
+        plan[f"{block}.attn.proj"] = RowwiseParallel(output_layouts=seq)
+        plan[f"{block}.mlp.up"] = ColwiseParallel()
+        plan[f"{block}.mlp.down"] = RowwiseParallel(output_layouts=seq)
+        if sequence_parallel:  # norms on the sequence shard; the whole sequence gathered for attention / MLP
+            plan.update({f"{block}.{norm}": SequenceParallel() for norm in ("ln1", "ln2")})
+            gather = PrepareModuleInput(input_layouts=(seq,), desired_input_layouts=(Replicate(),))
+            plan.update({f"{block}.{sub}": gather for sub in ("attn", "mlp")})
     tied = model.head.weight is model.tok_emb.weight
     parallelize_module(model, mesh, plan)
     if tied:  # each style distributed its own copy of the shared matrix: share it again

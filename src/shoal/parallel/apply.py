@@ -29,7 +29,7 @@ def check_parallelizable(bundle: ModelBundle, cfg: Config) -> None:
         if bundle.tp_plan is None:
             raise UserError(f'parallel.tp = {tp}, but model "{cfg.model.name}" has no tensor-parallel plan '
                             f"(ModelBundle.tp_plan); set parallel.tp = 1")
-        bundle.tp_plan(bundle.model, tp)  # checks the degree against the model's sizes
+        bundle.tp_plan(bundle.model, tp, sequence_parallel=cfg.parallel.sequence_parallel)  # checks sizes only
     if cfg.precision.activation_checkpointing and not bundle.block_types:
         raise UserError(
             f'precision.activation_checkpointing = true, but model "{cfg.model.name}" names no blocks to '
@@ -42,7 +42,8 @@ def parallelize(bundle: ModelBundle, dims: ParallelDims, cfg: Config, device: to
     """Returns the module the training loop calls; `bundle.model` stays the unwrapped model."""
     model = bundle.model.to(device)
     if dims.tp > 1:
-        bundle.loss_context = bundle.tp_plan(model, dims.tp, dims.mesh["tp"])
+        bundle.loss_context = bundle.tp_plan(model, dims.tp, dims.mesh["tp"],
+                                             sequence_parallel=cfg.parallel.sequence_parallel)
     if cfg.precision.activation_checkpointing:
         types = bundle.block_types
         apply_activation_checkpointing(model, check_fn=lambda m: isinstance(m, types))
