@@ -13,6 +13,7 @@ import json
 import os
 import resource
 import time
+from pathlib import Path
 
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
@@ -25,14 +26,14 @@ from shoal.config import load_config  # noqa: E402
 from shoal.models.registry import DataSpec, build_model  # noqa: E402
 
 KINDS = ("params", "grads", "optimizer")
+FIELDS = (*KINDS, "buckets", "peak")
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def tensors_in(obj, depth: int = 0):
-    """Every tensor in obj (a tensor, or lists / tuples / dicts of them), with each tensor's .grad."""
+    """Every tensor in obj (a tensor, or lists / tuples / dicts of them)."""
     if isinstance(obj, torch.Tensor):
         yield obj
-        if obj.grad is not None:
-            yield obj.grad
     elif isinstance(obj, (list, tuple)) and depth < 4:
         for x in obj:
             yield from tensors_in(x, depth + 1)
@@ -42,26 +43,26 @@ def tensors_in(obj, depth: int = 0):
 
 
 def held(model, zero) -> dict[str, int]:
-    """Bytes of parameters, gradients and optimizer state this rank holds, every byte counted once
-    (byte ranges merged per storage; the first kind that names a byte gets it). fp32 master partitions
-    count as optimizer state, as in the ZeRO paper."""
+    """Bytes of parameters, gradients and optimizer state this rank holds, every byte counted once (byte
+    ranges merged per storage; the first kind that names a byte gets it). The fp32 master partitions count
+    as optimizer state, as in the ZeRO paper. Reduce buckets (communication buffers, allocated at
+    reduce_bucket_size and touched only as far as used) are reported apart, as `buckets`."""
     params = list(model.parameters())
     a = zero.__dict__
-    mangled = {k.rsplit("__", 1)[-1]: v for k, v in a.items() if "__" in k}  # stage 3 private buffers
+    mangled = {k.rsplit("__", 1)[-1]: v for k, v in a.items() if "__" in k}  # stage 3's private buffers
+    masters = [a.get("single_partition_of_fp32_groups"), a.get("fp32_partitioned_groups_flat")]  # 1/2, 3
     groups = {
         "params": [*params, *(getattr(p, "ds_tensor", None) for p in params), a.get("bit16_groups_flat"),
-                   a.get("fp16_partitioned_groups_flat")],
-        "grads": [*(p.grad for p in params), a.get("averaged_gradients"), a.get("ipg_buffer"),
-                  a.get("grads_in_partition"), mangled.get("param_id_to_grad_partition"),
-                  mangled.get("ipg_bucket_flat_buffer"), a.get("grad_partitions_flat_buffer"),
-                  *(t.grad for t in tensors_in(a.get("single_partition_of_fp32_groups")) if t.grad is not None),
-                  *(t.grad for t in tensors_in(a.get("fp32_partitioned_groups_flat")) if t.grad is not None)],
-        "optimizer": [a.get("single_partition_of_fp32_groups"), a.get("fp32_partitioned_groups_flat"),
-                      list(zero.optimizer.state.values())],
+                   a.get("fp16_partitioned_groups_flat"), a.get("lp_param_buffer")],
+        "grads": [*(p.grad for p in params), a.get("averaged_gradients"), a.get("grads_in_partition"),
+                  a.get("grad_partitions_flat_buffer"), mangled.get("param_id_to_grad_partition"),
+                  *(t.grad for t in tensors_in(masters))],
+        "optimizer": [*masters, list(zero.optimizer.state.values())],
+        "buckets": [a.get("ipg_buffer"), *(b.buffer for b in (a.get("ipg_buckets") or {}).values())],
     }
     ranges: dict[int, list[tuple[int, int]]] = {}  # storage -> byte ranges counted so far
     out, before = {}, 0
-    for kind in KINDS:
+    for kind in (*KINDS, "buckets"):
         for t in tensors_in(groups[kind]):
             if t is not None and t.numel():  # all of these are contiguous
                 lo = t.storage_offset() * t.element_size()
@@ -91,14 +92,13 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--stage", type=int, required=True)
     ap.add_argument("--steps", type=int, default=5)
-    ap.add_argument("--seq-len", type=int, default=128)
     ap.add_argument("--set", action="append", default=[], dest="sets")
     ap.add_argument("--dump", action="store_true")
     args = ap.parse_args()
     torch.set_num_threads(1)  # as shoal: cores / local workers
     deepspeed.init_distributed(dist_backend="gloo")
     rank = dist.get_rank()
-    cfg = load_config("configs/gpt-tiny.toml", args.sets)
+    cfg = load_config(str(ROOT / "configs/gpt-tiny.toml"), args.sets)
     torch.manual_seed(cfg.train.seed)
     model = build_model(cfg.model, DataSpec("tokens", vocab_size=256)).model
     t = cfg.train
@@ -114,7 +114,7 @@ def main() -> None:
     times, mem = [], {}
     for step in range(args.steps):
         t0 = time.perf_counter()
-        w = torch.randint(256, (1, args.seq_len + 1), generator=g)
+        w = torch.randint(256, (1, cfg.model.seq_len + 1), generator=g)
         logits = engine(w[:, :-1])
         loss = F.cross_entropy(logits.flatten(0, 1).float(), w[:, 1:].flatten())
         engine.backward(loss)
@@ -125,12 +125,12 @@ def main() -> None:
         engine.step()
         loss.item()
         times.append(time.perf_counter() - t0)
-    mine = torch.tensor([float(mem[k]) for k in KINDS] + [resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024.0],
-                        dtype=torch.float64)
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux: KiB
+    mine = torch.tensor([float(mem[k]) for k in FIELDS[:-1]] + [float(peak)], dtype=torch.float64)
     every = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
     dist.all_gather(every, mine)
     if rank == 0:
-        per_rank = [{"rank": r, **{k: int(v) for k, v in zip((*KINDS, "peak"), x.tolist(), strict=True)}}
+        per_rank = [{"rank": r, **{k: int(v) for k, v in zip(FIELDS, x.tolist(), strict=True)}}
                     for r, x in enumerate(every)]
         print(json.dumps({"memory_per_rank": per_rank, "step_times": times}), flush=True)
     dist.barrier()
