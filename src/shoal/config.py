@@ -105,7 +105,17 @@ class ParallelConfig(Section):
     tp: int = Field(1, ge=1)
     """Tensor-parallel degree: each layer split over this many ranks (the model's plan; gpt has one)."""
     pp: int = Field(1, ge=1)
-    """Pipeline-parallel degree (only 1 is supported yet)."""
+    """Pipeline-parallel degree: the model's layers split into stages over this many ranks (the
+    model's pipeline plan; gpt has one)."""
+    pp_schedule: Literal["gpipe", "1f1b", "interleaved-1f1b"] = "1f1b"
+    """Pipeline schedule; interleaved-1f1b gives each rank pp_stages_per_rank stages."""
+    pp_microbatches: int = Field(0, ge=0)
+    """Micro-batches per step flowing through the pipeline; 0: per-rank batch / train.micro_batch_size.
+    When set, the pipeline's micro-batch is per-rank batch / pp_microbatches."""
+    pp_stages_per_rank: int = Field(2, ge=1)
+    """interleaved-1f1b: stages (virtual stages) each pp rank holds."""
+    pp_split: list[int] = []
+    """Layers per stage, in order (e.g. [3, 3] for pp = 2); empty: balanced by the plan's per-layer cost."""
     sequence_parallel: bool = False
     """With tp > 1: run the norms, residual adds and dropout on 1/tp of the sequence instead of
     replicated (the model's plan decides what that means; gpt supports it)."""
@@ -125,9 +135,6 @@ class ParallelConfig(Section):
 
     @model_validator(mode="after")
     def _supported(self) -> ParallelConfig:
-        for key, value, ok in (("pp", self.pp, 1),):
-            if value != ok:
-                raise ValueError(f"parallel.{key} = {value} is not yet supported; set parallel.{key} = {ok}")
         if self.sequence_parallel and self.tp == 1:
             raise ValueError("parallel.sequence_parallel = true splits the sequence over the tp ranks, but tp = 1; "
                              "set parallel.tp > 1 or sequence_parallel = false")

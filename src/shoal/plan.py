@@ -22,16 +22,18 @@ class RunPlan:
     backend: str
     grad_accum: int  # micro-batches per rank per optimizer step
     per_rank_batch: int  # samples per rank per optimizer step
+    pp_microbatches: int = 0  # pp > 1: micro-batches per step through the pipeline
 
     def describe(self, cfg: Config, items_name: str, items_per_sample: int) -> str:
-        t = cfg.train
-        return (
-            f"world {self.dims.world_size} = dp {self.dims.dp} x tp {self.dims.tp} x pp {self.dims.pp}"
-            f"{f', ZeRO {cfg.parallel.zero}' if cfg.parallel.zero else ''} ({self.backend}); "
-            f"global batch {t.global_batch_size} = micro {t.micro_batch_size} x dp "
-            f"{self.dims.dp} x accumulation {self.grad_accum}; {t.global_batch_size * items_per_sample:,} "
-            f"{items_name} per step"
-        )
+        t, d = cfg.train, self.dims
+        if d.pp > 1:
+            split = (f"{self.per_rank_batch // self.pp_microbatches} x dp {d.dp} x {self.pp_microbatches} "
+                     f"pipeline micro-batches")
+        else:
+            split = f"micro {t.micro_batch_size} x dp {d.dp} x accumulation {self.grad_accum}"
+        zero = f", ZeRO {cfg.parallel.zero}" if cfg.parallel.zero else ""
+        return (f"world {d.world_size} = dp {d.dp} x tp {d.tp} x pp {d.pp}{zero} ({self.backend}); global batch "
+                f"{t.global_batch_size} = {split}; {t.global_batch_size * items_per_sample:,} {items_name} per step")
 
 
 def make_plan(cfg: Config, world_size: int) -> RunPlan:
@@ -64,4 +66,14 @@ def make_plan(cfg: Config, world_size: int) -> RunPlan:
         raise UserError('precision.dtype = "fp16" needs CUDA (loss scaling); on CPU use "bf16" or "fp32"')
     if cfg.precision.dtype == "fp16" and backend != "nccl":
         raise UserError('precision.dtype = "fp16" trains on CUDA only; set parallel.backend = "nccl" or "auto"')
-    return RunPlan(dims, backend, t.global_batch_size // step, t.global_batch_size // dims.dp)
+    per_rank = t.global_batch_size // dims.dp
+    microbatches = 0
+    if dims.pp > 1:
+        microbatches = p.pp_microbatches or per_rank // t.micro_batch_size
+        if per_rank % microbatches:
+            raise UserError(f"parallel.pp_microbatches ({microbatches}) must divide the per-rank batch ({per_rank} = "
+                            f"train.global_batch_size / dp)")
+        if p.pp_schedule == "interleaved-1f1b" and microbatches % dims.pp:
+            raise UserError(f'parallel.pp_schedule = "interleaved-1f1b" needs the micro-batches ({microbatches}) to be '
+                            f"a multiple of parallel.pp ({dims.pp}); set parallel.pp_microbatches")
+    return RunPlan(dims, backend, t.global_batch_size // step, per_rank, microbatches)

@@ -105,9 +105,9 @@ def test_heads_must_divide_width():
     assert "model.n_head (3) must divide model.d_model (128)" in msg
 
 
-def test_not_yet_supported_degrees():
-    assert "parallel.tp = 2 is not yet supported" in error_of(load_config, None, ["parallel.tp=2"])
-    assert "parallel.pp = 2 is not yet supported" in error_of(load_config, None, ["parallel.pp=2"])
+def test_layout_keys_that_need_another_key():
+    assert "parallel.sequence_parallel = true splits the sequence over the tp ranks, but tp = 1" in error_of(
+        load_config, None, ["parallel.sequence_parallel=true"])
 
 
 def test_missing_config_file(tmp_path):

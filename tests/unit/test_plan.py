@@ -29,3 +29,25 @@ def test_nccl_without_cuda_is_refused():
     cfg = load_config(None, ["parallel.backend=nccl"])
     with pytest.raises(UserError, match="needs CUDA"):
         make_plan(cfg, 1)
+
+
+def test_pipeline_split_balances_cost_and_bubble_formula():
+    from shoal.parallel.pipeline import balanced_split, bubble_fraction, plan_layout
+
+    assert balanced_split([1, 1, 1, 1], 2) == [2, 2]
+    assert balanced_split([0, 5, 5, 5, 5, 2], 2) == [3, 3]  # 10 | 12 beats 15 | 7
+    assert balanced_split([0, 5, 5, 5, 5, 2], 3) == [2, 2, 2]
+    assert balanced_split([9, 1, 1, 1], 2) == [1, 3]
+    assert sum(balanced_split([3, 1, 4, 1, 5, 9, 2, 6], 4)) == 8
+    assert bubble_fraction(2, 4) == pytest.approx(1 / 5)  # (p - 1) / (m + p - 1)
+    assert bubble_fraction(4, 8, 2) == pytest.approx(3 / 19)  # interleaving divides the bubble's share
+    names = ["embeddings", "blocks.0", "blocks.1", "ln_f+head"]
+    layout = plan_layout(names, [0, 4, 4, 2], 2, "1f1b", 2, [])
+    assert layout.sizes == [2, 2] and layout.bounds(1) == (2, 4)
+    assert "expected bubble 20%" in layout.describe(2, 4, "1f1b")
+    assert plan_layout(names, [0, 4, 4, 2], 2, "interleaved-1f1b", 2, []).sizes == [1, 1, 1, 1]
+    with pytest.raises(UserError, match=r"parallel.pp \(4\) x parallel.pp_stages_per_rank \(2\) = 8 stages, but the "
+                                        r"model has only 4 layers"):
+        plan_layout(names, [0, 4, 4, 2], 4, "interleaved-1f1b", 2, [])
+    with pytest.raises(UserError, match=r"parallel.pp_split = \[3, 2\] must give 2 stages"):
+        plan_layout(names, [0, 4, 4, 2], 2, "gpipe", 2, [3, 2])

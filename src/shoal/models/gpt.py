@@ -150,7 +150,7 @@ def build(cfg: GPTConfig, spec: DataSpec) -> ModelBundle:
             f"raise it or leave it unset"
         )
     vocab = -(-vocab // cfg.vocab_multiple) * cfg.vocab_multiple
-    from shoal.models.gpt_parallel import tensor_parallel_plan
+    from shoal.models.gpt_parallel import pipeline_plan, tensor_parallel_plan
 
     return ModelBundle(GPT(cfg, vocab), lm_loss, count_tokens, block_types=(Block,), items_name="tokens",
-                       tp_plan=tensor_parallel_plan)
+                       tp_plan=tensor_parallel_plan, pp_plan=pipeline_plan)

@@ -18,6 +18,8 @@ sequence first; the same bytes move, and activations outside the split layers ta
 
 from __future__ import annotations
 
+import torch
+import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.parallel import (
@@ -78,3 +80,53 @@ def tensor_parallel_plan(model, tp: int, mesh=None, sequence_parallel: bool = Fa
         model.head.weight = model.tok_emb.weight
     return loss_parallel
 
+
+
+# --- pipeline parallelism -------------------------------------------------------------------------
+# The GPT as a sequence of layers: the embeddings, each block, and the final norm with the output head.
+# A stage is a contiguous run of them, built from the whole model with the other layers left out; the
+# names of what it keeps are the whole model's (blocks.3.mlp.up.weight), so checkpoints of any split
+# load into any other layout.
+
+
+class GPTStage(nn.Module):
+    """Layers [first, last) of a GPT (0: embeddings, 1..n_layer: blocks, n_layer + 1: norm and head)."""
+
+    def __init__(self, model, first: int, last: int):
+        super().__init__()
+        n = len(model.blocks)
+        self.embeds = first == 0
+        self.outputs = last == n + 2
+        if self.embeds:
+            self.tok_emb, self.pos_emb, self.drop = model.tok_emb, model.pos_emb, model.drop
+        elif self.outputs and model.head.weight is model.tok_emb.weight:
+            # the tied matrix lives on the first and the last stage: registered first under its first
+            # name, so both stages save it as the one-stage model does (the loop keeps the two in step)
+            self.tok_emb = nn.Embedding(*model.tok_emb.weight.shape, device="meta")
+            self.tok_emb.weight = model.tok_emb.weight
+        self.blocks = nn.ModuleDict({str(i): model.blocks[i] for i in range(max(first - 1, 0), min(last - 1, n))})
+        if self.outputs:
+            self.ln_f, self.head = model.ln_f, model.head
+
+    def forward(self, x):
+        if self.embeds:
+            pos = torch.arange(x.shape[1], device=x.device)
+            x = self.drop(self.tok_emb(x) + self.pos_emb(pos))
+        for block in self.blocks.values():
+            x = block(x)
+        return self.head(self.ln_f(x)) if self.outputs else x
+
+
+def pipeline_plan(model):
+    """(layer names, cost of each layer, stage builder, loss of the last stage's output)."""
+    d, T = model.tok_emb.embedding_dim, model.seq_len
+    linear = [sum(m.weight.numel() for m in block.modules() if isinstance(m, nn.Linear)) for block in model.blocks]
+    # forward FLOPs per token: 2 per matrix weight, plus attention's scores and weighted sum (4 T d)
+    costs = [0] + [2 * w + 4 * T * d for w in linear] + [2 * model.head.weight.numel()]
+    names = ["embeddings"] + [f"blocks.{i}" for i in range(len(model.blocks))] + ["ln_f+head"]
+    return names, costs, lambda first, last: GPTStage(model, first, last), output_loss
+
+
+def output_loss(logits, target):
+    """The last stage's loss: lm_loss without the forward (a sum, see [Note: loss contract])."""
+    return F.cross_entropy(logits.flatten(0, 1).float(), target.flatten(), ignore_index=-1, reduction="sum")

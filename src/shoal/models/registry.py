@@ -62,6 +62,9 @@ class ModelBundle:
     # it raises UserError when the degree does not fit the model. None: the model has no plan.
     tp_plan: Callable[..., Any] | None = None
     loss_context: Callable[[], Any] = contextlib.nullcontext  # set by parallelize() from the tp plan
+    # pipeline parallelism: pp_plan(model) -> (layer names, per-layer costs, build_stage(first, last),
+    # output_loss(output, target) -> loss sum over items whose target is not -1). None: no plan.
+    pp_plan: Callable[..., Any] | None = None
 
 
 class ModelSection(BaseModel):

@@ -46,6 +46,7 @@ class TrainState:
     dp_rank: int
     dp_group: object = None  # None: the default group
     counts_loss: bool = True  # this rank's loss enters the global loss (not a tensor-parallel peer's copy)
+    pipeline: object = None  # parallel.pipeline.Pipeline when pp > 1
     bad_steps: BadStepPolicy = None
     rollback: Callable[[int], None] | None = None  # reload the newest checkpoint, skipping a data step
     log: CollectiveLog = field(default_factory=CollectiveLog)  # collectives entered, for hang reports
@@ -90,22 +91,52 @@ def plain(t: torch.Tensor) -> torch.Tensor:
     return t.full_tensor() if isinstance(t, DTensor) else t
 
 
-def clip_grad_norm(params: list[torch.Tensor], max_norm: float) -> float:
+def clip_grad_norm(params: list[tuple[torch.Tensor, bool]], max_norm: float, pp_group=None) -> float:
     """torch's clip_grad_norm_ over a model whose gradients are plain tensors and DTensors on
     different meshes (tensor-parallel layers on dp x tp, replicated ones on dp only, ...): tensors of
     different kinds cannot share one foreach kernel, so each kind's norm is taken apart and the total
-    combined. Returns the total norm."""
-    groups: dict[object, list[torch.Tensor]] = {}
-    for p in params:
-        groups.setdefault(p.grad.device_mesh if isinstance(p.grad, DTensor) else None, []).append(p)
+    combined; with pipeline stages, summed over the stages. `params`: (parameter, counted in the norm)
+    (a weight tied across stages is counted on one of them). Returns the total norm."""
+    groups: dict[object, list[tuple[torch.Tensor, bool]]] = {}
+    for p, counted in params:
+        groups.setdefault(p.grad.device_mesh if isinstance(p.grad, DTensor) else None, []).append((p, counted))
     squares = torch.zeros((), dtype=torch.float64)
     for group in groups.values():
-        norm = plain(torch.nn.utils.get_total_norm([p.grad for p in group]))
-        squares = squares + norm.double().cpu() ** 2
+        grads = [p.grad for p, counted in group if counted]
+        if grads:
+            squares = squares + plain(torch.nn.utils.get_total_norm(grads)).double().cpu() ** 2
+    if pp_group is not None:
+        dist.all_reduce(squares, group=pp_group)
     total = squares.sqrt()
     for group in groups.values():
-        torch.nn.utils.clip_grads_with_norm_(group, max_norm, total.float().to(group[0].grad.device))
+        torch.nn.utils.clip_grads_with_norm_([p for p, _ in group], max_norm, total.float().to(group[0][0].grad.device))
     return total.item()
+
+
+def norm_params(state: TrainState) -> list[tuple[torch.Tensor, bool]]:
+    """Parameters with gradients, and whether each counts in the gradient norm: a weight tied across
+    pipeline stages counts on the first stage only."""
+    skip = set()
+    if state.pipeline is not None and state.pipeline.tie_group is not None and not state.pipeline.first:
+        skip = {id(p) for p in tied_params(state)}
+    return [(p, id(p) not in skip) for p in state.model.parameters() if p.grad is not None]
+
+
+def tied_params(state: TrainState) -> list[torch.Tensor]:
+    """On the first and last pipeline stage: the weights the two share (a GPT's embedding and head)."""
+    return [p for n, p in state.bundle.model.named_parameters() if n in state.pipeline.tied_names]
+
+
+def sync_tied(state: TrainState) -> None:
+    """Add up the gradients of weights tied across the first and last stage, so both copies take the
+    same step."""
+    p = state.pipeline
+    if p.tie_group is None or not (p.first or p.last):
+        return
+    for param in tied_params(state):
+        grad = param.grad.to_local() if isinstance(param.grad, DTensor) else param.grad
+        with state.log.record("all_reduce", "tied weights, first and last stage", [grad]):
+            dist.all_reduce(grad, group=p.tie_group)
 
 
 def train_step(state: TrainState, micro_batches: list[Batch], timer: StepTimer) -> dict:
@@ -117,6 +148,14 @@ def train_step(state: TrainState, micro_batches: list[Batch], timer: StepTimer) 
     n_items = torch.stack([bundle.count_fn(b) for b in batches]).sum().double().to(state.device)
     pending = all_reduce(n_items, state, async_op=True)
     loss_sum = torch.zeros((), device=state.device, dtype=torch.float64)
+    if state.pipeline is not None:  # the micro-batches flow through the pipeline's schedule instead
+        pending.wait()
+        whole = {k: torch.cat([b[k] for b in batches]) for k in batches[0]}
+        scale = state.plan.dims.dp / n_items.float()
+        with bundle.loss_context(), precision.autocast():
+            loss_sum += plain(state.pipeline.run(whole, scale)).double()
+        sync_tied(state)
+        batches = []
     for i, batch in enumerate(batches):
         with grad_sync(model, sync=i == len(batches) - 1), bundle.loss_context():
             with precision.autocast():
@@ -136,8 +175,8 @@ def train_step(state: TrainState, micro_batches: list[Batch], timer: StepTimer) 
                                             device=state.device)])
     pending = all_reduce(flags, state, async_op=True, world=True)
     precision.unscale(state.optimizer)
-    grad_norm = clip_grad_norm([p for p in model.parameters() if p.grad is not None],
-                               state.cfg.train.grad_clip or math.inf)
+    grad_norm = clip_grad_norm(norm_params(state), state.cfg.train.grad_clip or math.inf,
+                               state.pipeline and state.plan.dims.mesh["pp"].get_group())
     pending.wait()
     loss = (flags[0] / n_items).item()
     bad = state.bad_steps.is_bad(loss, grad_norm)  # the same verdict on every rank: both values are global
@@ -169,6 +208,9 @@ def evaluate(state: TrainState) -> dict[str, float]:
         if b * B >= source.num_val:
             break
         idx = torch.arange(b * B, min((b + 1) * B, source.num_val))
+        if state.pipeline is not None:
+            add_to(totals, pipeline_eval(state, idx.tensor_split(dp)[state.dp_rank]))
+            continue
         chunks = [c for c in idx.tensor_split(dp)[state.dp_rank].split(micro) if len(c)]
         n_forwards = math.ceil(math.ceil(len(idx) / dp) / micro)  # the most any rank runs
         if sharded and len(chunks) < n_forwards:
@@ -179,18 +221,16 @@ def evaluate(state: TrainState) -> dict[str, float]:
         for chunk in chunks:
             with state.precision.autocast(), state.bundle.loss_context():
                 out = state.bundle.eval_fn(model, to_device(source.val_batch(chunk), state.device))
-            for k, (s, n) in out.items():
-                s, n = plain(s), plain(n)
-                acc = totals.setdefault(k, [torch.zeros((), dtype=torch.float64), torch.zeros((), dtype=torch.float64)])
-                acc[0] += s.double().cpu()
-                acc[1] += n.double().cpu()
+            add_to(totals, out)
     model.train(was_training)
     if sharded:  # no backward follows to free what the forwards gathered (ZeRO 2 keeps it after forward)
         for m in model.modules():
             if isinstance(m, FSDPModule):
                 m.reshard()
     keys = sorted(totals)
-    flat = all_reduce(torch.stack([v for k in keys for v in totals[k]]).to(state.device), state).cpu()
+    # over every rank, each total counted once: tensor-parallel peers and earlier pipeline stages add 0
+    flat = torch.stack([v for k in keys for v in totals[k]])
+    flat = all_reduce((flat if state.counts_loss else torch.zeros_like(flat)).to(state.device), state, world=True).cpu()
     return {f"val_{k}": (flat[2 * i] / flat[2 * i + 1]).item() for i, k in enumerate(keys)}
 
 
@@ -203,6 +243,31 @@ def gather_memory(state: TrainState, held: dict[str, int]) -> list[dict]:
         dist.all_gather(out, mine)
     return [{"rank": r, **{k: int(v) for k, v in zip((*STATE_KINDS, "peak"), t.tolist(), strict=True)}}
             for r, t in enumerate(out)]
+
+
+def add_to(totals: dict[str, list[torch.Tensor]], out: dict[str, tuple[torch.Tensor, torch.Tensor]]) -> None:
+    for k, (s, n) in out.items():
+        acc = totals.setdefault(k, [torch.zeros((), dtype=torch.float64), torch.zeros((), dtype=torch.float64)])
+        acc[0] += plain(s).double().cpu()
+        acc[1] += plain(n).double().cpu()
+
+
+def pipeline_eval(state: TrainState, mine: torch.Tensor) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """Validation loss of this rank's share of a validation batch, through the pipeline (forward only).
+    The schedule takes whole per-rank batches: a short share is padded with samples whose targets
+    are -1, which the loss and the item count leave out."""
+    batch = state.source.val_batch(mine if len(mine) else torch.zeros(1, dtype=torch.long))
+    if not len(mine):
+        batch["target"] = torch.full_like(batch["target"], -1)
+    short = state.plan.per_rank_batch - len(batch["target"])
+    if short:
+        pad = {k: v[:1].expand(short, *v.shape[1:]) for k, v in batch.items()}
+        pad["target"] = torch.full_like(pad["target"], -1)
+        batch = {k: torch.cat([batch[k], pad[k]]) for k in batch}
+    batch = to_device(batch, state.device)
+    with state.precision.autocast(), state.bundle.loss_context():
+        loss = state.pipeline.run(batch, None)
+    return {"loss": (loss, state.bundle.count_fn(batch))}
 
 
 def train_loop(state: TrainState, make_loader: Callable[[int], Prefetcher], sinks: MetricsSinks) -> bool:

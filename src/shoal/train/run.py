@@ -77,7 +77,7 @@ def run_training(cfg: Config, run_dir: Path, env: DistEnv, resume: str = "auto",
     torch.manual_seed(cfg.train.seed)  # identical initial weights on every rank
     source, bundle = build_data_and_model(cfg, plan, init=resume_path is None)
     log = log or CollectiveLog()
-    model = parallelize(bundle, dims, cfg, env.device, log)
+    model, pipeline = parallelize(bundle, dims, cfg, env.device, env.rank, plan, log)
     torch.manual_seed(cfg.train.seed + 1 + env.rank)  # dropout etc. differ per rank, reproducibly
     optimizer = build_optimizer(bundle.model, cfg.train,
                                 shard_group=dims.mesh["dp"].get_group() if cfg.parallel.zero == 1 else None)
@@ -87,8 +87,9 @@ def run_training(cfg: Config, run_dir: Path, env: DistEnv, resume: str = "auto",
     bad_steps = BadStepPolicy(cfg.train.on_bad_step, cfg.train.max_bad_steps, scaled=precision.scaler is not None)
     state = TrainState(cfg, plan, bundle, model, optimizer, build_scheduler(optimizer, cfg.train), precision,
                        GlobalBatchSampler(source.num_train, cfg.train.global_batch_size, cfg.train.seed),
-                       source, env.device, dp_rank, dp_group, counts_loss=dims.coords(env.rank)["tp"] == 0,
-                       bad_steps=bad_steps, log=log)
+                       source, env.device, dp_rank, dp_group,
+                       counts_loss=dims.coords(env.rank)["tp"] == 0 and (pipeline is None or pipeline.last),
+                       pipeline=pipeline, bad_steps=bad_steps, log=log)
     is_main = env.rank == 0
     if is_main:
         run_dir.mkdir(parents=True, exist_ok=True)
@@ -112,6 +113,8 @@ def run_training(cfg: Config, run_dir: Path, env: DistEnv, resume: str = "auto",
     items_per_sample = getattr(cfg.model, "seq_len", 1) if bundle.items_name == "tokens" else 1
     shape = plan.describe(cfg, bundle.items_name, items_per_sample)
     sinks.print(f"[bold]shoal[/] {cfg.model.name}: {n_params:,} parameters; {shape}")
+    if pipeline is not None:
+        sinks.print(pipeline.layout.describe(dims.pp, plan.pp_microbatches, cfg.parallel.pp_schedule))
     sinks.print(f"data {cfg.data.source}: {source.num_train:,} training / {source.num_val:,} validation samples; "
                 f"run dir {run_dir}")
     if recovery and recovery["checkpoint"]:

@@ -1,0 +1,161 @@
+"""Pipeline parallelism on torch.distributed.pipelining: the model's layers split into contiguous
+stages, one per pp rank (or several, interleaved), micro-batches flowing through by a schedule.
+
+  gpipe             all forwards, then all backwards (Huang et al. 2019): simplest, most activations
+  1f1b              one forward one backward once the pipeline is full (Narayanan et al. 2019): the
+                    same bubble, at most pp micro-batches of activations held
+  interleaved-1f1b  each rank holds v stages (virtual stages, round-robin): the bubble shrinks by v,
+                    at the price of v times the point-to-point traffic (Narayanan et al. 2021)
+
+Idle ("bubble") fraction with p ranks, m micro-batches, v stages per rank: (p-1) / (v m + p - 1).
+The split balances the model plan's per-layer cost (forward FLOPs) unless parallel.pp_split gives
+the number of layers of each stage.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
+
+from shoal.errors import UserError
+
+SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved-1f1b": ScheduleInterleaved1F1B}
+
+
+def balanced_split(costs: list[float], stages: int) -> list[int]:
+    """Layers per stage: the contiguous split of `costs` into `stages` non-empty runs whose largest
+    total is smallest (the classic linear-partition dynamic programme); ties go to earlier stages."""
+    n = len(costs)
+    if not 1 <= stages <= n:
+        raise ValueError(f"cannot split {n} layers into {stages} stages")
+    prefix = [0.0]
+    for c in costs:
+        prefix.append(prefix[-1] + c)
+    inf = float("inf")
+    # best[s][i]: smallest largest-stage cost splitting the first i layers into s stages
+    best = [[inf] * (n + 1) for _ in range(stages + 1)]
+    cut = [[0] * (n + 1) for _ in range(stages + 1)]
+    best[0][0] = 0.0
+    for s in range(1, stages + 1):
+        for i in range(s, n - (stages - s) + 1):
+            for j in range(s - 1, i):
+                value = max(best[s - 1][j], prefix[i] - prefix[j])
+                if value < best[s][i]:
+                    best[s][i], cut[s][i] = value, j
+    sizes, i = [], n
+    for s in range(stages, 0, -1):
+        sizes.append(i - cut[s][i])
+        i = cut[s][i]
+    return sizes[::-1]
+
+
+def bubble_fraction(pp: int, microbatches: int, stages_per_rank: int = 1) -> float:
+    return (pp - 1) / (stages_per_rank * microbatches + pp - 1)
+
+
+@dataclass
+class PipelineLayout:
+    sizes: list[int]  # layers per stage, over all stages (pp x stages per rank)
+    names: list[str]
+    costs: list[float]
+    stages_per_rank: int
+
+    def bounds(self, stage: int) -> tuple[int, int]:
+        first = sum(self.sizes[:stage])
+        return first, first + self.sizes[stage]
+
+    def describe(self, pp: int, microbatches: int, schedule: str) -> str:
+        lines = [f"pipeline: {len(self.sizes)} stages on {pp} ranks ({schedule}, {microbatches} micro-batches); "
+                 f"expected bubble {bubble_fraction(pp, microbatches, self.stages_per_rank):.0%}"]
+        total = sum(self.costs) or 1.0
+        for s in range(len(self.sizes)):
+            first, last = self.bounds(s)
+            names = self.names[first] if last - first == 1 else f"{self.names[first]} .. {self.names[last - 1]}"
+            lines.append(f"  stage {s} (pp rank {s % pp}): {names}; {sum(self.costs[first:last]) / total:.0%} of "
+                         f"the cost")
+        return "\n".join(lines)
+
+
+def plan_layout(names: list[str], costs: list[float], pp: int, schedule: str, stages_per_rank: int,
+                split: list[int]) -> PipelineLayout:
+    """Check and decide the split; every error names the key and the numbers."""
+    v = stages_per_rank if schedule == "interleaved-1f1b" else 1
+    stages = pp * v
+    if stages > len(names):
+        raise UserError(f"parallel.pp ({pp}){f' x parallel.pp_stages_per_rank ({v})' if v > 1 else ''} = {stages} "
+                        f"stages, but the model has only {len(names)} layers to split ({', '.join(names)})")
+    if split:
+        if len(split) != stages or sum(split) != len(names) or min(split) < 1:
+            raise UserError(f"parallel.pp_split = {split} must give {stages} stages of at least one layer each, "
+                            f"adding up to the model's {len(names)} layers")
+        sizes = list(split)
+    else:
+        sizes = balanced_split(costs, stages)
+    return PipelineLayout(sizes, names, costs, v)
+
+
+def build_schedule(stage_modules: list[torch.nn.Module], stage_ids: list[int], num_stages: int, device,
+                   group, schedule: str, microbatches: int, loss_fn):
+    """The torch pipelining schedule over this rank's stage modules. Gradients are not rescaled by the
+    schedule: loss_fn already returns the loss scaled for the global batch ([Note: loss contract])."""
+    stages = [PipelineStage(m, i, num_stages, device, group=group) for m, i in zip(stage_modules, stage_ids,
+                                                                                    strict=True)]
+    cls = SCHEDULES[schedule]
+    if schedule == "interleaved-1f1b":
+        return cls(stages, n_microbatches=microbatches, loss_fn=loss_fn, scale_grads=False), stages
+    return cls(stages[0], n_microbatches=microbatches, loss_fn=loss_fn, scale_grads=False), stages
+
+
+class StageUnion(torch.nn.Module):
+    """This rank's stage modules as one module carrying the whole model's parameter names, for the
+    optimizer, checkpoints and memory accounting (interleaving gives a rank several stages). Children of
+    the same name that are ModuleDicts (a GPT's blocks) are merged."""
+
+    def __init__(self, stages: list[torch.nn.Module]):
+        super().__init__()
+        for stage in stages:
+            for name, child in stage.named_children():
+                mine = getattr(self, name, None)
+                if isinstance(mine, torch.nn.ModuleDict) and isinstance(child, torch.nn.ModuleDict):
+                    mine.update(child)
+                elif mine is None:
+                    self.add_module(name, torch.nn.ModuleDict(dict(child.items())) if isinstance(
+                        child, torch.nn.ModuleDict) else child)
+
+
+class Pipeline:
+    """One rank's part of the pipeline: its stages, the schedule, and the loss of the last stage."""
+
+    def __init__(self, modules: list[torch.nn.Module], stage_ids: list[int], num_stages: int, device, group,
+                 schedule: str, microbatches: int, output_loss, tie_group=None):
+        self.modules, self.output_loss, self.microbatches = modules, output_loss, microbatches
+        self.first, self.last = 0 in stage_ids, num_stages - 1 in stage_ids
+        self.scale = 1.0
+        self.losses: list[torch.Tensor] = []  # unscaled loss sums of the micro-batches of one call
+        self.schedule, self.stages = build_schedule(modules, stage_ids, num_stages, device, group, schedule,
+                                                    microbatches, self._loss)
+        self.tie_group = tie_group  # first and last stage, when they share a tied weight
+
+    def _loss(self, output, target):
+        loss = self.output_loss(output, target)
+        self.losses.append(loss.detach())
+        return loss * self.scale
+
+    def run(self, batch: dict, scale: float | torch.Tensor | None) -> torch.Tensor:
+        """Forward and backward of the per-rank batch (or forward only, scale None); returns the sum of
+        the unscaled losses on the last stage (zero elsewhere)."""
+        self.losses = []
+        self.scale = 1.0 if scale is None else scale
+        args = (batch["input"],) if self.first else ()
+        target = batch["target"] if self.last else None
+        if scale is None:
+            with torch.no_grad():
+                self.schedule.eval(*args, target=target)
+        else:
+            self.schedule.step(*args, target=target)
+        # the schedule's first call (and its first after switching between step and eval) also runs
+        # the loss once on its shape-inference pass, on meaningless values: the real ones come last
+        real = self.losses[-self.microbatches:]
+        return torch.stack(real).sum() if real else torch.zeros(())
