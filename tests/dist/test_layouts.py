@@ -78,7 +78,22 @@ LAYOUTS = {"dp1": (1, []), "dp2": (2, []), "dp2-zero1": (2, ["--set", "parallel.
            "dp2-zero2": (2, ["--set", "parallel.zero=2"]), "dp2-zero3": (2, ["--set", "parallel.zero=3"]),
            "tp2": (2, ["--set", "parallel.tp=2"]), "dp2-tp2": (4, ["--set", "parallel.tp=2"]),
            "tp2-sp": (2, ["--set", "parallel.tp=2", "--set", "parallel.sequence_parallel=true"]),
-           "dp2-tp2-zero3": (4, ["--set", "parallel.tp=2", "--set", "parallel.zero=3"])}
+           "dp2-tp2-zero3": (4, ["--set", "parallel.tp=2", "--set", "parallel.zero=3"]),
+           "pp2-gpipe": (2, ["--set", "parallel.pp=2", "--set", 'parallel.pp_schedule="gpipe"']),
+           "pp2-1f1b": (2, ["--set", "parallel.pp=2", "--set", 'parallel.pp_schedule="1f1b"']),
+           "pp2-interleaved": (2, ["--set", "parallel.pp=2", "--set", 'parallel.pp_schedule="interleaved-1f1b"'])}
+
+
+@pytest.mark.parametrize("layout", ["pp2-gpipe", "pp2-1f1b", "pp2-interleaved"])
+def test_pipeline_layouts_match_single_process(tmp_path, reference, layout):
+    nproc, extra = LAYOUTS[layout]
+    run_dir = tmp_path / "run"
+    r = train(*args(run_dir, nproc, *extra))
+    assert_same_training(run_dir, reference["fp32"], rtol=1e-5, atol=1e-5)
+    ref_val = [m["val_loss"] for m in read_metrics(reference["fp32"]) if "val_loss" in m]
+    ours_val = [m["val_loss"] for m in read_metrics(run_dir) if "val_loss" in m]
+    torch.testing.assert_close(torch.tensor(ours_val), torch.tensor(ref_val), rtol=1e-5, atol=0)
+    assert "expected bubble" in r.stdout and "stage 1 (pp rank 1)" in r.stdout
 
 
 @pytest.mark.parametrize("layout", ["tp2", "tp2-sp", "dp2-tp2", "dp2-tp2-zero3"])
@@ -107,7 +122,8 @@ def test_zero3_bf16_matches_single_process_bf16(tmp_path, reference):
 # save with the first layout at step 5, resume with the second, finish at step 10: the same run as the
 # uninterrupted single-process reference (DCP reshards between plain, ZeRO 1, FSDP2 and TP state dicts)
 @pytest.mark.parametrize("before,after", [("dp2", "dp2-zero3"), ("dp2-zero3", "dp1"), ("dp2-zero1", "dp2-zero2"),
-                                          ("dp1", "dp2-zero1"), ("dp2", "tp2"), ("tp2", "dp2-zero3")])
+                                          ("dp1", "dp2-zero1"), ("dp2", "tp2"), ("tp2", "dp2-zero3"),
+                                          ("dp2", "pp2-1f1b"), ("pp2-interleaved", "dp1")])
 def test_checkpoints_reshard_across_layouts(tmp_path, reference, before, after):
     first, second = tmp_path / "first", tmp_path / "second"
     nproc, extra = LAYOUTS[before]
@@ -140,6 +156,14 @@ def test_checkpoints_reshard_across_layouts(tmp_path, reference, before, after):
     (["parallel.sequence_parallel=true"], 2, "parallel.sequence_parallel = true splits the sequence over the tp"),
     (["parallel.tp=2", "parallel.sequence_parallel=true", "model.seq_len=33"], 2,
      "parallel.tp (2) must divide model.seq_len (33)"),
+    (["parallel.pp=2", "model.n_layer=1", 'parallel.pp_schedule="interleaved-1f1b"'], 2,
+     "parallel.pp (2) x parallel.pp_stages_per_rank (2) = 4 stages, but the model has only 3 layers"),
+    (["parallel.pp=2"], 4, "pp 2 combined with dp 2 x tp 1 is not supported yet"),
+    (["parallel.pp=2", "parallel.tp=2"], 4, "pp 2 combined with dp 1 x tp 2 is not supported yet"),
+    (["parallel.pp=2", "parallel.pp_split=[3, 2]"], 2, "parallel.pp_split = [3, 2] must give 2 stages"),
+    (["parallel.pp=2", "parallel.pp_microbatches=3"], 2, "parallel.pp_microbatches (3) must divide the per-rank"),
+    (["parallel.pp=2", 'model.name="resnet"', 'data.source="synthetic-images"'], 2,
+     'parallel.pp = 2, but model "resnet" has no pipeline plan'),
     (["parallel.tp=3"], 2, "parallel.tp (3) x parallel.pp (1) = 3 does not divide the 2 processes"),
 ])
 def test_invalid_layouts_fail_before_start(tmp_path, overrides, nproc, message):

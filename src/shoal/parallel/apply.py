@@ -38,11 +38,12 @@ def check_parallelizable(bundle: ModelBundle, cfg: Config) -> None:
         if bundle.pp_plan is None:
             raise UserError(f'parallel.pp = {pp}, but model "{cfg.model.name}" has no pipeline plan '
                             f"(ModelBundle.pp_plan); set parallel.pp = 1")
-        if cfg.parallel.zero:
-            raise UserError(f"parallel.zero = {cfg.parallel.zero} with parallel.pp = {pp} is not supported yet; "
-                            f"set parallel.zero = 0 (data parallelism across pipelines works)")
         if cfg.train.compile:
             raise UserError("train.compile = true with parallel.pp > 1 is not supported yet; set train.compile = false")
+
+        if cfg.checkpoint.final_weights and not cfg.checkpoint.enabled:
+            raise UserError("with parallel.pp > 1 the final weights are exported from the final checkpoint: set "
+                            "checkpoint.enabled = true, or checkpoint.final_weights = false")
         names, costs, _, _ = bundle.pp_plan(bundle.model)
         p = cfg.parallel
         plan_layout(names, costs, pp, p.pp_schedule, p.pp_stages_per_rank, p.pp_split)  # checks the split
@@ -89,7 +90,8 @@ def wrap(model: torch.nn.Module, bundle: ModelBundle, dims: ParallelDims, cfg: C
         model = torch.compile(model)
     if cfg.parallel.zero >= 2:
         model = apply_fsdp(model, bundle, dims.mesh["dp"], cfg)
-    elif dims.dp > 1 and dims.tp > 1:
+    elif dims.dp > 1 and (dims.tp > 1 or dims.pp > 1):
+        # DDP holds no DTensors, and its bucket rebuilding breaks on a pipeline's interleaved backwards
         model = apply_replicate(model, bundle.block_types, dims.mesh["dp"])
     elif dims.dp > 1:
         group = dims.mesh["dp"].get_group() if dims.world_size > dims.dp else None

@@ -21,6 +21,7 @@ from torch.distributed.tensor import DTensor
 
 import shoal
 from shoal import signals
+from shoal.checkpoint.export import export_weights
 from shoal.checkpoint.manager import CheckpointManager, load_checkpoint
 from shoal.checkpoint.manifest import list_checkpoints, step_dir_name
 from shoal.checkpoint.resume import check_compatible, find_resume_point, restore_rng_for
@@ -138,7 +139,10 @@ def run_training(cfg: Config, run_dir: Path, env: DistEnv, resume: str = "auto",
         sinks.close()
     summary = summarize(state, n_params, time.perf_counter() - t_start, env, recovery, run_dir)
     summary["checkpoints"] = ckpt.stats
-    if cfg.checkpoint.final_weights:
+    if cfg.checkpoint.final_weights and pipeline is not None:
+        if is_main:  # each rank holds some stages: the final checkpoint holds them all (sealed by now)
+            export_weights(run_dir, run_dir / "model.safetensors", step=state.sampler.step)
+    elif cfg.checkpoint.final_weights:
         save_final_weights(cfg, source, bundle.model, run_dir / "model.safetensors", is_main)
     if is_main:
         (run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n", encoding="utf-8")
