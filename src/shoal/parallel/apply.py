@@ -69,11 +69,12 @@ def parallelize(bundle: ModelBundle, dims: ParallelDims, cfg: Config, device: to
     layout = plan_layout(names, costs, dims.pp, p.pp_schedule, p.pp_stages_per_rank, p.pp_split)
     pp_rank = dims.coords(rank)["pp"]
     stage_ids = [pp_rank + k * dims.pp for k in range(layout.stages_per_rank)]
+    # weights with several names (tied) are kept under their first name on every stage that holds them
+    # (found before the wrappers below replace parameters)
+    tied = [names[0] for names in _names_by_param(model).values() if len(names) > 1]
     stages = [build_stage(*layout.bounds(i)) for i in stage_ids]
     bundle.model = StageUnion(stages)
     modules = [wrap(stage, bundle, dims, cfg, device, log) for stage in stages]
-    # weights with several names (tied) are kept under their first name on every stage that holds them
-    tied = [names[0] for names in _names_by_param(model).values() if len(names) > 1]
     pipeline = Pipeline(modules, stage_ids, len(layout.sizes), device, dims.mesh["pp"].get_group(), p.pp_schedule,
                         plan.pp_microbatches, output_loss, tie_group=tied_stage_group(tied, dims, rank))
     pipeline.layout, pipeline.tied_names = layout, tied
@@ -91,7 +92,8 @@ def wrap(model: torch.nn.Module, bundle: ModelBundle, dims: ParallelDims, cfg: C
     if cfg.parallel.zero >= 2:
         model = apply_fsdp(model, bundle, dims.mesh["dp"], cfg)
     elif dims.dp > 1 and (dims.tp > 1 or dims.pp > 1):
-        # DDP holds no DTensors, and its bucket rebuilding breaks on a pipeline's interleaved backwards
+        # DDP holds no DTensors, and it decides at forward time whether a backward all-reduces, which a
+        # pipeline schedule's interleaved forwards and backwards break
         model = apply_replicate(model, bundle.block_types, dims.mesh["dp"])
     elif dims.dp > 1:
         group = dims.mesh["dp"].get_group() if dims.world_size > dims.dp else None
