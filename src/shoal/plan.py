@@ -68,9 +68,6 @@ def make_plan(cfg: Config, world_size: int) -> RunPlan:
         raise UserError('precision.dtype = "fp16" trains on CUDA only; set parallel.backend = "nccl" or "auto"')
     per_rank = t.global_batch_size // dims.dp
     microbatches = 0
-    if dims.pp > 1 and dims.tp > 1:
-        raise UserError(f"parallel.tp = {dims.tp} with parallel.pp = {dims.pp} is not supported yet (stage-to-stage "
-                        f"transfers of tensor-parallel activations); use one of them")
     if dims.pp > 1 and p.zero:
         raise UserError(f"parallel.zero = {p.zero} with parallel.pp = {dims.pp} is not supported yet; set "
                         f"parallel.zero = 0 (data parallelism across pipelines works)")

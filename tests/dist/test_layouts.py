@@ -82,10 +82,11 @@ LAYOUTS = {"dp1": (1, []), "dp2": (2, []), "dp2-zero1": (2, ["--set", "parallel.
            "pp2-gpipe": (2, ["--set", "parallel.pp=2", "--set", 'parallel.pp_schedule="gpipe"']),
            "pp2-1f1b": (2, ["--set", "parallel.pp=2", "--set", 'parallel.pp_schedule="1f1b"']),
            "pp2-interleaved": (2, ["--set", "parallel.pp=2", "--set", 'parallel.pp_schedule="interleaved-1f1b"']),
-           "dp2-pp2": (4, ["--set", "parallel.pp=2"])}
+           "dp2-pp2": (4, ["--set", "parallel.pp=2"]),
+           "tp2-pp2": (4, ["--set", "parallel.tp=2", "--set", "parallel.pp=2"])}
 
 
-@pytest.mark.parametrize("layout", ["pp2-gpipe", "pp2-1f1b", "pp2-interleaved", "dp2-pp2"])
+@pytest.mark.parametrize("layout", ["pp2-gpipe", "pp2-1f1b", "pp2-interleaved", "dp2-pp2", "tp2-pp2"])
 def test_pipeline_layouts_match_single_process(tmp_path, reference, layout):
     nproc, extra = LAYOUTS[layout]
     run_dir = tmp_path / "run"
@@ -159,7 +160,6 @@ def test_checkpoints_reshard_across_layouts(tmp_path, reference, before, after):
      "parallel.tp (2) must divide model.seq_len (33)"),
     (["parallel.pp=2", "model.n_layer=1", 'parallel.pp_schedule="interleaved-1f1b"'], 2,
      "parallel.pp (2) x parallel.pp_stages_per_rank (2) = 4 stages, but the model has only 3 layers"),
-    (["parallel.pp=2", "parallel.tp=2"], 4, "parallel.tp = 2 with parallel.pp = 2 is not supported yet"),
     (["parallel.pp=2", "parallel.zero=1"], 4, "parallel.zero = 1 with parallel.pp = 2 is not supported yet"),
     (["parallel.pp=2", "parallel.pp_split=[3, 2]"], 2, "parallel.pp_split = [3, 2] must give 2 stages"),
     (["parallel.pp=2", "parallel.pp_microbatches=3"], 2, "parallel.pp_microbatches (3) must divide the per-rank"),

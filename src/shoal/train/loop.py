@@ -134,6 +134,10 @@ def sync_tied(state: TrainState) -> None:
     if p.tie_group is None or not (p.first or p.last):
         return
     for param in tied_params(state):
+        if isinstance(param.grad, DTensor) and param.grad.placements != param.placements:
+            # a vocab-parallel embedding's gradient comes back replicated: lay it out like the weight
+            # (a local slice), so that both stages add tensors of the same shape
+            param.grad = param.grad.redistribute(placements=param.placements)
         grad = param.grad.to_local() if isinstance(param.grad, DTensor) else param.grad
         with state.log.record("all_reduce", "tied weights, first and last stage", [grad]):
             dist.all_reduce(grad, group=p.tie_group)
