@@ -105,8 +105,11 @@ def clip_grad_norm(params: list[tuple[torch.Tensor, bool]], max_norm: float, pp_
         grads = [p.grad for p, counted in group if counted]
         if grads:
             squares = squares + plain(torch.nn.utils.get_total_norm(grads)).double().cpu() ** 2
-    if pp_group is not None:
+    if pp_group is not None:  # on the training device: NCCL reduces no CPU tensors
+        device = params[0][0].grad.device if params else torch.device("cpu")
+        squares = squares.to(device)
         dist.all_reduce(squares, group=pp_group)
+        squares = squares.cpu()
     total = squares.sqrt()
     for group in groups.values():
         torch.nn.utils.clip_grads_with_norm_([p for p, _ in group], max_norm, total.float().to(group[0][0].grad.device))
