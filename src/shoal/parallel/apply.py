@@ -75,9 +75,8 @@ def parallelize(bundle: ModelBundle, dims: ParallelDims, cfg: Config, device: to
     stages = [build_stage(*layout.bounds(i)) for i in stage_ids]
     bundle.model = StageUnion(stages)
     modules = [wrap(stage, bundle, dims, cfg, device, log) for stage in stages]
-    pipeline = Pipeline(modules, stage_ids, len(layout.sizes), device, dims.mesh["pp"].get_group(), p.pp_schedule,
-                        plan.pp_microbatches, output_loss, tie_group=tied_stage_group(tied, dims, rank))
-    pipeline.layout, pipeline.tied_names = layout, tied
+    pipeline = Pipeline(modules, stage_ids, layout, device, dims.mesh["pp"].get_group(), p.pp_schedule,
+                        plan.pp_microbatches, output_loss, tied, tie_group=tied_stage_group(tied, dims, rank))
     return bundle.model, pipeline
 
 

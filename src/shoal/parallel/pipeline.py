@@ -128,9 +128,11 @@ class StageUnion(torch.nn.Module):
 class Pipeline:
     """One rank's part of the pipeline: its stages, the schedule, and the loss of the last stage."""
 
-    def __init__(self, modules: list[torch.nn.Module], stage_ids: list[int], num_stages: int, device, group,
-                 schedule: str, microbatches: int, output_loss, tie_group=None):
+    def __init__(self, modules: list[torch.nn.Module], stage_ids: list[int], layout: PipelineLayout, device, group,
+                 schedule: str, microbatches: int, output_loss, tied_names: list[str], tie_group=None):
         self.modules, self.output_loss, self.microbatches = modules, output_loss, microbatches
+        self.layout, self.tied_names = layout, tied_names  # tied: weights shared by the first and last stage
+        num_stages = len(layout.sizes)
         self.first, self.last = 0 in stage_ids, num_stages - 1 in stage_ids
         self.scale = 1.0
         self.losses: list[torch.Tensor] = []  # unscaled loss sums of the micro-batches of one call
