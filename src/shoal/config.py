@@ -115,7 +115,11 @@ class ParallelConfig(Section):
     pp_stages_per_rank: int = Field(2, ge=1)
     """interleaved-1f1b: stages (virtual stages) each pp rank holds."""
     pp_split: list[int] = []
-    """Layers per stage, in order (e.g. [3, 3] for pp = 2); empty: balanced by the plan's per-layer cost."""
+    """Layers per stage, in order (e.g. [3, 3] for pp = 2); empty: balanced by the per-layer cost (pp_balance)."""
+    pp_balance: Literal["flops", "time"] = "flops"
+    """Per-layer cost the automatic split balances: "flops" (the model plan's forward FLOPs; the same split
+    on every machine) or "time" (each layer's forward + backward measured at start on one micro-batch,
+    averaged over the ranks; catches costs FLOPs miss, such as a large vocabulary's loss)."""
     sequence_parallel: bool = False
     """With tp > 1: run the norms, residual adds and dropout on 1/tp of the sequence instead of
     replicated (the model's plan decides what that means; gpt supports it)."""

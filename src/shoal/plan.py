@@ -68,9 +68,9 @@ def make_plan(cfg: Config, world_size: int) -> RunPlan:
         raise UserError('precision.dtype = "fp16" trains on CUDA only; set parallel.backend = "nccl" or "auto"')
     per_rank = t.global_batch_size // dims.dp
     microbatches = 0
-    if dims.pp > 1 and p.zero:
-        raise UserError(f"parallel.zero = {p.zero} with parallel.pp = {dims.pp} is not supported yet; set "
-                        f"parallel.zero = 0 (data parallelism across pipelines works)")
+    if dims.pp > 1 and p.zero == 1:
+        raise UserError(f"parallel.zero = 1 with parallel.pp = {dims.pp} is not supported (ZeroRedundancyOptimizer "
+                        f"needs DDP, which cannot run under a pipeline schedule); use parallel.zero = 2 or 3")
     if dims.pp > 1:
         microbatches = p.pp_microbatches or per_rank // t.micro_batch_size
         if per_rank % microbatches:

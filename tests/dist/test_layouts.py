@@ -79,14 +79,18 @@ LAYOUTS = {"dp1": (1, []), "dp2": (2, []), "dp2-zero1": (2, ["--set", "parallel.
            "tp2": (2, ["--set", "parallel.tp=2"]), "dp2-tp2": (4, ["--set", "parallel.tp=2"]),
            "tp2-sp": (2, ["--set", "parallel.tp=2", "--set", "parallel.sequence_parallel=true"]),
            "dp2-tp2-zero3": (4, ["--set", "parallel.tp=2", "--set", "parallel.zero=3"]),
-           "pp2-gpipe": (2, ["--set", "parallel.pp=2", "--set", 'parallel.pp_schedule="gpipe"']),
+           # the split by measured time (any split trains the same model)
+           "pp2-gpipe": (2, ["--set", "parallel.pp=2", "--set", 'parallel.pp_schedule="gpipe"',
+                             "--set", 'parallel.pp_balance="time"']),
            "pp2-1f1b": (2, ["--set", "parallel.pp=2", "--set", 'parallel.pp_schedule="1f1b"']),
            "pp2-interleaved": (2, ["--set", "parallel.pp=2", "--set", 'parallel.pp_schedule="interleaved-1f1b"']),
            "dp2-pp2": (4, ["--set", "parallel.pp=2"]),
+           "dp2-pp2-zero3": (4, ["--set", "parallel.pp=2", "--set", "parallel.zero=3"]),
            "tp2-pp2": (4, ["--set", "parallel.tp=2", "--set", "parallel.pp=2"])}
 
 
-@pytest.mark.parametrize("layout", ["pp2-gpipe", "pp2-1f1b", "pp2-interleaved", "dp2-pp2", "tp2-pp2"])
+@pytest.mark.parametrize("layout", ["pp2-gpipe", "pp2-1f1b", "pp2-interleaved", "dp2-pp2", "dp2-pp2-zero3",
+                                    "tp2-pp2"])
 def test_pipeline_layouts_match_single_process(tmp_path, reference, layout):
     nproc, extra = LAYOUTS[layout]
     run_dir = tmp_path / "run"
@@ -96,6 +100,7 @@ def test_pipeline_layouts_match_single_process(tmp_path, reference, layout):
     ours_val = [m["val_loss"] for m in read_metrics(run_dir) if "val_loss" in m]
     torch.testing.assert_close(torch.tensor(ours_val), torch.tensor(ref_val), rtol=1e-5, atol=0)
     assert "expected bubble" in r.stdout and "stage 1 (pp rank 1)" in r.stdout
+    assert ("ms forward + backward" in r.stdout) == (layout == "pp2-gpipe"), r.stdout
 
 
 @pytest.mark.parametrize("layout", ["tp2", "tp2-sp", "dp2-tp2", "dp2-tp2-zero3"])
@@ -125,7 +130,7 @@ def test_zero3_bf16_matches_single_process_bf16(tmp_path, reference):
 # uninterrupted single-process reference (DCP reshards between plain, ZeRO 1, FSDP2 and TP state dicts)
 @pytest.mark.parametrize("before,after", [("dp2", "dp2-zero3"), ("dp2-zero3", "dp1"), ("dp2-zero1", "dp2-zero2"),
                                           ("dp1", "dp2-zero1"), ("dp2", "tp2"), ("tp2", "dp2-zero3"),
-                                          ("dp2", "pp2-1f1b"), ("pp2-interleaved", "dp1")])
+                                          ("dp2", "dp2-pp2-zero3"), ("pp2-interleaved", "dp1")])
 def test_checkpoints_reshard_across_layouts(tmp_path, reference, before, after):
     first, second = tmp_path / "first", tmp_path / "second"
     nproc, extra = LAYOUTS[before]
@@ -160,7 +165,7 @@ def test_checkpoints_reshard_across_layouts(tmp_path, reference, before, after):
      "parallel.tp (2) must divide model.seq_len (33)"),
     (["parallel.pp=2", "model.n_layer=1", 'parallel.pp_schedule="interleaved-1f1b"'], 2,
      "parallel.pp (2) x parallel.pp_stages_per_rank (2) = 4 stages, but the model has only 3 layers"),
-    (["parallel.pp=2", "parallel.zero=1"], 4, "parallel.zero = 1 with parallel.pp = 2 is not supported yet"),
+    (["parallel.pp=2", "parallel.zero=1"], 4, "parallel.zero = 1 with parallel.pp = 2 is not supported"),
     (["parallel.pp=2", "parallel.pp_split=[3, 2]"], 2, "parallel.pp_split = [3, 2] must give 2 stages"),
     (["parallel.pp=2", "parallel.pp_microbatches=3"], 2, "parallel.pp_microbatches (3) must divide the per-rank"),
     (["parallel.pp=2", 'model.name="resnet"', 'data.source="synthetic-images"'], 2,

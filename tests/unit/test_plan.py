@@ -1,4 +1,5 @@
 import pytest
+import torch
 
 from shoal.config import load_config
 from shoal.errors import UserError
@@ -51,3 +52,33 @@ def test_pipeline_split_balances_cost_and_bubble_formula():
         plan_layout(names, [0, 4, 4, 2], 4, "interleaved-1f1b", 2, [])
     with pytest.raises(UserError, match=r"parallel.pp_split = \[3, 2\] must give 2 stages"):
         plan_layout(names, [0, 4, 4, 2], 2, "gpipe", 2, [3, 2])
+
+
+class Repeat(torch.nn.Module):
+    """A layer that applies its matrix `times` times: the same FLOPs a plan would declare for one
+    application, `times` as much work."""
+
+    def __init__(self, times: int):
+        super().__init__()
+        self.linear, self.times = torch.nn.Linear(64, 64), times
+
+    def forward(self, x):
+        for _ in range(self.times):
+            x = torch.tanh(self.linear(x))
+        return x
+
+
+def test_measured_layer_times_find_the_layer_flops_miss():
+    from shoal.parallel.pipeline import balanced_split, measure_layer_times
+
+    torch.manual_seed(0)
+    layers = torch.nn.Sequential(Repeat(1), Repeat(1), Repeat(1), Repeat(40))
+    stage = lambda first, last: layers[first:last]  # noqa: E731
+    loss = lambda out, target: ((out - target) ** 2).sum()  # noqa: E731
+    batch = {"input": torch.randn(256, 64), "target": torch.zeros(256, 64)}
+    seconds = measure_layer_times(stage, 4, batch, loss, torch.device("cpu"))
+    assert balanced_split([1, 1, 1, 1], 2) == [2, 2]  # what equal FLOPs would give
+    # 40x the work (a margin no scheduling noise closes): the slow layer gets a stage of its own
+    assert seconds[3] > 5 * max(seconds[:3]), seconds
+    assert balanced_split(seconds, 2) == [3, 1], seconds
+    assert all(p.grad is None for p in layers.parameters())  # timing leaves no gradients behind

@@ -19,7 +19,7 @@ from shoal.config import Config
 from shoal.errors import UserError
 from shoal.models.registry import ModelBundle
 from shoal.parallel.data import apply_data_parallel, apply_replicate
-from shoal.parallel.pipeline import Pipeline, StageUnion, plan_layout
+from shoal.parallel.pipeline import Pipeline, StageUnion, measure_layer_times, plan_layout
 from shoal.parallel.zero import apply_fsdp
 from shoal.plan import RunPlan
 from shoal.topology import ParallelDims
@@ -38,9 +38,6 @@ def check_parallelizable(bundle: ModelBundle, cfg: Config) -> None:
         if bundle.pp_plan is None:
             raise UserError(f'parallel.pp = {pp}, but model "{cfg.model.name}" has no pipeline plan '
                             f"(ModelBundle.pp_plan); set parallel.pp = 1")
-        if cfg.train.compile:
-            raise UserError("train.compile = true with parallel.pp > 1 is not supported yet; set train.compile = false")
-
         if cfg.checkpoint.final_weights and not cfg.checkpoint.enabled:
             raise UserError("with parallel.pp > 1 the final weights are exported from the final checkpoint: set "
                             "checkpoint.enabled = true, or checkpoint.final_weights = false")
@@ -55,9 +52,11 @@ def check_parallelizable(bundle: ModelBundle, cfg: Config) -> None:
 
 
 def parallelize(bundle: ModelBundle, dims: ParallelDims, cfg: Config, device: torch.device, rank: int,
-                plan: RunPlan, log: CollectiveLog | None = None) -> tuple[torch.nn.Module, Pipeline | None]:
+                plan: RunPlan, log: CollectiveLog | None = None,
+                sample: dict | None = None) -> tuple[torch.nn.Module, Pipeline | None]:
     """Returns the module the training loop calls, and this rank's Pipeline when pp > 1. `bundle.model`
-    stays the unwrapped model (with pp: this rank's stages, under the whole model's names)."""
+    stays the unwrapped model (with pp: this rank's stages, under the whole model's names). `sample`:
+    one pipeline micro-batch, to time the layers with (parallel.pp_balance = "time")."""
     model = bundle.model.to(device)
     if dims.tp > 1:
         bundle.loss_context = bundle.tp_plan(model, dims.tp, dims.mesh["tp"],
@@ -66,7 +65,10 @@ def parallelize(bundle: ModelBundle, dims: ParallelDims, cfg: Config, device: to
         return wrap(model, bundle, dims, cfg, device, log), None
     p = cfg.parallel
     names, costs, build_stage, output_loss = bundle.pp_plan(model)
-    layout = plan_layout(names, costs, dims.pp, p.pp_schedule, p.pp_stages_per_rank, p.pp_split)
+    basis = "forward FLOPs"
+    if p.pp_balance == "time" and not p.pp_split:
+        costs, basis = layer_times(names, build_stage, output_loss, sample, bundle, device), "time"
+    layout = plan_layout(names, costs, dims.pp, p.pp_schedule, p.pp_stages_per_rank, p.pp_split, basis)
     pp_rank = dims.coords(rank)["pp"]
     stage_ids = [pp_rank + k * dims.pp for k in range(layout.stages_per_rank)]
     # weights with several names (tied) are kept under their first name on every stage that holds them
@@ -78,6 +80,15 @@ def parallelize(bundle: ModelBundle, dims: ParallelDims, cfg: Config, device: to
     pipeline = Pipeline(modules, stage_ids, layout, device, dims.mesh["pp"].get_group(), p.pp_schedule,
                         plan.pp_microbatches, output_loss, tied, tie_group=tied_stage_group(tied, dims, rank))
     return bundle.model, pipeline
+
+
+def layer_times(names, build_stage, output_loss, sample: dict, bundle: ModelBundle, device: torch.device):
+    """Collective: each layer's measured forward + backward seconds, averaged over every rank so that all
+    ranks split the model the same way (tp peers measure their shards together)."""
+    seconds = measure_layer_times(build_stage, len(names), sample, output_loss, device, bundle.loss_context)
+    total = torch.tensor(seconds, dtype=torch.float64, device=device)
+    dist.all_reduce(total)
+    return (total / dist.get_world_size()).tolist()
 
 
 def wrap(model: torch.nn.Module, bundle: ModelBundle, dims: ParallelDims, cfg: Config, device: torch.device,

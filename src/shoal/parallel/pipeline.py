@@ -8,12 +8,16 @@ stages, one per pp rank (or several, interleaved), micro-batches flowing through
                     at the price of v times the point-to-point traffic (Narayanan et al. 2021)
 
 Idle ("bubble") fraction with p ranks, m micro-batches, v stages per rank: (p-1) / (v m + p - 1).
-The split balances the model plan's per-layer cost (forward FLOPs) unless parallel.pp_split gives
-the number of layers of each stage.
+The split balances a per-layer cost, the model plan's forward FLOPs or each layer's forward and
+backward time measured at start (parallel.pp_balance), unless parallel.pp_split gives the number of
+layers of each stage.
 """
 
 from __future__ import annotations
 
+import contextlib
+import statistics
+import time
 from dataclasses import dataclass
 
 import torch
@@ -51,6 +55,43 @@ def balanced_split(costs: list[float], stages: int) -> list[int]:
     return sizes[::-1]
 
 
+def measure_layer_times(build_stage, n_layers: int, batch: dict, output_loss, device: torch.device,
+                        context=contextlib.nullcontext, repeats: int = 3) -> list[float]:
+    """Seconds of forward + backward of each layer on one micro-batch: the median of `repeats` passes
+    after a warm-up pass. Layers run one at a time, each on the previous one's output (detached), so
+    only one layer's activations are alive; the last layer's backward starts from its loss. `context`
+    wraps each layer's forward and backward (a tensor-parallel loss needs its own). Gradients are
+    dropped afterwards."""
+    layers = [build_stage(i, i + 1) for i in range(n_layers)]
+    times: list[list[float]] = [[] for _ in layers]
+    for rep in range(repeats + 1):
+        x = batch["input"].to(device)
+        for i, layer in enumerate(layers):
+            if x.is_floating_point():
+                x = x.detach().requires_grad_()
+            _synchronize(device)
+            start = time.perf_counter()
+            with context():
+                out = layer(x)
+                if i == n_layers - 1:
+                    output_loss(out, batch["target"].to(device)).backward()
+                else:
+                    out.backward(torch.ones_like(out))
+            _synchronize(device)
+            if rep:
+                times[i].append(time.perf_counter() - start)
+            x = out.detach()
+    for layer in layers:
+        for param in layer.parameters():
+            param.grad = None
+    return [statistics.median(t) for t in times]
+
+
+def _synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
 def bubble_fraction(pp: int, microbatches: int, stages_per_rank: int = 1) -> float:
     return (pp - 1) / (stages_per_rank * microbatches + pp - 1)
 
@@ -61,6 +102,7 @@ class PipelineLayout:
     names: list[str]
     costs: list[float]
     stages_per_rank: int
+    basis: str = "forward FLOPs"  # what the costs are; "time": seconds per micro-batch, measured
 
     def bounds(self, stage: int) -> tuple[int, int]:
         first = sum(self.sizes[:stage])
@@ -73,13 +115,14 @@ class PipelineLayout:
         for s in range(len(self.sizes)):
             first, last = self.bounds(s)
             names = self.names[first] if last - first == 1 else f"{self.names[first]} .. {self.names[last - 1]}"
-            lines.append(f"  stage {s} (pp rank {s % pp}): {names}; {sum(self.costs[first:last]) / total:.0%} of "
-                         f"the cost")
+            cost = sum(self.costs[first:last])
+            what = f"{cost * 1e3:.1f} ms forward + backward" if self.basis == "time" else self.basis
+            lines.append(f"  stage {s} (pp rank {s % pp}): {names}; {cost / total:.0%} of the cost ({what})")
         return "\n".join(lines)
 
 
 def plan_layout(names: list[str], costs: list[float], pp: int, schedule: str, stages_per_rank: int,
-                split: list[int]) -> PipelineLayout:
+                split: list[int], basis: str = "forward FLOPs") -> PipelineLayout:
     """Check and decide the split; every error names the key and the numbers."""
     v = stages_per_rank if schedule == "interleaved-1f1b" else 1
     stages = pp * v
@@ -93,7 +136,7 @@ def plan_layout(names: list[str], costs: list[float], pp: int, schedule: str, st
         sizes = list(split)
     else:
         sizes = balanced_split(costs, stages)
-    return PipelineLayout(sizes, names, costs, v)
+    return PipelineLayout(sizes, names, costs, v, basis)
 
 
 def build_schedule(stage_modules: list[torch.nn.Module], stage_ids: list[int], num_stages: int, device,

@@ -78,7 +78,9 @@ def run_training(cfg: Config, run_dir: Path, env: DistEnv, resume: str = "auto",
     torch.manual_seed(cfg.train.seed)  # identical initial weights on every rank
     source, bundle = build_data_and_model(cfg, plan, init=resume_path is None)
     log = log or CollectiveLog()
-    model, pipeline = parallelize(bundle, dims, cfg, env.device, env.rank, plan, log)
+    # one pipeline micro-batch, for timing the layers (parallel.pp_balance = "time")
+    sample = source.train_batch(torch.arange(plan.per_rank_batch // plan.pp_microbatches)) if dims.pp > 1 else None
+    model, pipeline = parallelize(bundle, dims, cfg, env.device, env.rank, plan, log, sample)
     torch.manual_seed(cfg.train.seed + 1 + env.rank)  # dropout etc. differ per rank, reproducibly
     optimizer = build_optimizer(bundle.model, cfg.train,
                                 shard_group=dims.mesh["dp"].get_group() if cfg.parallel.zero == 1 else None)
