@@ -1,5 +1,5 @@
-"""Every parallel layout trains the same model as one process: ZeRO 1/2/3, tensor parallelism and
-their hybrids against the single-process reference with the same seed and global batch (fp32: losses
+"""Every parallel layout trains the same model as one process: ZeRO 1/2/3, tensor and pipeline
+parallelism and their hybrids (up to dp x tp x pp x ZeRO 3) against the single-process reference with the same seed and global batch (fp32: losses
 within 1e-5 relative, final weights within 1e-5; bf16: within the tolerance stated below), memory
 accounting that shows the sharding, and checkpoints that reshard between layouts.
 """
@@ -86,11 +86,12 @@ LAYOUTS = {"dp1": (1, []), "dp2": (2, []), "dp2-zero1": (2, ["--set", "parallel.
            "pp2-interleaved": (2, ["--set", "parallel.pp=2", "--set", 'parallel.pp_schedule="interleaved-1f1b"']),
            "dp2-pp2": (4, ["--set", "parallel.pp=2"]),
            "dp2-pp2-zero3": (4, ["--set", "parallel.pp=2", "--set", "parallel.zero=3"]),
+           "dp2-tp2-pp2-zero3": (8, ["--set", "parallel.tp=2", "--set", "parallel.pp=2", "--set", "parallel.zero=3"]),
            "tp2-pp2": (4, ["--set", "parallel.tp=2", "--set", "parallel.pp=2"])}
 
 
 @pytest.mark.parametrize("layout", ["pp2-gpipe", "pp2-1f1b", "pp2-interleaved", "dp2-pp2", "dp2-pp2-zero3",
-                                    "tp2-pp2"])
+                                    "tp2-pp2", "dp2-tp2-pp2-zero3"])
 def test_pipeline_layouts_match_single_process(tmp_path, reference, layout):
     nproc, extra = LAYOUTS[layout]
     run_dir = tmp_path / "run"
