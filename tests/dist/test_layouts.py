@@ -31,15 +31,44 @@ def losses(run_dir):
     return {m["step"]: m["loss"] for m in read_metrics(run_dir)}
 
 
+# name -> (processes, overrides)
+LAYOUTS = {"dp1": (1, []), "dp1-bf16": (1, ["--set", 'precision.dtype="bf16"']),
+           "dp2": (2, []), "dp2-zero1": (2, ["--set", "parallel.zero=1"]),
+           "dp2-zero2": (2, ["--set", "parallel.zero=2"]), "dp2-zero3": (2, ["--set", "parallel.zero=3"]),
+           "dp2-zero3-bf16": (2, ["--set", "parallel.zero=3", "--set", 'precision.dtype="bf16"']),
+           "tp2": (2, ["--set", "parallel.tp=2"]), "dp2-tp2": (4, ["--set", "parallel.tp=2"]),
+           "tp2-sp": (2, ["--set", "parallel.tp=2", "--set", "parallel.sequence_parallel=true"]),
+           "dp2-tp2-zero3": (4, ["--set", "parallel.tp=2", "--set", "parallel.zero=3"]),
+           # the split by measured time (any split trains the same model)
+           "pp2-gpipe": (2, ["--set", "parallel.pp=2", "--set", 'parallel.pp_schedule="gpipe"',
+                             "--set", 'parallel.pp_balance="time"']),
+           "pp2-1f1b": (2, ["--set", "parallel.pp=2", "--set", 'parallel.pp_schedule="1f1b"']),
+           "pp2-interleaved": (2, ["--set", "parallel.pp=2", "--set", 'parallel.pp_schedule="interleaved-1f1b"']),
+           "dp2-pp2": (4, ["--set", "parallel.pp=2"]),
+           "dp2-pp2-zero3": (4, ["--set", "parallel.pp=2", "--set", "parallel.zero=3"]),
+           "dp2-tp2-pp2-zero3": (8, ["--set", "parallel.tp=2", "--set", "parallel.pp=2", "--set", "parallel.zero=3"]),
+           "tp2-pp2": (4, ["--set", "parallel.tp=2", "--set", "parallel.pp=2"])}
+
+
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory):
+def trained(tmp_path_factory):
+    """Each layout trained once per module: its run is compared with the reference and its step-5
+    checkpoint is where the resharding tests start from."""
+    cache = {}
+
+    def run(layout):
+        if layout not in cache:
+            nproc, extra = LAYOUTS[layout]
+            run_dir = tmp_path_factory.mktemp(layout) / "run"
+            cache[layout] = (run_dir, train(*args(run_dir, nproc, *extra)))
+        return cache[layout]
+    return run
+
+
+@pytest.fixture(scope="module")
+def reference(trained):
     """One process, fp32 and bf16: the layouts below must train this same model."""
-    out = {}
-    for dtype in ("fp32", "bf16"):
-        run_dir = tmp_path_factory.mktemp(f"ref-{dtype}") / "run"
-        train(*args(run_dir, 1, "--set", f'precision.dtype="{dtype}"'))
-        out[dtype] = run_dir
-    return out
+    return {"fp32": trained("dp1")[0], "bf16": trained("dp1-bf16")[0]}
 
 
 def assert_same_training(run_dir, ref_dir, rtol, atol):
@@ -54,9 +83,8 @@ def assert_same_training(run_dir, ref_dir, rtol, atol):
 
 
 @pytest.mark.parametrize("zero", [1, 2, 3])
-def test_zero_matches_single_process(tmp_path, reference, zero):
-    run_dir = tmp_path / "run"
-    train(*args(run_dir, 2, "--set", f"parallel.zero={zero}"))
+def test_zero_matches_single_process(trained, reference, zero):
+    run_dir, _ = trained(f"dp2-zero{zero}")
     assert_same_training(run_dir, reference["fp32"], rtol=1e-5, atol=1e-5)
     summary = json.loads((run_dir / "summary.json").read_text())
     mem = summary["memory_per_rank"]
@@ -73,29 +101,10 @@ def test_zero_matches_single_process(tmp_path, reference, zero):
             assert r["params"] == n_bytes and r["grads"] == n_bytes, mem
 
 
-# name -> (processes, overrides)
-LAYOUTS = {"dp1": (1, []), "dp2": (2, []), "dp2-zero1": (2, ["--set", "parallel.zero=1"]),
-           "dp2-zero2": (2, ["--set", "parallel.zero=2"]), "dp2-zero3": (2, ["--set", "parallel.zero=3"]),
-           "tp2": (2, ["--set", "parallel.tp=2"]), "dp2-tp2": (4, ["--set", "parallel.tp=2"]),
-           "tp2-sp": (2, ["--set", "parallel.tp=2", "--set", "parallel.sequence_parallel=true"]),
-           "dp2-tp2-zero3": (4, ["--set", "parallel.tp=2", "--set", "parallel.zero=3"]),
-           # the split by measured time (any split trains the same model)
-           "pp2-gpipe": (2, ["--set", "parallel.pp=2", "--set", 'parallel.pp_schedule="gpipe"',
-                             "--set", 'parallel.pp_balance="time"']),
-           "pp2-1f1b": (2, ["--set", "parallel.pp=2", "--set", 'parallel.pp_schedule="1f1b"']),
-           "pp2-interleaved": (2, ["--set", "parallel.pp=2", "--set", 'parallel.pp_schedule="interleaved-1f1b"']),
-           "dp2-pp2": (4, ["--set", "parallel.pp=2"]),
-           "dp2-pp2-zero3": (4, ["--set", "parallel.pp=2", "--set", "parallel.zero=3"]),
-           "dp2-tp2-pp2-zero3": (8, ["--set", "parallel.tp=2", "--set", "parallel.pp=2", "--set", "parallel.zero=3"]),
-           "tp2-pp2": (4, ["--set", "parallel.tp=2", "--set", "parallel.pp=2"])}
-
-
 @pytest.mark.parametrize("layout", ["pp2-gpipe", "pp2-1f1b", "pp2-interleaved", "dp2-pp2", "dp2-pp2-zero3",
                                     "tp2-pp2", "dp2-tp2-pp2-zero3"])
-def test_pipeline_layouts_match_single_process(tmp_path, reference, layout):
-    nproc, extra = LAYOUTS[layout]
-    run_dir = tmp_path / "run"
-    r = train(*args(run_dir, nproc, *extra))
+def test_pipeline_layouts_match_single_process(trained, reference, layout):
+    run_dir, r = trained(layout)
     assert_same_training(run_dir, reference["fp32"], rtol=1e-5, atol=1e-5)
     ref_val = [m["val_loss"] for m in read_metrics(reference["fp32"]) if "val_loss" in m]
     ours_val = [m["val_loss"] for m in read_metrics(run_dir) if "val_loss" in m]
@@ -105,10 +114,8 @@ def test_pipeline_layouts_match_single_process(tmp_path, reference, layout):
 
 
 @pytest.mark.parametrize("layout", ["tp2", "tp2-sp", "dp2-tp2", "dp2-tp2-zero3"])
-def test_tensor_parallel_layouts_match_single_process(tmp_path, reference, layout):
-    nproc, extra = LAYOUTS[layout]
-    run_dir = tmp_path / "run"
-    train(*args(run_dir, nproc, *extra))
+def test_tensor_parallel_layouts_match_single_process(trained, reference, layout):
+    run_dir, _ = trained(layout)
     assert_same_training(run_dir, reference["fp32"], rtol=1e-5, atol=1e-5)
     mem = json.loads((run_dir / "summary.json").read_text())["memory_per_rank"]
     ref_mem = json.loads((reference["fp32"] / "summary.json").read_text())["memory_per_rank"][0]
@@ -116,15 +123,13 @@ def test_tensor_parallel_layouts_match_single_process(tmp_path, reference, layou
     assert all(r["params"] < 0.7 * ref_mem["params"] for r in mem), mem
 
 
-def test_zero3_bf16_matches_single_process_bf16(tmp_path, reference):
+def test_zero3_bf16_matches_single_process_bf16(trained, reference):
     """bf16 compute: the one process casts under autocast, ZeRO 3 gathers bf16 parameters (FSDP2
     mixed precision) and reduces gradients in fp32. Stated tolerance: losses within 1e-2 relative;
     weights within 1e-2 absolute after 10 steps at a peak lr of 1e-3: Adam moves a weight by up to
     ~lr per step whatever the gradient's size, and bf16 rounding (8 mantissa bits) can flip the sign
     of the smallest gradients (measured: 4e-3 on a bias)."""
-    run_dir = tmp_path / "run"
-    train(*args(run_dir, 2, "--set", "parallel.zero=3", "--set", 'precision.dtype="bf16"'))
-    assert_same_training(run_dir, reference["bf16"], rtol=1e-2, atol=1e-2)
+    assert_same_training(trained("dp2-zero3-bf16")[0], reference["bf16"], rtol=1e-2, atol=1e-2)
 
 
 # save with the first layout at step 5, resume with the second, finish at step 10: the same run as the
@@ -132,10 +137,8 @@ def test_zero3_bf16_matches_single_process_bf16(tmp_path, reference):
 @pytest.mark.parametrize("before,after", [("dp2", "dp2-zero3"), ("dp2-zero3", "dp1"), ("dp2-zero1", "dp2-zero2"),
                                           ("dp1", "dp2-zero1"), ("dp2", "tp2"), ("tp2", "dp2-zero3"),
                                           ("dp2", "dp2-pp2-zero3"), ("pp2-interleaved", "dp1")])
-def test_checkpoints_reshard_across_layouts(tmp_path, reference, before, after):
-    first, second = tmp_path / "first", tmp_path / "second"
-    nproc, extra = LAYOUTS[before]
-    train(*args(first, nproc, *extra))
+def test_checkpoints_reshard_across_layouts(tmp_path, trained, reference, before, after):
+    first, second = trained(before)[0], tmp_path / "second"
     nproc, extra = LAYOUTS[after]
     r = train(*args(second, nproc, *extra, "--resume", first / "checkpoints" / "step_00000005"))
     assert "(step 5)" in r.stdout
