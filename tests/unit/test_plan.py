@@ -72,7 +72,7 @@ def test_measured_layer_times_find_the_layer_flops_miss():
     from shoal.parallel.pipeline import balanced_split, measure_layer_times
 
     torch.manual_seed(0)
-    layers = torch.nn.Sequential(Repeat(1), Repeat(1), Repeat(1), Repeat(40))
+    layers = torch.nn.Sequential(Repeat(1), torch.nn.BatchNorm1d(64), Repeat(1), Repeat(40))
     stage = lambda first, last: layers[first:last]  # noqa: E731
     loss = lambda out, target: ((out - target) ** 2).sum()  # noqa: E731
     batch = {"input": torch.randn(256, 64), "target": torch.zeros(256, 64)}
@@ -81,4 +81,6 @@ def test_measured_layer_times_find_the_layer_flops_miss():
     # 40x the work (a margin no scheduling noise closes): the slow layer gets a stage of its own
     assert seconds[3] > 5 * max(seconds[:3]), seconds
     assert balanced_split(seconds, 2) == [3, 1], seconds
-    assert all(p.grad is None for p in layers.parameters())  # timing leaves no gradients behind
+    # timing leaves no gradients behind and changes no running statistics
+    assert all(p.grad is None for p in layers.parameters())
+    assert torch.equal(layers[1].running_mean, torch.zeros(64)) and int(layers[1].num_batches_tracked) == 0

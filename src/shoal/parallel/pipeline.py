@@ -61,8 +61,9 @@ def measure_layer_times(build_stage, n_layers: int, batch: dict, output_loss, de
     after a warm-up pass. Layers run one at a time, each on the previous one's output (detached), so
     only one layer's activations are alive; the last layer's backward starts from its loss. `context`
     wraps each layer's forward and backward (a tensor-parallel loss needs its own). Gradients are
-    dropped afterwards."""
+    dropped and buffers (a norm's running statistics) restored afterwards: timing trains nothing."""
     layers = [build_stage(i, i + 1) for i in range(n_layers)]
+    buffers = [(b, b.detach().clone()) for layer in layers for b in layer.buffers()]
     times: list[list[float]] = [[] for _ in layers]
     for rep in range(repeats + 1):
         x = batch["input"].to(device)
@@ -84,6 +85,9 @@ def measure_layer_times(build_stage, n_layers: int, batch: dict, output_loss, de
     for layer in layers:
         for param in layer.parameters():
             param.grad = None
+    with torch.no_grad():
+        for buffer, saved in buffers:
+            buffer.copy_(saved)
     return [statistics.median(t) for t in times]
 
 
