@@ -77,8 +77,10 @@ def parallelize(bundle: ModelBundle, dims: ParallelDims, cfg: Config, device: to
     stages = [build_stage(*layout.bounds(i)) for i in stage_ids]
     bundle.model = StageUnion(stages)
     modules = [wrap(stage, bundle, dims, cfg, device, log) for stage in stages]
+    # the parameters as the wrappers left them (ZeRO 2/3 replaces them with sharded ones)
+    tied_here = [param for name, param in bundle.model.named_parameters() if name in tied]
     pipeline = Pipeline(modules, stage_ids, layout, device, dims.mesh["pp"].get_group(), p.pp_schedule,
-                        plan.pp_microbatches, output_loss, tied, tie_group=tied_stage_group(tied, dims, rank))
+                        plan.pp_microbatches, output_loss, tied_here, tie_group=tied_stage_group(tied, dims, rank))
     return bundle.model, pipeline
 
 

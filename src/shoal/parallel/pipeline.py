@@ -176,9 +176,9 @@ class Pipeline:
     """One rank's part of the pipeline: its stages, the schedule, and the loss of the last stage."""
 
     def __init__(self, modules: list[torch.nn.Module], stage_ids: list[int], layout: PipelineLayout, device, group,
-                 schedule: str, microbatches: int, output_loss, tied_names: list[str], tie_group=None):
+                 schedule: str, microbatches: int, output_loss, tied: list[torch.nn.Parameter], tie_group=None):
         self.modules, self.output_loss, self.microbatches = modules, output_loss, microbatches
-        self.layout, self.tied_names = layout, tied_names  # tied: weights shared by the first and last stage
+        self.layout, self.tied = layout, tied  # this rank's weights shared by the first and the last stage
         num_stages = len(layout.sizes)
         self.first, self.last = 0 in stage_ids, num_stages - 1 in stage_ids
         self.scale = 1.0

@@ -121,13 +121,8 @@ def norm_params(state: TrainState) -> list[tuple[torch.Tensor, bool]]:
     pipeline stages counts on the first stage only."""
     skip = set()
     if state.pipeline is not None and state.pipeline.tie_group is not None and not state.pipeline.first:
-        skip = {id(p) for p in tied_params(state)}
+        skip = {id(p) for p in state.pipeline.tied}
     return [(p, id(p) not in skip) for p in state.model.parameters() if p.grad is not None]
-
-
-def tied_params(state: TrainState) -> list[torch.Tensor]:
-    """On the first and last pipeline stage: the weights the two share (a GPT's embedding and head)."""
-    return [p for n, p in state.bundle.model.named_parameters() if n in state.pipeline.tied_names]
 
 
 def sync_tied(state: TrainState) -> None:
@@ -136,7 +131,7 @@ def sync_tied(state: TrainState) -> None:
     p = state.pipeline
     if p.tie_group is None or not (p.first or p.last):
         return
-    for param in tied_params(state):
+    for param in p.tied:
         if isinstance(param.grad, DTensor) and param.grad.placements != param.placements:
             # a vocab-parallel embedding's gradient comes back replicated: lay it out like the weight
             # (a local slice), so that both stages add tensors of the same shape
@@ -230,8 +225,10 @@ def evaluate(state: TrainState) -> dict[str, float]:
                 out = state.bundle.eval_fn(model, to_device(source.val_batch(chunk), state.device))
             add_to(totals, out)
     model.train(was_training)
-    if sharded:  # no backward follows to free what the forwards gathered (ZeRO 2 keeps it after forward)
-        for m in model.modules():
+    # no backward follows to free what the forwards gathered (ZeRO 2 keeps it after forward); under pp
+    # the sharded modules are the pipeline's stages
+    for root in state.pipeline.modules if state.pipeline is not None else [model]:
+        for m in root.modules():
             if isinstance(m, FSDPModule):
                 m.reshard()
     keys = sorted(totals)
