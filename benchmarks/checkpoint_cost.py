@@ -95,7 +95,8 @@ def torch_save_seconds(size: str, tmp: Path) -> float:
     code = f"""
 import sys, time, torch
 from shoal.config import load_config
-from shoal.models.registry import DataSpec, build_model
+from shoal.models.registry import build_model
+from shoal.models.spec import DataSpec
 args = {SIZES[size]!r}
 cfg = load_config({str(ROOT / "configs/gpt-tiny.toml")!r}, [a for a in args if a != "--set"])
 m = build_model(cfg.model, DataSpec("tokens", vocab_size=256)).model

@@ -23,7 +23,8 @@ import torch.distributed as dist  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 from shoal.config import load_config  # noqa: E402
-from shoal.models.registry import DataSpec, build_model  # noqa: E402
+from shoal.models.registry import build_model
+from shoal.models.spec import DataSpec  # noqa: E402
 
 KINDS = ("params", "grads", "optimizer")
 FIELDS = (*KINDS, "buckets", "peak")

@@ -110,12 +110,25 @@ TINY_GPT = ["--set", "model.n_layer=2", "--set", "model.d_model=32", "--set", "m
 def train_in_process(overrides: list[str], run_dir: Path) -> dict:
     """One-process training inside the test process (a world of 1 on a local store); returns the summary."""
     from shoal import dist
+    from shoal.comm.collectives import Comm
     from shoal.config import load_config
+    from shoal.preflight import check_job
     from shoal.train.run import run_training
 
     cfg = load_config(None, overrides)
-    env = dist.init("gloo", timeout_s=60)
+    job = check_job(cfg, [1], cuda=False)
+    env = dist.init(job.layout.backend, timeout_s=60)
     try:
-        return run_training(cfg, run_dir, env)
+        return run_training(cfg, job.layout, job.source, run_dir, env, Comm(env.store))
     finally:
         dist.shutdown()
+
+
+@pytest.fixture(scope="session")
+def ranks():
+    """ranks(n): n persistent worker processes with a gloo group per call (tests/harness.py)."""
+    from harness import RankPools
+
+    pools = RankPools()
+    yield pools
+    pools.close()

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import argparse
+import os
+import shlex
 import sys
 from pathlib import Path
 
@@ -16,10 +18,12 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("config", nargs="?", help="TOML config file (defaults for every key if omitted)")
     t.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
                    help="override one config value (repeatable), e.g. --set train.steps=50")
-    t.add_argument("--run-dir", help="where results go (default: runs/<config>-<timestamp>)")
+    t.add_argument("--run-dir", help="where results go (default: runs/<config>-<digest of what the config trains>, "
+                                    "so the same command finds and continues the same run)")
     t.add_argument("--resume", default="auto", metavar="auto|never|PATH",
                    help="auto (default): continue from the run dir's newest complete checkpoint; never: start "
-                        "fresh; PATH: that checkpoint folder")
+                        "fresh (an earlier run in the run dir is moved aside, not deleted); PATH: that checkpoint "
+                        "folder")
     t.add_argument("--nproc", type=int, default=1, help="worker processes on this node (default 1)")
     t.add_argument("--max-restarts", type=int, default=0,
                    help="restart the worker group this many times after a failure; it resumes from the newest "
@@ -81,27 +85,41 @@ def train(args: argparse.Namespace) -> int:
         from shoal import worker
 
         worker.main(cfg, args.run_dir, args.config, args.resume)  # does not return
-    from shoal.checkpoint.resume import check_compatible, check_run_dir, find_resume_point
+    import torch
+
     from shoal.launch import check_launch_args, launch, parse_nnodes
-    from shoal.models.registry import count_parameters
-    from shoal.plan import make_plan
-    from shoal.train.run import build_data_and_model
-    from shoal.worker import default_run_dir, threads_per_worker
+    from shoal.preflight import check_job
+    from shoal.rundir import default_run_dir
+    from shoal.worker import RESUME_COMMAND, choose_run_dir, threads_per_worker
 
     nodes = parse_nnodes(args.nnodes)
     check_launch_args(args.nproc, nodes, args.node_rank, args.rdzv_endpoint, args.max_restarts)
-    for n in range(nodes[0], nodes[1] + 1):  # every world size the job may take must be a valid layout
-        plan = make_plan(cfg, args.nproc * n)  # everything that can be checked is, before any worker starts
-    _, bundle = build_data_and_model(cfg, plan, device="meta")
-    run_dir = args.run_dir or str(default_run_dir(args.config))
-    check_run_dir(Path(run_dir), cfg, count_parameters(bundle.model))
-    resume_from = find_resume_point(Path(run_dir), args.resume, quiet=True)
-    if resume_from is not None:
-        check_compatible(cfg, resume_from)
+    run_dir = Path(args.run_dir) if args.run_dir else default_run_dir(args.config, cfg)
+    # every world size the job may take must be a valid layout; everything that can be checked is,
+    # before any worker starts
+    check_job(cfg, [args.nproc * n for n in range(nodes[0], nodes[1] + 1)], cuda=torch.cuda.is_available(),
+              run_dir=run_dir, resume=args.resume, quiet=True)
+    if args.node_rank == 0:
+        choose_run_dir(str(run_dir), args.config, cfg, args.resume, first_attempt=True)
     worker_argv = ["-m", "shoal", "train", *([args.config] if args.config else []),
-                   *[a for s in args.set for a in ("--set", s)], "--run-dir", run_dir, "--resume", args.resume]
+                   *[a for s in args.set for a in ("--set", s)], "--run-dir", str(run_dir), "--resume", args.resume]
+    os.environ[RESUME_COMMAND] = resume_command(args.argv)
     return launch(worker_argv, args.nproc, nodes, args.node_rank, args.rdzv_endpoint,
                   threads=threads_per_worker(cfg, args.nproc), max_restarts=args.max_restarts)
+
+
+def resume_command(argv: list[str]) -> str:
+    """The command that continues this run: the one given, without a --resume other than auto (the
+    run dir it names, or the stable default it derives, holds the checkpoints)."""
+    out, skip = [], False
+    for a in argv:
+        if skip:
+            skip = False
+        elif a == "--resume":
+            skip = True
+        elif not a.startswith("--resume="):
+            out.append(a)
+    return shlex.join(["shoal", *out])
 
 
 def parity(args: argparse.Namespace) -> int:
@@ -120,7 +138,9 @@ def parity(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
     args = build_parser().parse_args(argv)
+    args.argv = argv
     try:
         return {"train": train, "checkpoints": checkpoints, "export": export, "parity": parity}[args.command](args)
     except UserError as e:

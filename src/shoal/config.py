@@ -24,6 +24,13 @@ else:  # pragma: no cover - exercised on 3.10 only
     import tomli as tomllib
 
 
+# Sections and keys that choose how a run is laid out, computed or recorded, not what it trains: two
+# configs that differ only here train the same model (`shoal parity` compares such pairs, and a run
+# resumes across them)
+LAYOUT_SECTIONS = ("parallel", "precision", "checkpoint", "metrics")
+LAYOUT_KEYS = frozenset({"train.micro_batch_size", "train.compile"})
+
+
 class Section(BaseModel):
     # strict: a TOML string "100" is not silently an int; extra keys are errors, not ignored.
     model_config = ConfigDict(extra="forbid", frozen=True, strict=True, use_attribute_docstrings=True)
@@ -160,9 +167,13 @@ class PrecisionConfig(Section):
 class CheckpointConfig(Section):
     model_config = ConfigDict(populate_by_name=True)
     enabled: bool = True
-    """Save checkpoints to run_dir/checkpoints (always at the end, and every `interval` steps)."""
+    """Save checkpoints to run_dir/checkpoints: at the end, every `interval` steps and every
+    `interval_minutes`."""
     interval: int = Field(0, ge=0)
-    """Save every this many steps (0: only at the end)."""
+    """Save every this many steps (0: by time only, see interval_minutes)."""
+    interval_minutes: float = Field(10.0, ge=0.0)
+    """Also save when this many minutes have passed since the last save (or the start), so a crash
+    never costs more; 0: by steps only. All ranks agree on the step through the step's flags."""
     keep: int = Field(3, ge=1)
     """Newest complete checkpoints kept; older ones are deleted once a newer one is complete."""
     async_save: bool = Field(False, alias="async")

@@ -15,12 +15,10 @@ import sys
 import tempfile
 from pathlib import Path
 
-from shoal.config import Config, load_config
+from shoal.config import LAYOUT_KEYS, LAYOUT_SECTIONS, Config, load_config
 from shoal.errors import UserError
+from shoal.rundir import RunDir
 
-# sections and keys that choose a layout or a number format, not the training run itself
-LAYOUT_SECTIONS = ("parallel", "precision", "checkpoint", "metrics")
-LAYOUT_KEYS = {"train.micro_batch_size", "train.compile"}
 # default relative tolerance by the less precise of the two compute dtypes: fp32 differs only in
 # summation order; bf16 keeps 8 mantissa bits
 DEFAULT_RTOL = {"fp32": 1e-5, "bf16": 2e-2, "fp16": 1e-2}
@@ -61,7 +59,7 @@ def run_one(config: str, nproc: int, steps: int, overrides: list[str], run_dir: 
     if r.returncode != 0:
         tail = "\n".join((r.stdout + r.stderr).strip().splitlines()[-15:])
         raise UserError(f"{config} failed (exit {r.returncode}):\n{tail}")
-    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    records = [json.loads(line) for line in RunDir(run_dir).metrics.read_text().splitlines()]
     return [m for m in records if "loss" in m]
 
 
@@ -83,6 +81,15 @@ def parity(config_a: str, config_b: str, steps: int, rtol: float | None, nprocs:
     if steps < 1:
         raise UserError(f"--steps ({steps}) must be >= 1")
     worlds = world_size(cfg_a, nprocs[0], config_a), world_size(cfg_b, nprocs[1], config_b)
+    import torch
+
+    from shoal.preflight import check_job
+
+    for name, cfg, world in ((config_a, cfg_a, worlds[0]), (config_b, cfg_b, worlds[1])):
+        try:  # both layouts are checked before either trains
+            check_job(cfg, [world], cuda=torch.cuda.is_available())
+        except UserError as e:
+            raise UserError(f"{name}: {e}") from None
     if rtol is None:
         worst = max((cfg_a.precision.dtype, cfg_b.precision.dtype), key=PRECISION_ORDER.index)
         rtol = DEFAULT_RTOL[worst]

@@ -72,6 +72,10 @@ class ParallelDims:
         """The DeviceMesh over all ranks with named axes; needs an initialized process group."""
         from torch.distributed.device_mesh import init_device_mesh
 
-        from shoal.dist import device_type
-
         return init_device_mesh(device_type(), self.shape, mesh_dim_names=AXES)
+
+
+def device_type() -> str:
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"

@@ -1,4 +1,4 @@
-"""One worker process: join the group, train, report, exit.
+"""One worker process: check, join the group, train, report, exit.
 
 Runs inside a process started by torch elastic (`shoal train --nproc N`, or torchrun with
 `-m shoal train`). Errors are written to the elastic error file so the launcher can name the rank
@@ -11,7 +11,6 @@ import faulthandler
 import os
 import signal
 import sys
-import time
 import traceback
 from pathlib import Path
 
@@ -19,25 +18,41 @@ import torch
 from torch.distributed.elastic.multiprocessing.errors import get_error_handler
 
 from shoal import dist, signals
-from shoal.comm.watchdog import CollectiveLog, Watchdog, collective_report
+from shoal.comm.collectives import Comm
+from shoal.comm.phase import Phase
+from shoal.comm.report import collective_report
+from shoal.comm.watchdog import Watchdog
 from shoal.config import Config
 from shoal.errors import TrainingError, UserError
-from shoal.plan import make_plan
+from shoal.preflight import check_job
+from shoal.rundir import default_run_dir, holds_a_run, move_aside
 
-
-def default_run_dir(config_path: str | None) -> Path:
-    stem = Path(config_path).stem if config_path else "run"
-    base = Path("runs") / f"{stem}-{time.strftime('%Y%m%d-%H%M%S')}"
-    path, n = base, 1
-    while path.exists():
-        n += 1
-        path = base.with_name(f"{base.name}-{n}")
-    return path
+FAILED_KEY = "shoal/failed"
+# set by `shoal train` for its workers: the command that continues this run (see resume_hint)
+RESUME_COMMAND = "SHOAL_RESUME_COMMAND"
 
 
 def threads_per_worker(cfg: Config, local_world_size: int) -> int:
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     return cfg.parallel.threads_per_worker or max(1, cores // local_world_size)
+
+
+def choose_run_dir(given: str | None, config_path: str | None, cfg: Config, resume: str, first_attempt: bool) -> Path:
+    """The run dir: the one given, or the stable default ([Note: stable run dir] in rundir.py). A fresh
+    start (--resume never) over an earlier run moves that run aside first; a restarted attempt of the
+    same job never does."""
+    path = Path(given) if given else default_run_dir(config_path, cfg)
+    if resume == "never" and first_attempt and holds_a_run(path):
+        moved = move_aside(path)
+        print(f"shoal: --resume never: the earlier run in {path} was moved to {moved}", file=sys.stderr, flush=True)
+    return path
+
+
+def resume_hint(resume: str) -> str:
+    command = os.environ.get(RESUME_COMMAND)
+    if command:
+        return f"to resume, run: {command}"
+    return "to resume, run the same command" + (" with --resume auto" if resume != "auto" else "")
 
 
 def _quiet(fn, default):
@@ -51,35 +66,39 @@ def _quiet(fn, default):
 def main(cfg: Config, run_dir: str | None, config_path: str | None, resume: str = "auto") -> None:
     """Entry point of a launched worker; never returns."""
     faulthandler.register(signal.SIGUSR1, all_threads=True)  # `kill -USR1 PID`: where is this rank?
-    failed_key = "shoal/failed"
     handler = get_error_handler()
     handler.initialize()
     code, watchdog = 0, None
-    log = CollectiveLog()
+    world = int(os.environ["WORLD_SIZE"])
     try:
         torch.set_num_threads(threads_per_worker(cfg, int(os.environ.get("LOCAL_WORLD_SIZE", 1))))
-        plan = make_plan(cfg, int(os.environ["WORLD_SIZE"]))
-        env = dist.init(plan.backend, cfg.parallel.timeout_s)
-        watchdog = Watchdog(log, env.status_store, env.rank)
+        # a torchrun launch reaches here unchecked; under `shoal train` this repeats the launcher's checks
+        job = check_job(cfg, [world], cuda=torch.cuda.is_available(), quiet=True)
+        env = dist.init(job.layout.backend, cfg.parallel.timeout_s)
+        comm, phase = Comm(env.store, env.rank, env.world_size), Phase()
+        watchdog = Watchdog(comm.log, env.status_store, env.rank, phase)
         # SIGTERM / Ctrl-C: finish the step, save, exit; but at once when another rank failed (signals.py)
-        signals.install(lambda: _quiet(lambda: env.status_store.check([failed_key]), False))
-        # every rank must write to the same place: rank 0 names it, the others read it from the store
-        if env.rank == 0:
-            env.store.set("run_dir", str(run_dir or default_run_dir(config_path)))
-        path = Path(env.store.get("run_dir").decode())
+        signals.install(lambda: _quiet(lambda: env.status_store.check([FAILED_KEY]), False))
+        first_attempt = env.restart_count == 0
+        # every rank must write to the same place: rank 0 names it
+        path = Path(comm.agree("run_dir", lambda: str(choose_run_dir(run_dir, config_path, cfg, resume,
+                                                                        first_attempt))))
         from shoal.train.run import run_training  # after set_num_threads: heavy imports come here
 
-        summary = run_training(cfg, path, env, resume, log)
+        # a restarted attempt continues from the newest checkpoint of the attempt before it
+        summary = run_training(cfg, job.layout, job.source, path, env, comm, resume if first_attempt else "auto",
+                               phase)
         if env.rank == 0:
             val = f", val loss {summary['val_loss']:.4f}" if summary.get("val_loss") is not None else ""
             print(f"done: {summary['steps']} steps in {summary['total_time_s']:.1f} s; final loss "
                   f"{summary['final_loss']:.4f}{val}\nresults in {path}/ (summary.json, metrics.jsonl, "
                   f"config.toml, checkpoints/, tensorboard/)", flush=True)
+        watchdog.stop()
         dist.shutdown()
     except signals.Interrupted as e:
         handler.record_exception(e)
         if os.environ.get("RANK") == "0":
-            print(f"shoal: {e}; run the same command to resume", file=sys.stderr, flush=True)
+            print(f"shoal: {e}; {resume_hint(resume)}", file=sys.stderr, flush=True)
         code = 128 + e.signum
     except (UserError, TrainingError) as e:  # one line, no traceback: the message says what to do
         handler.record_exception(e)
@@ -88,9 +107,13 @@ def main(cfg: Config, run_dir: str | None, config_path: str | None, resume: str 
     except BaseException as e:  # noqa: BLE001 - any failure must end this rank with its traceback shown
         rank = os.environ.get("RANK", "?")
         print(f"[rank {rank}] " + "".join(traceback.format_exception(e)), file=sys.stderr)
+        report = None
         if watchdog:  # tell the other ranks: the agent's coming SIGTERM means "leave now"
-            _quiet(lambda: watchdog.store.set(failed_key, rank), None)
-        report = collective_report(watchdog, int(os.environ["WORLD_SIZE"]), e) if watchdog else None
+            _quiet(lambda: watchdog.store.set(FAILED_KEY, rank), None)
+            mine = watchdog.failure_status(e)
+            watchdog.stop()
+            statuses = {r: watchdog.read(r) for r in range(world)}
+            report = collective_report(mine, watchdog.rank, statuses, e, cfg.parallel.timeout_s)
         if report:  # a collective failed: say who did not arrive and where everyone was
             print(f"shoal: {report}", file=sys.stderr, flush=True)
             e = RuntimeError(report.splitlines()[0])

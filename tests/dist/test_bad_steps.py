@@ -49,4 +49,4 @@ def test_rollback_reloads_the_checkpoint_and_skips_the_batch(tmp_path):
     s = summary(run_dir)
     assert s["steps"] == STEPS and s["rollbacks"] == 1 and s["bad_steps"] == 1
     train_state = json.loads((run_dir / "checkpoints/step_00000012/train_state.json").read_text())
-    assert train_state["sampler"]["skipped"] == [6]  # data step 6 (0-based) fed step 7: never trained on
+    assert train_state["parts"]["sampler"]["skipped"] == [6]  # data step 6 (0-based) fed step 7: never trained on

@@ -163,7 +163,7 @@ def test_checkpoints_reshard_across_layouts(tmp_path, trained, reference, before
      "parallel.tp (2) must divide the vocabulary (257); set model.vocab_multiple = 2 to pad it to 258"),
     (["parallel.tp=2", "model.dropout=0.1"], 2, "model.dropout > 0 with parallel.tp > 1 is not supported"),
     (["parallel.tp=2", 'model.name="resnet"', 'data.source="synthetic-images"'], 2,
-     'parallel.tp = 2, but model "resnet" has no tensor-parallel plan'),
+     'parallel.tp = 2, but model "resnet" cannot be split by tensor parallelism'),
     (["parallel.sequence_parallel=true"], 2, "parallel.sequence_parallel = true splits the sequence over the tp"),
     (["parallel.tp=2", "parallel.sequence_parallel=true", "model.seq_len=33"], 2,
      "parallel.tp (2) must divide model.seq_len (33)"),
@@ -173,7 +173,7 @@ def test_checkpoints_reshard_across_layouts(tmp_path, trained, reference, before
     (["parallel.pp=2", "parallel.pp_split=[3, 2]"], 2, "parallel.pp_split = [3, 2] must give 2 stages"),
     (["parallel.pp=2", "parallel.pp_microbatches=3"], 2, "parallel.pp_microbatches (3) must divide the per-rank"),
     (["parallel.pp=2", 'model.name="resnet"', 'data.source="synthetic-images"'], 2,
-     'parallel.pp = 2, but model "resnet" has no pipeline plan'),
+     'parallel.pp = 2, but model "resnet" cannot be split into pipeline stages'),
     (["parallel.tp=3"], 2, "parallel.tp (3) x parallel.pp (1) = 3 does not divide the 2 processes"),
 ])
 def test_invalid_layouts_fail_before_start(tmp_path, overrides, nproc, message):

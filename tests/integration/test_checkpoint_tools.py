@@ -9,7 +9,8 @@ from safetensors.torch import load_file, load_model
 from conftest import TINY_GPT, read_weights, run_cli
 from shoal.cli import main
 from shoal.config import load_config
-from shoal.models.registry import DataSpec, build_model
+from shoal.models.registry import build_model
+from shoal.models.spec import DataSpec
 
 
 @pytest.fixture(scope="module")

@@ -2,7 +2,8 @@ import pytest
 import torch
 
 from shoal.config import load_config
-from shoal.models.registry import DataSpec, build_model, count_parameters
+from shoal.models.registry import build_model
+from shoal.models.spec import DataSpec, count_parameters
 
 
 def bundle_for(*overrides, spec):
@@ -85,7 +86,7 @@ def test_meta_build_materializes_with_ties_and_loads_exactly():
 def test_cached_checkpoint_state_follows_training_and_loads():
     """The checkpoint's cached state dict must always equal a freshly built one: after optimizer
     steps that change the scheduled learning rate, and after a load replaced the optimizer's tensors."""
-    from shoal.checkpoint.state import TensorStateCache, tensor_state
+    from shoal.checkpoint.tensors import TensorStateCache, tensor_state
 
     torch.manual_seed(0)
     m = bundle_for("model.n_layer=1", "model.d_model=16", "model.n_head=2", "model.seq_len=8",

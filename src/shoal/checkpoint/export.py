@@ -12,15 +12,17 @@ import torch.distributed.checkpoint as dcp
 
 from shoal.checkpoint import manifest as mf
 from shoal.checkpoint.safe_io import SafeFileSystemReader, SafeLoadPlanner
-from shoal.checkpoint.state import TRAIN_STATE, read_json, saved_config
+from shoal.checkpoint.train_state import TRAIN_STATE, read_train_state, saved_config
 from shoal.errors import UserError
-from shoal.models.registry import DataSpec, build_model
+from shoal.models.registry import build_model
+from shoal.models.spec import DataSpec
+from shoal.rundir import RunDir
 
 
 def checkpoints_of(run_dir: Path) -> list[mf.CheckpointInfo]:
     if not run_dir.is_dir():
         raise UserError(f"run dir {run_dir} does not exist")
-    return mf.list_checkpoints(run_dir / "checkpoints")
+    return mf.list_checkpoints(RunDir(run_dir).checkpoints)
 
 
 def table_rows(run_dir: Path) -> list[tuple[str, ...]]:
@@ -46,7 +48,7 @@ def export_weights(run_dir: Path, out: Path, step: int | None = None) -> mf.Chec
         problem = f" ({found[-1].problem})" if found else ""
         raise UserError(f"{run_dir} has no valid checkpoint {what}{problem}")
     ckpt = valid[-1]
-    train_state = read_json(ckpt.path / TRAIN_STATE)
+    train_state = read_train_state(ckpt.path)
     cfg = saved_config(train_state, f"{ckpt.path}/{TRAIN_STATE}")
     bundle = build_model(cfg.model, DataSpec(**train_state["data_spec"]))
     state = {"model": bundle.model.state_dict()}

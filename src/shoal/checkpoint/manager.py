@@ -3,9 +3,13 @@
 A save is collective: every rank writes its shard and its RNG file into the temporary folder; rank 0
 adds the train state, then, once DCP reports every rank's data written, the manifest and the rename
 ([Note: atomic checkpoints] in manifest.py). With `checkpoint.async`, DCP copies the state to memory
-and writes it from a background thread on its own gloo group (the default group would interleave its
-collectives with training's; TORCH-CPU-FACTS trap 3); the save is finished before the next one starts
-and before the run ends.
+and writes it from a background thread on its own gloo group (on the default group, measured here,
+dcp.async_save aborts with a collective mismatch as training's collectives interleave with its own);
+the save is finished before the next one starts and before the run ends.
+
+When a save is due: at the end, every `checkpoint.interval` steps, and when `interval_minutes` have
+passed since the last save. Clocks differ between ranks, so the time-based wish of each rank rides on
+the step's flags all-reduce (train/flags.py) and every rank saves at the same step.
 """
 
 from __future__ import annotations
@@ -16,24 +20,17 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
-import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
 from shoal.checkpoint import manifest as mf
 from shoal.checkpoint.safe_io import SafeFileSystemReader, SafeLoadPlanner
-from shoal.checkpoint.state import (
-    TRAIN_STATE,
-    TensorStateCache,
-    apply_tensor_state,
-    capture_rng,
-    rng_file,
-    tensor_state,
-    write_json,
-)
-from shoal.comm.watchdog import CollectiveLog
+from shoal.checkpoint.tensors import TensorStateCache, apply_tensor_state, tensor_state
+from shoal.checkpoint.train_state import TRAIN_STATE, TrainState, rng_file
+from shoal.comm.collectives import Comm
 from shoal.config import CheckpointConfig
+from shoal.rundir import write_json
 
 
 @dataclass
@@ -43,16 +40,15 @@ class _Pending:
 
 
 class CheckpointManager:
-    def __init__(self, run_dir: Path, cfg: CheckpointConfig, rank: int, world_size: int,
-                 log: CollectiveLog | None = None):
-        self.root = run_dir / "checkpoints"
-        self.cfg, self.rank, self.world_size = cfg, rank, world_size
+    def __init__(self, root: Path, cfg: CheckpointConfig, comm: Comm):
+        self.root = root
+        self.cfg, self.comm, self.rank, self.world_size = cfg, comm, comm.rank, comm.world_size
         self.pending: _Pending | None = None
-        self.log = log or CollectiveLog()
+        self.last_save = time.monotonic()  # or the start: the time-based cadence counts from here
         # per save: step, seconds the training thread was stopped, seconds until sealed (rank 0), bytes
         self.stats: list[dict] = []
         # async saves get their own group: created collectively, by every rank, up front
-        self.group = dist.new_group(backend="gloo") if cfg.enabled and cfg.async_save else None
+        self.group = comm.new_group(backend="gloo") if cfg.enabled and cfg.async_save else None
         # [Note: async staging] the copy of the state is made by a background thread while the next
         # step's forward and backward run; the optimizer waits for it (wait_staged) before it changes
         # the weights. Measured on a 100M-parameter GPT on CPU: staging in the training thread
@@ -64,12 +60,21 @@ class CheckpointManager:
         self.sealer = ThreadPoolExecutor(1, thread_name_prefix="shoal-seal") if self.group is not None else None
         self.cache: TensorStateCache | None = None
 
-    def due(self, step: int, last: bool) -> bool:
-        return self.cfg.enabled and (last or (self.cfg.interval > 0 and step % self.cfg.interval == 0))
+    def wants_save(self) -> bool:
+        """This rank's view of the time-based cadence (the ranks agree through the step's flags)."""
+        minutes = self.cfg.interval_minutes
+        return self.cfg.enabled and minutes > 0 and time.monotonic() - self.last_save >= 60 * minutes
 
-    def save(self, step: int, model, optimizer, train_state: dict) -> None:
-        """Collective. Returns once the state is captured; with async, before it is on disk."""
+    def due(self, step: int, last: bool, by_time: bool = False) -> bool:
+        """Whether to save after `step`; `by_time`: some rank's wants_save(), agreed on by all."""
+        return self.cfg.enabled and (last or by_time or (self.cfg.interval > 0 and step % self.cfg.interval == 0))
+
+    def save(self, step: int, state: TrainState, shared: dict) -> None:
+        """Collective. Returns once the state is captured; with async, before it is on disk. `shared`:
+        the JSON that rank 0 writes (state.capture())."""
         t0 = time.perf_counter()
+        self.last_save = time.monotonic()
+        model, optimizer = state.model, state.optimizer
         self.wait()  # one save in flight at a time
         name = mf.step_dir_name(step)
         tmp, final = self.root / (name + ".tmp"), self.root / name
@@ -77,24 +82,23 @@ class CheckpointManager:
             if tmp.exists():  # left by a save that crashed
                 shutil.rmtree(tmp)
             tmp.mkdir(parents=True)
-        with self.log.record("barrier", "world, checkpoint folder"):
-            dist.barrier()  # the folder exists (and is empty) before anyone writes into it
-        write_json(tmp / rng_file(self.rank), capture_rng())
+        self.comm.barrier("world, checkpoint folder")  # the folder exists (and is empty) before anyone writes
+        write_json(tmp / rng_file(self.rank), state.rng.state_dict())
         if self.rank == 0:
-            write_json(tmp / TRAIN_STATE, train_state)
+            write_json(tmp / TRAIN_STATE, shared)
         info = {"step": step, "world_size": self.world_size, "time": time.time()}
         if self.cache is None or self.cache.model is not model or self.cache.optimizer is not optimizer:
             self.cache = TensorStateCache(model, optimizer)
         state = self.cache.get()
         self.stats.append({"step": step, "async": self.group is not None})
         if self.group is not None:
-            with self.log.record("dcp.async_save (planning)", "checkpoint group"):
+            with self.comm.record("dcp.async_save (planning)", "checkpoint group"):
                 response = dcp.async_save(state, storage_writer=FileSystemWriter(tmp), process_group=self.group,
                                           async_stager=self.stager)
             sealed = self.sealer.submit(self._seal_when_written, response.upload_completion, tmp, final, info, t0)
             self.pending = _Pending(response.staging_completion, sealed)
         else:
-            with self.log.record("dcp.save", "world"):
+            with self.comm.record("dcp.save", "world"):
                 dcp.save(state, storage_writer=FileSystemWriter(tmp))
             self._finish(tmp, final, info, t0)
         self.stats[-1]["blocking_s"] = time.perf_counter() - t0
@@ -148,8 +152,10 @@ class CheckpointManager:
                 shutil.rmtree(p, ignore_errors=True)
 
 
-def load_checkpoint(path: Path, model, optimizer) -> None:
-    """Collective: load model and optimizer state from `path`, resharding to this run's layout."""
+def load_checkpoint(path: Path, model, optimizer, comm: Comm) -> None:
+    """Collective: load model and optimizer state from `path`, resharding to this run's layout.
+    `optimizer`: the one whose state this rank holds."""
     state = tensor_state(model, optimizer)
-    dcp.load(state, storage_reader=SafeFileSystemReader(path), planner=SafeLoadPlanner())
+    with comm.record("dcp.load", "world"):
+        dcp.load(state, storage_reader=SafeFileSystemReader(path), planner=SafeLoadPlanner())
     apply_tensor_state(model, optimizer, state)

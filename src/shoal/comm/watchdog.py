@@ -1,97 +1,111 @@
-"""Hang diagnosis: which rank did not arrive at which collective, and what every rank was doing.
+"""Hang diagnosis, part one: every rank tells the others, once a second, what it is doing.
 
-Each rank keeps a small record of the collectives it entered (sequence number, op, group, shapes),
-fed by shoal's own collectives and by a DDP communication hook for the gradient buckets. A daemon
-thread publishes this rank's newest record and the innermost frames of its main thread to the
-rendezvous store once a second. When a collective fails (a timeout after parallel.timeout_s, or a
-peer that died), the rank that saw it reads every rank's status from the store and prints one report
-instead of a bare backend error.
+A daemon thread publishes this rank's status to the rendezvous store: the newest collective it
+entered and the oldest still in flight (collective log), whether its main thread is blocked in a
+collective and in which, where the main thread is in the project's or the user's code, the layer and
+step it is at (phase.py), and torch's flight-recorder counters per process group (flight.py). When a
+collective fails, report.py reads every rank's status from the store.
 
-Sequence numbers count the collectives this rank entered; ranks that run the same program enter them
-in the same order, so "rank 1 is at #56 while rank 0 waits in #57" means rank 1 never reached #57.
+Whether the main thread waits in a collective is read off its stack: blocked in one of shoal's own
+(the collective log says so), inside torch.distributed code (FSDP2's all-gather, DTensor's
+all-reduce, a pipeline's send/recv wait, a ZeRO 1 broadcast), or inside torch's autograd engine
+while a DDP gradient bucket has been in flight for over a second (DDP waits for its buckets in C++
+at the end of backward). A main thread running its own code (a model's forward, a data step) is not
+in a collective, whatever async work it has in flight: that is the rank the others wait for.
 """
 
 from __future__ import annotations
 
 import json
-import re
 import sys
 import threading
 import time
 import traceback
-from collections import deque
-from contextlib import contextmanager
 from pathlib import Path
 
 import torch
 
+from shoal.comm import flight
+from shoal.comm.log import CollectiveLog, describe
+from shoal.comm.phase import Phase
+
 STATUS_KEY = "shoal/status/{rank}"
+_TORCH = str(Path(torch.__file__).parent) + "/"
+_STDLIB = str(Path(threading.__file__).parent) + "/"
+_DIST = _TORCH + "distributed/"
+_COMM = str(Path(__file__).with_name("collectives.py"))
 
 
-class CollectiveLog:
-    def __init__(self, maxlen: int = 64):
-        self.seq = 0
-        self.records: deque[dict] = deque(maxlen=maxlen)
-        self._lock = threading.Lock()
-
-    def enter(self, op: str, group: str, tensors: list[torch.Tensor] = ()) -> dict:
-        with self._lock:
-            self.seq += 1
-            rec = {"seq": self.seq, "op": op, "group": group, "done": False, "entered": time.time(),
-                   "shapes": [f"{list(t.shape)} {str(t.dtype).removeprefix('torch.')}" for t in tensors]}
-            self.records.append(rec)
-        return rec
-
-    @staticmethod
-    def done(rec: dict) -> None:
-        rec["done"] = True
-
-    @contextmanager
-    def record(self, op: str, group: str, tensors: list[torch.Tensor] = ()):
-        rec = self.enter(op, group, tensors)
-        yield rec
-        self.done(rec)
-
-    def last(self) -> dict | None:
-        with self._lock:
-            return dict(self.records[-1]) if self.records else None
-
-    def oldest_open(self) -> dict | None:
-        """The collective this rank is stuck in: the oldest one entered and not finished."""
-        with self._lock:
-            return next((dict(r) for r in self.records if not r["done"]), None)
+def _library(filename: str) -> bool:
+    return filename.startswith(_TORCH) or (filename.startswith(_STDLIB) and "site-packages" not in filename)
 
 
-def describe(rec: dict | None) -> str:
-    if rec is None:
-        return "no collective yet"
-    shapes = ", ".join(rec["shapes"])
-    return f"#{rec['seq']} {rec['op']}({rec['group']}{': ' + shapes if shapes else ''})"
-
-
-def where(thread_id: int, frames: int = 2) -> str:
-    """The innermost frames of a thread that are in the project or the user's code (not in libraries)."""
-    frame = sys._current_frames().get(thread_id)
-    if frame is None:
-        return "?"
-    stack = traceback.extract_stack(frame)
-    ours = [f for f in stack if "site-packages" not in f.filename and "/lib/python3" not in f.filename] or stack
+def where(stack: list[traceback.FrameSummary], frames: int = 2) -> str:
+    """The innermost frames that are in the project or the user's code (not in libraries)."""
+    ours = [f for f in stack if "site-packages" not in f.filename and not f.filename.startswith(_STDLIB)] or stack
     return " <- ".join(f"{Path(f.filename).name}:{f.lineno} in {f.name}" for f in reversed(ours[-frames:]))
+
+
+def blocked_in(stack: list[traceback.FrameSummary], log: CollectiveLog) -> str | None:
+    """What the thread with this stack (outermost frame first) waits for, if it waits in a collective
+    (see the module note). Also applied to the stack of an exception, to tell a failed collective."""
+    if log.waiting is not None:
+        return describe(log.waiting)
+    inner = []
+    for f in reversed(stack):  # the innermost run of library frames
+        if not _library(f.filename):
+            if f.filename.endswith(_COMM) and log.in_flight() is not None:  # one of shoal's own collectives
+                return describe(log.in_flight())
+            break
+        inner.append(f)
+    dist_frames = [f for f in inner if f.filename.startswith(_DIST)]
+    if dist_frames:  # the library's entry point (FSDP2, DTensor, a pipeline schedule) and where it waits
+        outer, innermost = dist_frames[-1], dist_frames[0]
+        path = outer.filename[len(_DIST):]
+        return f"torch.distributed {path} in {outer.name}" + (f" -> {innermost.name}" if innermost is not outer else "")
+    flying = log.in_flight()
+    if inner and flying is not None and time.time() - flying["entered"] > 1.0:
+        return describe(flying)
+    return None
 
 
 class Watchdog:
     """Publishes this rank's status to the store every `interval` seconds from a daemon thread."""
 
-    def __init__(self, log: CollectiveLog, store, rank: int, interval: float = 1.0):
+    def __init__(self, log: CollectiveLog, store, rank: int, phase: Phase | None = None, interval: float = 1.0):
         self.log, self.store, self.rank, self.interval = log, store, rank, interval
+        self.phase = phase or Phase()
         self.main_thread = threading.main_thread().ident
+        self.last_blocked: dict | None = None  # this rank's newest status while its main thread waited
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True, name="shoal-watchdog")
         self._thread.start()
 
     def status(self) -> dict:
-        return {"last": self.log.last(), "open": self.log.oldest_open(), "where": where(self.main_thread),
-                "time": time.time()}
+        frame = sys._current_frames().get(self.main_thread)
+        stack = traceback.extract_stack(frame) if frame is not None else []
+        now = time.time()
+        blocked = blocked_in(stack, self.log)
+        status = {"last": self.log.last(), "in_flight": self.log.in_flight(), "blocked": blocked,
+                  "where": where(stack) if stack else "?", "phase": self.phase.describe(),
+                  "groups": flight.summary(), "time": now}
+        status["blocked_since"] = self._since(status) if blocked is not None else None
+        if blocked is not None:
+            self.last_blocked = status
+        return status
+
+    def _since(self, status: dict) -> float:
+        """When the wait began: the shoal collective's entry, the flight recorder's oldest pending
+        collective, or (neither known) the first sample that saw it."""
+        times = [g["pending_since"] for g in status["groups"].values() if "pending_since" in g]
+        waiting = self.log.waiting or status["in_flight"]
+        if waiting is not None and status["blocked"] == describe(waiting):
+            times.append(waiting["entered"])
+        status["since_exact"] = bool(times)
+        if times:
+            return min(times)
+        last = self.last_blocked
+        return last["blocked_since"] if last and last["blocked"] == status["blocked"] else status["time"]
 
     def publish(self) -> None:
         self.store.set(STATUS_KEY.format(rank=self.rank), json.dumps(self.status()))
@@ -104,39 +118,25 @@ class Watchdog:
                 return
 
     def stop(self) -> None:
+        """Stop publishing (the main thread has left the training code)."""
         self._stop.set()
+        self._thread.join(timeout=2 * self.interval)
 
+    def failure_status(self, error: BaseException) -> dict | None:
+        """This rank's status at the failure, when `error` was raised in a collective it waited in
+        (None otherwise: the failure is not a hang, its traceback says what happened)."""
+        stack = traceback.extract_tb(error.__traceback__)
+        blocked = blocked_in(stack, self.log)
+        if blocked is None:
+            return None
+        recent = self.last_blocked
+        if recent is None or time.time() - recent["time"] > 3 * self.interval:
+            recent = {**self.status(), "where": where(stack), "blocked_since": None}
+        return {**recent, "blocked": recent.get("blocked") or blocked}
 
-def reason(error: BaseException) -> str:
-    """The backend's own words, without the wrappers DDP and gloo put around them."""
-    first = next((line for line in str(error).splitlines() if line.strip()), type(error).__name__)
-    last = first.split("Error: ")[-1]  # innermost of "RuntimeError: ... callback: RuntimeError: <why>"
-    return re.sub(r"^\[[^\]]*\]\s*", "", last)[:200]  # drop gloo's "[/path/file.cc:78]"
-
-
-def collective_report(watchdog: Watchdog, world_size: int, error: BaseException) -> str | None:
-    """The report for a failed collective, or None when this rank was not in one."""
-    mine = watchdog.log.oldest_open()
-    if mine is None:
-        return None
-    waited = time.time() - mine["entered"]
-    lines = [f"collective {describe(mine)} failed on rank {watchdog.rank} after {waited:.1f} s: {reason(error)}"]
-    for rank in range(world_size):
+    def read(self, rank: int) -> dict | None:
         key = STATUS_KEY.format(rank=rank)
         try:
-            status = json.loads(watchdog.store.get(key)) if watchdog.store.check([key]) else None
+            return json.loads(self.store.get(key)) if self.store.check([key]) else None
         except Exception:  # noqa: BLE001
-            status = None
-        if status is None:
-            lines.append(f"  rank {rank}: no status published (it may have died before its first report)")
-            continue
-        age = time.time() - status["time"]
-        last, open_ = status["last"], status["open"]
-        if open_ is not None and open_["seq"] == mine["seq"] and open_["op"] == mine["op"]:
-            state = f"waiting in {describe(open_)}"
-        elif last is None or last["seq"] < mine["seq"]:
-            state = f"DID NOT ARRIVE at #{mine['seq']} {mine['op']}; last entered {describe(last)}"
-        else:
-            state = f"at {describe(open_ or last)}"
-        lines.append(f"  rank {rank}: {state}; was at {status['where']} ({age:.0f} s ago)")
-    return "\n".join(lines)
+            return None

@@ -11,7 +11,7 @@ import threading
 import time
 from collections.abc import Callable
 
-from shoal.models.registry import Batch
+from shoal.models.spec import Batch
 
 _DONE = object()
 

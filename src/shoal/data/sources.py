@@ -18,7 +18,7 @@ import torch
 
 from shoal.config import DataConfig
 from shoal.errors import UserError
-from shoal.models.registry import Batch, DataSpec
+from shoal.models.spec import Batch, DataSpec
 
 DATA_SEED = 20_240_611  # generates the synthetic sets; independent of train.seed
 

@@ -10,6 +10,8 @@ from pathlib import Path
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
+from shoal.rundir import RunDir
+
 
 class ConsoleSink:
     def __init__(self, total_steps: int, start_step: int, items_name: str, show_bar: bool):
@@ -85,9 +87,10 @@ class MetricsSinks:
         self.files: list = []
         if run_dir is not None:
             self.console = ConsoleSink(total_steps, start_step, items_name, show_bar)
-            self.files.append(JsonlSink(run_dir / "metrics.jsonl"))
+            run = RunDir(run_dir)
+            self.files.append(JsonlSink(run.metrics))
             if tensorboard:
-                self.files.append(TensorBoardSink(run_dir / "tensorboard"))
+                self.files.append(TensorBoardSink(run.tensorboard))
 
     def print(self, text: str) -> None:
         if self.console:

@@ -15,7 +15,7 @@ from pydantic import Field, model_validator
 from torch import nn
 
 from shoal.errors import UserError
-from shoal.models.registry import Batch, DataSpec, ModelBundle, ModelSection
+from shoal.models.spec import Batch, DataSpec, ModelBundle, ModelSection
 
 
 class GPTConfig(ModelSection):
@@ -150,7 +150,7 @@ def build(cfg: GPTConfig, spec: DataSpec) -> ModelBundle:
             f"raise it or leave it unset"
         )
     vocab = -(-vocab // cfg.vocab_multiple) * cfg.vocab_multiple
-    from shoal.models.gpt_parallel import pipeline_plan, tensor_parallel_plan
+    from shoal.models.gpt_parallel import pipeline_layers, tensor_parallel
 
     return ModelBundle(GPT(cfg, vocab), lm_loss, count_tokens, block_types=(Block,), items_name="tokens",
-                       tp_plan=tensor_parallel_plan, pp_plan=pipeline_plan)
+                       tensor_parallel=tensor_parallel, pipeline=pipeline_layers)

@@ -1,6 +1,6 @@
 """How to split the GPT for tensor parallelism (Megatron-LM, Shoeybi et al. 2019), with DTensor's
-parallel styles. It lives beside the model, not in it: a user model brings its own plan the same way
-(ModelBundle.tp_plan).
+parallel styles. It lives beside the model, not in it: a user model brings its own functions the same way
+(ModelBundle.tensor_parallel, ModelBundle.pipeline).
 
   q, k, v, mlp.up   column-parallel: each rank computes its share of the heads / hidden units
   proj, mlp.down    row-parallel: partial results all-reduced back into the replicated residual stream
@@ -33,9 +33,10 @@ from torch.distributed.tensor.parallel import (
 )
 
 from shoal.errors import UserError
+from shoal.models.spec import PipelineLayers
 
 
-def tensor_parallel_plan(model, tp: int, mesh=None, sequence_parallel: bool = False):
+def tensor_parallel(model, tp: int, mesh=None, sequence_parallel: bool = False):
     """Check that `tp` divides the model's heads, hidden sizes and vocabulary (always); with a mesh,
     split the model in place and return the context for the loss and its backward."""
     n_head = model.blocks[0].attn.q.out_features // model.blocks[0].attn.head_dim
@@ -56,30 +57,29 @@ def tensor_parallel_plan(model, tp: int, mesh=None, sequence_parallel: bool = Fa
     if mesh is None:
         return None
     seq = Shard(1) if sequence_parallel else Replicate()  # the residual stream between split layers
-    plan = {
+    styles = {
         "tok_emb": RowwiseParallel(input_layouts=Replicate()),
         "head": ColwiseParallel(input_layouts=seq, output_layouts=Shard(-1), use_local_output=False),
     }
     if sequence_parallel:
         # the embeddings' sum is split by sequence where it leaves the dropout (a slice: no communication)
-        plan["drop"] = PrepareModuleOutput(output_layouts=Replicate(), desired_output_layouts=seq)
-        plan["ln_f"] = SequenceParallel()
+        styles["drop"] = PrepareModuleOutput(output_layouts=Replicate(), desired_output_layouts=seq)
+        styles["ln_f"] = SequenceParallel()
     for i in range(len(model.blocks)):
         block = f"blocks.{i}"
-        plan.update({f"{block}.attn.{name}": ColwiseParallel() for name in ("q", "k", "v")})
-        plan[f"{block}.attn.proj"] = RowwiseParallel(output_layouts=seq)
-        plan[f"{block}.mlp.up"] = ColwiseParallel()
-        plan[f"{block}.mlp.down"] = RowwiseParallel(output_layouts=seq)
+        styles.update({f"{block}.attn.{name}": ColwiseParallel() for name in ("q", "k", "v")})
+        styles[f"{block}.attn.proj"] = RowwiseParallel(output_layouts=seq)
+        styles[f"{block}.mlp.up"] = ColwiseParallel()
+        styles[f"{block}.mlp.down"] = RowwiseParallel(output_layouts=seq)
         if sequence_parallel:  # norms on the sequence shard; the whole sequence gathered for attention / MLP
-            plan.update({f"{block}.{norm}": SequenceParallel() for norm in ("ln1", "ln2")})
+            styles.update({f"{block}.{norm}": SequenceParallel() for norm in ("ln1", "ln2")})
             gather = PrepareModuleInput(input_layouts=(seq,), desired_input_layouts=(Replicate(),))
-            plan.update({f"{block}.{sub}": gather for sub in ("attn", "mlp")})
+            styles.update({f"{block}.{sub}": gather for sub in ("attn", "mlp")})
     tied = model.head.weight is model.tok_emb.weight
-    parallelize_module(model, mesh, plan)
+    parallelize_module(model, mesh, styles)
     if tied:  # each style distributed its own copy of the shared matrix: share it again
         model.head.weight = model.tok_emb.weight
     return loss_parallel
-
 
 
 # --- pipeline parallelism -------------------------------------------------------------------------
@@ -117,14 +117,14 @@ class GPTStage(nn.Module):
         return self.head(self.ln_f(x)) if self.outputs else x
 
 
-def pipeline_plan(model):
-    """(layer names, cost of each layer, stage builder, loss of the last stage's output)."""
+def pipeline_layers(model) -> PipelineLayers:
+    """The GPT as layers: embeddings, each block, final norm + head; costs are forward FLOPs."""
     d, T = model.tok_emb.embedding_dim, model.seq_len
     linear = [sum(m.weight.numel() for m in block.modules() if isinstance(m, nn.Linear)) for block in model.blocks]
     # forward FLOPs per token: 2 per matrix weight, plus attention's scores and weighted sum (4 T d)
     costs = [0] + [2 * w + 4 * T * d for w in linear] + [2 * model.head.weight.numel()]
     names = ["embeddings"] + [f"blocks.{i}" for i in range(len(model.blocks))] + ["ln_f+head"]
-    return names, costs, lambda first, last: GPTStage(model, first, last), output_loss
+    return PipelineLayers(names, costs, lambda first, last: GPTStage(model, first, last), output_loss)
 
 
 def output_loss(logits, target):

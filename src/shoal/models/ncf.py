@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from pydantic import Field
 from torch import nn
 
-from shoal.models.registry import Batch, DataSpec, ModelBundle, ModelSection
+from shoal.models.spec import Batch, DataSpec, ModelBundle, ModelSection
 
 HIT_K = 10
 

@@ -1,75 +1,21 @@
 """Model registry: `model.name` is a built-in name or "package.module:function" for a user model.
 
-A builder takes (model config section, DataSpec) and returns a ModelBundle: the module, its loss
-function, and optionally an evaluation function for extra validation metrics.
-
-[Note: loss contract] `loss_fn(model, batch) -> loss_sum` returns the loss SUMMED over the items of
-the batch (tokens, samples), and `count_fn(batch)` says how many items that sum covers, computed from
-the batch alone so it is known before the forward pass. The training loop scales each micro-batch's
-backward by dp / (items in the whole global batch), so accumulation and data parallelism give the
-gradient of one big batch's mean loss, whatever the split (torch DDP averages over dp ranks).
+The table maps a name to its config section and its builder; the contract a builder fulfils (what
+it returns, what a batch is, how losses are summed) is models/spec.py.
 """
 
 from __future__ import annotations
 
-import contextlib
 import importlib
 import sys
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Any
 
-import torch
-from pydantic import BaseModel, ConfigDict
+from pydantic import ConfigDict
 
 from shoal.errors import UserError
-
-Batch = dict[str, torch.Tensor]
-LossFn = Callable[[torch.nn.Module, Batch], torch.Tensor]
-EvalFn = Callable[[torch.nn.Module, Batch], dict[str, tuple[torch.Tensor, torch.Tensor]]]
-
-
-def count_samples(batch: Batch) -> torch.Tensor:
-    """Default item count: samples (the leading dimension of the batch's tensors)."""
-    return torch.tensor(len(next(iter(batch.values()))))
-
-
-@dataclass(frozen=True)
-class DataSpec:
-    """What a data source tells the model builder: sizes that must agree on both sides."""
-
-    kind: str  # "tokens" | "images" | "interactions"
-    vocab_size: int | None = None  # tokens
-    num_classes: int | None = None  # images
-    image_size: int | None = None  # images
-    num_users: int | None = None  # interactions
-    num_items: int | None = None  # interactions
-
-
-@dataclass
-class ModelBundle:
-    model: torch.nn.Module
-    loss_fn: LossFn
-    count_fn: Callable[[Batch], torch.Tensor] = count_samples
-    # eval_fn(model, batch) -> {metric: (sum, count)} on validation batches; default: {"loss": ...}
-    eval_fn: EvalFn | None = None
-    # module types wrapped by activation checkpointing (transformer blocks, residual blocks)
-    block_types: tuple[type, ...] = ()
-    items_name: str = "samples"  # what loss_fn counts: "tokens" or "samples"
-    # tensor parallelism: tp_plan(model, tp_mesh, model_cfg) splits the model in place and returns the
-    # context that loss_fn and its backward run in (e.g. loss_parallel for a vocab-sharded output);
-    # it raises UserError when the degree does not fit the model. None: the model has no plan.
-    tp_plan: Callable[..., Any] | None = None
-    loss_context: Callable[[], Any] = contextlib.nullcontext  # set by parallelize() from the tp plan
-    # pipeline parallelism: pp_plan(model) -> (layer names, per-layer costs, build_stage(first, last),
-    # output_loss(output, target) -> loss sum over items whose target is not -1). None: no plan.
-    pp_plan: Callable[..., Any] | None = None
-
-
-class ModelSection(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True, strict=True, use_attribute_docstrings=True)
-    data_kinds: ClassVar[tuple[str, ...] | None] = None  # data kinds it can train on; None: any
+from shoal.models.spec import DataSpec, ModelBundle, ModelSection
 
 
 class UserModelConfig(ModelSection):
@@ -130,7 +76,3 @@ def _import_user_builder(name: str) -> Callable[..., Any]:
     if not callable(fn):
         raise UserError(f'model.name = "{name}": {module_name} has no function {func_name}')
     return fn
-
-
-def count_parameters(model: torch.nn.Module) -> int:
-    return sum(p.numel() for p in model.parameters())

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from pydantic import Field
 from torch import nn
 
-from shoal.models.registry import Batch, DataSpec, ModelBundle, ModelSection
+from shoal.models.spec import Batch, DataSpec, ModelBundle, ModelSection
 
 
 class ResNetConfig(ModelSection):

@@ -8,7 +8,7 @@ stages, one per pp rank (or several, interleaved), micro-batches flowing through
                     at the price of v times the point-to-point traffic (Narayanan et al. 2021)
 
 Idle ("bubble") fraction with p ranks, m micro-batches, v stages per rank: (p-1) / (v m + p - 1).
-The split balances a per-layer cost, the model plan's forward FLOPs or each layer's forward and
+The split balances a per-layer cost, the model's declared forward FLOPs or each layer's forward and
 backward time measured at start (parallel.pp_balance), unless parallel.pp_split gives the number of
 layers of each stage.
 """
@@ -101,7 +101,7 @@ def bubble_fraction(pp: int, microbatches: int, stages_per_rank: int = 1) -> flo
 
 
 @dataclass
-class PipelineLayout:
+class StageSplit:
     sizes: list[int]  # layers per stage, over all stages (pp x stages per rank)
     names: list[str]
     costs: list[float]
@@ -125,8 +125,8 @@ class PipelineLayout:
         return "\n".join(lines)
 
 
-def plan_layout(names: list[str], costs: list[float], pp: int, schedule: str, stages_per_rank: int,
-                split: list[int], basis: str = "forward FLOPs") -> PipelineLayout:
+def split_stages(names: list[str], costs: list[float], pp: int, schedule: str, stages_per_rank: int,
+                split: list[int], basis: str = "forward FLOPs") -> StageSplit:
     """Check and decide the split; every error names the key and the numbers."""
     v = stages_per_rank if schedule == "interleaved-1f1b" else 1
     stages = pp * v
@@ -140,7 +140,7 @@ def plan_layout(names: list[str], costs: list[float], pp: int, schedule: str, st
         sizes = list(split)
     else:
         sizes = balanced_split(costs, stages)
-    return PipelineLayout(sizes, names, costs, v, basis)
+    return StageSplit(sizes, names, costs, v, basis)
 
 
 def build_schedule(stage_modules: list[torch.nn.Module], stage_ids: list[int], num_stages: int, device,
@@ -175,17 +175,16 @@ class StageUnion(torch.nn.Module):
 class Pipeline:
     """One rank's part of the pipeline: its stages, the schedule, and the loss of the last stage."""
 
-    def __init__(self, modules: list[torch.nn.Module], stage_ids: list[int], layout: PipelineLayout, device, group,
-                 schedule: str, microbatches: int, output_loss, tied: list[torch.nn.Parameter], tie_group=None):
+    def __init__(self, modules: list[torch.nn.Module], stage_ids: list[int], split: StageSplit, device, group,
+                 schedule: str, microbatches: int, output_loss):
         self.modules, self.output_loss, self.microbatches = modules, output_loss, microbatches
-        self.layout, self.tied = layout, tied  # this rank's weights shared by the first and the last stage
-        num_stages = len(layout.sizes)
+        self.split = split
+        num_stages = len(split.sizes)
         self.first, self.last = 0 in stage_ids, num_stages - 1 in stage_ids
         self.scale = 1.0
         self.losses: list[torch.Tensor] = []  # unscaled loss sums of the micro-batches of one call
         self.schedule, self.stages = build_schedule(modules, stage_ids, num_stages, device, group, schedule,
                                                     microbatches, self._loss)
-        self.tie_group = tie_group  # first and last stage, when they share a tied weight
 
     def _loss(self, output, target):
         loss = self.output_loss(output, target)

@@ -20,33 +20,36 @@ import sys
 import torch
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, fully_shard
 
-from shoal.config import Config
-from shoal.models.registry import ModelBundle
-from shoal.train.precision import DTYPES
 
-
-def apply_fsdp(model: torch.nn.Module, bundle: ModelBundle, dp_mesh, cfg: Config) -> FSDPModule:
-    zero = cfg.parallel.zero
-    kwargs = {"mesh": dp_mesh, "mp_policy": mixed_precision(cfg)}
-    if cfg.parallel.offload:
+def shard_parameters(model: torch.nn.Module, block_types: tuple[type, ...], dp_mesh, zero: int,
+                     mp_policy: MixedPrecisionPolicy, offload: bool) -> FSDPModule:
+    """ZeRO 2 or 3: FSDP2 `fully_shard` per block, then the root."""
+    kwargs = {"mesh": dp_mesh, "mp_policy": mp_policy}
+    if offload:
         kwargs["offload_policy"] = CPUOffloadPolicy()
-    blocks = [m for m in model.modules() if bundle.block_types and isinstance(m, bundle.block_types)]
+    blocks = [m for m in model.modules() if block_types and isinstance(m, block_types)]
     for i, block in enumerate(blocks):
         fully_shard(block, reshard_after_forward=zero == 3 and i < len(blocks) - 1, **kwargs)
     return fully_shard(model, reshard_after_forward=zero == 3, **kwargs)
 
 
-def mixed_precision(cfg: Config) -> MixedPrecisionPolicy:
-    """bf16: gather parameters in bf16 for compute, reduce gradients in precision.reduce_dtype; the
-    sharded master parameters and the optimizer state stay fp32."""
-    if cfg.precision.dtype == "fp32":
-        return MixedPrecisionPolicy()
-    return MixedPrecisionPolicy(param_dtype=DTYPES[cfg.precision.dtype],
-                                reduce_dtype=DTYPES[cfg.precision.reduce_dtype])
+def shard_optimizer(groups: list[dict], optimizer_class: type[torch.optim.Optimizer], dp_group,
+                    **defaults) -> torch.optim.Optimizer:
+    """ZeRO 1: the optimizer's state sharded over the dp group by whole parameters."""
+    from torch.distributed.optim import ZeroRedundancyOptimizer  # loads TorchScript (with warnings): only here
+
+    return ZeroRedundancyOptimizer([g for g in groups if g["params"]], optimizer_class, process_group=dp_group,
+                                   **defaults)
 
 
 def local_optimizer(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
     """The optimizer whose state this rank holds: under ZeRO 1, the shard's inner optimizer."""
-    # torch.distributed.optim is imported only when ZeRO 1 is used (it loads TorchScript, with warnings)
     zero = sys.modules.get("torch.distributed.optim.zero_redundancy_optimizer")
     return optimizer.optim if zero and isinstance(optimizer, zero.ZeroRedundancyOptimizer) else optimizer
+
+
+def reshard_all(root: torch.nn.Module) -> None:
+    """Free what forwards without a backward gathered (ZeRO 2 keeps it after forward): after validation."""
+    for m in root.modules():
+        if isinstance(m, FSDPModule):
+            m.reshard()

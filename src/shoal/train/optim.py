@@ -9,20 +9,14 @@ import torch
 from shoal.config import TrainConfig
 
 
-def build_optimizer(model: torch.nn.Module, cfg: TrainConfig, shard_group=None) -> torch.optim.Optimizer:
-    """AdamW; with `shard_group` (ZeRO 1), its state sharded over that group by ZeroRedundancyOptimizer."""
+def adamw_groups(model: torch.nn.Module, cfg: TrainConfig) -> tuple[list[dict], dict]:
+    """AdamW's parameter groups and hyperparameters: decay weight matrices and embeddings, not biases
+    or norm gains (as in GPT-2 / nanoGPT)."""
     params = [p for p in model.parameters() if p.requires_grad]
-    # decay weight matrices and embeddings; not biases or norm gains (as in GPT-2 / nanoGPT)
     decay = [p for p in params if p.dim() >= 2]
     no_decay = [p for p in params if p.dim() < 2]
     groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-    hyper = {"lr": cfg.lr, "betas": (cfg.beta1, cfg.beta2)}
-    if shard_group is not None:
-        from torch.distributed.optim import ZeroRedundancyOptimizer
-
-        return ZeroRedundancyOptimizer([g for g in groups if g["params"]], torch.optim.AdamW,
-                                       process_group=shard_group, **hyper)
-    return torch.optim.AdamW(groups, **hyper)
+    return groups, {"lr": cfg.lr, "betas": (cfg.beta1, cfg.beta2)}
 
 
 def lr_factor(step: int, cfg: TrainConfig) -> float:
@@ -34,5 +28,21 @@ def lr_factor(step: int, cfg: TrainConfig) -> float:
     return cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
 
 
-def build_scheduler(optimizer: torch.optim.Optimizer, cfg: TrainConfig) -> torch.optim.lr_scheduler.LambdaLR:
-    return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_factor(step, cfg))
+class Schedule:
+    """The learning-rate schedule, a checkpointed part of the run."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer, cfg: TrainConfig):
+        self.optimizer = optimizer
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_factor(step, cfg))
+
+    def step(self) -> None:
+        self.scheduler.step()
+
+    def state_dict(self) -> dict:
+        return self.scheduler.state_dict()
+
+    def load_state_dict(self, state: dict) -> None:
+        self.scheduler.load_state_dict(state)
+        # the learning rate the schedule is at (a sharded optimizer's outer groups are not in its saved state)
+        for group, lr in zip(self.optimizer.param_groups, self.scheduler.get_last_lr(), strict=True):
+            group["lr"] = lr

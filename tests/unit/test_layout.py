@@ -3,37 +3,37 @@ import torch
 
 from shoal.config import load_config
 from shoal.errors import UserError
-from shoal.plan import make_plan
+from shoal.layout import resolve_layout
 
 
 def test_derived_accumulation():
     cfg = load_config(None, ["train.global_batch_size=64", "train.micro_batch_size=8"])
-    plan = make_plan(cfg, 2)
-    assert (plan.dims.dp, plan.grad_accum, plan.per_rank_batch) == (2, 4, 32)
-    assert "global batch 64 = micro 8 x dp 2 x accumulation 4; 8,192 tokens per step" in plan.describe(cfg, "tokens", 128)
+    layout = resolve_layout(cfg, 2, cuda=False)
+    assert (layout.dims.dp, layout.grad_accum, layout.per_rank_batch) == (2, 4, 32)
+    assert "global batch 64 = micro 8 x dp 2 x accumulation 4; 8,192 tokens per step" in layout.describe(cfg, "tokens", 128)
 
 
 def test_batch_not_divisible():
     cfg = load_config(None, ["train.global_batch_size=30", "train.micro_batch_size=8"])
     with pytest.raises(UserError) as e:
-        make_plan(cfg, 2)
+        resolve_layout(cfg, 2, cuda=False)
     assert "train.global_batch_size (30) must be divisible by train.micro_batch_size (8) x dp (2) = 16" in str(e.value)
 
 
 def test_fp16_on_cpu_is_refused():
     cfg = load_config(None, ["precision.dtype=fp16"])
     with pytest.raises(UserError, match='"fp16" needs CUDA'):
-        make_plan(cfg, 1)
+        resolve_layout(cfg, 1, cuda=False)
 
 
 def test_nccl_without_cuda_is_refused():
     cfg = load_config(None, ["parallel.backend=nccl"])
     with pytest.raises(UserError, match="needs CUDA"):
-        make_plan(cfg, 1)
+        resolve_layout(cfg, 1, cuda=False)
 
 
 def test_pipeline_split_balances_cost_and_bubble_formula():
-    from shoal.parallel.pipeline import balanced_split, bubble_fraction, plan_layout
+    from shoal.parallel.pipeline import balanced_split, bubble_fraction, split_stages
 
     assert balanced_split([1, 1, 1, 1], 2) == [2, 2]
     assert balanced_split([0, 5, 5, 5, 5, 2], 2) == [3, 3]  # 10 | 12 beats 15 | 7
@@ -43,15 +43,15 @@ def test_pipeline_split_balances_cost_and_bubble_formula():
     assert bubble_fraction(2, 4) == pytest.approx(1 / 5)  # (p - 1) / (m + p - 1)
     assert bubble_fraction(4, 8, 2) == pytest.approx(3 / 19)  # interleaving divides the bubble's share
     names = ["embeddings", "blocks.0", "blocks.1", "ln_f+head"]
-    layout = plan_layout(names, [0, 4, 4, 2], 2, "1f1b", 2, [])
+    layout = split_stages(names, [0, 4, 4, 2], 2, "1f1b", 2, [])
     assert layout.sizes == [2, 2] and layout.bounds(1) == (2, 4)
     assert "expected bubble 20%" in layout.describe(2, 4, "1f1b")
-    assert plan_layout(names, [0, 4, 4, 2], 2, "interleaved-1f1b", 2, []).sizes == [1, 1, 1, 1]
+    assert split_stages(names, [0, 4, 4, 2], 2, "interleaved-1f1b", 2, []).sizes == [1, 1, 1, 1]
     with pytest.raises(UserError, match=r"parallel.pp \(4\) x parallel.pp_stages_per_rank \(2\) = 8 stages, but the "
                                         r"model has only 4 layers"):
-        plan_layout(names, [0, 4, 4, 2], 4, "interleaved-1f1b", 2, [])
+        split_stages(names, [0, 4, 4, 2], 4, "interleaved-1f1b", 2, [])
     with pytest.raises(UserError, match=r"parallel.pp_split = \[3, 2\] must give 2 stages"):
-        plan_layout(names, [0, 4, 4, 2], 2, "gpipe", 2, [3, 2])
+        split_stages(names, [0, 4, 4, 2], 2, "gpipe", 2, [3, 2])
 
 
 class Repeat(torch.nn.Module):

@@ -1,8 +1,9 @@
-"""Precision policy: autocast for compute, fp32 master weights and optimizer state.
+"""Number formats: autocast for compute, fp32 master weights and optimizer state, and how sharded
+data parallelism gathers parameters and reduces gradients (FSDP2's mixed-precision policy).
 
 bf16 needs no loss scaling (same exponent range as fp32). fp16 does: a GradScaler multiplies the
-loss before backward and unscales before clipping; it exists for CUDA only here (plan.py refuses fp16
-on CPU before any worker starts).
+loss before backward and unscales before clipping; it exists for CUDA only here (the layout refuses
+fp16 on CPU before any worker starts).
 """
 
 from __future__ import annotations
@@ -10,6 +11,9 @@ from __future__ import annotations
 import contextlib
 
 import torch
+from torch.distributed.fsdp import MixedPrecisionPolicy
+
+from shoal.config import PrecisionConfig
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -43,3 +47,18 @@ class Precision:
             self.scaler.update()
         else:
             optimizer.step()
+
+    def state_dict(self) -> dict:
+        return self.scaler.state_dict() if self.scaler else {}
+
+    def load_state_dict(self, state: dict) -> None:
+        if self.scaler is not None and state:
+            self.scaler.load_state_dict(state)
+
+
+def sharded_mixed_precision(cfg: PrecisionConfig) -> MixedPrecisionPolicy:
+    """bf16: gather parameters in bf16 for compute, reduce gradients in precision.reduce_dtype; the
+    sharded master parameters and the optimizer state stay fp32."""
+    if cfg.dtype == "fp32":
+        return MixedPrecisionPolicy()
+    return MixedPrecisionPolicy(param_dtype=DTYPES[cfg.dtype], reduce_dtype=DTYPES[cfg.reduce_dtype])

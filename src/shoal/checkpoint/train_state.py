@@ -1,0 +1,126 @@
+"""Everything a checkpoint holds about a run, captured and restored in one place.
+
+Every stateful part of a run offers `state_dict()` / `load_state_dict()` and is registered once in a
+TrainState under a name: the model and the optimizer (tensors, through DCP: tensors.py), and small
+parts stored as JSON, readable without unpickling: the LR schedule, the data position (sampler), the
+bad-step counters, the grad scaler and the step synchronisation's state, shared by all ranks and
+written by rank 0 into train_state.json; and each rank's RNG streams (python, numpy, torch CPU and
+CUDA) in a file of its own.
+
+Formats (train_state.json's "format"): 3 keeps the JSON parts under "parts"; 2 (written before the
+step synchronisation had state) kept them at the top level and still loads. Any other is refused in
+one line naming the fix.
+"""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+from typing import Protocol
+
+import numpy as np
+import torch
+
+from shoal.checkpoint import manifest as mf
+from shoal.config import Config, tomllib, validate_config
+from shoal.errors import UserError
+from shoal.rundir import read_json
+
+TRAIN_STATE = "train_state.json"
+CHECKPOINT_FORMAT = 3
+READABLE_FORMATS = (2, 3)
+FORMAT_2_PARTS = ("sampler", "scheduler", "scaler", "bad_steps")
+
+
+class Stateful(Protocol):
+    def state_dict(self) -> dict: ...
+
+    def load_state_dict(self, state: dict) -> None: ...
+
+
+def rng_file(rank: int) -> str:
+    return f"rng_rank{rank:05d}.json"
+
+
+class RNGStreams:
+    """This process's random number generators: python, numpy, torch CPU and CUDA."""
+
+    def state_dict(self) -> dict:
+        version, mt, gauss = random.getstate()
+        kind, keys, pos, has_gauss, cached = np.random.get_state()
+        out = {"python": [version, list(mt), gauss], "numpy": [kind, keys.tolist(), pos, has_gauss, cached],
+               "torch": torch.get_rng_state().tolist()}
+        if torch.cuda.is_available():
+            out["cuda"] = [s.tolist() for s in torch.cuda.get_rng_state_all()]
+        return out
+
+    def load_state_dict(self, state: dict) -> None:
+        version, mt, gauss = state["python"]
+        random.setstate((version, tuple(mt), gauss))
+        kind, keys, pos, has_gauss, cached = state["numpy"]
+        np.random.set_state((kind, np.array(keys, dtype=np.uint32), pos, has_gauss, cached))
+        torch.set_rng_state(torch.tensor(state["torch"], dtype=torch.uint8))
+        if "cuda" in state and torch.cuda.is_available():
+            torch.cuda.set_rng_state_all([torch.tensor(s, dtype=torch.uint8) for s in state["cuda"]])
+
+    @staticmethod
+    def reseed(seed: int, rank: int, step: int) -> None:
+        """Streams for a rank that has none saved (the world size changed): a pure function of
+        (seed, rank, step), so a resized run is reproducible too."""
+        mixed = int(np.random.SeedSequence([seed, rank, step]).generate_state(1)[0])
+        random.seed(mixed)
+        np.random.seed(mixed)
+        torch.manual_seed(mixed)
+
+
+class TrainState:
+    """The run's stateful parts by name. `model` and `optimizer` go to DCP (the optimizer is the one
+    whose state this rank holds); `parts` to train_state.json; the RNG streams to this rank's file."""
+
+    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, parts: dict[str, Stateful]):
+        self.model, self.optimizer, self.parts = model, optimizer, parts
+        self.rng = RNGStreams()
+
+    def capture(self, step: int, cfg: Config, data_spec: dict) -> dict:
+        """The shared JSON of a checkpoint at `step` (rank 0 writes it)."""
+        return {"format": CHECKPOINT_FORMAT, "step": step, "config": cfg.to_toml(), "data_spec": data_spec,
+                "parts": {name: part.state_dict() for name, part in self.parts.items()}}
+
+    def restore(self, path: Path, saved: dict, rank: int, world_size: int, seed: int,
+                keep: tuple[str, ...] = ()) -> bool:
+        """Load every JSON part but those named in `keep`, and this rank's RNG streams, from the
+        checkpoint at `path` whose shared JSON is `saved` (the tensors are loaded by the caller,
+        collectively). Returns whether the RNG streams are the saved ones (False: the world size
+        changed, and they were reseeded)."""
+        parts = saved["parts"]
+        for name, part in self.parts.items():
+            if name in keep:
+                continue
+            try:
+                part.load_state_dict(parts.get(name) or {})
+            except ValueError as e:  # e.g. a data position that does not fit this data set
+                raise UserError(f"cannot resume from {path}: {e}") from None
+        step = getattr(self.parts.get("sampler"), "step", saved["step"])  # the data position, in this run's steps
+        if mf.read_manifest(path)["world_size"] == world_size:
+            self.rng.load_state_dict(read_json(path / rng_file(rank)))
+            return True
+        RNGStreams.reseed(seed, rank, step)
+        return False
+
+
+def read_train_state(path: Path) -> dict:
+    """A checkpoint's shared JSON in the current format, or a UserError naming the fix."""
+    state = read_json(path / TRAIN_STATE)
+    fmt = state.get("format", 1)
+    if fmt not in READABLE_FORMATS:
+        raise UserError(f"checkpoint {path} is in checkpoint format {fmt}, written by another version of shoal; "
+                        f"this one reads formats {', '.join(map(str, READABLE_FORMATS))}: resume it with the version "
+                        f"that wrote it, or start fresh with --resume never or another --run-dir")
+    if fmt == 2:
+        state = {**state, "parts": {name: state.get(name) or {} for name in FORMAT_2_PARTS}}
+    return state
+
+
+def saved_config(train_state: dict, where: str) -> Config:
+    """The validated config a checkpoint was written with."""
+    return validate_config(tomllib.loads(train_state["config"]), origin=where)

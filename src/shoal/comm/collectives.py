@@ -1,0 +1,78 @@
+"""The collectives shoal issues itself, all through one object so that each is logged (for the hang
+report) and timed (for the step profile), and the one way ranks agree on a value that one of them
+decides.
+
+Collectives that torch issues on shoal's behalf (FSDP2's all-gathers and reduce-scatters, DTensor's
+tensor-parallel all-reduces, pipeline send/recv, DCP's planning) are not issued here; the hang report
+sees them through the flight recorder and the main thread's stack (watchdog.py).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from shoal.comm.log import CollectiveLog
+
+
+class Pending:
+    """An async collective; its record is finished when the collective completes."""
+
+    def __init__(self, work, rec: dict, log: CollectiveLog, out: torch.Tensor):
+        self.work, self.rec, self.log, self.out = work, rec, log, out
+        work.get_future().then(lambda fut: self._finished(fut))
+
+    def _finished(self, fut) -> None:
+        fut.value()  # raises if it failed: the record then stays open
+        self.log.done(self.rec)
+
+    def wait(self) -> torch.Tensor:
+        with self.log.blocked_in(self.rec):
+            self.work.wait()
+        return self.out
+
+
+class Comm:
+    """This rank's door to the other ranks: collectives over process groups (None: all ranks) and a
+    key-value store for small decisions."""
+
+    def __init__(self, store=None, rank: int = 0, world_size: int = 1, log: CollectiveLog | None = None):
+        self.store, self.rank, self.world_size = store, rank, world_size
+        self.log = log or CollectiveLog()
+        self._agreed = 0
+
+    def all_reduce(self, t: torch.Tensor, group=None, label: str = "world", op=dist.ReduceOp.SUM,
+                   async_op: bool = False):
+        """In place; returns `t`, or a Pending to wait for."""
+        rec = self.log.enter("all_reduce", label, [t])
+        pending = Pending(dist.all_reduce(t, op=op, group=group, async_op=True), rec, self.log, t)
+        return pending if async_op else pending.wait()
+
+    def all_gather(self, t: torch.Tensor, group=None, label: str = "world") -> list[torch.Tensor]:
+        out = [torch.empty_like(t) for _ in range(dist.get_world_size(group))]
+        rec = self.log.enter("all_gather", label, [t])
+        Pending(dist.all_gather(out, t, group=group, async_op=True), rec, self.log, t).wait()
+        return out
+
+    def barrier(self, label: str = "world", group=None) -> None:
+        with self.log.record("barrier", label):
+            dist.barrier(group=group)
+
+    def new_group(self, ranks: list[int] | None = None, backend: str | None = None):
+        """Collective: every rank must create every group, in the same order (None: all ranks)."""
+        with self.log.record("new_group", f"ranks {ranks if ranks is not None else 'all'}"):
+            return dist.new_group(ranks, backend=backend)
+
+    def record(self, op: str, label: str, tensors: list[torch.Tensor] = ()):
+        """Context around a call that communicates through a library (a DCP save)."""
+        return self.log.record(op, label, tensors)
+
+    def agree(self, key: str, decide) -> str:
+        """Collective: the string rank 0 gets from `decide()`, on every rank (through the store, so
+        no process group is needed and nothing is pickled). Every rank must call it in the same order."""
+        self._agreed += 1
+        full = f"shoal/agree/{self._agreed}/{key}"
+        if self.rank == 0:
+            self.store.set(full, decide())
+        with self.log.record("agree", key):
+            return self.store.get(full).decode()

@@ -1,0 +1,129 @@
+"""The layout of a run: how its work is split once the world size is known.
+
+`resolve_layout` is a pure function of the config, the world size and whether CUDA is there (no
+hardware is probed inside it), so the launcher, `shoal parity` and the planner to come can ask what
+any world size would give. It refuses, in one line naming the keys and a value that works, every
+combination that torch would otherwise reject inside the workers. Derived values (degrees, gradient
+accumulation, pipeline micro-batches) are computed here only; they are printed at start and never
+stored as a second source of truth.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from shoal.config import Config
+from shoal.errors import UserError
+from shoal.topology import ParallelDims
+
+
+@dataclass(frozen=True)
+class Layout:
+    dims: ParallelDims
+    backend: str  # "gloo" | "nccl"
+    zero: int
+    grad_accum: int  # micro-batches per rank per optimizer step
+    per_rank_batch: int  # samples per rank per optimizer step
+    pp_microbatches: int = 0  # pp > 1: micro-batches per step through the pipeline
+
+    def describe(self, cfg: Config, items_name: str, items_per_sample: int) -> str:
+        t, d = cfg.train, self.dims
+        if d.pp > 1:
+            split = (f"{self.per_rank_batch // self.pp_microbatches} x dp {d.dp} x {self.pp_microbatches} "
+                     f"pipeline micro-batches")
+        else:
+            split = f"micro {t.micro_batch_size} x dp {d.dp} x accumulation {self.grad_accum}"
+        zero = f", ZeRO {self.zero}" if self.zero else ""
+        return (f"world {d.world_size} = dp {d.dp} x tp {d.tp} x pp {d.pp}{zero} ({self.backend}); global batch "
+                f"{t.global_batch_size} = {split}; {t.global_batch_size * items_per_sample:,} {items_name} per step")
+
+
+def choose_backend(requested: str, cuda: bool) -> str:
+    if requested == "auto":
+        return "nccl" if cuda else "gloo"
+    if requested == "nccl" and not cuda:
+        raise UserError('parallel.backend = "nccl" needs CUDA, which is not available; use "gloo" or "auto"')
+    return requested
+
+
+def resolve_layout(cfg: Config, world_size: int, cuda: bool) -> Layout:
+    p, t = cfg.parallel, cfg.train
+    dims = ParallelDims.resolve(p.dp, p.tp, p.pp, world_size)
+    backend = choose_backend(p.backend, cuda)
+    step = t.micro_batch_size * dims.dp
+    if t.global_batch_size % step:
+        raise UserError(
+            f"train.global_batch_size ({t.global_batch_size}) must be divisible by train.micro_batch_size "
+            f"({t.micro_batch_size}) x dp ({dims.dp}) = {step}; set it to a multiple of {step} "
+            f"(for example {max(step, t.global_batch_size // step * step)})"
+        )
+    _check_sharding(cfg, dims, backend, world_size)
+    _check_precision(cfg, backend, cuda)
+    per_rank = t.global_batch_size // dims.dp
+    microbatches = _pipeline_microbatches(cfg, dims, per_rank) if dims.pp > 1 else 0
+    return Layout(dims, backend, p.zero, t.global_batch_size // step, per_rank, microbatches)
+
+
+def _check_sharding(cfg: Config, dims: ParallelDims, backend: str, world_size: int) -> None:
+    p = cfg.parallel
+    if p.zero and dims.dp == 1:
+        raise UserError(f"parallel.zero = {p.zero} shards state across the dp ranks, but dp = 1 (world {world_size} = "
+                        f"tp {dims.tp} x pp {dims.pp}): there is nothing to shard across; set parallel.zero = 0 "
+                        f"or start more processes")
+    if p.zero == 1 and dims.tp > 1:
+        raise UserError(f"parallel.zero = 1 with parallel.tp = {dims.tp} is not supported (ZeroRedundancyOptimizer "
+                        f"cannot shard tensor-parallel parameters); use parallel.zero = 2 or 3, which compose with tp")
+    if p.zero == 1 and dims.pp > 1:
+        raise UserError(f"parallel.zero = 1 with parallel.pp = {dims.pp} is not supported (ZeroRedundancyOptimizer "
+                        f"needs DDP, which cannot run under a pipeline schedule); use parallel.zero = 2 or 3")
+    if p.offload and p.zero < 2:
+        raise UserError(f"parallel.offload = true needs parallel.zero = 2 or 3 (FSDP2), not {p.zero}")
+    if p.offload and backend != "nccl":
+        raise UserError("parallel.offload = true moves sharded state from GPU to CPU memory; this run trains on "
+                        "CPU already (backend gloo): set parallel.offload = false")
+
+
+def _check_precision(cfg: Config, backend: str, cuda: bool) -> None:
+    dtype = cfg.precision.dtype
+    if dtype == "fp16" and cfg.parallel.zero >= 2:
+        raise UserError('precision.dtype = "fp16" with parallel.zero >= 2 is not supported (loss scaling of '
+                        'sharded gradients); use "bf16"')
+    if dtype == "fp16" and not cuda:
+        raise UserError('precision.dtype = "fp16" needs CUDA (loss scaling); on CPU use "bf16" or "fp32"')
+    if dtype == "fp16" and backend != "nccl":
+        raise UserError('precision.dtype = "fp16" trains on CUDA only; set parallel.backend = "nccl" or "auto"')
+
+
+def _pipeline_microbatches(cfg: Config, dims: ParallelDims, per_rank: int) -> int:
+    """Micro-batches per step through the pipeline, checked against what torch's schedules accept:
+    1F1B and interleaved 1F1B need at least one per stage of the group (a pipeline with fewer
+    micro-batches than stages never fills); the interleaved schedule runs them in rounds of pp."""
+    p, t, pp = cfg.parallel, cfg.train, dims.pp
+    microbatches = p.pp_microbatches or per_rank // t.micro_batch_size
+    if per_rank % microbatches:
+        raise UserError(f"parallel.pp_microbatches ({microbatches}) must divide the per-rank batch ({per_rank} = "
+                        f"train.global_batch_size / dp)")
+    if per_rank < pp:
+        raise UserError(f"parallel.pp = {pp} needs at least {pp} micro-batches per rank and step, but each rank "
+                        f"gets only {per_rank} samples (train.global_batch_size {t.global_batch_size} / dp {dims.dp}); "
+                        f"set train.global_batch_size to at least {pp * dims.dp}")
+    fix = _microbatch_fix(per_rank, pp)
+    if p.pp_schedule != "gpipe" and microbatches < pp:
+        got = (f"parallel.pp_microbatches = {microbatches}" if p.pp_microbatches else
+               f"train.micro_batch_size ({t.micro_batch_size}) gives each rank {microbatches} (per-rank batch "
+               f"{per_rank} = train.global_batch_size {t.global_batch_size} / dp {dims.dp})")
+        raise UserError(f'parallel.pp_schedule = "{p.pp_schedule}" needs at least parallel.pp ({pp}) micro-batches '
+                        f"per step, but {got}; {fix}")
+    if p.pp_schedule == "interleaved-1f1b" and microbatches % pp:
+        raise UserError(f'parallel.pp_schedule = "interleaved-1f1b" needs the micro-batches ({microbatches}) to be '
+                        f"a multiple of parallel.pp ({pp}); {fix}")
+    return microbatches
+
+
+def _microbatch_fix(per_rank: int, pp: int) -> str:
+    """A setting that gives a valid number of pipeline micro-batches (a multiple of pp dividing the
+    per-rank batch), or what to change when there is none."""
+    for m in range(pp, per_rank + 1, pp):
+        if per_rank % m == 0:
+            return f"set train.micro_batch_size = {per_rank // m} or parallel.pp_microbatches = {m}"
+    return f"make the per-rank batch ({per_rank}) a multiple of parallel.pp ({pp}) through train.global_batch_size"

@@ -1,0 +1,97 @@
+"""The model contract: what a model builder returns and what every batch looks like.
+
+A builder takes (model config section, DataSpec) and returns a ModelBundle: the module, its loss
+function, and optionally an evaluation function, the blocks to shard or checkpoint, and the
+functions that split it for tensor and pipeline parallelism. This module holds only types; the
+name -> builder table is models/registry.py.
+
+[Note: loss contract] `loss_fn(model, batch) -> loss_sum` returns the loss SUMMED over the items of
+the batch (tokens, samples), and `count_fn(batch)` says how many items that sum covers, computed from
+the batch alone so it is known before the forward pass. The training loop scales each micro-batch's
+backward by dp / (items in the whole global batch), so accumulation and data parallelism give the
+gradient of one big batch's mean loss, whatever the split (gradient all-reduces average over dp ranks).
+
+[Note: batch formats] A batch is a dict of tensors whose first dimension is the sample. What each
+data kind delivers (data/sources.py):
+  tokens        {"input": (B, T) int64, "target": (B, T) int64}: target is input shifted by one;
+                a target of -1 is not counted (count_fn, loss) and pads short batches
+  images        {"image": (B, 3, H, W) float32, "label": (B,) int64}
+  interactions  training {"user": (B,) int64, "item": (B,) int64, "label": (B,) float32 0/1};
+                validation {"user": (B,) int64, "candidates": (B, 100) int64}, candidate 0 the
+                held-out positive
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import ClassVar, NamedTuple
+
+import torch
+from pydantic import BaseModel, ConfigDict
+
+Batch = dict[str, torch.Tensor]
+LossFn = Callable[[torch.nn.Module, Batch], torch.Tensor]
+EvalFn = Callable[[torch.nn.Module, Batch], dict[str, tuple[torch.Tensor, torch.Tensor]]]
+LossContext = Callable[[], contextlib.AbstractContextManager]
+
+
+def count_samples(batch: Batch) -> torch.Tensor:
+    """Default item count: samples (the leading dimension of the batch's tensors)."""
+    return torch.tensor(len(next(iter(batch.values()))))
+
+
+@dataclass(frozen=True)
+class DataSpec:
+    """What a data source tells the model builder: sizes that must agree on both sides."""
+
+    kind: str  # "tokens" | "images" | "interactions" (see [Note: batch formats])
+    vocab_size: int | None = None  # tokens
+    num_classes: int | None = None  # images
+    image_size: int | None = None  # images
+    num_users: int | None = None  # interactions
+    num_items: int | None = None  # interactions
+
+
+class PipelineLayers(NamedTuple):
+    """A model seen as a sequence of layers, for pipeline parallelism."""
+
+    names: list[str]  # one per layer, for the printed split ("embeddings", "blocks.0", ...)
+    costs: list[float]  # per layer, what the automatic split balances (e.g. forward FLOPs)
+    # build_stage(first, last): a module holding layers [first, last), its parameters under the whole
+    # model's names so that checkpoints load across layouts; it maps the previous stage's output (the
+    # batch's "input" for the first stage) to its own
+    build_stage: Callable[[int, int], torch.nn.Module]
+    # output_loss(last stage's output, target): the loss summed over items whose target is not -1
+    output_loss: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+@dataclass
+class ModelBundle:
+    model: torch.nn.Module
+    loss_fn: LossFn
+    count_fn: Callable[[Batch], torch.Tensor] = count_samples
+    # eval_fn(model, batch) -> {metric: (sum, count)} on validation batches; default: {"loss": ...}
+    eval_fn: EvalFn | None = None
+    # module types that are units of sharding (ZeRO 2/3) and of activation checkpointing
+    block_types: tuple[type, ...] = ()
+    items_name: str = "samples"  # what loss_fn counts: "tokens" or "samples"
+    # tensor_parallel(model, tp, mesh=None, sequence_parallel=False): raises UserError when `tp` does
+    # not fit the model; given the tp DeviceMesh, splits the model in place and returns the context
+    # loss_fn and its backward run in (loss_parallel for a vocab-sharded output), or None for none.
+    # None here: the model cannot be split by tensor parallelism.
+    tensor_parallel: Callable[..., LossContext | None] | None = None
+    # pipeline(model) -> PipelineLayers. None: the model cannot be split into pipeline stages.
+    pipeline: Callable[[torch.nn.Module], PipelineLayers] | None = None
+
+
+class ModelSection(BaseModel):
+    """Base of a model's [model] config section (pydantic, strict, frozen)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True, use_attribute_docstrings=True)
+    data_kinds: ClassVar[tuple[str, ...] | None] = None  # data kinds it can train on; None: any
+
+
+def count_parameters(model: torch.nn.Module) -> int:
+    return sum(p.numel() for p in model.parameters())

@@ -1,0 +1,43 @@
+"""Gradient-norm clipping over a model whose gradients live on different meshes."""
+
+from __future__ import annotations
+
+import torch
+from torch.distributed.tensor import DTensor
+
+from shoal.comm.collectives import Comm
+
+
+def plain(t: torch.Tensor) -> torch.Tensor:
+    """A value computed on DTensors (a vocab-parallel loss, a norm) as an ordinary, replicated tensor."""
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
+def grad_norm(params: list[tuple[torch.Tensor, bool]], comm: Comm, stage_group=None) -> torch.Tensor:
+    """The total gradient norm (a float64 CPU scalar) of gradients that are plain tensors and DTensors on
+    different meshes (tensor-parallel layers on dp x tp, replicated ones on dp only, ...): tensors of
+    different kinds cannot share one foreach kernel, so each kind's norm is taken apart and the total
+    combined; with pipeline stages (`stage_group`), summed over the stages. `params`: (parameter,
+    counted in the norm); a weight tied across stages is counted on one of them."""
+    squares = torch.zeros((), dtype=torch.float64)
+    for group in _by_mesh(params).values():
+        grads = [p.grad for p, counted in group if counted]
+        if grads:
+            squares = squares + plain(torch.nn.utils.get_total_norm(grads)).double().cpu() ** 2
+    if stage_group is not None:  # on the training device: NCCL reduces no CPU tensors
+        device = params[0][0].grad.device if params else torch.device("cpu")
+        squares = comm.all_reduce(squares.to(device), group=stage_group, label="pp, gradient norm").cpu()
+    return squares.sqrt()
+
+
+def clip_grads(params: list[tuple[torch.Tensor, bool]], max_norm: float, total: torch.Tensor) -> None:
+    """torch's clip_grads_with_norm_, per kind of gradient, given the total norm."""
+    for group in _by_mesh(params).values():
+        torch.nn.utils.clip_grads_with_norm_([p for p, _ in group], max_norm, total.float().to(group[0][0].grad.device))
+
+
+def _by_mesh(params: list[tuple[torch.Tensor, bool]]) -> dict[object, list[tuple[torch.Tensor, bool]]]:
+    groups: dict[object, list[tuple[torch.Tensor, bool]]] = {}
+    for p, counted in params:
+        groups.setdefault(p.grad.device_mesh if isinstance(p.grad, DTensor) else None, []).append((p, counted))
+    return groups

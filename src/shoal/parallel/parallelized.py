@@ -1,0 +1,142 @@
+"""The model as one rank trains it, whatever the layout: the small surface the training loop uses.
+
+parallelize() (apply.py) returns a Parallelized for a model that runs whole on each rank (plain, DDP,
+ZeRO 1/2/3, tensor parallel and their data-parallel hybrids) or a PipelinedModel (pipelined.py) for
+one split into stages. The loop asks it for: forward + backward of a step's micro-batches, what runs
+after backward, the gradient norm (clipped), evaluation forwards, the optimizer, and whether this
+rank's loss counts in the global loss; it never needs to know which wrapper holds the model.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from collections.abc import Callable
+
+import torch
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+from torch.distributed.tensor import DTensor
+
+from shoal.comm.collectives import Comm
+from shoal.models.spec import Batch, ModelBundle
+from shoal.parallel.clip import clip_grads, grad_norm, plain
+from shoal.parallel.data import grad_sync
+from shoal.parallel.precision import Precision
+from shoal.parallel.sync import StepSync
+from shoal.parallel.zero import reshard_all, shard_optimizer
+
+Totals = dict[str, tuple[torch.Tensor, torch.Tensor]]
+
+
+class Parallelized:
+    def __init__(self, model: torch.nn.Module, module: torch.nn.Module, bundle: ModelBundle, *, comm: Comm,
+                 sync: StepSync, device: torch.device, dp_rank: int, dp: int, dp_group, loss_context,
+                 owns_loss: bool, sharded: bool, zero: int):
+        self.model = model  # unwrapped, the whole model's names: optimizer, checkpoints, memory accounting
+        self.module = module  # what forward runs on (DDP, FSDP2, compiled, or the model itself)
+        self.loss_fn, self.eval_fn = bundle.loss_fn, bundle.eval_fn
+        self.comm, self.sync, self.device = comm, sync, device
+        self.dp_rank, self.dp, self.dp_group = dp_rank, dp, dp_group
+        self.loss_context = loss_context  # the tensor-parallel plan's context for the loss and its backward
+        # this rank's loss sum enters the global loss (a tensor-parallel peer's copy of it does not)
+        self.owns_loss = owns_loss
+        self.sharded, self.zero = sharded, zero  # parameters sharded over dp: every rank runs every forward
+
+    def describe(self) -> str | None:
+        """What the start-up print adds about this layout (the pipeline's split), if anything."""
+        return None
+
+    # --- training ---------------------------------------------------------------------------------
+
+    def forward_backward(self, batches: list[Batch], scale: Callable[[], torch.Tensor],
+                         precision: Precision) -> torch.Tensor:
+        """Forward and backward of this rank's micro-batches, each backward scaled by `scale()` (asked
+        after the first forward, so that computing it can overlap with that forward). Returns the sum
+        of the unscaled losses ([Note: loss contract])."""
+        loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
+        for i, batch in enumerate(batches):
+            with grad_sync(self.module, self.sync.reduces(i, len(batches))), self.loss_context():
+                with precision.autocast():
+                    loss = plain(self.loss_fn(self.module, batch))
+                precision.backward(loss * scale())
+            loss_sum += loss.detach().double()
+        return loss_sum
+
+    def after_backward(self) -> None:
+        self.sync.after_backward()
+
+    def after_step(self, step: int) -> None:
+        """The optimizer stepped; `step` steps are done."""
+        self.sync.after_step(step)
+
+    def norm_params(self) -> list[tuple[torch.Tensor, bool]]:
+        """Parameters with gradients, and whether each counts in the gradient norm."""
+        return [(p, True) for p in self.model.parameters() if p.grad is not None]
+
+    def grad_norm(self) -> torch.Tensor:
+        """The norm of all gradients of the model (every rank's share combined where it is split)."""
+        return grad_norm(self.norm_params(), self.comm)
+
+    def clip_grads(self, max_norm: float, total: torch.Tensor) -> None:
+        clip_grads(self.norm_params(), max_norm, total)
+
+    def build_optimizer(self, groups: list[dict], optimizer_class: type[torch.optim.Optimizer],
+                        **defaults) -> torch.optim.Optimizer:
+        """The optimizer over `groups` of self.model's parameters; ZeRO 1 shards its state over dp."""
+        if self.zero == 1:
+            return shard_optimizer(groups, optimizer_class, self.dp_group, **defaults)
+        return optimizer_class(groups, **defaults)
+
+    # --- evaluation -------------------------------------------------------------------------------
+
+    @contextlib.contextmanager
+    def evaluating(self):
+        """Evaluation mode (no dropout, BatchNorm's running statistics) and, afterwards, sharded
+        parameters freed: no backward follows to free what the forwards gathered."""
+        was_training = self.model.training
+        self.model.train(False)
+        try:
+            with torch.no_grad():
+                yield
+        finally:
+            self.model.train(was_training)
+            if self.sharded:
+                self._reshard()
+
+    def _reshard(self) -> None:
+        reshard_all(self.module)
+
+    def evaluate(self, share: torch.Tensor, longest: int, micro: int, val_batch: Callable[[torch.Tensor], Batch],
+                 precision: Precision) -> Totals:
+        """Metric sums and counts over this rank's `share` of a validation batch (indices), in
+        micro-batches. `longest`: the largest share any rank has. With sharded parameters every forward
+        all-gathers, so a rank with a shorter share runs padding forwards whose results are dropped."""
+        chunks = [c for c in share.split(micro) if len(c)]
+        pad = math.ceil(longest / micro) - len(chunks) if self.sharded else 0
+        totals: Totals = {}
+        with precision.autocast(), self.loss_context():
+            for _ in range(pad):  # results unused: only the collectives count
+                self.eval_fn(self.module, val_batch(share[:1] if len(share) else torch.zeros(1, dtype=torch.long)))
+            for chunk in chunks:
+                add_to(totals, self.eval_fn(self.module, val_batch(chunk)))
+        return totals
+
+    def whole_model(self, plain_model: Callable[[], torch.nn.Module], is_main: bool) -> torch.nn.Module | None:
+        """Collective: the whole trained model on the main rank, as one process would hold it (the live
+        module, or `plain_model()` loaded with the gathered shards); None elsewhere, and None everywhere
+        when no rank holds the whole model (pipeline stages: the final checkpoint does)."""
+        if not self.sharded and not any(isinstance(p, DTensor) for p in self.model.parameters()):
+            return self.model if is_main else None
+        full = get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        if not is_main:
+            return None
+        model = plain_model()
+        model.load_state_dict(full)
+        return model
+
+
+def add_to(totals: Totals, out: Totals) -> None:
+    for k, (s, n) in out.items():
+        acc = totals.setdefault(k, (torch.zeros((), dtype=torch.float64), torch.zeros((), dtype=torch.float64)))
+        acc[0].add_(plain(s).double().cpu())
+        acc[1].add_(plain(n).double().cpu())

@@ -1,0 +1,72 @@
+"""One preflight for every way a run starts (`shoal train`, `shoal parity`, a worker launched by
+torchrun, a Python caller): everything that can be checked is, before any worker trains.
+
+    config -> layout for each world size the job may take (layout.py: pure)
+           -> data source, and the model on the meta device (shapes only, no weights)
+           -> does the model fit each layout (tensor-parallel sizes, pipeline split, validation set)
+           -> run dir writable and large enough, checkpoint to resume compatible
+
+Every refusal is a UserError: one line naming the key, the value and a fix.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from shoal.checkpoint.resume import check_compatible, checkpoint_bytes, find_resume_point
+from shoal.config import Config
+from shoal.data.sources import build_source
+from shoal.errors import UserError
+from shoal.layout import Layout, resolve_layout
+from shoal.models.meta import on_meta
+from shoal.models.registry import build_model
+from shoal.models.spec import ModelBundle, count_parameters
+from shoal.parallel.apply import check_model_fits
+from shoal.rundir import RunDir, check_writable
+
+
+@dataclass(frozen=True)
+class Job:
+    cfg: Config
+    layouts: list[Layout]  # one per world size checked
+    source: object  # the data source, built once (data/sources.py)
+    n_params: int
+    resume_from: Path | None = None  # the checkpoint the run would resume from (None: fresh)
+
+    @property
+    def layout(self) -> Layout:
+        return self.layouts[0]
+
+
+def check_job(cfg: Config, world_sizes: list[int], cuda: bool, run_dir: Path | None = None,
+              resume: str = "auto", quiet: bool = False) -> Job:
+    """Check `cfg` for every world size in `world_sizes` (and the run dir, when given)."""
+    layouts = [resolve_layout(cfg, w, cuda) for w in world_sizes]
+    source = build_source(cfg.data, getattr(cfg.model, "seq_len", None))
+    with on_meta():
+        bundle = build_model(cfg.model, source.spec)
+    for layout in layouts:
+        check_fit(cfg, layout, bundle, source)
+    n_params = count_parameters(bundle.model)
+    resume_from = None
+    if run_dir is not None:
+        check_writable(run_dir, checkpoint_bytes(cfg, n_params),
+                       f"{cfg.checkpoint.keep} checkpoints kept + 1 being written, {n_params:,} parameters "
+                       f"with AdamW state")
+        resume_from = find_resume_point(RunDir(run_dir).checkpoints, resume, quiet=quiet)
+        if resume_from is not None:
+            check_compatible(cfg, resume_from)
+    return Job(cfg, layouts, source, n_params, resume_from)
+
+
+def check_fit(cfg: Config, layout: Layout, bundle: ModelBundle, source) -> None:
+    """What the model and the data must satisfy for this layout."""
+    dims = layout.dims
+    if source.num_val < dims.dp:
+        raise UserError(f"the validation split has {source.num_val} samples, fewer than dp ({dims.dp}); "
+                        f"raise data.val_fraction")
+    check_model_fits(bundle, cfg.model.name, cfg.parallel, cfg.precision)
+    if dims.pp > 1 and cfg.checkpoint.final_weights and not cfg.checkpoint.enabled:
+        raise UserError("with parallel.pp > 1 the final weights are exported from the final checkpoint: set "
+                        "checkpoint.enabled = true, or checkpoint.final_weights = false")

@@ -1,0 +1,152 @@
+"""An in-process N-rank harness: N worker processes with a gloo group, no CLI, no elastic agent.
+
+`Ranks(n)` spawns n processes once and keeps them; `ranks.run(fn, *args)` calls `fn(env, *args)` on
+every rank, inside a fresh default process group made for that call (env is shoal's DistEnv), and
+returns the results in rank order. A strategy can so be checked on its own in a fraction of a second
+after the processes exist, where a CLI run pays for the launcher, the agent and the imports each time.
+
+Failures never hang a test: each call has a deadline; past it every rank is asked for its Python stack
+(SIGUSR1), the processes are killed, and the test fails showing those stacks. A rank that raises fails
+the test with its traceback, and the processes are replaced (the others may be stuck in a collective).
+"""
+
+from __future__ import annotations
+
+import faulthandler
+import itertools
+import multiprocessing as mp
+import os
+import signal
+import tempfile
+import time
+import traceback
+from pathlib import Path
+
+import pytest
+
+_calls = itertools.count(1)
+
+
+def _serve(rank: int, world_size: int, port: int, conn, stack_file: str) -> None:
+    """A worker: wait for calls, run each in its own process group, send back the result."""
+    os.environ.update({"OMP_NUM_THREADS": "1", "RANK": str(rank), "WORLD_SIZE": str(world_size)})
+    import torch
+    import torch.distributed as dist
+
+    from shoal import dist as shoal_dist
+
+    torch.set_num_threads(1)
+    faulthandler.register(signal.SIGUSR1, file=open(stack_file, "w"), all_threads=True)  # noqa: SIM115
+    base = dist.TCPStore("127.0.0.1", port, world_size + 1, is_master=False, wait_for_workers=False)
+    while True:
+        msg = conn.recv()
+        if msg is None:
+            os._exit(0)  # gloo's exit-time destructors can abort: leave without them
+        call, fn, args, timeout_s = msg
+        try:
+            store = dist.PrefixStore(f"call{call}", base)
+            env = shoal_dist.join("gloo", timeout_s, store, store, rank, world_size)
+            reply = ("ok", fn(env, *args))
+        except BaseException:  # noqa: BLE001 - reported to the test with the traceback
+            reply = ("error", traceback.format_exc())
+        finally:
+            shoal_dist.shutdown()
+        conn.send(reply)
+
+
+class Ranks:
+    def __init__(self, world_size: int):
+        import torch.distributed as dist
+
+        self.world_size = world_size
+        self.store = dist.TCPStore("127.0.0.1", 0, world_size + 1, is_master=True, wait_for_workers=False)
+        self.tmp = Path(tempfile.mkdtemp(prefix="shoal-ranks-"))
+        ctx = mp.get_context("spawn")
+        self.conns, self.procs = [], []
+        for rank in range(world_size):
+            parent, child = ctx.Pipe()
+            proc = ctx.Process(target=_serve, args=(rank, world_size, self.store.port, child,
+                                                    str(self.tmp / f"stack{rank}")), daemon=True)
+            proc.start()
+            self.conns.append(parent)
+            self.procs.append(proc)
+
+    def run(self, fn, *args, timeout: float = 180, pg_timeout: float = 60) -> list:
+        """`fn(env, *args)` on every rank; the results, rank by rank."""
+        call = next(_calls)
+        for conn in self.conns:
+            conn.send((call, fn, args, pg_timeout))
+        deadline = time.monotonic() + timeout
+        replies: dict[int, tuple] = {}
+        while len(replies) < self.world_size:
+            for rank, conn in enumerate(self.conns):
+                if rank not in replies and conn.poll(0.05):
+                    replies[rank] = conn.recv()
+                    if replies[rank][0] == "error":
+                        self.close(kill=True)
+                        pytest.fail(f"rank {rank} of {self.world_size} failed in {fn.__name__}:\n{replies[rank][1]}")
+            if time.monotonic() > deadline:
+                stacks = self._stacks()
+                self.close(kill=True)
+                pytest.fail(f"{fn.__name__} did not finish on every rank within {timeout} s (done: "
+                            f"{sorted(replies)}); stacks:\n{stacks}")
+            if any(not p.is_alive() for p in self.procs):
+                self.close(kill=True)
+                pytest.fail(f"a rank process died during {fn.__name__}")
+        return [replies[r][1] for r in range(self.world_size)]
+
+    @property
+    def alive(self) -> bool:
+        return bool(self.procs) and all(p.is_alive() for p in self.procs)
+
+    def _stacks(self) -> str:
+        for p in self.procs:
+            if p.is_alive():
+                os.kill(p.pid, signal.SIGUSR1)
+        time.sleep(1)
+        return "\n".join(f"--- rank {r}:\n{(self.tmp / f'stack{r}').read_text()}" for r in range(self.world_size))
+
+    def close(self, kill: bool = False) -> None:
+        for conn, proc in zip(self.conns, self.procs, strict=True):
+            if not kill:
+                try:
+                    conn.send(None)
+                except OSError:
+                    pass
+            proc.join(timeout=0 if kill else 5)
+            if proc.is_alive():
+                proc.kill()
+        self.procs, self.conns = [], []
+
+
+class RankPools:
+    """One Ranks per world size, made on first use and remade after a failure."""
+
+    def __init__(self):
+        self.pools: dict[int, Ranks] = {}
+
+    def __call__(self, world_size: int) -> Ranks:
+        pool = self.pools.get(world_size)
+        if pool is None or not pool.alive:
+            pool = self.pools[world_size] = Ranks(world_size)
+        return pool
+
+    def close(self) -> None:
+        for pool in self.pools.values():
+            pool.close()
+
+
+# --- training through the harness -------------------------------------------------------------------
+
+def train(env, overrides: list[str], run_dir, resume: str = "auto") -> dict:
+    """`shoal train` on this rank without the launcher: preflight, then run_training. Returns the
+    summary; rank 0 writes the run dir as a CLI run would."""
+    from shoal.comm.collectives import Comm
+    from shoal.config import load_config
+    from shoal.preflight import check_job
+    from shoal.train.run import run_training
+
+    cfg = load_config(None, overrides)
+    job = check_job(cfg, [env.world_size], cuda=False, quiet=True)
+    return run_training(cfg, job.layout, job.source, Path(run_dir), env, Comm(env.store, env.rank, env.world_size),
+                        resume)
