@@ -138,9 +138,12 @@ class RankPools:
 
 # --- training through the harness -------------------------------------------------------------------
 
-def train(env, overrides: list[str], run_dir, resume: str = "auto") -> dict:
+def train(env, overrides: list[str], run_dir, resume: str = "auto") -> tuple[dict, str]:
     """`shoal train` on this rank without the launcher: preflight, then run_training. Returns the
-    summary; rank 0 writes the run dir as a CLI run would."""
+    summary and what the rank printed; rank 0 writes the run dir as a CLI run would."""
+    import contextlib
+    import io
+
     from shoal.comm.collectives import Comm
     from shoal.config import load_config
     from shoal.preflight import check_job
@@ -148,5 +151,8 @@ def train(env, overrides: list[str], run_dir, resume: str = "auto") -> dict:
 
     cfg = load_config(None, overrides)
     job = check_job(cfg, [env.world_size], cuda=False, quiet=True)
-    return run_training(cfg, job.layout, job.source, Path(run_dir), env, Comm(env.store, env.rank, env.world_size),
-                        resume)
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        summary = run_training(cfg, job.layout, job.source, Path(run_dir), env,
+                               Comm(env.store, env.rank, env.world_size), resume)
+    return summary, out.getvalue()

@@ -22,6 +22,11 @@ CASES = {
     "bad --nnodes": (["--nnodes", "two"], "--nnodes 'two': expected a number of nodes"),
     "elastic --nnodes range": (["--nnodes", "1:2"], "--nnodes 1:2: elastic node ranges are not supported yet"),
     "multi-node without endpoint": (["--nnodes", "2"], "--nnodes 2 needs --rdzv-endpoint"),
+    "fewer pipeline micro-batches than stages": (
+        ["--nproc", "4", "--set", "parallel.dp=2", "--set", "parallel.pp=2"],
+        'parallel.pp_schedule = "1f1b" needs at least parallel.pp (2) micro-batches per step, but '
+        "train.micro_batch_size (16) gives each rank 1 (per-rank batch 16 = train.global_batch_size 32 / dp 2); "
+        "set train.micro_batch_size = 8 or parallel.pp_microbatches = 2"),
 }
 
 
