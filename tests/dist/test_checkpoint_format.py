@@ -1,0 +1,54 @@
+"""Checkpoints written by an earlier format still resume, exactly; unknown formats are refused in one
+line. tests/fixtures/format2/ holds step 2 of a 4-step run written in checkpoint format 2 (the format
+before the step synchronisation had state), with that run's metrics and final weights."""
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import FIXTURES, read_metrics, read_weights
+from harness import train
+from shoal.checkpoint.train_state import read_train_state
+from shoal.errors import UserError
+
+FORMAT2 = FIXTURES / "format2"
+# the config that wrote the fixture (python -m shoal train with these keys, one process)
+CONFIG = ["model.n_layer=1", "model.d_model=16", "model.n_head=2", "model.seq_len=16", "data.max_bytes=50000",
+          "train.steps=4", "train.global_batch_size=4", "train.micro_batch_size=2", "train.warmup_steps=1",
+          "train.val_batches=1", "metrics.tensorboard=false", "parallel.threads_per_worker=1",
+          "metrics.progress=false", "checkpoint.interval=2", "metrics.log_interval=1"]
+
+
+def test_a_format_2_checkpoint_resumes_into_the_run_that_wrote_it(tmp_path, ranks):
+    saved = tmp_path / "step_00000002"
+    shutil.copytree(FORMAT2 / "step_00000002", saved)
+    assert json.loads((saved / "train_state.json").read_text())["format"] == 2
+    [(summary, out)] = ranks(1).run(train, CONFIG, str(tmp_path / "run"), str(saved))
+    assert "(step 2)" in out
+    theirs = {m["step"]: m["loss"] for m in (json.loads(x) for x in (FORMAT2 / "metrics.jsonl").read_text().splitlines())}
+    ours = {m["step"]: m["loss"] for m in read_metrics(tmp_path / "run")}
+    assert ours == {3: theirs[3], 4: theirs[4]}
+    from safetensors.torch import load_file
+
+    final = load_file(str(FORMAT2 / "final.safetensors"))
+    weights = read_weights(tmp_path / "run")
+    assert weights.keys() == final.keys() and all(torch.equal(weights[k], final[k]) for k in final)
+    # and it saves in the current format, which reads back the same parts
+    state = read_train_state(tmp_path / "run" / "checkpoints" / "step_00000004")
+    assert state["format"] == 3 and set(state["parts"]) == {"sampler", "scheduler", "scaler", "bad_steps", "sync"}
+
+
+@pytest.mark.parametrize("fmt", [1, 4])
+def test_other_formats_are_refused_in_one_line(tmp_path, fmt):
+    folder = tmp_path / "step_00000002"
+    shutil.copytree(FORMAT2 / "step_00000002", folder)
+    state = json.loads((folder / "train_state.json").read_text())
+    state["format"] = fmt
+    (folder / "train_state.json").write_text(json.dumps(state))
+    with pytest.raises(UserError) as e:
+        read_train_state(Path(folder))
+    assert str(e.value).count("\n") == 0
+    assert f"checkpoint format {fmt}" in str(e.value) and "--resume never" in str(e.value)
