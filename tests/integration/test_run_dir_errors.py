@@ -1,4 +1,5 @@
-"""Problems with the run dir or the checkpoint to resume are found at start: one line, exit 2."""
+"""Problems with the run dir or the checkpoint to resume are found at start: one line, exit 2; a fresh
+start over an earlier run keeps that run."""
 
 import shutil
 from collections import namedtuple
@@ -52,3 +53,14 @@ def test_full_disk(tmp_path, capsys, monkeypatch):
     monkeypatch.setattr(shutil, "disk_usage", lambda path: usage(10**9, 10**9 - 1000, 1000))
     err = error_of(["train", "--run-dir", str(tmp_path / "run"), *SMALL], capsys)
     assert "has 0 MiB free, but this run needs about" in err and "checkpoint.keep" in err
+
+
+def test_resume_never_moves_the_earlier_run_aside(finished_run, tmp_path):
+    run_dir = tmp_path / "run"
+    shutil.copytree(finished_run, run_dir)
+    r = run_cli(["train", "--run-dir", run_dir, *SMALL, "--resume", "never"], timeout=120)
+    assert r.returncode == 0, r.output
+    (moved,) = [p for p in tmp_path.iterdir() if p.name.startswith("run-replaced-")]
+    assert f"the earlier run in {run_dir} was moved to {moved}" in r.stderr
+    assert (moved / "checkpoints" / "step_00000002").is_dir() and (moved / "model.safetensors").is_file()
+    assert "resumed from" not in r.stdout and (run_dir / "checkpoints" / "step_00000002").is_dir()
