@@ -20,6 +20,7 @@ run: $(STAMP)
 	$(VENV)/bin/shoal train configs/gpt-tiny.toml --nproc 2
 
 test: $(STAMP)
+	$(VENV)/bin/lint-imports
 	$(PY) -m pytest tests
 
 clean:
