@@ -17,6 +17,7 @@ import itertools
 import multiprocessing as mp
 import os
 import signal
+import sys
 import tempfile
 import time
 import traceback
@@ -30,6 +31,7 @@ _calls = itertools.count(1)
 def _serve(rank: int, world_size: int, port: int, conn, stack_file: str) -> None:
     """A worker: wait for calls, run each in its own process group, send back the result."""
     os.environ.update({"OMP_NUM_THREADS": "1", "RANK": str(rank), "WORLD_SIZE": str(world_size)})
+    sys.path.insert(0, str(Path(__file__).parent / "fixtures"))  # the failure-injecting user models
     import torch
     import torch.distributed as dist
 

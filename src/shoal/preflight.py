@@ -22,7 +22,7 @@ from shoal.layout import Layout, resolve_layout
 from shoal.models.meta import on_meta
 from shoal.models.registry import build_model
 from shoal.models.spec import ModelBundle, count_parameters
-from shoal.parallel.apply import check_model_fits
+from shoal.parallel.fit import check_model_fits
 from shoal.rundir import RunDir, check_writable
 
 

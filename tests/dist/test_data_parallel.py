@@ -1,8 +1,9 @@
 """Data parallelism is exact: dp=2 trains the same model as dp=1 on the same global batch.
 
 fp32 on CPU: the two layouts see the same samples per step (sampler.py) and the loss is normalised
-over the whole global batch (registry.py, [Note: loss contract]); what can differ is only the order
-of floating-point sums, hence the 1e-5 (loss) and 1e-6 (parameters) tolerances.
+over the whole global batch (models/spec.py, [Note: loss contract]); what can differ is only the order
+of floating-point sums, hence the 1e-5 (loss) and 1e-6 (parameters) tolerances. The layouts run in
+the harness; torchrun and two nodes on loopback are real launches compared with them.
 """
 
 import socket
@@ -13,23 +14,22 @@ import pytest
 import torch
 
 from conftest import TINY_GPT, read_metrics, read_weights, run_cli
+from harness import train as train_on_ranks
 
 STEPS = 20
 COMMON = [*TINY_GPT, "--set", f"train.steps={STEPS}", "--set", "train.global_batch_size=16",
           "--set", "train.warmup_steps=5", "--set", "metrics.log_interval=1", "--set", "train.val_interval=10"]
 
 
-def train(tmp_path, name, nproc, micro, extra=()):
-    run_dir = tmp_path / name
-    r = run_cli(["train", "--nproc", nproc, "--run-dir", run_dir, *COMMON,
-                 "--set", f"train.micro_batch_size={micro}", *extra], timeout=180)
-    assert r.returncode == 0, r.output
+def train(ranks, run_dir, nproc, micro):
+    ranks(nproc).run(train_on_ranks, [*COMMON[1::2], "metrics.progress=false", f"train.micro_batch_size={micro}"],
+                     str(run_dir))
     return read_metrics(run_dir), read_weights(run_dir)
 
 
 @pytest.fixture(scope="module")
-def dp2(tmp_path_factory):
-    return train(tmp_path_factory.mktemp("dp2"), "dp2", nproc=2, micro=8)
+def dp2(tmp_path_factory, ranks):
+    return train(ranks, tmp_path_factory.mktemp("dp2") / "run", nproc=2, micro=8)
 
 
 def assert_same_training(a, b):
@@ -48,12 +48,12 @@ def assert_same_training(a, b):
     torch.testing.assert_close(torch.tensor(val_a), torch.tensor(val_b), rtol=1e-5, atol=0)
 
 
-def test_dp2_equals_dp1_with_accumulation(tmp_path, dp2):
-    assert_same_training(train(tmp_path, "dp1acc2", nproc=1, micro=8), dp2)
+def test_dp2_equals_dp1_with_accumulation(tmp_path, ranks, dp2):
+    assert_same_training(train(ranks, tmp_path / "dp1acc2", nproc=1, micro=8), dp2)
 
 
-def test_dp2_equals_dp1_without_accumulation(tmp_path, dp2):
-    assert_same_training(train(tmp_path, "dp1", nproc=1, micro=16), dp2)
+def test_dp2_equals_dp1_without_accumulation(tmp_path, ranks, dp2):
+    assert_same_training(train(ranks, tmp_path / "dp1", nproc=1, micro=16), dp2)
 
 
 def test_torchrun_launch_is_detected(tmp_path, dp2):

@@ -21,11 +21,12 @@ import time
 from dataclasses import dataclass
 
 import torch
-from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
 
 from shoal.errors import UserError
 
-SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved-1f1b": ScheduleInterleaved1F1B}
+# parallel.pp_schedule -> torch.distributed.pipelining's class (imported when a pipeline is built: the
+# checks before launch need only the split, and the import costs about 0.4 s)
+SCHEDULES = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B", "interleaved-1f1b": "ScheduleInterleaved1F1B"}
 
 
 def balanced_split(costs: list[float], stages: int) -> list[int]:
@@ -147,9 +148,11 @@ def build_schedule(stage_modules: list[torch.nn.Module], stage_ids: list[int], n
                    group, schedule: str, microbatches: int, loss_fn):
     """The torch pipelining schedule over this rank's stage modules. Gradients are not rescaled by the
     schedule: loss_fn already returns the loss scaled for the global batch ([Note: loss contract])."""
-    stages = [PipelineStage(m, i, num_stages, device, group=group) for m, i in zip(stage_modules, stage_ids,
-                                                                                    strict=True)]
-    cls = SCHEDULES[schedule]
+    from torch.distributed import pipelining
+
+    stages = [pipelining.PipelineStage(m, i, num_stages, device, group=group)
+              for m, i in zip(stage_modules, stage_ids, strict=True)]
+    cls = getattr(pipelining, SCHEDULES[schedule])
     if schedule == "interleaved-1f1b":
         return cls(stages, n_microbatches=microbatches, loss_fn=loss_fn, scale_grads=False), stages
     return cls(stages[0], n_microbatches=microbatches, loss_fn=loss_fn, scale_grads=False), stages
