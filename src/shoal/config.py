@@ -110,10 +110,11 @@ class ParallelConfig(Section):
     dp: int | Literal["auto"] = "auto"
     """Data-parallel degree; "auto" uses every process left after tp and pp."""
     tp: int = Field(1, ge=1)
-    """Tensor-parallel degree: each layer split over this many ranks (the model's plan; gpt has one)."""
+    """Tensor-parallel degree: each layer split over this many ranks (the model's ModelBundle.tensor_parallel;
+    gpt has one)."""
     pp: int = Field(1, ge=1)
     """Pipeline-parallel degree: the model's layers split into stages over this many ranks (the
-    model's pipeline plan; gpt has one)."""
+    model's ModelBundle.pipeline; gpt has one)."""
     pp_schedule: Literal["gpipe", "1f1b", "interleaved-1f1b"] = "1f1b"
     """Pipeline schedule; interleaved-1f1b gives each rank pp_stages_per_rank stages."""
     pp_microbatches: int = Field(0, ge=0)
@@ -124,12 +125,12 @@ class ParallelConfig(Section):
     pp_split: list[int] = []
     """Layers per stage, in order (e.g. [3, 3] for pp = 2); empty: balanced by the per-layer cost (pp_balance)."""
     pp_balance: Literal["flops", "time"] = "flops"
-    """Per-layer cost the automatic split balances: "flops" (the model plan's forward FLOPs; the same split
+    """Per-layer cost the automatic split balances: "flops" (the forward FLOPs the model declares; the same split
     on every machine) or "time" (each layer's forward + backward measured at start on one micro-batch,
     averaged over the ranks; catches costs FLOPs miss, such as a large vocabulary's loss)."""
     sequence_parallel: bool = False
     """With tp > 1: run the norms, residual adds and dropout on 1/tp of the sequence instead of
-    replicated (the model's plan decides what that means; gpt supports it)."""
+    replicated (the model's tensor-parallel function decides what that means; gpt supports it)."""
     zero: int = Field(0, ge=0, le=3)
     """ZeRO stage within dp: 0 replicates everything (DDP); 1 shards the optimizer state
     (ZeroRedundancyOptimizer); 2 also the gradients and 3 also the parameters (FSDP2 `fully_shard`;

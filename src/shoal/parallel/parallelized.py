@@ -37,7 +37,7 @@ class Parallelized:
         self.loss_fn, self.eval_fn = bundle.loss_fn, bundle.eval_fn
         self.comm, self.sync, self.device = comm, sync, device
         self.dp_rank, self.dp, self.dp_group = dp_rank, dp, dp_group
-        self.loss_context = loss_context  # the tensor-parallel plan's context for the loss and its backward
+        self.loss_context = loss_context  # tensor parallelism's context for the loss and its backward
         # this rank's loss sum enters the global loss (a tensor-parallel peer's copy of it does not)
         self.owns_loss = owns_loss
         self.sharded, self.zero = sharded, zero  # parameters sharded over dp: every rank runs every forward
