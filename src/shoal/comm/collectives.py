@@ -16,19 +16,16 @@ from shoal.comm.log import CollectiveLog
 
 
 class Pending:
-    """An async collective; its record is finished when the collective completes."""
+    """An async collective; its record is finished once waited for (a completion callback would run
+    Python on the communication thread, in contention for the GIL with the training thread)."""
 
     def __init__(self, work, rec: dict, log: CollectiveLog, out: torch.Tensor):
         self.work, self.rec, self.log, self.out = work, rec, log, out
-        work.get_future().then(lambda fut: self._finished(fut))
-
-    def _finished(self, fut) -> None:
-        fut.value()  # raises if it failed: the record then stays open
-        self.log.done(self.rec)
 
     def wait(self) -> torch.Tensor:
         with self.log.blocked_in(self.rec):
-            self.work.wait()
+            self.work.wait()  # raises if it failed: the record then stays open
+        self.log.done(self.rec)
         return self.out
 
 

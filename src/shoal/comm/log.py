@@ -2,9 +2,9 @@
 
 Each rank numbers the collectives it enters; ranks that run the same program enter them in the same
 order, so "rank 1 is at #56 while rank 0 waits in #57" means rank 1 never reached #57. A record is
-finished when the collective completes (not when someone waits for it), and `waiting` names the one
-the main thread is blocked in, if any: the hang report tells a rank that waits from a rank that is
-elsewhere. Durations are summed per (op, group) for the step profile.
+finished when its wait returns (a DDP gradient bucket: when its future completes), and `waiting`
+names the one the main thread is blocked in, if any: the hang report tells a rank that waits from a
+rank that is elsewhere. Durations are summed per (op, group) for the step profile.
 """
 
 from __future__ import annotations

@@ -35,7 +35,8 @@ class Phase:
     def track(self, model: torch.nn.Module, block_types: tuple[type, ...]) -> None:
         """Follow the model's blocks and its other top-level layers."""
         for name, module in model.named_modules():
-            top = name and "." not in name and not isinstance(module, (torch.nn.ModuleList, torch.nn.ModuleDict))
+            # the top-level layers that hold weights (embeddings, a head) and the blocks
+            top = name and "." not in name and any(True for _ in module.parameters(recurse=False))
             if top or (block_types and isinstance(module, block_types)):
                 module.register_forward_pre_hook(self._forward(name), prepend=True)
                 module.register_forward_hook(self._after_forward(name), prepend=True)

@@ -73,12 +73,19 @@ class Parallelized:
         """Parameters with gradients, and whether each counts in the gradient norm."""
         return [(p, True) for p in self.model.parameters() if p.grad is not None]
 
-    def grad_norm(self) -> torch.Tensor:
-        """The norm of all gradients of the model (every rank's share combined where it is split)."""
-        return grad_norm(self.norm_params(), self.comm)
+    def clip_grad_norm(self, max_norm: float, before_clip: Callable[[torch.Tensor], None] = lambda norm: None
+                       ) -> torch.Tensor:
+        """Clip the gradients to `max_norm` by their total norm (every rank's share combined where the
+        model is split) and return that norm; `before_clip(norm)` runs in between (the loop starts the
+        step's flags all-reduce there, so that it overlaps the clipping)."""
+        params = self.norm_params()
+        norm = self._grad_norm(params)
+        before_clip(norm)
+        clip_grads(params, max_norm, norm)
+        return norm
 
-    def clip_grads(self, max_norm: float, total: torch.Tensor) -> None:
-        clip_grads(self.norm_params(), max_norm, total)
+    def _grad_norm(self, params: list[tuple[torch.Tensor, bool]]) -> torch.Tensor:
+        return grad_norm(params, self.comm)
 
     def build_optimizer(self, groups: list[dict], optimizer_class: type[torch.optim.Optimizer],
                         **defaults) -> torch.optim.Optimizer:

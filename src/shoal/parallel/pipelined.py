@@ -61,8 +61,8 @@ class PipelinedModel(Parallelized):
         skip = {id(p) for p in self.tied} if self.tie_group is not None and not self.pipeline.first else set()
         return [(p, id(p) not in skip) for p in self.model.parameters() if p.grad is not None]
 
-    def grad_norm(self) -> torch.Tensor:
-        return grad_norm(self.norm_params(), self.comm, self.stage_group)
+    def _grad_norm(self, params: list[tuple[torch.Tensor, bool]]) -> torch.Tensor:
+        return grad_norm(params, self.comm, self.stage_group)  # summed over the stages
 
     def evaluate(self, share: torch.Tensor, longest: int, micro: int, val_batch: Callable[[torch.Tensor], Batch],
                  precision: Precision) -> Totals:

@@ -97,11 +97,13 @@ def train_step(t: Trainer, hooks: Hooks, micro_batches: list[Batch], timer: Step
 
     t.phase.outside("optimizer step")
     t.precision.unscale(t.optimizer)
-    norm = par.grad_norm()
     flags = StepFlags(t.comm, t.device)
-    flags.start(loss_sum if par.owns_loss else torch.zeros_like(loss_sum), stop=hooks.stop_requested() > 0,
-                bad_norm=not math.isfinite(norm.item()), save=hooks.save_wanted())
-    par.clip_grads(t.train.grad_clip or math.inf, norm)
+
+    def agree(norm: torch.Tensor) -> None:  # one all-reduce for every shared decision, overlapping the clip
+        flags.start(loss_sum if par.owns_loss else torch.zeros_like(loss_sum), stop=hooks.stop_requested() > 0,
+                    bad_norm=not math.isfinite(norm.item()), save=hooks.save_wanted())
+
+    norm = par.clip_grad_norm(t.train.grad_clip or math.inf, before_clip=agree)
     agreed = flags.result()
     loss = agreed.loss_sum / n_items.item()
     # the same verdict on every rank: both inputs are global
