@@ -34,6 +34,7 @@ _TORCH = str(Path(torch.__file__).parent) + "/"
 _STDLIB = str(Path(threading.__file__).parent) + "/"
 _DIST = _TORCH + "distributed/"
 _COMM = str(Path(__file__).with_name("collectives.py"))
+_WRAPPERS = {"wrapper", "inner", "_fn", "decorate_context", "__call__"}
 
 
 def _library(filename: str) -> bool:
@@ -58,7 +59,8 @@ def blocked_in(stack: list[traceback.FrameSummary], log: CollectiveLog) -> str |
                 return describe(log.in_flight())
             break
         inner.append(f)
-    dist_frames = [f for f in inner if f.filename.startswith(_DIST)]
+    # torch.distributed's own frames, without the decorators around them
+    dist_frames = [f for f in inner if f.filename.startswith(_DIST) and f.name not in _WRAPPERS]
     if dist_frames:  # the library's entry point (FSDP2, DTensor, a pipeline schedule) and where it waits
         outer, innermost = dist_frames[-1], dist_frames[0]
         path = outer.filename[len(_DIST):]
