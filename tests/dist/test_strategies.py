@@ -238,3 +238,35 @@ def test_comm_logs_times_and_agrees(ranks):
         assert flags == (1.5, True, False, True)  # any rank's stop or save is everyone's
         assert done  # every record finished
         assert ("all_reduce", "world") in totals and ("all_gather", "world") in totals
+
+
+def logged_compression_hook(env):
+    """Hooks compose: torch's fp16 compression hook wrapped by comm.hooks.logged still averages (to
+    fp16 precision) and every bucket is in the collective log, as a codec will be."""
+    from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import fp16_compress_hook
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from shoal.comm.hooks import logged
+    from shoal.comm.log import CollectiveLog
+
+    model = tiny_gpt().model
+    alone = [copy.deepcopy(model) for _ in range(2)]
+    ddp, log = DDP(model), CollectiveLog()
+    ddp.register_comm_hook(None, logged(fp16_compress_hook, log, "dp, fp16"))
+    batches = [batch_of(2, seed=20 + r) for r in range(2)]
+    lm_loss(ddp, batches[env.rank]).backward()
+    for m, b in zip(alone, batches, strict=True):
+        lm_loss(m, b).backward()
+    error, scale = 0.0, 0.0  # the largest error, against the largest mean gradient entry of the model
+    for p, p0, p1 in zip(model.parameters(), alone[0].parameters(), alone[1].parameters(), strict=True):
+        mean = (p0.grad + p1.grad) / 2
+        error, scale = max(error, (p.grad - mean).abs().max().item()), max(scale, mean.abs().max().item())
+    worst = error / scale
+    records = [r for r in log.records if r["group"].startswith("dp, fp16, gradient bucket")]
+    return worst, len(records), all(r["done"] for r in records)
+
+
+def test_a_logged_hook_composes_with_compression(ranks):
+    for worst, n, done in ranks(2).run(logged_compression_hook):
+        assert worst < 2e-3, worst  # fp16 keeps 11 significant bits
+        assert n >= 1 and done
