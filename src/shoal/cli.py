@@ -89,16 +89,19 @@ def train(args: argparse.Namespace) -> int:
 
     from shoal.launch import check_launch_args, launch, parse_nnodes
     from shoal.preflight import check_job
-    from shoal.rundir import default_run_dir
-    from shoal.worker import RESUME_COMMAND, choose_run_dir, threads_per_worker
+    from shoal.rundir import RunDir, default_run_dir
+    from shoal.worker import RESUME_COMMAND, choose_run_dir, finished_message, threads_per_worker
 
     nodes = parse_nnodes(args.nnodes)
     check_launch_args(args.nproc, nodes, args.node_rank, args.rdzv_endpoint, args.max_restarts)
     run_dir = Path(args.run_dir) if args.run_dir else default_run_dir(args.config, cfg)
     # every world size the job may take must be a valid layout; everything that can be checked is,
     # before any worker starts
-    check_job(cfg, [args.nproc * n for n in range(nodes[0], nodes[1] + 1)], cuda=torch.cuda.is_available(),
-              run_dir=run_dir, resume=args.resume, quiet=True)
+    job = check_job(cfg, [args.nproc * n for n in range(nodes[0], nodes[1] + 1)], cuda=torch.cuda.is_available(),
+                    run_dir=run_dir, resume=args.resume, quiet=True)
+    if job.finished and RunDir(run_dir).summary.exists():
+        print(finished_message(run_dir, job.resume_step, cfg.train.steps))
+        return 0
     if args.node_rank == 0:
         choose_run_dir(str(run_dir), args.config, cfg, args.resume, first_attempt=True)
     worker_argv = ["-m", "shoal", "train", *([args.config] if args.config else []),

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from shoal.checkpoint.resume import check_compatible, checkpoint_bytes, find_resume_point
+from shoal.checkpoint.train_state import read_train_state
 from shoal.config import Config
 from shoal.data.sources import build_source
 from shoal.errors import UserError
@@ -33,10 +34,16 @@ class Job:
     source: object  # the data source, built once (data/sources.py)
     n_params: int
     resume_from: Path | None = None  # the checkpoint the run would resume from (None: fresh)
+    resume_step: int = 0  # its step
 
     @property
     def layout(self) -> Layout:
         return self.layouts[0]
+
+    @property
+    def finished(self) -> bool:
+        """The run dir holds this run finished: its newest checkpoint is at train.steps or beyond."""
+        return self.resume_from is not None and self.resume_step >= self.cfg.train.steps
 
 
 def check_job(cfg: Config, world_sizes: list[int], cuda: bool, run_dir: Path | None = None,
@@ -49,15 +56,16 @@ def check_job(cfg: Config, world_sizes: list[int], cuda: bool, run_dir: Path | N
     for layout in layouts:
         check_fit(cfg, layout, bundle, source)
     n_params = count_parameters(bundle.model)
-    resume_from = None
+    resume_from, resume_step = None, 0
     if run_dir is not None:
         check_writable(run_dir, checkpoint_bytes(cfg, n_params),
                        f"{cfg.checkpoint.keep} checkpoints kept + 1 being written, {n_params:,} parameters "
                        f"with AdamW state")
         resume_from = find_resume_point(RunDir(run_dir).checkpoints, resume, quiet=quiet)
         if resume_from is not None:
+            resume_step = read_train_state(resume_from)["step"]
             check_compatible(cfg, resume_from)
-    return Job(cfg, layouts, source, n_params, resume_from)
+    return Job(cfg, layouts, source, n_params, resume_from, resume_step)
 
 
 def check_fit(cfg: Config, layout: Layout, bundle: ModelBundle, source) -> None:

@@ -48,6 +48,11 @@ def choose_run_dir(given: str | None, config_path: str | None, cfg: Config, resu
     return path
 
 
+def finished_message(run_dir, step: int, steps: int) -> str:
+    return (f"{run_dir} already holds this run, finished at step {step} of train.steps = {steps}: nothing to "
+            f"train (raise train.steps to train on, or --resume never to start over); results in {run_dir}/")
+
+
 def resume_hint(resume: str) -> str:
     command = os.environ.get(RESUME_COMMAND)
     if command:
@@ -88,10 +93,13 @@ def main(cfg: Config, run_dir: str | None, config_path: str | None, resume: str 
         # a restarted attempt continues from the newest checkpoint of the attempt before it
         summary = run_training(cfg, job.layout, job.source, path, env, comm, resume if first_attempt else "auto",
                                phase)
-        if env.rank == 0:
+        if env.rank == 0 and summary.get("already_finished"):
+            print(finished_message(path, summary["steps"], cfg.train.steps), flush=True)
+        elif env.rank == 0:
             val = f", val loss {summary['val_loss']:.4f}" if summary.get("val_loss") is not None else ""
+            loss = f"{summary['final_loss']:.4f}" if summary.get("final_loss") is not None else "-"
             print(f"done: {summary['steps']} steps in {summary['total_time_s']:.1f} s; final loss "
-                  f"{summary['final_loss']:.4f}{val}\nresults in {path}/ (summary.json, metrics.jsonl, "
+                  f"{loss}{val}\nresults in {path}/ (summary.json, metrics.jsonl, "
                   f"config.toml, checkpoints/, tensorboard/)", flush=True)
         watchdog.stop()
         dist.shutdown()

@@ -64,3 +64,11 @@ def test_resume_never_moves_the_earlier_run_aside(finished_run, tmp_path):
     assert f"the earlier run in {run_dir} was moved to {moved}" in r.stderr
     assert (moved / "checkpoints" / "step_00000002").is_dir() and (moved / "model.safetensors").is_file()
     assert "resumed from" not in r.stdout and (run_dir / "checkpoints" / "step_00000002").is_dir()
+
+
+def test_the_same_command_on_a_finished_run_trains_nothing_and_says_so(finished_run, capsys):
+    summary = (finished_run / "summary.json").read_text()
+    assert main(["train", "--run-dir", str(finished_run), *SMALL]) == 0  # returns before any worker starts
+    out = capsys.readouterr().out
+    assert f"{finished_run} already holds this run, finished at step 2 of train.steps = 2: nothing to train" in out
+    assert (finished_run / "summary.json").read_text() == summary  # its results are left as they were

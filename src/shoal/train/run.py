@@ -34,7 +34,7 @@ from shoal.models.spec import count_parameters
 from shoal.parallel.apply import parallelize
 from shoal.parallel.precision import Precision
 from shoal.parallel.zero import local_optimizer
-from shoal.rundir import RunDir, write_json
+from shoal.rundir import RunDir, read_json, write_json
 from shoal.train.bad_steps import BadStepPolicy
 from shoal.train.build import build_on, plain_model
 from shoal.train.loop import Hooks, Record, Trainer, train_loop
@@ -75,6 +75,8 @@ def run_training(cfg: Config, layout: Layout, source, run_dir: Path, env: DistEn
         run_dir.mkdir(parents=True, exist_ok=True)
         run.config.write_text(cfg.to_toml(), encoding="utf-8")
     recovery = resume_from(state, resume_path, cfg, run, env, comm)
+    if sampler.step >= cfg.train.steps and run.summary.exists():  # finished before: leave its results as they are
+        return {**read_json(run.summary), "already_finished": True, "steps": sampler.step}
     ckpt = CheckpointManager(run.checkpoints, cfg.checkpoint, comm)
     data_spec = dataclasses.asdict(source.spec)
 
