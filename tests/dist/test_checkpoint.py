@@ -8,6 +8,7 @@ resuming runs in the harness.
 
 import json
 import random
+import shutil
 from pathlib import Path
 
 import pytest
@@ -44,15 +45,13 @@ def train(*a, timeout=180, expect=0):
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory, ranks):
-    """Uninterrupted runs, per world size (1 in the harness, 2 through the CLI)."""
+    """Uninterrupted runs, per world size (in the harness: the same code as a CLI run's workers), with
+    their run dirs."""
     out = {}
     for nproc in (1, 2):
         run_dir = tmp_path_factory.mktemp(f"ref{nproc}") / "run"
-        if nproc == 1:
-            ranks(1).run(train_on_ranks, CONFIG, str(run_dir))
-        else:
-            train(*args(run_dir, nproc))
-        out[nproc] = (read_metrics(run_dir), read_weights(run_dir))
+        ranks(nproc).run(train_on_ranks, CONFIG, str(run_dir))
+        out[nproc] = (read_metrics(run_dir), read_weights(run_dir), run_dir)
     return out
 
 
@@ -129,7 +128,7 @@ def test_sigkill_with_restarts_recovers_exactly(tmp_path, reference):
 
 def test_truncated_newest_checkpoint_falls_back_to_the_previous(tmp_path, reference):
     run_dir = tmp_path / "run"
-    train(*args(run_dir, 2))
+    shutil.copytree(reference[2][2], run_dir)  # a finished run
     newest = run_dir / "checkpoints" / "step_00000012"
     shard = newest / "__0_0.distcp"
     shard.write_bytes(shard.read_bytes()[:100])  # a disk that filled up mid-write
