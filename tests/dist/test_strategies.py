@@ -273,47 +273,31 @@ def test_a_logged_hook_composes_with_compression(ranks):
 
 
 def flight_recorder_summary(env):
-    """comm/flight.py reads torch's flight recorder: each group's counters every time, the entries
-    (name, newest op, since when a collective is pending) only when a collective is pending or a group
-    is new, since a dump of the whole ring holds the GIL for milliseconds."""
+    """comm/flight.py reads torch's real flight recorder: the live group, its ranks, its newest op, and
+    a collective this rank issued that its peer has not joined yet. (gloo counts a collective
+    completed only some time after its wait returns, so `completed` may lag; `enqueued` is exact.)"""
     import time
 
-    import torch._C._distributed_c10d as c10d
     import torch.distributed as dist
 
     from shoal.comm import flight
 
     for _ in range(3):
         dist.all_reduce(torch.ones(4))
-    full_dumps, dump = [], c10d._dump_fr_trace_json
-
-    def counting(include_entries=True, only_active=False):
-        full_dumps.append(include_entries)
-        return dump(include_entries, only_active)
-
-    c10d._dump_fr_trace_json = counting
-    try:
-        first = flight.summary()  # a new group: entries read
-        idle = flight.summary()  # nothing pending, nothing new: counters only
-        reads_when_idle = sum(full_dumps)
-        if env.rank == 1:
-            time.sleep(1.0)  # rank 0's next all-reduce cannot complete before rank 1 joins it
-        work = dist.all_reduce(torch.ones(8), async_op=True)
-        pending = flight.summary() if env.rank == 0 else None
-        work.wait()
-        after = flight.summary()
-    finally:
-        c10d._dump_fr_trace_json = dump
-    return first, idle, reads_when_idle, pending, after
+    first = flight.summary()
+    if env.rank == 1:
+        time.sleep(1.0)  # rank 0's next all-reduce cannot complete before rank 1 joins it
+    work = dist.all_reduce(torch.ones(8), async_op=True)
+    pending = flight.summary() if env.rank == 0 else None
+    work.wait()
+    return first, pending
 
 
-def test_flight_recorder_summary_reads_entries_only_when_needed(ranks):
-    for rank, (first, idle, reads, pending, after) in enumerate(ranks(2).run(flight_recorder_summary)):
-        (name, group), = first.items()
+def test_flight_recorder_summary_reads_torch_s_recorder(ranks):
+    for rank, (first, pending) in enumerate(ranks(2).run(flight_recorder_summary)):
+        (name, group), = first.items()  # only the live group, not those of earlier calls
         assert group["ranks"] == [0, 1] and group["last_op"] == "all_reduce ([4])"
-        assert group["enqueued"] == group["completed"] == 3 and "pending_since" not in group
-        assert idle == first and reads == 1  # the idle call read counters only
+        assert group["enqueued"] == 3 and group["completed"] <= 3
         if rank == 0:  # rank 1 had not joined: pending, with the time it was issued
-            assert pending[name]["enqueued"] == 4 and pending[name]["completed"] == 3
+            assert pending[name]["enqueued"] == 4 and pending[name]["completed"] <= 3
             assert pending[name]["last_op"] == "all_reduce ([8])" and pending[name]["pending_since"] > 0
-        assert after[name]["enqueued"] == after[name]["completed"] == 4 and "pending_since" not in after[name]

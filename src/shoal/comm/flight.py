@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import threading
+import weakref
 
 BUFFER = "256"  # entries kept: enough for several steps of a model sharded block by block
 
@@ -38,7 +39,7 @@ class _Groups:
 
     def __init__(self):
         self.lock = threading.Lock()
-        self.groups: tuple = ()  # the process groups `known` describes
+        self.groups: list[weakref.ref] = []  # the process groups `known` describes
         self.known: dict[str, dict] = {}  # recorder group id -> name, description, ranks, newest op
         self.read: set[str] = set()  # ids present at a full dump (a group whose entries left the ring)
 
@@ -47,9 +48,10 @@ class _Groups:
             import torch.distributed as dist
             from torch._C._distributed_c10d import _dump_fr_trace_json
 
-            groups = tuple(map(id, dist.distributed_c10d._world.pg_names))
-            if groups != self.groups:  # groups made or destroyed: what is known may be another group's
-                self.groups, self.known, self.read = groups, {}, set()
+            live = dist.distributed_c10d._world.pg_names  # the recorder also keeps destroyed groups
+            if [g() for g in self.groups] != list(live):  # groups made or destroyed: what is known may
+                self.groups = [weakref.ref(pg) for pg in live]  # be another group's, with the same id
+                self.known, self.read = {}, set()
             status = json.loads(_dump_fr_trace_json(False, False)).get("pg_status", {})
             counts = {pg_id: (int(s["last_enqueued_collective"]), int(s["last_completed_collective"]))
                       for pg_id, s in status.items()}
@@ -60,8 +62,10 @@ class _Groups:
         except Exception:  # noqa: BLE001 - no recorder in this build or backend: the report does without
             return {}
         out: dict[str, dict] = {}
-        for pg_id, (enqueued, completed) in counts.items():
-            if pg_id in self.known:
+        names = set(live.values())
+        # a group made after another's destruction may reuse its name, never its id: the newest id wins
+        for pg_id, (enqueued, completed) in sorted(counts.items(), key=lambda kv: int(kv[0])):
+            if pg_id in self.known and self.known[pg_id]["name"] in names:
                 group = {k: v for k, v in self.known[pg_id].items() if k != "pending_since" or enqueued > completed}
                 out[group["name"]] = {**group, "enqueued": enqueued, "completed": completed}
         return out
