@@ -2,6 +2,7 @@
 start over an earlier run keeps that run."""
 
 import shutil
+import sys
 from collections import namedtuple
 
 import pytest
@@ -72,3 +73,15 @@ def test_the_same_command_on_a_finished_run_trains_nothing_and_says_so(finished_
     out = capsys.readouterr().out
     assert f"{finished_run} already holds this run, finished at step 2 of train.steps = 2: nothing to train" in out
     assert (finished_run / "summary.json").read_text() == summary  # its results are left as they were
+
+
+def test_a_torchrun_launch_on_a_finished_run_trains_nothing_and_says_so(finished_run):
+    """torchrun skips `shoal train`'s pre-launch check: the workers find the finished run themselves."""
+    summary = (finished_run / "summary.json").read_text()
+    metrics = (finished_run / "metrics.jsonl").read_text()
+    r = run_cli(["--standalone", "--nproc-per-node", "1", "-m", "shoal", "train", "--run-dir", finished_run, *SMALL],
+                timeout=120, launcher=[sys.executable, "-m", "torch.distributed.run"])
+    assert r.returncode == 0, r.output
+    assert f"{finished_run} already holds this run, finished at step 2 of train.steps = 2: nothing to train" in r.stdout
+    assert (finished_run / "summary.json").read_text() == summary
+    assert (finished_run / "metrics.jsonl").read_text() == metrics  # no step trained again
