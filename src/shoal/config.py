@@ -27,7 +27,7 @@ else:  # pragma: no cover - exercised on 3.10 only
 # Sections and keys that choose how a run is laid out, computed or recorded, not what it trains: two
 # configs that differ only here train the same model (`shoal parity` compares such pairs, and a run
 # resumes across them)
-LAYOUT_SECTIONS = ("parallel", "precision", "checkpoint", "metrics")
+LAYOUT_SECTIONS = ("parallel", "comm", "precision", "checkpoint", "metrics")
 LAYOUT_KEYS = frozenset({"train.micro_batch_size", "train.compile"})
 
 
@@ -104,6 +104,11 @@ class TrainConfig(Section):
     """skip: abort after this many bad steps in a row; rollback: abort after this many rollbacks."""
     compile: bool = False
     """torch.compile the model (first step is slow; measured no speedup for small models on CPU)."""
+    optimizer: Literal["adamw", "sgd"] = "adamw"
+    """The (inner) optimizer: AdamW, or SGD with `momentum` (weight decay as for AdamW, added to the
+    gradient). Under parallel.sync = "local-sgd" / "diloco" it is what each replica steps with."""
+    momentum: float = Field(0.0, ge=0.0, lt=1.0)
+    """optimizer = "sgd": momentum (0: plain SGD)."""
 
 
 class ParallelConfig(Section):
@@ -144,15 +149,47 @@ class ParallelConfig(Section):
     """CPU threads per worker; 0: cores / local workers."""
     timeout_s: float = Field(600.0, gt=0.0)
     """A collective that waits longer than this fails the run instead of hanging it."""
+    sync: Literal["every-step", "local-sgd", "diloco"] = "every-step"
+    """How the dp replicas stay one model. every-step: gradients averaged every step (DDP / FSDP2).
+    local-sgd: each replica steps alone on its slice of the batch; parameters are averaged every `sync_every`
+    steps. diloco: each replica takes `sync_every` inner optimizer steps, then the averaged difference from
+    the last synchronised parameters is the gradient of an outer Nesterov SGD step (Douillard et al. 2023)."""
+    sync_every: int = Field(50, ge=1)
+    """local-sgd / diloco: steps between synchronisations (H)."""
+    outer_lr: float = Field(0.7, gt=0.0, le=10.0)
+    """diloco: the outer optimizer's learning rate (the paper's 0.7)."""
+    outer_momentum: float = Field(0.9, ge=0.0, lt=1.0)
+    """diloco: the outer optimizer's Nesterov momentum (the paper's 0.9; 0: plain SGD)."""
 
     @model_validator(mode="after")
     def _supported(self) -> ParallelConfig:
+        if self.sync != "every-step" and self.zero:
+            raise ValueError(f'parallel.sync = "{self.sync}" keeps a whole replica per dp rank, but zero = {self.zero} '
+                             f"shards the model over those ranks; set parallel.zero = 0 (tensor and pipeline "
+                             f"parallelism inside a replica are supported)")
         if self.sequence_parallel and self.tp == 1:
             raise ValueError("parallel.sequence_parallel = true splits the sequence over the tp ranks, but tp = 1; "
                              "set parallel.tp > 1 or sequence_parallel = false")
         if self.dp != "auto" and self.dp < 1:
             raise ValueError(f'parallel.dp = {self.dp} must be >= 1 or "auto"')
         return self
+
+
+class CommConfig(Section):
+    compression: Literal["none", "fp16", "bf16", "int8", "topk", "powersgd"] = "none"
+    """What the dp replicas send: gradients (parallel.sync = "every-step") or the pseudo-gradient (diloco,
+    local-sgd). fp16/bf16: halved precision, summed in it. int8: one scale per tensor, 8-bit values. topk:
+    the largest `topk_ratio` of each tensor's entries with their indices. powersgd: each matrix as a
+    rank-`powersgd_rank` product (Vogels et al. 2019), vectors uncompressed. Supported with dp and ZeRO 0/1
+    (DDP's comm hook) and ZeRO 2/3 (FSDP2's reduce-scatter; not powersgd); with tp or pp only under
+    local-sgd / diloco."""
+    topk_ratio: float = Field(0.01, gt=0.0, le=1.0)
+    """compression = "topk": fraction of each tensor's entries sent."""
+    powersgd_rank: int = Field(4, ge=1)
+    """compression = "powersgd": rank of the approximation."""
+    error_feedback: bool = True
+    """int8 / topk / powersgd: keep what compression dropped (per rank, checkpointed) and add it to the next
+    step's tensor (Seide et al. 2014; Karimireddy et al. 2019). Without it the dropped part is lost."""
 
 
 class PrecisionConfig(Section):
@@ -197,6 +234,7 @@ class Config(Section):
     data: DataConfig = DataConfig()
     train: TrainConfig = TrainConfig()
     parallel: ParallelConfig = ParallelConfig()
+    comm: CommConfig = CommConfig()
     precision: PrecisionConfig = PrecisionConfig()
     checkpoint: CheckpointConfig = CheckpointConfig()
     metrics: MetricsConfig = MetricsConfig()
@@ -211,6 +249,14 @@ class Config(Section):
                 f'model.name = "{self.model.name}" cannot train on data.source = "{self.data.source}"; '
                 f"use data.source = {' or '.join(repr(s) for s in sources)}"
             )
+        p, c = self.parallel, self.comm
+        if c.compression != "none" and p.sync == "every-step" and (p.tp > 1 or p.pp > 1):
+            raise ValueError(f'parallel.tp = {p.tp}, pp = {p.pp}: comm.compression = "{c.compression}" compresses the '
+                             f"gradients of DDP and ZeRO 2/3 only (tensor- and pipeline-parallel models synchronise "
+                             f'through FSDP2 replicate); set comm.compression = "none" or parallel.sync = "diloco"')
+        if c.compression == "powersgd" and p.sync == "every-step" and p.zero >= 2:
+            raise ValueError(f'parallel.zero = {p.zero}: comm.compression = "powersgd" needs whole matrices, and ZeRO '
+                             f'2/3 reduce-scatters flat shards; use "int8", "topk", "fp16" or "bf16", or zero <= 1')
         if self.data.source in ("text", "tokens") and not self.data.path:
             raise ValueError(f'data.source = "{self.data.source}" needs data.path; set it to a file or folder')
         return self

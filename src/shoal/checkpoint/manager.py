@@ -27,7 +27,7 @@ from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from shoal.checkpoint import manifest as mf
 from shoal.checkpoint.safe_io import SafeFileSystemReader, SafeLoadPlanner
 from shoal.checkpoint.tensors import TensorStateCache, apply_tensor_state, tensor_state
-from shoal.checkpoint.train_state import TRAIN_STATE, TrainState, rng_file
+from shoal.checkpoint.train_state import TRAIN_STATE, TrainState, rank_state_file, rng_file
 from shoal.comm.collectives import Comm
 from shoal.config import CheckpointConfig
 from shoal.rundir import write_json
@@ -84,6 +84,11 @@ class CheckpointManager:
             tmp.mkdir(parents=True)
         self.comm.barrier("world, checkpoint folder")  # the folder exists (and is empty) before anyone writes
         write_json(tmp / rng_file(self.rank), state.rng.state_dict())
+        own = state.rank_tensors()
+        if own:  # written here, before DCP: sealing needs every rank's files in place (see _finish)
+            from safetensors.torch import save_file
+
+            save_file({k: v.clone() for k, v in own.items()}, str(tmp / rank_state_file(self.rank)))
         if self.rank == 0:
             write_json(tmp / TRAIN_STATE, shared)
         info = {"step": step, "world_size": self.world_size, "time": time.time()}

@@ -5,7 +5,11 @@ TrainState under a name: the model and the optimizer (tensors, through DCP: tens
 parts stored as JSON, readable without unpickling: the LR schedule, the data position (sampler), the
 bad-step counters, the grad scaler and the step synchronisation's state, shared by all ranks and
 written by rank 0 into train_state.json; and each rank's RNG streams (python, numpy, torch CPU and
-CUDA) in a file of its own.
+CUDA) in a file of its own. Tensors that differ per rank go to the rank's own safetensors file
+(state_rank<r>.safetensors): a part's `rank_state()` (error-feedback residuals, DiLoCo's anchor and
+outer momentum) and, when the dp replicas differ between synchronisations (local SGD, DiLoCo), the
+rank's own parameters and optimizer state (DCP holds one replica's). They are restored on the same
+world size; on another, the parts start them afresh from the restored model.
 
 Formats (train_state.json's "format"): 3 keeps the JSON parts under "parts"; 2 (written before the
 step synchronisation had state) kept them at the top level and still loads. Any other is refused in
@@ -40,6 +44,10 @@ class Stateful(Protocol):
 
 def rng_file(rank: int) -> str:
     return f"rng_rank{rank:05d}.json"
+
+
+def rank_state_file(rank: int) -> str:
+    return f"state_rank{rank:05d}.safetensors"
 
 
 class RNGStreams:
@@ -77,9 +85,21 @@ class TrainState:
     """The run's stateful parts by name. `model` and `optimizer` go to DCP (the optimizer is the one
     whose state this rank holds); `parts` to train_state.json; the RNG streams to this rank's file."""
 
-    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, parts: dict[str, Stateful]):
+    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, parts: dict[str, Stateful],
+                 replicas_differ: bool = False):
         self.model, self.optimizer, self.parts = model, optimizer, parts
+        self.replicas_differ = replicas_differ  # each dp rank's model and optimizer state are its own
         self.rng = RNGStreams()
+
+    def rank_tensors(self) -> dict[str, torch.Tensor]:
+        """This rank's own tensors (see the module doc); empty when it has none."""
+        out = {}
+        for name, part in self.parts.items():
+            if hasattr(part, "rank_state"):
+                out.update({f"{name}/{k}": v for k, v in part.rank_state().items()})
+        if self.replicas_differ:
+            out.update(replica_tensors(self.model, self.optimizer))
+        return {k: v.detach().contiguous() for k, v in out.items()}
 
     def capture(self, step: int, cfg: Config, data_spec: dict) -> dict:
         """The shared JSON of a checkpoint at `step` (rank 0 writes it)."""
@@ -101,11 +121,53 @@ class TrainState:
             except ValueError as e:  # e.g. a data position that does not fit this data set
                 raise UserError(f"cannot resume from {path}: {e}") from None
         step = getattr(self.parts.get("sampler"), "step", saved["step"])  # the data position, in this run's steps
-        if mf.read_manifest(path)["world_size"] == world_size:
+        same_world = mf.read_manifest(path)["world_size"] == world_size
+        self._restore_rank_tensors(path / rank_state_file(rank) if same_world else None)
+        if same_world:
             self.rng.load_state_dict(read_json(path / rng_file(rank)))
             return True
         RNGStreams.reseed(seed, rank, step)
         return False
+
+    def _restore_rank_tensors(self, file: Path | None) -> None:
+        from safetensors.torch import load_file  # tensors only: nothing is unpickled
+
+        tensors = load_file(file) if file is not None and file.exists() else {}
+        if self.replicas_differ and any(k.startswith("model/") for k in tensors):  # else: DCP's replica for all
+            load_replica_tensors(self.model, self.optimizer, tensors)
+        for name, part in self.parts.items():
+            if hasattr(part, "load_rank_state"):
+                mine = {k.removeprefix(f"{name}/"): v for k, v in tensors.items() if k.startswith(f"{name}/")}
+                part.load_rank_state(mine or None)
+
+
+def replica_tensors(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
+    """This rank's parameters and optimizer state (local shards of tensor-parallel ones), by name."""
+    from torch.distributed.tensor import DTensor
+
+    def local(t):
+        return t.to_local() if isinstance(t, DTensor) else t
+
+    out = {}
+    for n, p in model.named_parameters():
+        out[f"model/{n}"] = local(p)
+        for k, v in optimizer.state.get(p, {}).items():
+            if isinstance(v, torch.Tensor):
+                out[f"optim/{n}/{k}"] = local(v)
+    return out
+
+
+@torch.no_grad()
+def load_replica_tensors(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                         tensors: dict[str, torch.Tensor]) -> None:
+    """Put back what replica_tensors() saved, into the live tensors."""
+    mine = replica_tensors(model, optimizer)
+    missing = [k for k in mine if k not in tensors]
+    if missing:
+        raise UserError(f"this rank's state file lacks {missing[0]}: the checkpoint was written by another model "
+                        f"or optimizer; resume with the config that wrote it, or start fresh with --resume never")
+    for k, live in mine.items():
+        live.copy_(tensors[k])
 
 
 def read_train_state(path: Path) -> dict:

@@ -37,6 +37,9 @@ class Comm:
         self.store, self.rank, self.world_size = store, rank, world_size
         self.log = log or CollectiveLog()
         self._agreed = 0
+        # bytes this rank put on its links to keep the dp replicas in sync (gradients, parameter
+        # averages), counted by the codecs from what each collective carries (comm/codecs.py)
+        self.sync_bytes = 0
 
     def all_reduce(self, t: torch.Tensor, group=None, label: str = "world", op=dist.ReduceOp.SUM,
                    async_op: bool = False):
@@ -50,6 +53,25 @@ class Comm:
         rec = self.log.enter("all_gather", label, [t])
         Pending(dist.all_gather(out, t, group=group, async_op=True), rec, self.log, t).wait()
         return out
+
+    def all_gather_flat(self, t: torch.Tensor, group=None, label: str = "world") -> torch.Tensor:
+        """Every rank's `t` (1-D, the same size everywhere), concatenated in rank order."""
+        out = t.new_empty(dist.get_world_size(group) * t.numel())
+        rec = self.log.enter("all_gather", label, [t])
+        Pending(dist.all_gather_into_tensor(out, t, group=group, async_op=True), rec, self.log, out).wait()
+        return out
+
+    def all_to_all(self, out: torch.Tensor, t: torch.Tensor, group=None, label: str = "world") -> torch.Tensor:
+        """Chunk j of `t` (split evenly) to rank j; chunk r of `out` from rank r."""
+        rec = self.log.enter("all_to_all", label, [t])
+        return Pending(dist.all_to_all_single(out, t, group=group, async_op=True), rec, self.log, out).wait()
+
+    def reduce_scatter(self, out: torch.Tensor, t: torch.Tensor, group=None, label: str = "world",
+                       op=dist.ReduceOp.SUM) -> torch.Tensor:
+        """Chunk r of `t` reduced over the ranks, into `out` on rank r."""
+        rec = self.log.enter("reduce_scatter", label, [t])
+        return Pending(dist.reduce_scatter_tensor(out, t, op=op, group=group, async_op=True), rec, self.log,
+                       out).wait()
 
     def barrier(self, label: str = "world", group=None) -> None:
         with self.log.record("barrier", label):

@@ -16,11 +16,13 @@ import torch
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import apply_activation_checkpointing
 from torch.distributed.fsdp import FSDPModule
 
+from shoal.comm.codecs import make_codec
 from shoal.comm.collectives import Comm
-from shoal.config import ParallelConfig, PrecisionConfig
+from shoal.config import CommConfig, ParallelConfig, PrecisionConfig
 from shoal.layout import Layout
 from shoal.models.spec import ModelBundle
 from shoal.parallel.data import replicate_ddp, replicate_dtensor
+from shoal.parallel.local_sgd import PeriodicSync
 from shoal.parallel.parallelized import Parallelized
 from shoal.parallel.pipeline import Pipeline, StageUnion, measure_layer_times, split_stages
 from shoal.parallel.pipelined import PipelinedModel
@@ -30,13 +32,25 @@ from shoal.parallel.zero import shard_parameters
 from shoal.topology import ParallelDims
 
 
+def make_sync(parallel: ParallelConfig, comm_cfg: CommConfig, comm: Comm) -> StepSync:
+    """The step synchronisation parallel.sync names, with comm.compression's codec."""
+    codec = make_codec(comm_cfg.compression, comm, comm_cfg.topk_ratio, comm_cfg.powersgd_rank,
+                       comm_cfg.error_feedback)
+    if parallel.sync == "every-step":
+        return EveryStep(codec)
+    if parallel.sync == "local-sgd":
+        return PeriodicSync("local-sgd", parallel.sync_every, codec)
+    return PeriodicSync("diloco", parallel.sync_every, codec, parallel.outer_lr, parallel.outer_momentum)
+
+
 def parallelize(bundle: ModelBundle, layout: Layout, parallel: ParallelConfig, precision: PrecisionConfig,
                 compile: bool, device: torch.device, rank: int, comm: Comm, sync: StepSync | None = None,
-                sample: dict | None = None) -> Parallelized:
+                sample: dict | None = None, comm_cfg: CommConfig | None = None) -> Parallelized:
     """This rank's share of `bundle.model`, wrapped for `layout`. `sample`: one pipeline micro-batch,
-    to time the layers with (parallel.pp_balance = "time")."""
+    to time the layers with (parallel.pp_balance = "time"). `sync`: default, the one `parallel.sync`
+    and `comm_cfg` (default: uncompressed) name."""
     dims = layout.dims
-    sync = sync or EveryStep()
+    sync = sync or make_sync(parallel, comm_cfg or CommConfig(), comm)
     model = bundle.model.to(device)
     loss_context = contextlib.nullcontext
     if dims.tp > 1:
@@ -52,6 +66,7 @@ def parallelize(bundle: ModelBundle, layout: Layout, parallel: ParallelConfig, p
               "dp_group": dp_group, "loss_context": loss_context, "zero": layout.zero}
     if dims.pp == 1:
         module = wrapped(model)
+        sync.attach(model, dp_group, dims.dp)
         # tensor-parallel peers compute the same loss: only the first one's counts
         return Parallelized(model, module, bundle, owns_loss=coords["tp"] == 0,
                             sharded=isinstance(module, FSDPModule), **common)
@@ -71,6 +86,7 @@ def parallelize(bundle: ModelBundle, layout: Layout, parallel: ParallelConfig, p
     modules = [wrapped(stage) for stage in stages]
     # the parameters as the wrappers left them (ZeRO 2/3 replaces them with sharded ones)
     tied_here = [param for name, param in union.named_parameters() if name in tied]
+    sync.attach(union, dp_group, dims.dp)
     stage_group = dims.mesh["pp"].get_group()
     pipeline = Pipeline(modules, stage_ids, split, device, stage_group, parallel.pp_schedule,
                         layout.pp_microbatches, layers.output_loss)
@@ -99,6 +115,8 @@ def wrap(model: torch.nn.Module, block_types: tuple[type, ...], dims: ParallelDi
     if compile:
         model = torch.compile(model)
     dp_group = dims.mesh["dp"].get_group() if dims.world_size > dims.dp else None
+    if not sync.wraps_dp:  # replicas synchronise on their own schedule (local SGD, DiLoCo)
+        return model
     if zero >= 2:
         model = shard_parameters(model, block_types, dims.mesh["dp"], zero, sharded_mixed_precision(precision),
                                  parallel.offload)

@@ -5,13 +5,16 @@ A StepSync decides which micro-batches reduce gradients in their backward, insta
 communication the data-parallel wrapper uses (DDP's comm hook, FSDP2's reduce-scatter), and may act
 after backward and after the optimizer step; its state is checkpointed with the run
 (checkpoint/train_state.py). EveryStep is data parallelism as DDP and FSDP do it. The seam admits,
-without touching the training loop (docs/design.md, "Sync modes"):
-  compression    a codec inside install(): a DDP comm hook (wrapped by comm.hooks.logged) for ZeRO 0/1,
-                 FSDPModule.set_custom_reduce_scatter for ZeRO 2/3; error-feedback residuals in state_dict
-  local SGD /    reduces() always False (no gradient traffic); after_step() averages the parameters every
-  DiLoCo         H steps, DiLoCo through an outer optimizer whose state is in state_dict
-  parameter      reduces() False; after_backward() pushes gradients to the server ranks and pulls fresh
-  server         parameters; server ranks run a serve loop instead of training
+without touching the training loop (docs/design.md, "The seams"):
+  compression    EveryStep with a codec (comm/codecs.py) installed as DDP's comm hook (wrapped by
+                 comm.hooks.logged) for ZeRO 0/1 and as FSDP2's reduce-scatter for ZeRO 2/3; its
+                 error-feedback residuals are per-rank state (rank_state)
+  local SGD /    PeriodicSync (local_sgd.py): no data-parallel wrapper at all (wraps_dp False), so no
+  DiLoCo         gradient traffic; after_step() averages every H steps, DiLoCo through an outer optimizer
+  parameter      (planned) reduces() False; after_backward() pushes gradients to the server ranks and pulls
+  server         fresh parameters; server ranks run a serve loop instead of training
+State comes in two kinds: state_dict() is JSON shared by every rank (train_state.json); rank_state() is
+tensors that differ per rank (residuals, a replica's own parameters), saved in each rank's own file.
 Whatever the mode, decisions every rank must share (stop, bad step, checkpoint due) ride on the one
 flags all-reduce of each step (train/flags.py), which does not depend on gradients being synchronised.
 """
@@ -21,18 +24,25 @@ from __future__ import annotations
 from typing import Protocol
 
 import torch
-from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+import torch.distributed as dist
+from torch.distributed.fsdp import FSDPModule
+from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+from shoal.comm.codecs import Codec, DDPState
 from shoal.comm.hooks import logged
 from shoal.comm.log import CollectiveLog
 
 
 class StepSync(Protocol):
     name: str
+    wraps_dp: bool  # the model gets a data-parallel wrapper (DDP, FSDP2) that reduces gradients
 
     def install(self, module: torch.nn.Module, dp_group, log: CollectiveLog) -> None:
         """Set up the wrapped module's gradient communication (called once per wrapped module)."""
+
+    def attach(self, model: torch.nn.Module, dp_group, dp: int) -> None:
+        """This rank's whole model (every stage it holds), once, after wrapping."""
 
     def reduces(self, index: int, count: int) -> bool:
         """Whether micro-batch `index` of a step's `count` reduces gradients over dp in its backward."""
@@ -47,16 +57,36 @@ class StepSync(Protocol):
 
     def load_state_dict(self, state: dict) -> None: ...
 
+    def rank_state(self) -> dict[str, torch.Tensor]:
+        """Tensors that differ per rank, for this rank's checkpoint file."""
+
+    def load_rank_state(self, tensors: dict[str, torch.Tensor] | None) -> None:
+        """This rank's saved tensors; None when there are none for it (another world size, or a
+        checkpoint of another sync mode): start them afresh from the restored model."""
+
 
 class EveryStep:
     """Gradients averaged over dp in the backward of every step's last micro-batch: all-reduced by
-    DDP or FSDP2 replicate, reduce-scattered by ZeRO 2/3, overlapped with the backward."""
+    DDP or FSDP2 replicate, reduce-scattered by ZeRO 2/3, overlapped with the backward; compressed
+    by `codec` (DDP's comm hook, FSDP2's custom reduce-scatter)."""
 
     name = "every-step"
+    wraps_dp = True
+
+    def __init__(self, codec: Codec):
+        self.codec = codec
 
     def install(self, module: torch.nn.Module, dp_group, log: CollectiveLog) -> None:
-        if isinstance(module, DDP):  # torch's averaging all-reduce, in the collective log
-            module.register_comm_hook(dp_group, logged(allreduce_hook, log, "dp"))
+        if isinstance(module, DDP):  # in the collective log, whatever the codec
+            names = {id(p): n for n, p in module.module.named_parameters()}
+            module.register_comm_hook(DDPState(dp_group, names), logged(self.codec.ddp_hook, log, "dp"))
+        else:
+            for name, m in module.named_modules():
+                if isinstance(m, FSDPModule):
+                    m.set_custom_reduce_scatter(CodecReduceScatter(self.codec, name or "root"))
+
+    def attach(self, model: torch.nn.Module, dp_group, dp: int) -> None:
+        pass
 
     def reduces(self, index: int, count: int) -> bool:
         return index == count - 1
@@ -72,3 +102,26 @@ class EveryStep:
 
     def load_state_dict(self, state: dict) -> None:
         pass
+
+    def rank_state(self) -> dict[str, torch.Tensor]:
+        return self.codec.state_tensors()
+
+    def load_rank_state(self, tensors: dict[str, torch.Tensor] | None) -> None:
+        self.codec.load_state_tensors(tensors or {})
+
+
+class CodecReduceScatter(ReduceScatter):
+    """FSDP2's gradient reduce-scatter for one FSDP module, through a codec (FSDP2 calls it
+    synchronously, async_op False, with the flat padded gradients of the module's parameters laid out
+    rank by rank)."""
+
+    def __init__(self, codec: Codec, key: str):
+        self.codec, self.key = codec, key
+
+    def allocate(self, size, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        return torch.empty(*size, dtype=dtype, device=device)
+
+    def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: dist.ProcessGroup, op,
+                 async_op: bool = False):
+        self.codec.reduce_scatter(output_tensor, input_tensor, group, op, self.key, f"dp, gradients of {self.key}")
+        return None

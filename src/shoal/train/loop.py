@@ -79,6 +79,7 @@ def train_step(t: Trainer, hooks: Hooks, micro_batches: list[Batch], timer: Step
     """One optimizer step over this rank's micro-batches. Returns the global loss, gradient norm, item
     count and the ranks' shared decisions. See [Note: loss contract] in models/spec.py for the scaling."""
     par = t.par
+    sent = t.comm.sync_bytes
     batches = [to_device(mb, t.device) for mb in micro_batches]
     # items (tokens or samples) in the whole global batch: summed over dp while the first forward runs
     n_items = torch.stack([t.count_fn(b) for b in batches]).sum().double().to(t.device)
@@ -119,7 +120,7 @@ def train_step(t: Trainer, hooks: Hooks, micro_batches: list[Batch], timer: Step
     t.optimizer.zero_grad(set_to_none=True)
     timer.mark("optimizer_s")
     return {"loss": loss, "grad_norm": norm.item(), "items": int(n_items.item()), "bad": bad, "stop": agreed.stop,
-            "save": agreed.save, "held": held}
+            "save": agreed.save, "held": held, "comm_bytes": t.comm.sync_bytes - sent}
 
 
 def gather_memory(t: Trainer, held: dict[str, int]) -> list[dict]:
@@ -168,7 +169,9 @@ def after_step(t: Trainer, hooks: Hooks, done: int, lr: float, out: dict, timer:
     """Metrics, validation and hooks of step `done` (1-based: steps completed)."""
     items = t.items_name
     m = {"step": done, "time": time.time(), "loss": out["loss"], "lr": lr, "grad_norm": out["grad_norm"],
-         f"{items}_per_s": out["items"] / timer.total, "step_time_s": timer.total, **timer.phases}
+         f"{items}_per_s": out["items"] / timer.total, "step_time_s": timer.total, **timer.phases,
+         # bytes this rank sent to keep the replicas in sync: this step, and since this attempt started
+         "comm_bytes": out["comm_bytes"], "comm_bytes_total": t.comm.sync_bytes}
     if out["bad"]:
         m["skipped"] = True
         sinks.print(f"step {done}: loss {out['loss']}, gradient norm {out['grad_norm']}: update skipped")

@@ -1,4 +1,4 @@
-"""AdamW with decoupled weight decay on matrices only, and the warmup + cosine learning-rate schedule."""
+"""AdamW (or SGD) with decoupled weight decay on matrices only, and the warmup + cosine learning-rate schedule."""
 
 from __future__ import annotations
 
@@ -9,14 +9,17 @@ import torch
 from shoal.config import TrainConfig
 
 
-def adamw_groups(model: torch.nn.Module, cfg: TrainConfig) -> tuple[list[dict], dict]:
-    """AdamW's parameter groups and hyperparameters: decay weight matrices and embeddings, not biases
-    or norm gains (as in GPT-2 / nanoGPT)."""
+def optimizer_groups(model: torch.nn.Module, cfg: TrainConfig) -> tuple[type[torch.optim.Optimizer], list[dict], dict]:
+    """The optimizer (train.optimizer: AdamW, or SGD with momentum), its parameter groups and
+    hyperparameters: decay weight matrices and embeddings, not biases or norm gains (as in GPT-2 /
+    nanoGPT)."""
     params = [p for p in model.parameters() if p.requires_grad]
     decay = [p for p in params if p.dim() >= 2]
     no_decay = [p for p in params if p.dim() < 2]
     groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-    return groups, {"lr": cfg.lr, "betas": (cfg.beta1, cfg.beta2)}
+    if cfg.optimizer == "sgd":
+        return torch.optim.SGD, groups, {"lr": cfg.lr, "momentum": cfg.momentum}
+    return torch.optim.AdamW, groups, {"lr": cfg.lr, "betas": (cfg.beta1, cfg.beta2)}
 
 
 def lr_factor(step: int, cfg: TrainConfig) -> float:

@@ -38,7 +38,7 @@ from shoal.rundir import RunDir, read_json, write_json
 from shoal.train.bad_steps import BadStepPolicy
 from shoal.train.build import build_on, plain_model
 from shoal.train.loop import Hooks, Record, Trainer, train_loop
-from shoal.train.optim import Schedule, adamw_groups
+from shoal.train.optim import Schedule, optimizer_groups
 from shoal.train.summary import failure_info, fresh_start, summarize
 
 
@@ -57,18 +57,19 @@ def run_training(cfg: Config, layout: Layout, source, run_dir: Path, env: DistEn
     # one pipeline micro-batch, for timing the layers (parallel.pp_balance = "time")
     sample = source.train_batch(torch.arange(layout.per_rank_batch // layout.pp_microbatches)) if dims.pp > 1 else None
     par = parallelize(bundle, layout, cfg.parallel, cfg.precision, cfg.train.compile, env.device, env.rank, comm,
-                      sample=sample)
+                      sample=sample, comm_cfg=cfg.comm)
     if not cfg.train.compile:  # a compiled model runs its layers as one graph
         phase.track(par.model, bundle.block_types)
     torch.manual_seed(cfg.train.seed + 1 + env.rank)  # dropout etc. differ per rank, reproducibly
-    groups, hyper = adamw_groups(par.model, cfg.train)
-    optimizer = par.build_optimizer(groups, torch.optim.AdamW, **hyper)
+    optimizer_class, groups, hyper = optimizer_groups(par.model, cfg.train)
+    optimizer = par.build_optimizer(groups, optimizer_class, **hyper)
     schedule = Schedule(optimizer, cfg.train)
     precision = Precision(cfg.precision.dtype, env.device)
     bad_steps = BadStepPolicy(cfg.train.on_bad_step, cfg.train.max_bad_steps, scaled=precision.scaler is not None)
     sampler = GlobalBatchSampler(source.num_train, cfg.train.global_batch_size, cfg.train.seed)
     state = TrainState(par.model, local_optimizer(optimizer), {
-        "sampler": sampler, "scheduler": schedule, "scaler": precision, "bad_steps": bad_steps, "sync": par.sync})
+        "sampler": sampler, "scheduler": schedule, "scaler": precision, "bad_steps": bad_steps, "sync": par.sync},
+        replicas_differ=not par.sync.wraps_dp and dims.dp > 1)
     trainer = Trainer(cfg.train, cfg.metrics, par, optimizer, schedule, precision, sampler, source, comm, bad_steps,
                       bundle.count_fn, bundle.items_name, env.device, phase)
     if is_main:

@@ -53,6 +53,8 @@ def summarize(history: list[dict], items: str, model_name: str, n_params: int, d
         f"mean_{items}_per_s": statistics.fmean(speeds) if speeds else None,
         "median_step_time_s": statistics.median(m["step_time_s"] for m in h) if h else None,
         "peak_memory_bytes": max((m.get("peak_memory_bytes", 0) for m in h), default=0),
+        # bytes rank 0 sent to keep the dp replicas in sync (gradients or parameter averages), per step
+        "comm_bytes": statistics.fmean(m["comm_bytes"] for m in h) if h else None,
         "total_time_s": total_s,
         "bad_steps": bad_steps["total"],
         "rollbacks": bad_steps["rollbacks"],

@@ -1,0 +1,130 @@
+"""Synchronising the dp replicas every H steps instead of every step: local SGD and DiLoCo.
+
+Each dp rank holds a whole replica (tensor and pipeline parallelism may split it further over its own
+tp and pp ranks) with no data-parallel wrapper, so a step sends no gradients: each replica's
+optimizer (the inner one) steps on the gradient of its own slice of the global batch. Every
+`sync_every` steps:
+
+  delta_i = anchor - params_i          the replica's pseudo-gradient since the last sync
+  delta   = mean over replicas         through the codec (comm.compression applies to it)
+  local-sgd: anchor <- anchor - delta  (the average of the replicas' parameters)
+  diloco:    anchor <- outer SGD step on `anchor` with gradient `delta` (Nesterov momentum; Douillard
+             et al. 2023: outer lr 0.7, momentum 0.9, inner AdamW)
+  params_i <- anchor
+
+`anchor` is the parameters at the last sync, identical on every replica. Between syncs the replicas
+differ, and so do their inner optimizers' states: the checkpoint keeps each rank's parameters and
+optimizer state in its own file (TrainState, replicas_differ), and the anchor, the outer momentum and
+the codec's residuals through rank_state(); a killed run resumes bitwise. Resumed on another world
+size (or from a checkpoint of another sync mode), every replica starts from the checkpoint's model
+(rank 0's replica), which becomes the anchor.
+
+With H = 1, outer lr 1 and no momentum both equal every-step data parallelism for an optimizer that
+is linear in the gradient (SGD, with or without momentum): the mean of the replicas' updates is the
+update of the mean gradient. AdamW is not linear, so they differ (tests/dist/test_sync_modes.py).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.distributed.tensor import DTensor
+
+from shoal.comm.codecs import Codec
+from shoal.comm.log import CollectiveLog
+
+
+def local(p: torch.Tensor) -> torch.Tensor:
+    """The tensor this rank holds of a parameter (a tensor-parallel shard: its local part)."""
+    return p.to_local() if isinstance(p, DTensor) else p
+
+
+class PeriodicSync:
+    wraps_dp = False  # no gradient all-reduce: each replica trains alone between syncs
+
+    def __init__(self, mode: str, every: int, codec: Codec, outer_lr: float = 1.0, outer_momentum: float = 0.0):
+        if mode not in ("local-sgd", "diloco"):
+            raise ValueError(f"unknown periodic sync {mode!r}")
+        self.name, self.every, self.codec = mode, every, codec
+        self.outer_lr, self.outer_momentum = outer_lr, outer_momentum
+        self.names: list[str] = []
+        self.params: list[torch.Tensor] = []
+        self.anchor: list[torch.Tensor] = []
+        self.outer: torch.optim.SGD | None = None
+        self.group, self.replicas = None, 1  # the dp group (None: the default group) and its size
+        self.syncs = 0
+
+    def attach(self, model: torch.nn.Module, dp_group, dp: int) -> None:
+        """This rank's whole model (all its stages), after wrapping; the anchor is its parameters now."""
+        named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+        self.names, self.params = [n for n, _ in named], [p for _, p in named]
+        self.group, self.replicas = dp_group, dp
+        self._reset_anchor()
+
+    @torch.no_grad()
+    def _reset_anchor(self) -> None:
+        self.anchor = [local(p).detach().float().clone() for p in self.params]
+        self.outer = None
+        if self.name == "diloco":
+            self.outer = torch.optim.SGD(self.anchor, lr=self.outer_lr, momentum=self.outer_momentum,
+                                         nesterov=self.outer_momentum > 0)
+
+    def install(self, module: torch.nn.Module, dp_group, log: CollectiveLog) -> None:
+        pass  # never called: no data-parallel wrapper
+
+    def reduces(self, index: int, count: int) -> bool:
+        return False
+
+    def after_backward(self) -> None:
+        pass
+
+    def after_step(self, step: int) -> None:
+        if step % self.every == 0:
+            self.sync()
+
+    @torch.no_grad()
+    def sync(self) -> None:
+        """Collective over the dp group: average the pseudo-gradients, step the anchor, copy it back."""
+        xs = [local(p) for p in self.params]
+        deltas = [a - x.float() for a, x in zip(self.anchor, xs, strict=True)]
+        if self.replicas > 1:  # a single replica has nothing to average (the outer step still runs)
+            self.codec.all_reduce_mean(deltas, self.names, self.group, f"dp, {self.name} pseudo-gradient")
+        if self.outer is None:
+            for a, d in zip(self.anchor, deltas, strict=True):
+                a.sub_(d)
+        else:
+            for a, d in zip(self.anchor, deltas, strict=True):
+                a.grad = d
+            self.outer.step()
+            self.outer.zero_grad(set_to_none=True)
+        for x, a in zip(xs, self.anchor, strict=True):
+            x.copy_(a)
+        self.syncs += 1
+
+    # --- checkpointed state ----------------------------------------------------------------------------
+
+    def state_dict(self) -> dict:
+        return {"syncs": self.syncs}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.syncs = int(state.get("syncs", 0))
+
+    def rank_state(self) -> dict[str, torch.Tensor]:
+        out = {f"anchor/{n}": a for n, a in zip(self.names, self.anchor, strict=True)}
+        if self.outer is not None:
+            for n, a in zip(self.names, self.anchor, strict=True):
+                buf = self.outer.state.get(a, {}).get("momentum_buffer")
+                if buf is not None:
+                    out[f"momentum/{n}"] = buf
+        return {**out, **self.codec.state_tensors()}
+
+    @torch.no_grad()
+    def load_rank_state(self, tensors: dict[str, torch.Tensor] | None) -> None:
+        self._reset_anchor()  # from the restored model
+        if not tensors:
+            self.codec.load_state_tensors({})
+            return
+        for n, a in zip(self.names, self.anchor, strict=True):
+            a.copy_(tensors[f"anchor/{n}"])
+            if self.outer is not None and f"momentum/{n}" in tensors:
+                self.outer.state[a]["momentum_buffer"] = tensors[f"momentum/{n}"].clone()
+        self.codec.load_state_tensors({k: v for k, v in tensors.items() if not k.startswith(("anchor/", "momentum/"))})
