@@ -183,13 +183,15 @@ def every_step_sync(env):
     mean of what each rank's batch gives alone, computed here by hand from both ranks' batches."""
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    from shoal.comm.log import CollectiveLog
+    from shoal.comm.codecs import Codec
+    from shoal.comm.collectives import Comm
     from shoal.parallel.data import grad_sync
     from shoal.parallel.sync import EveryStep
 
     model = tiny_gpt().model
     alone = [copy.deepcopy(model) for _ in range(2)]
-    ddp, log, sync = DDP(model), CollectiveLog(), EveryStep()
+    comm = Comm(env.store, env.rank, 2)
+    ddp, log, sync = DDP(model), comm.log, EveryStep(Codec(comm))
     sync.install(ddp, None, log)
     batches = [batch_of(2, seed=10 + r) for r in range(2)]
     with grad_sync(ddp, sync.reduces(0, 1)):
@@ -200,12 +202,15 @@ def every_step_sync(env):
              zip(alone[0].named_parameters(), alone[1].named_parameters(), strict=True)}
     worst = max((p.grad - means[n]).abs().max().item() for n, p in model.named_parameters())
     buckets = [r for r in log.records if "gradient bucket" in r["group"]]
-    return worst, len(buckets), all(r["done"] for r in buckets), sync.reduces(0, 2), sync.reduces(1, 2)
+    return (worst, len(buckets), all(r["done"] for r in buckets), sync.reduces(0, 2), sync.reduces(1, 2),
+            comm.sync_bytes)
 
 
 def test_every_step_sync_gives_the_mean_gradient(ranks):
-    for worst, n_buckets, finished, first, last in ranks(2).run(every_step_sync):
+    n_params = sum(p.numel() for p in tiny_gpt().model.parameters())
+    for worst, n_buckets, finished, first, last, sent in ranks(2).run(every_step_sync):
         assert worst < 1e-6, worst
+        assert sent == 4 * n_params  # fp32 gradients, all-reduced over 2 ranks: each sends 2 (w - 1) / w of them
         assert n_buckets >= 1 and finished  # the logged hook wrapped torch's all-reduce: recorded and completed
         assert (first, last) == (False, True)  # accumulation: only a step's last micro-batch reduces
 

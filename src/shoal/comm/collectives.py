@@ -58,7 +58,7 @@ class Comm:
         """Every rank's `t` (1-D, the same size everywhere), concatenated in rank order."""
         out = t.new_empty(dist.get_world_size(group) * t.numel())
         rec = self.log.enter("all_gather", label, [t])
-        Pending(dist.all_gather_into_tensor(out, t, group=group, async_op=True), rec, self.log, out).wait()
+        Pending(dist.all_gather_single(out, t, group=group, async_op=True), rec, self.log, out).wait()
         return out
 
     def all_to_all(self, out: torch.Tensor, t: torch.Tensor, group=None, label: str = "world") -> torch.Tensor:
@@ -70,7 +70,7 @@ class Comm:
                        op=dist.ReduceOp.SUM) -> torch.Tensor:
         """Chunk r of `t` reduced over the ranks, into `out` on rank r."""
         rec = self.log.enter("reduce_scatter", label, [t])
-        return Pending(dist.reduce_scatter_tensor(out, t, op=op, group=group, async_op=True), rec, self.log,
+        return Pending(dist.reduce_scatter_single(out, t, op=op, group=group, async_op=True), rec, self.log,
                        out).wait()
 
     def barrier(self, label: str = "world", group=None) -> None:

@@ -32,25 +32,26 @@ from shoal.parallel.zero import shard_parameters
 from shoal.topology import ParallelDims
 
 
-def make_sync(parallel: ParallelConfig, comm_cfg: CommConfig, comm: Comm) -> StepSync:
-    """The step synchronisation parallel.sync names, with comm.compression's codec."""
+def make_sync(parallel: ParallelConfig, comm_cfg: CommConfig, comm: Comm, last_step: int = 0) -> StepSync:
+    """The step synchronisation parallel.sync names, with comm.compression's codec; `last_step`: the
+    run's last step (periodic syncs also sync there)."""
     codec = make_codec(comm_cfg.compression, comm, comm_cfg.topk_ratio, comm_cfg.powersgd_rank,
                        comm_cfg.error_feedback)
     if parallel.sync == "every-step":
         return EveryStep(codec)
     if parallel.sync == "local-sgd":
-        return PeriodicSync("local-sgd", parallel.sync_every, codec)
-    return PeriodicSync("diloco", parallel.sync_every, codec, parallel.outer_lr, parallel.outer_momentum)
+        return PeriodicSync("local-sgd", parallel.sync_every, codec, last_step=last_step)
+    return PeriodicSync("diloco", parallel.sync_every, codec, parallel.outer_lr, parallel.outer_momentum, last_step)
 
 
 def parallelize(bundle: ModelBundle, layout: Layout, parallel: ParallelConfig, precision: PrecisionConfig,
                 compile: bool, device: torch.device, rank: int, comm: Comm, sync: StepSync | None = None,
-                sample: dict | None = None, comm_cfg: CommConfig | None = None) -> Parallelized:
+                sample: dict | None = None) -> Parallelized:
     """This rank's share of `bundle.model`, wrapped for `layout`. `sample`: one pipeline micro-batch,
-    to time the layers with (parallel.pp_balance = "time"). `sync`: default, the one `parallel.sync`
-    and `comm_cfg` (default: uncompressed) name."""
+    to time the layers with (parallel.pp_balance = "time"). `sync`: by default the one `parallel.sync`
+    names, uncompressed."""
     dims = layout.dims
-    sync = sync or make_sync(parallel, comm_cfg or CommConfig(), comm)
+    sync = sync or make_sync(parallel, CommConfig(), comm)
     model = bundle.model.to(device)
     loss_context = contextlib.nullcontext
     if dims.tp > 1:

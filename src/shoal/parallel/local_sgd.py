@@ -12,7 +12,9 @@ optimizer (the inner one) steps on the gradient of its own slice of the global b
              et al. 2023: outer lr 0.7, momentum 0.9, inner AdamW)
   params_i <- anchor
 
-`anchor` is the parameters at the last sync, identical on every replica. Between syncs the replicas
+`anchor` is the parameters at the last sync, identical on every replica. The last step always syncs,
+so the run ends with one model (final weights, final validation); a validation between syncs
+averages what each replica scores on its share of the batch. Between syncs the replicas
 differ, and so do their inner optimizers' states: the checkpoint keeps each rank's parameters and
 optimizer state in its own file (TrainState, replicas_differ), and the anchor, the outer momentum and
 the codec's residuals through rank_state(); a killed run resumes bitwise. Resumed on another world
@@ -41,10 +43,12 @@ def local(p: torch.Tensor) -> torch.Tensor:
 class PeriodicSync:
     wraps_dp = False  # no gradient all-reduce: each replica trains alone between syncs
 
-    def __init__(self, mode: str, every: int, codec: Codec, outer_lr: float = 1.0, outer_momentum: float = 0.0):
+    def __init__(self, mode: str, every: int, codec: Codec, outer_lr: float = 1.0, outer_momentum: float = 0.0,
+                 last_step: int = 0):
         if mode not in ("local-sgd", "diloco"):
             raise ValueError(f"unknown periodic sync {mode!r}")
         self.name, self.every, self.codec = mode, every, codec
+        self.last_step = last_step  # synchronised whatever H, so that the run ends with one model
         self.outer_lr, self.outer_momentum = outer_lr, outer_momentum
         self.names: list[str] = []
         self.params: list[torch.Tensor] = []
@@ -78,7 +82,7 @@ class PeriodicSync:
         pass
 
     def after_step(self, step: int) -> None:
-        if step % self.every == 0:
+        if step % self.every == 0 or step == self.last_step:
             self.sync()
 
     @torch.no_grad()

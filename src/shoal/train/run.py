@@ -31,7 +31,7 @@ from shoal.errors import TrainingError
 from shoal.layout import Layout
 from shoal.metrics.sinks import MetricsSinks
 from shoal.models.spec import count_parameters
-from shoal.parallel.apply import parallelize
+from shoal.parallel.apply import make_sync, parallelize
 from shoal.parallel.precision import Precision
 from shoal.parallel.zero import local_optimizer
 from shoal.rundir import RunDir, read_json, write_json
@@ -56,8 +56,9 @@ def run_training(cfg: Config, layout: Layout, source, run_dir: Path, env: DistEn
     n_params = count_parameters(bundle.model)
     # one pipeline micro-batch, for timing the layers (parallel.pp_balance = "time")
     sample = source.train_batch(torch.arange(layout.per_rank_batch // layout.pp_microbatches)) if dims.pp > 1 else None
+    sync = make_sync(cfg.parallel, cfg.comm, comm, last_step=cfg.train.steps)
     par = parallelize(bundle, layout, cfg.parallel, cfg.precision, cfg.train.compile, env.device, env.rank, comm,
-                      sample=sample, comm_cfg=cfg.comm)
+                      sync=sync, sample=sample)
     if not cfg.train.compile:  # a compiled model runs its layers as one graph
         phase.track(par.model, bundle.block_types)
     torch.manual_seed(cfg.train.seed + 1 + env.rank)  # dropout etc. differ per rank, reproducibly

@@ -1,0 +1,87 @@
+"""The codecs' encode/decode and error-feedback bookkeeping on known tensors (no process group: the
+collectives are checked in tests/dist/test_sync_modes.py)."""
+
+import pytest
+import torch
+
+from shoal.comm.codecs import Int8, PowerSGD, TopK, make_codec, ring_bytes
+
+
+def test_int8_round_trip_is_within_half_a_step():
+    x = torch.tensor([0.0, 1.0, -2.54, 0.3, 2.54])
+    codec = Int8(comm=None)
+    payload = codec.encode(x)
+    assert payload.dtype == torch.uint8 and payload.numel() == 4 + 5  # one fp32 scale, one byte per entry
+    scale = 2.54 / 127
+    y = codec.decode(payload, 5)
+    assert (y - x).abs().max() <= scale / 2 + 1e-7
+    assert y[4] == pytest.approx(2.54) and y[2] == pytest.approx(-2.54) and y[0] == 0
+
+
+def test_int8_of_zeros_is_zeros():
+    codec = Int8(comm=None)
+    assert codec.decode(codec.encode(torch.zeros(7)), 7).eq(0).all()
+
+
+def test_topk_keeps_the_largest_magnitudes_and_their_places():
+    x = torch.tensor([0.1, -5.0, 0.2, 3.0, -0.3, 0.0, 1.0, 0.05])
+    codec = TopK(comm=None, ratio=0.25)  # ceil(0.25 x 8) = 2 entries
+    payload = codec.encode(x)
+    assert payload.numel() == 2 * 4 + 2 * 4  # fp32 values and int32 indices
+    assert codec.decode(payload, 8).tolist() == [0, -5.0, 0, 3.0, 0, 0, 0, 0]
+    assert codec.k(3) == 1 and codec.k(1000) == 250
+
+
+def test_error_feedback_keeps_what_was_dropped_and_adds_it_next_time():
+    codec = TopK(comm=None, ratio=0.25)
+    g = torch.tensor([0.1, -5.0, 0.2, 3.0, -0.3, 0.0, 1.0, 0.05])
+    x = codec._fed("w", g)
+    sent = codec.decode(codec.encode(x), 8)
+    codec._keep("w", x, sent)
+    assert torch.equal(codec.residuals["w"], g - sent)  # everything not sent
+    # next step: the residual joins the new gradient, so 1.0 (dropped before) now makes the top 2
+    x2 = codec._fed("w", torch.zeros(8))
+    assert torch.equal(x2, g - sent)
+    assert codec.decode(codec.encode(x2), 8).nonzero().flatten().tolist() == [4, 6]
+    # over steps, nothing is lost: what was sent plus what is kept is everything that came in
+    sent2 = codec.decode(codec.encode(x2), 8)
+    codec._keep("w", x2, sent2)
+    assert torch.allclose(sent + sent2 + codec.residuals["w"], g)
+
+
+def test_error_feedback_off_keeps_nothing():
+    codec = Int8(comm=None, error_feedback=False)
+    x = codec._fed("w", torch.tensor([0.011, 1.0]))
+    codec._keep("w", x, codec.decode(codec.encode(x), 2))
+    assert codec.residuals == {}
+
+
+def test_lossless_codecs_have_no_error_feedback():
+    for name in ("none", "fp16", "bf16"):
+        codec = make_codec(name, comm=None)
+        assert not codec.feedback and codec.name == name
+
+
+def test_powersgd_compresses_only_matrices_it_makes_smaller():
+    codec = PowerSGD(comm=None, rank=4)
+    assert codec.shape(torch.zeros(64)) is None  # vectors: sent as they are
+    assert codec.shape(torch.zeros(6, 6)) is None  # (6 + 6) x 4 > 36: no saving
+    assert codec.shape(torch.zeros(64, 32)) == (64, 32, 4)
+    assert codec.shape(torch.zeros(8, 4, 4)) == (8, 16, 4)  # conv kernels: n x (everything else)
+
+
+def test_powersgd_state_round_trips():
+    codec = PowerSGD(comm=None, rank=2)
+    codec.q["w"], codec.residuals["w"] = torch.randn(5, 2), torch.randn(10)
+    other = PowerSGD(comm=None, rank=2)
+    other.load_state_tensors(codec.state_tensors())
+    assert torch.equal(other.q["w"], codec.q["w"]) and torch.equal(other.residuals["w"], codec.residuals["w"])
+
+
+def test_ring_bytes():
+    n = 1000
+    assert ring_bytes("all_reduce", n, 2) == n  # 2 (w - 1) / w
+    assert ring_bytes("all_reduce", n, 4) == 1500
+    assert ring_bytes("all_gather", n, 4) == 3000
+    assert ring_bytes("reduce_scatter", n, 2) == 500
+    assert ring_bytes("all_reduce", n, 1) == 0
