@@ -251,12 +251,12 @@ class Config(Section):
             )
         p, c = self.parallel, self.comm
         if c.compression != "none" and p.sync == "every-step" and (p.tp > 1 or p.pp > 1):
-            raise ValueError(f'parallel.tp = {p.tp}, pp = {p.pp}: comm.compression = "{c.compression}" compresses the '
-                             f"gradients of DDP and ZeRO 2/3 only (tensor- and pipeline-parallel models synchronise "
-                             f'through FSDP2 replicate); set comm.compression = "none" or parallel.sync = "diloco"')
+            raise ValueError(f'comm.compression = "{c.compression}" compresses the gradients of DDP and ZeRO 2/3 only, '
+                             f"but parallel.tp = {p.tp}, pp = {p.pp} synchronise through FSDP2 replicate; set "
+                             f'comm.compression = "none", or parallel.sync = "diloco" to compress its pseudo-gradient')
         if c.compression == "powersgd" and p.sync == "every-step" and p.zero >= 2:
-            raise ValueError(f'parallel.zero = {p.zero}: comm.compression = "powersgd" needs whole matrices, and ZeRO '
-                             f'2/3 reduce-scatters flat shards; use "int8", "topk", "fp16" or "bf16", or zero <= 1')
+            raise ValueError(f'comm.compression = "powersgd" needs whole matrices, but parallel.zero = {p.zero} '
+                             f'reduce-scatters flat shards; use "int8", "topk", "fp16" or "bf16", or zero <= 1')
         if self.data.source in ("text", "tokens") and not self.data.path:
             raise ValueError(f'data.source = "{self.data.source}" needs data.path; set it to a file or folder')
         return self
@@ -344,7 +344,7 @@ def _explain(err: ValidationError, cls: type[BaseModel], prefix: tuple, where) -
         section = ".".join(loc[:-1])
         return f"{where(key)}: unknown key {key}{_suggest(loc[-1], known, section + '.')}"
     msg = e["msg"].replace("Input should be", "must be").replace("Value error, ", "")
-    if e["type"] == "value_error" and msg.startswith(("parallel.", "model.", "data.")):
+    if e["type"] == "value_error" and msg.startswith(("parallel.", "model.", "data.", "comm.")):
         return f"{where(msg.split(' ')[0])}: {msg}"
     value = e.get("input")
     shown = "" if isinstance(value, dict) else f" = {value!r}"

@@ -173,3 +173,17 @@ def test_resumed_from_a_mid_run_checkpoint_equals_uninterrupted(trained, mode):
     ref_w = read_weights(whole)
     for k, w in read_weights(resumed).items():
         assert torch.equal(w, ref_w[k]), k
+
+
+@pytest.mark.parametrize("inside", [["parallel.tp=2"], ["parallel.pp=2", "train.micro_batch_size=1"]])
+def test_periodic_sync_over_replicas_split_by_tp_or_pp(tmp_path, ranks, inside):
+    """Four ranks: two replicas, each split over two ranks by tensor or pipeline parallelism; the
+    periodic sync runs over the dp axis of the mesh. H = 1 equals every-step data parallelism of the
+    same layout (SGD, as above)."""
+    out = {}
+    for name, mode in (("every", []), ("local", ['parallel.sync="local-sgd"', "parallel.sync_every=1"])):
+        out[name] = tmp_path / name
+        ranks(4).run(train_on_ranks, [*BASE, *SGD, "train.steps=6", *inside, *mode], str(out[name]))
+    torch.testing.assert_close(torch.tensor(losses(out["local"])), torch.tensor(losses(out["every"])), rtol=1e-5,
+                               atol=0)
+    assert read_metrics(out["local"])[0]["comm_bytes"] > 0  # each rank averages its shard over its dp peer

@@ -120,3 +120,26 @@ def test_invalid_toml(tmp_path):
 
 def test_section_must_be_table():
     assert "must be a [train] table" in error_of(validate_config, {"train": 3})
+
+
+@pytest.mark.parametrize("overrides,words", [
+    (['comm.compression="int8"', "parallel.tp=2"], ["parallel.tp = 2", 'comm.compression = "int8"', '"none"', "diloco"]),
+    (['comm.compression="topk"', "parallel.pp=2"], ["pp = 2", "comm.compression"]),
+    (['comm.compression="powersgd"', "parallel.zero=3"], ["parallel.zero = 3", "powersgd", "zero <= 1"]),
+    (['parallel.sync="diloco"', "parallel.zero=2"], ['parallel.sync = "diloco"', "parallel.zero = 0"]),
+    (['comm.compression="gzip"'], ["comm.compression", "'none'", "'powersgd'"]),
+    (["comm.topk_ratio=0"], ["comm.topk_ratio", "greater than 0"]),
+    (["parallel.sync_every=0"], ["parallel.sync_every", "greater than or equal to 1"]),
+])
+def test_compression_and_sync_combinations_refused_in_one_line(overrides, words):
+    msg = error_of(load_config, None, overrides)
+    assert msg.startswith("--set: "), msg
+    for w in words:
+        assert w in msg, (w, msg)
+
+
+def test_compression_and_sync_combinations_accepted():
+    for overrides in (['comm.compression="powersgd"', "parallel.zero=1"], ['comm.compression="int8"', "parallel.zero=3"],
+                      ['parallel.sync="diloco"', "parallel.tp=2", 'comm.compression="int8"'],
+                      ['parallel.sync="local-sgd"', "parallel.pp=2"], ['train.optimizer="sgd"', "train.momentum=0.9"]):
+        load_config(None, overrides)
