@@ -160,13 +160,20 @@ class ParallelConfig(Section):
     """diloco: the outer optimizer's learning rate (the paper's 0.7)."""
     outer_momentum: float = Field(0.9, ge=0.0, lt=1.0)
     """diloco: the outer optimizer's Nesterov momentum (the paper's 0.9; 0: plain SGD)."""
+    replicas: int = Field(0, ge=0)
+    """local-sgd / diloco: how many replicas the dp ranks form (0: each dp rank is one). The dp / replicas
+    ranks of a replica train it together, synchronising gradients every step (DDP, or sharded with
+    parallel.zero 1-3, as islands of fast links); the periodic sync runs between the replicas."""
 
     @model_validator(mode="after")
     def _supported(self) -> ParallelConfig:
-        if self.sync != "every-step" and self.zero:
-            raise ValueError(f'parallel.sync = "{self.sync}" keeps a whole replica per dp rank, but zero = {self.zero} '
-                             f"shards the model over those ranks; set parallel.zero = 0 (tensor and pipeline "
-                             f"parallelism inside a replica are supported)")
+        if self.sync != "every-step" and self.zero and not self.replicas:
+            raise ValueError(f'parallel.sync = "{self.sync}" with zero = {self.zero}: a replica must span several dp '
+                             f"ranks to be sharded over them; set parallel.replicas (dp / replicas ranks per replica) "
+                             f"or zero = 0")
+        if self.replicas and self.sync == "every-step":
+            raise ValueError(f"parallel.replicas = {self.replicas} groups the dp ranks into replicas for parallel.sync "
+                             f'= "local-sgd" or "diloco"; every-step keeps one replica: leave replicas = 0')
         if self.sequence_parallel and self.tp == 1:
             raise ValueError("parallel.sequence_parallel = true splits the sequence over the tp ranks, but tp = 1; "
                              "set parallel.tp > 1 or sequence_parallel = false")

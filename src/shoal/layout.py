@@ -25,6 +25,7 @@ class Layout:
     grad_accum: int  # micro-batches per rank per optimizer step
     per_rank_batch: int  # samples per rank per optimizer step
     pp_microbatches: int = 0  # pp > 1: micro-batches per step through the pipeline
+    replicas: int = 1  # models kept apart between periodic syncs (local SGD, DiLoCo); 1: every step
 
     def describe(self, cfg: Config, items_name: str, items_per_sample: int) -> str:
         t, d = cfg.train, self.dims
@@ -34,8 +35,13 @@ class Layout:
         else:
             split = f"micro {t.micro_batch_size} x dp {d.dp} x accumulation {self.grad_accum}"
         zero = f", ZeRO {self.zero}" if self.zero else ""
+        p = cfg.parallel
+        sync = (f"; {self.replicas} replicas of {d.dp // self.replicas} dp rank(s), {p.sync} every {p.sync_every} steps"
+                if p.sync != "every-step" else "")
+        compressed = f"; {cfg.comm.compression} compression" if cfg.comm.compression != "none" else ""
         return (f"world {d.world_size} = dp {d.dp} x tp {d.tp} x pp {d.pp}{zero} ({self.backend}); global batch "
-                f"{t.global_batch_size} = {split}; {t.global_batch_size * items_per_sample:,} {items_name} per step")
+                f"{t.global_batch_size} = {split}; {t.global_batch_size * items_per_sample:,} {items_name} per step"
+                f"{sync}{compressed}")
 
 
 def choose_backend(requested: str, cuda: bool) -> str:
@@ -61,7 +67,25 @@ def resolve_layout(cfg: Config, world_size: int, cuda: bool) -> Layout:
     _check_precision(cfg, backend, cuda)
     per_rank = t.global_batch_size // dims.dp
     microbatches = _pipeline_microbatches(cfg, dims, per_rank) if dims.pp > 1 else 0
-    return Layout(dims, backend, p.zero, t.global_batch_size // step, per_rank, microbatches)
+    replicas = _replicas(cfg, dims) if p.sync != "every-step" else 1
+    return Layout(dims, backend, p.zero, t.global_batch_size // step, per_rank, microbatches, replicas)
+
+
+def _replicas(cfg: Config, dims: ParallelDims) -> int:
+    """local-sgd / diloco: how many replicas train apart between syncs."""
+    p = cfg.parallel
+    replicas = p.replicas or dims.dp
+    if dims.dp % replicas:
+        raise UserError(f"parallel.replicas ({replicas}) must divide dp ({dims.dp}); set it to a divisor of {dims.dp}")
+    if replicas < dims.dp and (dims.tp > 1 or dims.pp > 1):
+        raise UserError(f"parallel.replicas = {replicas} < dp ({dims.dp}) with tp {dims.tp} x pp {dims.pp} is not "
+                        f"supported: replicas spanning several dp ranks are built for data parallelism alone; set "
+                        f"parallel.replicas = 0 (each dp rank's tp x pp ranks are one replica)")
+    if p.zero and replicas == dims.dp:
+        raise UserError(f"parallel.zero = {p.zero} shards a replica over its dp ranks, but parallel.replicas = "
+                        f"{replicas} leaves one rank per replica; set parallel.replicas to at most {dims.dp // 2}, "
+                        f"or parallel.zero = 0")
+    return replicas
 
 
 def _check_sharding(cfg: Config, dims: ParallelDims, backend: str, world_size: int) -> None:

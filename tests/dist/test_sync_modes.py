@@ -187,3 +187,32 @@ def test_periodic_sync_over_replicas_split_by_tp_or_pp(tmp_path, ranks, inside):
     torch.testing.assert_close(torch.tensor(losses(out["local"])), torch.tensor(losses(out["every"])), rtol=1e-5,
                                atol=0)
     assert read_metrics(out["local"])[0]["comm_bytes"] > 0  # each rank averages its shard over its dp peer
+
+
+@pytest.mark.parametrize("zero", [1, 3])
+def test_replicas_sharded_inside_equal_data_parallelism(tmp_path, ranks, zero):
+    """Four ranks as two replicas of two, each replica sharded over its two ranks (ZeRO 1 or 3) and
+    synchronised every step: local SGD between them with H = 1 equals every-step data parallelism
+    over all four (SGD, as above)."""
+    every, local = tmp_path / "every", tmp_path / "local"
+    ranks(4).run(train_on_ranks, [*BASE, *SGD, "train.steps=6"], str(every))
+    ranks(4).run(train_on_ranks, [*BASE, *SGD, "train.steps=6", 'parallel.sync="local-sgd"', "parallel.sync_every=1",
+                                  "parallel.replicas=2", f"parallel.zero={zero}"], str(local))
+    torch.testing.assert_close(torch.tensor(losses(local)), torch.tensor(losses(every)), rtol=1e-5, atol=0)
+    ref_w = read_weights(every)
+    for k, w in read_weights(local).items():
+        torch.testing.assert_close(w, ref_w[k], rtol=0, atol=1e-5)
+
+
+def test_diloco_of_sharded_replicas_resumes_bitwise(tmp_path, ranks):
+    """DiLoCo between two replicas of two ranks each, ZeRO 2 inside: resumed from the step-5 checkpoint
+    (mid-way through a round of 3) it ends bitwise where the uninterrupted run does."""
+    mode = ["train.steps=10", 'parallel.sync="diloco"', "parallel.sync_every=3", "parallel.replicas=2",
+            "parallel.zero=2"]
+    whole, resumed = tmp_path / "whole", tmp_path / "resumed"
+    ranks(4).run(train_on_ranks, [*BASE, *mode], str(whole))
+    ranks(4).run(train_on_ranks, [*BASE, *mode], str(resumed), str(whole / "checkpoints" / "step_00000005"))
+    assert losses(resumed) == losses(whole)[5:]
+    ref_w = read_weights(whole)
+    for k, w in read_weights(resumed).items():
+        assert torch.equal(w, ref_w[k]), k

@@ -84,3 +84,18 @@ def test_measured_layer_times_find_the_layer_flops_miss():
     # timing leaves no gradients behind and changes no running statistics
     assert all(p.grad is None for p in layers.parameters())
     assert torch.equal(layers[1].running_mean, torch.zeros(64)) and int(layers[1].num_batches_tracked) == 0
+
+
+def test_replicas_of_periodic_sync():
+    diloco = ['parallel.sync="diloco"', "train.global_batch_size=16", "train.micro_batch_size=2"]
+    assert resolve_layout(load_config(None, diloco), 4, cuda=False).replicas == 4  # each dp rank one replica
+    assert resolve_layout(load_config(None, [*diloco, "parallel.replicas=2", "parallel.zero=3"]), 4,
+                          cuda=False).replicas == 2
+    assert resolve_layout(load_config(None, ["train.global_batch_size=16", "train.micro_batch_size=2"]), 4,
+                          cuda=False).replicas == 1
+    for extra, world, words in ((["parallel.replicas=3"], 4, "must divide dp (4)"),
+                                (["parallel.replicas=1", "parallel.tp=2"], 4, "parallel.replicas = 0"),
+                                (["parallel.replicas=4", "parallel.zero=2"], 4, "at most 2")):
+        with pytest.raises(UserError, match=words.replace("(", r"\(").replace(")", r"\)")) as e:
+            resolve_layout(load_config(None, [*diloco, *extra]), world, cuda=False)
+        assert "\n" not in str(e.value)

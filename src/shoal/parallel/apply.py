@@ -39,9 +39,29 @@ def make_sync(parallel: ParallelConfig, comm_cfg: CommConfig, comm: Comm, last_s
                        comm_cfg.error_feedback)
     if parallel.sync == "every-step":
         return EveryStep(codec)
-    if parallel.sync == "local-sgd":
-        return PeriodicSync("local-sgd", parallel.sync_every, codec, last_step=last_step)
-    return PeriodicSync("diloco", parallel.sync_every, codec, parallel.outer_lr, parallel.outer_momentum, last_step)
+    inner = EveryStep(make_codec("none", comm))  # within a replica of several ranks: every step, uncompressed
+    outer = (parallel.outer_lr, parallel.outer_momentum) if parallel.sync == "diloco" else (1.0, 0.0)
+    return PeriodicSync(parallel.sync, parallel.sync_every, codec, *outer, last_step=last_step, inner=inner)
+
+
+def replica_meshes(layout: Layout):
+    """(the mesh a data-parallel wrapper spans or None for no wrapper, the group periodic syncs run over
+    or None for the default group): every step, the dp axis; local SGD / DiLoCo with each dp rank a
+    replica, no wrapper and the dp group; with replicas of several ranks (data parallelism only), a
+    (replica, shard) mesh over the world: the wrapper spans a replica's ranks, syncs run across."""
+    dims = layout.dims
+    dp_group = dims.mesh["dp"].get_group() if dims.world_size > dims.dp else None
+    if layout.replicas == 1:
+        return dims.mesh["dp"], dp_group
+    if layout.replicas == dims.dp:
+        return None, dp_group
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from shoal.topology import device_type
+
+    mesh = init_device_mesh(device_type(), (layout.replicas, dims.dp // layout.replicas),
+                            mesh_dim_names=("replica", "shard"))
+    return mesh["shard"], mesh["replica"].get_group()
 
 
 def parallelize(bundle: ModelBundle, layout: Layout, parallel: ParallelConfig, precision: PrecisionConfig,
@@ -59,15 +79,18 @@ def parallelize(bundle: ModelBundle, layout: Layout, parallel: ParallelConfig, p
                                               sequence_parallel=parallel.sequence_parallel) or loss_context
     coords = dims.coords(rank)
     dp_group = dims.mesh["dp"].get_group() if dims.world_size > dims.dp else None
+    inner_mesh, outer_group = replica_meshes(layout)
+    inner_group = None if inner_mesh is None or inner_mesh.size() == dims.world_size else inner_mesh.get_group()
 
     def wrapped(m: torch.nn.Module) -> torch.nn.Module:
-        return wrap(m, bundle.block_types, dims, layout.zero, parallel, precision, compile, device, sync, comm)
+        return wrap(m, bundle.block_types, dims, inner_mesh, inner_group, layout.zero, parallel, precision, compile,
+                    device, sync, comm)
 
     common = {"comm": comm, "sync": sync, "device": device, "dp_rank": coords["dp"], "dp": dims.dp,
-              "dp_group": dp_group, "loss_context": loss_context, "zero": layout.zero}
+              "dp_group": dp_group, "zero_group": inner_group, "loss_context": loss_context, "zero": layout.zero}
     if dims.pp == 1:
         module = wrapped(model)
-        sync.attach(model, dp_group, dims.dp)
+        sync.attach(model, outer_group, layout.replicas)
         # tensor-parallel peers compute the same loss: only the first one's counts
         return Parallelized(model, module, bundle, owns_loss=coords["tp"] == 0,
                             sharded=isinstance(module, FSDPModule), **common)
@@ -87,7 +110,7 @@ def parallelize(bundle: ModelBundle, layout: Layout, parallel: ParallelConfig, p
     modules = [wrapped(stage) for stage in stages]
     # the parameters as the wrappers left them (ZeRO 2/3 replaces them with sharded ones)
     tied_here = [param for name, param in union.named_parameters() if name in tied]
-    sync.attach(union, dp_group, dims.dp)
+    sync.attach(union, outer_group, layout.replicas)
     stage_group = dims.mesh["pp"].get_group()
     pipeline = Pipeline(modules, stage_ids, split, device, stage_group, parallel.pp_schedule,
                         layout.pp_microbatches, layers.output_loss)
@@ -107,28 +130,26 @@ def layer_times(layers, sample: dict, loss_context, device: torch.device, comm: 
     return (total / comm.world_size).tolist()
 
 
-def wrap(model: torch.nn.Module, block_types: tuple[type, ...], dims: ParallelDims, zero: int,
+def wrap(model: torch.nn.Module, block_types: tuple[type, ...], dims: ParallelDims, dp_mesh, dp_group, zero: int,
          parallel: ParallelConfig, precision: PrecisionConfig, compile: bool, device: torch.device,
          sync: StepSync, comm: Comm) -> torch.nn.Module:
-    """Activation checkpointing, compile, then ZeRO / data parallelism around one model (or stage)."""
+    """Activation checkpointing, compile, then ZeRO / data parallelism over `dp_mesh` (None: no
+    wrapper; `dp_group`: its group, None for the default group) around one model (or stage)."""
     if precision.activation_checkpointing:
         apply_activation_checkpointing(model, check_fn=lambda m: isinstance(m, block_types))
     if compile:
         model = torch.compile(model)
-    dp_group = dims.mesh["dp"].get_group() if dims.world_size > dims.dp else None
-    if not sync.wraps_dp:  # replicas synchronise on their own schedule (local SGD, DiLoCo)
+    if dp_mesh is None or dp_mesh.size() == 1:
         return model
     if zero >= 2:
-        model = shard_parameters(model, block_types, dims.mesh["dp"], zero, sharded_mixed_precision(precision),
+        model = shard_parameters(model, block_types, dp_mesh, zero, sharded_mixed_precision(precision),
                                  parallel.offload)
-    elif dims.dp > 1 and (dims.tp > 1 or dims.pp > 1):
+    elif dims.tp > 1 or dims.pp > 1:
         # DDP holds no DTensors, and it decides at forward time whether a backward all-reduces, which a
         # pipeline schedule's interleaved forwards and backwards break
-        model = replicate_dtensor(model, block_types, dims.mesh["dp"])
-    elif dims.dp > 1:
-        model = replicate_ddp(model, device, dp_group)
+        model = replicate_dtensor(model, block_types, dp_mesh)
     else:
-        return model
+        model = replicate_ddp(model, device, dp_group)
     sync.install(model, dp_group, comm.log)
     return model
 

@@ -33,6 +33,7 @@ from torch.distributed.tensor import DTensor
 
 from shoal.comm.codecs import Codec
 from shoal.comm.log import CollectiveLog
+from shoal.parallel.sync import EveryStep
 
 
 def local(p: torch.Tensor) -> torch.Tensor:
@@ -41,14 +42,14 @@ def local(p: torch.Tensor) -> torch.Tensor:
 
 
 class PeriodicSync:
-    wraps_dp = False  # no gradient all-reduce: each replica trains alone between syncs
-
     def __init__(self, mode: str, every: int, codec: Codec, outer_lr: float = 1.0, outer_momentum: float = 0.0,
-                 last_step: int = 0):
+                 last_step: int = 0, inner: EveryStep | None = None):
         if mode not in ("local-sgd", "diloco"):
             raise ValueError(f"unknown periodic sync {mode!r}")
         self.name, self.every, self.codec = mode, every, codec
         self.last_step = last_step  # synchronised whatever H, so that the run ends with one model
+        # a replica of several ranks synchronises its gradients every step among them (the wrapper's)
+        self.inner = inner or EveryStep(Codec(codec.comm))
         self.outer_lr, self.outer_momentum = outer_lr, outer_momentum
         self.names: list[str] = []
         self.params: list[torch.Tensor] = []
@@ -73,10 +74,10 @@ class PeriodicSync:
                                          nesterov=self.outer_momentum > 0)
 
     def install(self, module: torch.nn.Module, dp_group, log: CollectiveLog) -> None:
-        pass  # never called: no data-parallel wrapper
+        self.inner.install(module, dp_group, log)  # only for a replica of several ranks
 
     def reduces(self, index: int, count: int) -> bool:
-        return False
+        return self.inner.reduces(index, count)  # without a wrapper, nothing to reduce whatever it says
 
     def after_backward(self) -> None:
         pass

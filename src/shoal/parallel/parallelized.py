@@ -31,12 +31,13 @@ Totals = dict[str, tuple[torch.Tensor, torch.Tensor]]
 class Parallelized:
     def __init__(self, model: torch.nn.Module, module: torch.nn.Module, bundle: ModelBundle, *, comm: Comm,
                  sync: StepSync, device: torch.device, dp_rank: int, dp: int, dp_group, loss_context,
-                 owns_loss: bool, sharded: bool, zero: int):
+                 owns_loss: bool, sharded: bool, zero: int, zero_group=None):
         self.model = model  # unwrapped, the whole model's names: optimizer, checkpoints, memory accounting
         self.module = module  # what forward runs on (DDP, FSDP2, compiled, or the model itself)
         self.loss_fn, self.eval_fn = bundle.loss_fn, bundle.eval_fn
         self.comm, self.sync, self.device = comm, sync, device
         self.dp_rank, self.dp, self.dp_group = dp_rank, dp, dp_group
+        self.zero_group = zero_group  # what ZeRO shards over: dp_group, or one replica's ranks (local SGD, DiLoCo)
         self.loss_context = loss_context  # tensor parallelism's context for the loss and its backward
         # this rank's loss sum enters the global loss (a tensor-parallel peer's copy of it does not)
         self.owns_loss = owns_loss
@@ -91,7 +92,7 @@ class Parallelized:
                         **defaults) -> torch.optim.Optimizer:
         """The optimizer over `groups` of self.model's parameters; ZeRO 1 shards its state over dp."""
         if self.zero == 1:
-            return shard_optimizer(groups, optimizer_class, self.dp_group, **defaults)
+            return shard_optimizer(groups, optimizer_class, self.zero_group, **defaults)
         return optimizer_class(groups, **defaults)
 
     # --- evaluation -------------------------------------------------------------------------------

@@ -9,8 +9,9 @@ without touching the training loop (docs/design.md, "The seams"):
   compression    EveryStep with a codec (comm/codecs.py) installed as DDP's comm hook (wrapped by
                  comm.hooks.logged) for ZeRO 0/1 and as FSDP2's reduce-scatter for ZeRO 2/3; its
                  error-feedback residuals are per-rank state (rank_state)
-  local SGD /    PeriodicSync (local_sgd.py): no data-parallel wrapper at all (wraps_dp False), so no
-  DiLoCo         gradient traffic; after_step() averages every H steps, DiLoCo through an outer optimizer
+  local SGD /    PeriodicSync (local_sgd.py): no gradient traffic between replicas (no data-parallel wrapper,
+  DiLoCo         or one within a replica's ranks); after_step() averages every H steps, DiLoCo through an outer
+                 optimizer
   parameter      (planned) reduces() False; after_backward() pushes gradients to the server ranks and pulls
   server         fresh parameters; server ranks run a serve loop instead of training
 State comes in two kinds: state_dict() is JSON shared by every rank (train_state.json); rank_state() is
@@ -36,7 +37,6 @@ from shoal.comm.log import CollectiveLog
 
 class StepSync(Protocol):
     name: str
-    wraps_dp: bool  # the model gets a data-parallel wrapper (DDP, FSDP2) that reduces gradients
 
     def install(self, module: torch.nn.Module, dp_group, log: CollectiveLog) -> None:
         """Set up the wrapped module's gradient communication (called once per wrapped module)."""
@@ -71,7 +71,6 @@ class EveryStep:
     by `codec` (DDP's comm hook, FSDP2's custom reduce-scatter)."""
 
     name = "every-step"
-    wraps_dp = True
 
     def __init__(self, codec: Codec):
         self.codec = codec

@@ -70,7 +70,7 @@ def run_training(cfg: Config, layout: Layout, source, run_dir: Path, env: DistEn
     sampler = GlobalBatchSampler(source.num_train, cfg.train.global_batch_size, cfg.train.seed)
     state = TrainState(par.model, local_optimizer(optimizer), {
         "sampler": sampler, "scheduler": schedule, "scaler": precision, "bad_steps": bad_steps, "sync": par.sync},
-        replicas_differ=not par.sync.wraps_dp and dims.dp > 1)
+        replicas_differ=layout.replicas > 1)
     trainer = Trainer(cfg.train, cfg.metrics, par, optimizer, schedule, precision, sampler, source, comm, bad_steps,
                       bundle.count_fn, bundle.items_name, env.device, phase)
     if is_main:
