@@ -4,13 +4,30 @@ One node: a c10d rendezvous on a free loopback port. Several nodes: every node r
 with --nnodes, --rdzv-endpoint HOST:PORT (node 0's address) and its --node-rank; node 0 hosts the
 rendezvous store (explicitly: the hostname heuristic fails inside containers and network namespaces;
 measured with two namespaces here, both nodes time out after 60 s without `is_host` on node 0).
+
+[Note: node address] Left alone, torch elastic names each node by `socket.getfqdn()`: the agent that
+becomes rendezvous rank 0 hosts the workers' store on that name and hands it to every worker as
+MASTER_ADDR, and gloo binds the address the hostname resolves to. On a multi-homed machine (an
+InfiniBand and an Ethernet address) or in a network namespace the hostname resolves to an address the
+other nodes cannot reach (here: "vm" -> 127.0.0.1 in every namespace), so the workers of the other
+node wait on their own loopback until the store timeout: two namespaces joined by a veth pair hung
+past the rendezvous with no output, `GLOO_SOCKET_IFNAME` set or not. Each node therefore passes its
+address on the route to the endpoint as `local_addr` (node 0: the endpoint's own address when it is
+one of its addresses), and gloo binds the interface holding that address unless GLOO_SOCKET_IFNAME
+says otherwise. A node other than 0 first waits for the endpoint to accept connections, so one that
+cannot reach it says so in one line when the rendezvous timeout runs out.
 """
 
 from __future__ import annotations
 
+import errno
+import fcntl
 import os
 import signal
+import socket
+import struct
 import sys
+import time
 
 from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
@@ -19,19 +36,34 @@ from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
 from shoal.errors import UserError
 
+RDZV_TIMEOUT_S = 600  # torch elastic's default join timeout
+
 
 def launch(worker_argv: list[str], nproc: int, nnodes: tuple[int, int] = (1, 1), node_rank: int = 0,
-           rdzv_endpoint: str | None = None, threads: int | None = None, max_restarts: int = 0) -> int:
+           rdzv_endpoint: str | None = None, threads: int | None = None, max_restarts: int = 0,
+           rdzv_timeout: float | None = None) -> int:
     """Run `python <worker_argv>` on nproc local workers; returns the exit code for the CLI."""
-    check_launch_args(nproc, nnodes, node_rank, rdzv_endpoint, max_restarts)
+    check_launch_args(nproc, nnodes, node_rank, rdzv_endpoint, max_restarts, rdzv_timeout)
+    rdzv_timeout = rdzv_timeout or RDZV_TIMEOUT_S
     if threads:
         os.environ["OMP_NUM_THREADS"] = str(threads)  # inherited by the workers before torch starts
     endpoint = rdzv_endpoint or "127.0.0.1:0"
+    local_addr = "127.0.0.1"
+    if nnodes[1] > 1:  # [Note: node address]
+        try:
+            local_addr = node_address(endpoint, node_rank, rdzv_timeout)
+        except EndpointUnreachable as e:
+            print(f"shoal: {e}", file=sys.stderr)
+            return 1
+        ifname = interface_of(local_addr)
+        if ifname and "GLOO_SOCKET_IFNAME" not in os.environ:
+            os.environ["GLOO_SOCKET_IFNAME"] = ifname  # inherited by the workers
     config = LaunchConfig(
         min_nodes=nnodes[0], max_nodes=nnodes[1], nproc_per_node=nproc,
         run_id=f"shoal-{endpoint}", role="shoal",
         rdzv_backend="c10d", rdzv_endpoint=endpoint,
-        rdzv_configs={"is_host": node_rank == 0},
+        rdzv_configs={"is_host": node_rank == 0, "join_timeout": max(1, round(rdzv_timeout))},
+        local_addr=local_addr,
         max_restarts=max_restarts, monitor_interval=0.1, start_method="spawn",
     )
     try:
@@ -65,9 +97,75 @@ def parse_nnodes(text: str) -> tuple[int, int]:
     return n, n
 
 
+class EndpointUnreachable(RuntimeError):
+    """This node found no way to the rendezvous endpoint within the rendezvous timeout."""
+
+
+def split_endpoint(endpoint: str) -> tuple[str, int]:
+    host, _, port = endpoint.rpartition(":")
+    try:
+        return (host.strip("[]") or endpoint), int(port)
+    except ValueError:
+        raise UserError(f"--rdzv-endpoint {endpoint}: expected HOST:PORT, for example 10.0.0.1:29400") from None
+
+
+def node_address(endpoint: str, node_rank: int, timeout: float) -> str:
+    """This node's address as the other nodes see it: the source address of its route to the endpoint
+    (on node 0 that is the endpoint's address itself when it is one of node 0's). A node other than 0
+    also waits, up to `timeout` seconds, for the endpoint to accept a connection."""
+    host, port = split_endpoint(endpoint)
+    deadline = time.monotonic() + timeout
+    why = "not tried"
+    while True:
+        try:
+            family, _, _, _, sockaddr = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+            with socket.socket(family, socket.SOCK_DGRAM) as udp:
+                udp.connect(sockaddr)  # no packet is sent: this only asks the kernel for the route
+                local = udp.getsockname()[0]
+            if node_rank == 0:
+                return local
+            with socket.socket(family, socket.SOCK_STREAM) as tcp:
+                tcp.settimeout(max(0.1, min(5.0, deadline - time.monotonic())))
+                tcp.connect(sockaddr)
+                return local
+        except socket.gaierror as e:
+            if node_rank == 0:
+                raise UserError(f"--rdzv-endpoint {endpoint}: cannot resolve {host!r} ({e.strerror}): give node "
+                                f"0's address") from None
+            why = f"cannot resolve {host!r}: {e.strerror}"
+        except OSError as e:
+            if node_rank == 0:  # node 0 hosts the store itself; without a route, let torch name the node
+                return socket.getfqdn()
+            why = e.strerror or str(e) or (errno.errorcode.get(e.errno, "") if e.errno else "") or type(e).__name__
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise EndpointUnreachable(
+                f"node {node_rank} cannot reach the rendezvous endpoint {endpoint} within {timeout:g} s ({why}): "
+                f"check that node 0 is running with --rdzv-endpoint {endpoint} and that {host} is its address on a "
+                f"network this node reaches (route, firewall; --rdzv-timeout waits longer)")
+        time.sleep(min(0.5, left))
+
+
+def interface_of(addr: str) -> str | None:
+    """The network interface holding the IPv4 address `addr` (None if none here does)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        for _, name in socket.if_nameindex():
+            try:
+                got = fcntl.ioctl(s.fileno(), 0x8915, struct.pack("256s", name.encode()[:15]))  # SIOCGIFADDR
+            except OSError:  # no IPv4 address on it
+                continue
+            if socket.inet_ntoa(got[20:24]) == addr:
+                return name
+    return None
+
+
 def check_launch_args(nproc: int, nodes: tuple[int, int], node_rank: int, rdzv_endpoint: str | None,
-                      max_restarts: int) -> None:
+                      max_restarts: int, rdzv_timeout: float | None = None) -> None:
     nnodes = nodes[1]
+    if rdzv_timeout is not None and rdzv_timeout <= 0:
+        raise UserError(f"--rdzv-timeout ({rdzv_timeout:g}) must be > 0 seconds")
+    if rdzv_endpoint and nnodes > 1:
+        split_endpoint(rdzv_endpoint)
     if nproc < 1:
         raise UserError(f"--nproc ({nproc}) must be >= 1")
     if max_restarts < 0:
