@@ -31,6 +31,12 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--nnodes", default="1", metavar="N", help="nodes in the job (default 1)")
     t.add_argument("--node-rank", type=int, default=0, help="this node's rank; node 0 hosts the rendezvous")
     t.add_argument("--rdzv-endpoint", help="HOST:PORT of node 0, for multi-node jobs")
+    t.add_argument("--rdzv-timeout", type=float, metavar="SECONDS",
+                   help="how long a node waits for node 0's endpoint to answer and for the other nodes to "
+                        "join (default 600, as torchrun)")
+    t.add_argument("--cluster", action="store_true",
+                   help="run this command as one node per host of the cluster on this machine (`shoal cluster up`), "
+                        "--nproc workers each")
     c = sub.add_parser("checkpoints", help="list a run's checkpoints with step, world size, size and validity")
     c.add_argument("run_dir")
     e = sub.add_parser("export", help="write a checkpoint's model weights as one safetensors file")
@@ -48,6 +54,20 @@ def build_parser() -> argparse.ArgumentParser:
                                                   'parallel.dp = "auto")')
     p.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
                    help="override a config value in both configs (repeatable)")
+    k = sub.add_parser("cluster", help="a multi-host cluster on this machine: network namespaces with rate-limited "
+                                       "links and capped CPU (root)")
+    ksub = k.add_subparsers(dest="action", required=True)
+    up = ksub.add_parser("up", help="make N hosts (removing any earlier cluster first)")
+    up.add_argument("--hosts", type=int, required=True, help="number of hosts")
+    up.add_argument("--rate", help="each host's link rate, in each direction, e.g. 100mbit (tc tbf)")
+    up.add_argument("--delay", help="one-way delay between two hosts, e.g. 20ms (tc netem, if the kernel has it)")
+    up.add_argument("--cpu", metavar="SHARES", help="each host's share of one core, e.g. 1,0.5 (or one for all; a "
+                                                    "cgroup cpu quota)")
+    ksub.add_parser("down", help="remove the cluster and everything it made")
+    ksub.add_parser("status", help="list the hosts, their addresses and limits")
+    r = ksub.add_parser("run", help="run a command on every host (shoal train gets --nnodes, --node-rank and "
+                                    "--rdzv-endpoint), e.g. shoal cluster run -- shoal train cfg.toml --nproc 1")
+    r.add_argument("cmd", nargs=argparse.REMAINDER, metavar="-- COMMAND ...")
     return parser
 
 
@@ -85,6 +105,8 @@ def train(args: argparse.Namespace) -> int:
         from shoal import worker
 
         worker.main(cfg, args.run_dir, args.config, args.resume)  # does not return
+    if args.cluster:
+        return train_on_cluster(args)
     import torch
 
     from shoal.launch import check_launch_args, launch, parse_nnodes
@@ -93,7 +115,7 @@ def train(args: argparse.Namespace) -> int:
     from shoal.worker import RESUME_COMMAND, choose_run_dir, finished_message, threads_per_worker
 
     nodes = parse_nnodes(args.nnodes)
-    check_launch_args(args.nproc, nodes, args.node_rank, args.rdzv_endpoint, args.max_restarts)
+    check_launch_args(args.nproc, nodes, args.node_rank, args.rdzv_endpoint, args.max_restarts, args.rdzv_timeout)
     run_dir = Path(args.run_dir) if args.run_dir else default_run_dir(args.config, cfg)
     # every world size the job may take must be a valid layout; everything that can be checked is,
     # before any worker starts
@@ -106,9 +128,23 @@ def train(args: argparse.Namespace) -> int:
         choose_run_dir(str(run_dir), args.config, cfg, args.resume, first_attempt=True)
     worker_argv = ["-m", "shoal", "train", *([args.config] if args.config else []),
                    *[a for s in args.set for a in ("--set", s)], "--run-dir", str(run_dir), "--resume", args.resume]
-    os.environ[RESUME_COMMAND] = resume_command(args.argv)
+    from shoal.cluster.run import NODE_ENV
+
+    if NODE_ENV not in os.environ:  # on a cluster's host, the cluster run set the command that continues it
+        os.environ[RESUME_COMMAND] = resume_command(args.argv)
     return launch(worker_argv, args.nproc, nodes, args.node_rank, args.rdzv_endpoint,
-                  threads=threads_per_worker(cfg, args.nproc), max_restarts=args.max_restarts)
+                  threads=threads_per_worker(cfg, args.nproc), max_restarts=args.max_restarts,
+                  rdzv_timeout=args.rdzv_timeout)
+
+
+def train_on_cluster(args: argparse.Namespace) -> int:
+    """`shoal train ... --cluster`: the same command, as one node per host of the cluster that is up."""
+    from shoal.cluster.run import run
+
+    if args.nnodes != "1" or args.node_rank != 0 or args.rdzv_endpoint:
+        raise UserError("--cluster sets --nnodes, --node-rank and --rdzv-endpoint for each host; leave them out")
+    node_argv = [a for a in args.argv if not (len(a) > 4 and "--cluster".startswith(a))]
+    return run(["shoal", *node_argv], resume_command=resume_command(args.argv))
 
 
 def resume_command(argv: list[str]) -> str:
@@ -140,12 +176,34 @@ def parity(args: argparse.Namespace) -> int:
     return run_parity(args.config_a, args.config_b, args.steps, args.rtol, nprocs, args.set)
 
 
+def cluster(args: argparse.Namespace) -> int:
+    from shoal.cluster import hosts
+    from shoal.cluster.system import require_root
+
+    if args.action == "status":
+        print(hosts.status_text(hosts.load()))
+        return 0
+    if args.action == "run":
+        from shoal.cluster.run import run
+
+        command = args.cmd[1:] if args.cmd[:1] == ["--"] else args.cmd
+        return run(command, resume_command=resume_command(args.argv))
+    require_root(args.action)
+    if args.action == "down":
+        removed = hosts.down()
+        print(f"removed {', '.join(removed)}" if removed else "no cluster to remove")
+        return 0
+    print(hosts.status_text(hosts.up(args.hosts, args.rate, args.delay, args.cpu)))
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     args = build_parser().parse_args(argv)
     args.argv = argv
     try:
-        return {"train": train, "checkpoints": checkpoints, "export": export, "parity": parity}[args.command](args)
+        return {"train": train, "checkpoints": checkpoints, "export": export, "parity": parity,
+                "cluster": cluster}[args.command](args)
     except UserError as e:
         print(f"shoal: error: {e}", file=sys.stderr)
         return 2

@@ -22,6 +22,8 @@ CASES = {
     "bad --nnodes": (["--nnodes", "two"], "--nnodes 'two': expected a number of nodes"),
     "elastic --nnodes range": (["--nnodes", "1:2"], "--nnodes 1:2: elastic node ranges are not supported yet"),
     "multi-node without endpoint": (["--nnodes", "2"], "--nnodes 2 needs --rdzv-endpoint"),
+    "bad --rdzv-timeout": (["--rdzv-timeout", "0"], "--rdzv-timeout (0) must be > 0 seconds"),
+    "bad --rdzv-endpoint": (["--nnodes", "2", "--rdzv-endpoint", "node0"], "--rdzv-endpoint node0: expected HOST:PORT"),
     "fewer pipeline micro-batches than stages": (
         ["--nproc", "4", "--set", "parallel.dp=2", "--set", "parallel.pp=2"],
         'parallel.pp_schedule = "1f1b" needs at least parallel.pp (2) micro-batches per step, but '

@@ -1,0 +1,278 @@
+"""`shoal cluster`: hosts in network namespaces on this machine, their limits, and training across them.
+
+Making namespaces needs root and iproute2; where they cannot be made, the tests that need them skip
+and say why. Every test that makes a cluster removes it (`shoal cluster down`), whatever happens.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from conftest import TINY_GPT, read_metrics, run_cli
+from shoal.cli import main
+
+
+def _namespaces_unavailable() -> str | None:
+    if os.geteuid() != 0:
+        return "network namespaces need root"
+    if not (shutil.which("ip") and shutil.which("tc")):
+        return "`ip` and `tc` (iproute2) are not installed"
+    name = f"shoal-test-{os.getpid()}"
+    made = subprocess.run(["ip", "netns", "add", name], capture_output=True, text=True)
+    subprocess.run(["ip", "netns", "delete", name], capture_output=True)
+    if made.returncode != 0:
+        return f"`ip netns add` fails here: {made.stderr.strip()}"
+    return None
+
+
+WHY_NOT = _namespaces_unavailable()
+needs_namespaces = pytest.mark.skipif(WHY_NOT is not None, reason=f"cannot make network namespaces: {WHY_NOT}")
+
+TRANSFER = """
+import os, socket, sys, time
+rank, host, n = int(os.environ["SHOAL_NODE_RANK"]), os.environ["SHOAL_RDZV_ENDPOINT"].split(":")[0], int(sys.argv[1])
+if rank == 0:
+    conn = socket.create_server((host, 29300)).accept()[0]
+    got = 0
+    while got < n:
+        got += len(conn.recv(1 << 20))
+    conn.sendall(b"k")
+else:
+    for _ in range(200):
+        try:
+            conn = socket.create_connection((host, 29300))
+            break
+        except OSError:
+            time.sleep(0.05)
+    start = time.perf_counter()
+    conn.sendall(bytes(n))
+    conn.recv(1)
+    print(f"seconds {time.perf_counter() - start:.3f}")
+"""
+
+SLEEPER = """
+import os, signal, sys, time
+out = sys.argv[1] + "/" + os.environ["SHOAL_CLUSTER_HOST"]
+def stop(sig, _frame):
+    open(out + ".signal", "w").write(signal.Signals(sig).name)
+    sys.exit(3)
+signal.signal(signal.SIGTERM, stop)
+open(out + ".ready", "w").write(open("/proc/self/cgroup").read())
+time.sleep(60)
+"""
+
+
+def cluster_cli(*args, timeout=60):
+    return run_cli(["cluster", *args], timeout=timeout)
+
+
+def netns_list() -> list[str]:
+    return [ln.split()[0] for ln in subprocess.run(["ip", "netns", "list"], capture_output=True, text=True)
+            .stdout.splitlines() if ln.startswith("shoal-")]
+
+
+def links() -> list[str]:
+    out = subprocess.run(["ip", "-o", "link", "show"], capture_output=True, text=True).stdout
+    return [ln.split(":")[1].strip().split("@")[0] for ln in out.splitlines()]
+
+
+@pytest.fixture
+def down_after():
+    """Remove whatever cluster the test makes, however it ends."""
+    yield
+    r = cluster_cli("down")
+    assert r.returncode == 0, r.output
+
+
+# --- refusals: one line, exit 2 ---
+
+def test_not_root_or_no_tc_is_one_line(monkeypatch, capsys):
+    monkeypatch.setattr(os, "geteuid", lambda: 1000)
+    assert main(["cluster", "up", "--hosts", "2"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "shoal cluster up needs root" in err, err
+    monkeypatch.setattr(os, "geteuid", lambda: 0)
+    monkeypatch.setattr(shutil, "which", lambda tool: None if tool == "tc" else f"/usr/sbin/{tool}")
+    assert main(["cluster", "down"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "needs the `tc` command (package iproute2)" in err, err
+
+
+@needs_namespaces
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("args, expected", [
+    (["cluster", "up", "--hosts", "2", "--cpu", "1,0.5,0.5"], "--cpu 1,0.5,0.5: 3 shares for --hosts 2"),
+    (["cluster", "up", "--hosts", "2", "--rate", "100mb"], "--rate '100mb': expected a number and kbit, mbit or gbit"),
+    (["cluster", "up", "--hosts", "2", "--delay", "20ms"], "--delay 20ms: this kernel has no netem qdisc"),
+    (["cluster", "run", "--", "shoal", "train"], "no cluster is up"),
+    (["train", "--cluster"], "no cluster is up"),
+])
+def test_refusals_are_one_line_and_exit_2(args, expected, capsys):
+    from shoal.cluster import hosts
+
+    if "--delay" in args and _kernel_has_netem():
+        pytest.skip("this kernel has netem, so --delay is not refused")
+    hosts.down()
+    capsys.readouterr()
+    assert main(args) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("shoal: error: ") and expected in err, err
+    assert not netns_list(), "a refused command must make nothing"
+
+
+def _kernel_has_netem() -> bool:
+    name = f"shoal-test-netem-{os.getpid()}"
+    subprocess.run(["ip", "netns", "add", name], check=True)
+    try:
+        return subprocess.run(["tc", "-n", name, "qdisc", "add", "dev", "lo", "root", "netem", "delay", "1ms"],
+                              capture_output=True).returncode == 0
+    finally:
+        subprocess.run(["ip", "netns", "delete", name])
+
+
+# --- making and removing: this test first, before the module's shared cluster is made ---
+
+@needs_namespaces
+@pytest.mark.timeout(120)
+def test_up_after_a_half_made_cluster_then_down_removes_everything(down_after):
+    cluster_cli("down")
+    # what an `up` cut short leaves: a namespace, the bridge, a cpu group, an unfinished state file
+    subprocess.run(["ip", "netns", "add", "shoal-h7"], check=True)
+    subprocess.run(["ip", "link", "add", "shoal-br0", "type", "bridge"], check=True)
+    Path("/sys/fs/cgroup/cpu/shoal-cluster/h9").mkdir(parents=True)
+    Path("/run/shoal-cluster").mkdir(exist_ok=True)
+    Path("/run/shoal-cluster/state.json").write_text('{"subnet": "10.200.0.0/24", "bridge": "shoal-br0", '
+                                                     '"hosts": [], "complete": false}')
+    assert "no cluster is up" in cluster_cli("status").stdout
+
+    r = cluster_cli("up", "--hosts", "2", "--cpu", "0.5")
+    assert r.returncode == 0, r.output
+    assert "removed the earlier cluster first" in r.stderr and "shoal-h7" in r.stderr
+    assert sorted(netns_list()) == ["shoal-h0", "shoal-h1"]
+    assert not Path("/sys/fs/cgroup/cpu/shoal-cluster/h9").exists()
+
+    r = cluster_cli("down")
+    assert r.returncode == 0 and "2 namespaces" in r.stdout, r.output
+    assert not netns_list()
+    assert not [name for name in links() if name.startswith("shoal-")]
+    assert not Path("/sys/fs/cgroup/cpu/shoal-cluster").exists()
+    assert not Path("/run/shoal-cluster/state.json").exists()
+    assert "no cluster is up" in cluster_cli("status").stdout
+
+
+# --- one shared cluster: 2 hosts, 20 Mbit/s links, h1 capped at half a core ---
+
+@pytest.fixture(scope="module")
+def cluster():
+    if WHY_NOT:
+        pytest.skip(f"cannot make network namespaces: {WHY_NOT}")
+    try:
+        r = cluster_cli("up", "--hosts", "2", "--rate", "20mbit", "--cpu", "1,0.5")
+        assert r.returncode == 0, r.output
+        yield r.stdout
+    finally:
+        cluster_cli("down")
+
+
+@pytest.mark.timeout(60)
+def test_status_lists_hosts_addresses_and_limits(cluster):
+    r = cluster_cli("status")
+    assert r.returncode == 0
+    assert r.stdout == cluster  # `up` prints the same table
+    rows = [ln.split() for ln in r.stdout.splitlines() if ln.startswith(("h0", "h1"))]
+    assert rows == [["h0", "shoal-h0", "eth0", "10.200.0.1", "20mbit", "1", "core"],
+                    ["h1", "shoal-h1", "eth0", "10.200.0.2", "20mbit", "0.5", "core"]]
+    assert "in each direction" in r.stdout
+
+
+@pytest.mark.timeout(60)
+def test_the_limits_are_in_tc_and_the_cgroups(cluster):
+    for i in range(2):
+        inside = subprocess.run(["tc", "-n", f"shoal-h{i}", "qdisc", "show", "dev", "eth0"], capture_output=True,
+                                text=True).stdout
+        bridge_side = subprocess.run(["tc", "qdisc", "show", "dev", f"shoal-b{i}"], capture_output=True,
+                                     text=True).stdout
+        assert "tbf" in inside and "rate 20Mbit" in inside, inside
+        assert "tbf" in bridge_side and "rate 20Mbit" in bridge_side, bridge_side
+    groups = Path("/sys/fs/cgroup/cpu/shoal-cluster")
+    for host, quota in (("h0", "100000"), ("h1", "50000")):
+        assert (groups / host / "cpu.cfs_period_us").read_text().strip() == "100000"
+        assert (groups / host / "cpu.cfs_quota_us").read_text().strip() == quota
+
+
+@pytest.mark.timeout(60)
+def test_a_transfer_between_hosts_runs_at_the_rate(cluster):
+    """5 MB at 20 Mbit/s is 2 s (unshaped it is a few ms)."""
+    r = cluster_cli("run", "--", sys.executable, "-c", TRANSFER, str(5_000_000))
+    assert r.returncode == 0, r.output
+    seconds = float(r.stdout.split("seconds")[1])
+    assert 1.5 <= seconds <= 10, r.stdout
+
+
+@pytest.mark.timeout(60)
+def test_run_places_nodes_in_their_cgroups_and_passes_sigterm_on(cluster, tmp_path):
+    proc = subprocess.Popen([sys.executable, "-m", "shoal", "cluster", "run", "--", sys.executable, "-c", SLEEPER,
+                             str(tmp_path)], start_new_session=True)
+    try:
+        deadline = time.monotonic() + 30
+        while not all((tmp_path / f"h{i}.ready").exists() for i in range(2)) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        time.sleep(0.2)  # the handler is set before the file is written; let the write finish
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=20) == 3  # the nodes' own exit code
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    for i in range(2):
+        assert f"cpu:/shoal-cluster/h{i}" in (tmp_path / f"h{i}.ready").read_text()
+        assert (tmp_path / f"h{i}.signal").read_text() == "SIGTERM"
+
+
+@pytest.mark.timeout(60)
+def test_a_failed_node_stops_the_others(cluster, monkeypatch, capsys):
+    from shoal.cluster import run
+
+    monkeypatch.setattr(run, "FAIL_GRACE_S", 1.0)
+    start = time.monotonic()
+    code = run.run(["sh", "-c", 'if [ "$SHOAL_NODE_RANK" = 1 ]; then exit 4; fi; exec sleep 60'])
+    assert code == 4  # the failure's code, not the stopped node's
+    assert time.monotonic() - start < 20
+    assert "h1 failed (exit code 4) 1 s ago; stopping h0" in capsys.readouterr().err
+
+
+@pytest.mark.timeout(60)
+def test_a_node_that_cannot_reach_the_endpoint_says_so_in_one_line(cluster, tmp_path):
+    """Node 1 in its namespace, node 0's endpoint an address nobody has: one line within the timeout."""
+    start = time.monotonic()
+    r = run_cli(["train", "--nproc", 1, "--nnodes", 2, "--node-rank", 1, "--rdzv-endpoint", "10.200.0.99:29511",
+                 "--rdzv-timeout", 3, "--run-dir", tmp_path / "run", *TINY_GPT],
+                timeout=60, launcher=["ip", "netns", "exec", "shoal-h1", sys.executable, "-m", "shoal"])
+    assert r.returncode == 1, r.output
+    lines = [ln for ln in r.stderr.splitlines() if ln.startswith("shoal")]
+    assert lines == [lines[0]] and lines[0].startswith(
+        "shoal: node 1 cannot reach the rendezvous endpoint 10.200.0.99:29511 within 3 s ("), r.stderr
+    assert "check that node 0 is running" in lines[0]
+    assert time.monotonic() - start < 30
+
+
+@pytest.mark.timeout(180)
+def test_two_hosts_train_exactly_as_two_processes_on_loopback(cluster, tmp_path):
+    """The proof: `shoal train --cluster` (node 0 on h0, node 1 on h1, across the shaped links) gives the
+    per-step losses and gradient norms of `--nproc 2` on loopback."""
+    common = [*TINY_GPT, "--set", "train.steps=5", "--set", "metrics.log_interval=1",
+              "--set", "checkpoint.enabled=false"]
+    r = run_cli(["train", "--cluster", "--nproc", 1, "--run-dir", tmp_path / "cluster", *common], timeout=150)
+    assert r.returncode == 0, r.output
+    r = run_cli(["train", "--nproc", 2, "--run-dir", tmp_path / "loopback", *common], timeout=150)
+    assert r.returncode == 0, r.output
+    on_cluster, on_loopback = read_metrics(tmp_path / "cluster"), read_metrics(tmp_path / "loopback")
+    assert [m["step"] for m in on_cluster] == [1, 2, 3, 4, 5]
+    assert [(m["loss"], m["grad_norm"]) for m in on_cluster] == [(m["loss"], m["grad_norm"]) for m in on_loopback]
