@@ -149,12 +149,12 @@ def train(env, overrides: list[str], run_dir, resume: str = "auto") -> tuple[dic
     from shoal.comm.collectives import Comm
     from shoal.config import load_config
     from shoal.preflight import check_job
-    from shoal.train.run import run_training
+    from shoal.train.run import run_job
 
     cfg = load_config(None, overrides)
     job = check_job(cfg, [env.world_size], cuda=False, quiet=True)
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
-        summary = run_training(cfg, job.layout, job.source, Path(run_dir), env,
-                               Comm(env.store, env.rank, env.world_size), resume)
+        summary = run_job(cfg, job.layout, job.source, Path(run_dir), env, Comm(env.store, env.rank, env.world_size),
+                          resume)
     return summary, out.getvalue()

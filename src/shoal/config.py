@@ -149,17 +149,22 @@ class ParallelConfig(Section):
     """CPU threads per worker; 0: cores / local workers."""
     timeout_s: float = Field(600.0, gt=0.0)
     """A collective that waits longer than this fails the run instead of hanging it."""
-    sync: Literal["every-step", "local-sgd", "diloco"] = "every-step"
+    sync: Literal["every-step", "local-sgd", "diloco", "parameter-server"] = "every-step"
     """How the dp replicas stay one model. every-step: gradients averaged every step (DDP / FSDP2).
     local-sgd: each replica steps alone on its slice of the batch; parameters are averaged every `sync_every`
     steps. diloco: each replica takes `sync_every` inner optimizer steps, then the averaged difference from
-    the last synchronised parameters is the gradient of an outer Nesterov SGD step (Douillard et al. 2023)."""
+    the last synchronised parameters is the gradient of an outer Nesterov SGD step (Douillard et al. 2023).
+    parameter-server: `servers` ranks hold the parameters and optimizer state (sharded by whole tensors);
+    the other ranks train, push their gradients to the servers and pull the new parameters every step
+    (synchronous: the same training as every-step)."""
     sync_every: int = Field(50, ge=1)
     """local-sgd / diloco: steps between synchronisations (H)."""
     outer_lr: float = Field(0.7, gt=0.0, le=10.0)
     """diloco: the outer optimizer's learning rate (the paper's 0.7)."""
     outer_momentum: float = Field(0.9, ge=0.0, lt=1.0)
     """diloco: the outer optimizer's Nesterov momentum (the paper's 0.9; 0: plain SGD)."""
+    servers: int = Field(1, ge=1)
+    """parameter-server: how many of the processes serve (the last ones); the others train."""
     replicas: int = Field(0, ge=0)
     """local-sgd / diloco: how many replicas the dp ranks form (0: each dp rank is one). The dp / replicas
     ranks of a replica train it together, synchronising gradients every step (DDP, or sharded with
@@ -171,6 +176,9 @@ class ParallelConfig(Section):
             raise ValueError(f'parallel.sync = "{self.sync}" with zero = {self.zero}: a replica must span several dp '
                              f"ranks to be sharded over them; set parallel.replicas (dp / replicas ranks per replica) "
                              f"or zero = 0")
+        if self.sync == "parameter-server" and (self.tp > 1 or self.pp > 1 or self.zero):
+            raise ValueError(f'parallel.sync = "parameter-server" shards the model over the servers instead; set '
+                             f"parallel.tp = 1, pp = 1 and zero = 0 (got tp {self.tp}, pp {self.pp}, zero {self.zero})")
         if self.replicas and self.sync == "every-step":
             raise ValueError(f"parallel.replicas = {self.replicas} groups the dp ranks into replicas for parallel.sync "
                              f'= "local-sgd" or "diloco"; every-step keeps one replica: leave replicas = 0')
@@ -257,6 +265,12 @@ class Config(Section):
                 f"use data.source = {' or '.join(repr(s) for s in sources)}"
             )
         p, c = self.parallel, self.comm
+        if p.sync == "parameter-server" and c.compression != "none":
+            raise ValueError(f'comm.compression = "{c.compression}" is not applied to a parameter server\'s pushes; '
+                             f'set comm.compression = "none"')
+        if p.sync == "parameter-server" and self.checkpoint.enabled:
+            raise ValueError('parallel.sync = "parameter-server" does not write checkpoints yet (the servers\' shards '
+                             'and optimizer state are not saved); set checkpoint.enabled = false')
         if c.compression != "none" and p.sync == "every-step" and (p.tp > 1 or p.pp > 1):
             raise ValueError(f'comm.compression = "{c.compression}" compresses the gradients of DDP and ZeRO 2/3 only, '
                              f"but parallel.tp = {p.tp}, pp = {p.pp} synchronise through FSDP2 replicate; set "

@@ -26,6 +26,7 @@ class Layout:
     per_rank_batch: int  # samples per rank per optimizer step
     pp_microbatches: int = 0  # pp > 1: micro-batches per step through the pipeline
     replicas: int = 1  # models kept apart between periodic syncs (local SGD, DiLoCo); 1: every step
+    servers: int = 0  # parameter-server ranks (the last ones of the world), outside dims
 
     def describe(self, cfg: Config, items_name: str, items_per_sample: int) -> str:
         t, d = cfg.train, self.dims
@@ -39,6 +40,9 @@ class Layout:
         sync = (f"; {self.replicas} replicas of {d.dp // self.replicas} dp rank(s), {p.sync} every {p.sync_every} steps"
                 if p.sync != "every-step" else "")
         compressed = f"; {cfg.comm.compression} compression" if cfg.comm.compression != "none" else ""
+        if self.servers:
+            sync = (f"; ranks {d.world_size}-{d.world_size + self.servers - 1} serve the parameters "
+                    f"(parameter server, synchronous), ranks 0-{d.world_size - 1} train")
         return (f"world {d.world_size} = dp {d.dp} x tp {d.tp} x pp {d.pp}{zero} ({self.backend}); global batch "
                 f"{t.global_batch_size} = {split}; {t.global_batch_size * items_per_sample:,} {items_name} per step"
                 f"{sync}{compressed}")
@@ -54,7 +58,11 @@ def choose_backend(requested: str, cuda: bool) -> str:
 
 def resolve_layout(cfg: Config, world_size: int, cuda: bool) -> Layout:
     p, t = cfg.parallel, cfg.train
-    dims = ParallelDims.resolve(p.dp, p.tp, p.pp, world_size)
+    servers = p.servers if p.sync == "parameter-server" else 0
+    if servers and world_size <= servers:
+        raise UserError(f"parallel.servers = {servers} leaves no process to train in a world of {world_size}; start "
+                        f"more processes (--nproc {servers + 1} or more) or use fewer servers")
+    dims = ParallelDims.resolve(p.dp, p.tp, p.pp, world_size - servers)
     backend = choose_backend(p.backend, cuda)
     step = t.micro_batch_size * dims.dp
     if t.global_batch_size % step:
@@ -67,8 +75,8 @@ def resolve_layout(cfg: Config, world_size: int, cuda: bool) -> Layout:
     _check_precision(cfg, backend, cuda)
     per_rank = t.global_batch_size // dims.dp
     microbatches = _pipeline_microbatches(cfg, dims, per_rank) if dims.pp > 1 else 0
-    replicas = _replicas(cfg, dims) if p.sync != "every-step" else 1
-    return Layout(dims, backend, p.zero, t.global_batch_size // step, per_rank, microbatches, replicas)
+    replicas = _replicas(cfg, dims) if p.sync in ("local-sgd", "diloco") else 1
+    return Layout(dims, backend, p.zero, t.global_batch_size // step, per_rank, microbatches, replicas, servers)
 
 
 def _replicas(cfg: Config, dims: ParallelDims) -> int:

@@ -128,6 +128,8 @@ def test_section_must_be_table():
     (['comm.compression="powersgd"', "parallel.zero=3"], ["parallel.zero = 3", "powersgd", "zero <= 1"]),
     (['parallel.sync="diloco"', "parallel.zero=2"], ['parallel.sync = "diloco"', "parallel.replicas", "zero = 0"]),
     (['parallel.replicas=2'], ["parallel.replicas = 2", "every-step"]),
+    (['parallel.sync="parameter-server"'], ["checkpoint.enabled = false"]),
+    (['parallel.sync="parameter-server"', "checkpoint.enabled=false", "parallel.tp=2"], ["parallel.tp = 1"]),
     (['comm.compression="gzip"'], ["comm.compression", "'none'", "'powersgd'"]),
     (["comm.topk_ratio=0"], ["comm.topk_ratio", "greater than 0"]),
     (["parallel.sync_every=0"], ["parallel.sync_every", "greater than or equal to 1"]),

@@ -99,3 +99,22 @@ def test_replicas_of_periodic_sync():
         with pytest.raises(UserError, match=words.replace("(", r"\(").replace(")", r"\)")) as e:
             resolve_layout(load_config(None, [*diloco, *extra]), world, cuda=False)
         assert "\n" not in str(e.value)
+
+
+def test_parameter_server_ranks_are_outside_the_rank_grid():
+    ps = ['parallel.sync="parameter-server"', "parallel.servers=2", "checkpoint.enabled=false",
+          "train.global_batch_size=16", "train.micro_batch_size=2"]
+    layout = resolve_layout(load_config(None, ps), 4, cuda=False)
+    assert (layout.servers, layout.dims.dp, layout.dims.world_size) == (2, 2, 2)
+    with pytest.raises(UserError, match="leaves no process to train"):
+        resolve_layout(load_config(None, ps), 2, cuda=False)
+
+
+def test_parameter_server_shards_whole_tensors_balanced_by_bytes():
+    from shoal.parallel.param_server import shard_names
+
+    named = [(n, torch.zeros(k)) for n, k in [("a", 10), ("b", 40), ("c", 30), ("d", 20), ("e", 5)]]
+    # largest first to the lighter server: b, c, then d (to 1), a (to 0: 40 vs 50), e (a tie: to 0)
+    assert shard_names(named, 2) == [["a", "b", "e"], ["c", "d"]]  # 55 and 50 elements, each in model order
+    assert shard_names(named, 1) == [["a", "b", "c", "d", "e"]]
+    assert sorted(sum(shard_names(named, 3), [])) == ["a", "b", "c", "d", "e"]

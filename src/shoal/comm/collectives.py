@@ -33,8 +33,12 @@ class Comm:
     """This rank's door to the other ranks: collectives over process groups (None: all ranks) and a
     key-value store for small decisions."""
 
-    def __init__(self, store=None, rank: int = 0, world_size: int = 1, log: CollectiveLog | None = None):
+    def __init__(self, store=None, rank: int = 0, world_size: int = 1, log: CollectiveLog | None = None,
+                 group=None):
         self.store, self.rank, self.world_size = store, rank, world_size
+        # what "all ranks" means for this rank's collectives: the default group, or the training ranks'
+        # group when others serve (a parameter server's ranks run a loop of their own)
+        self.group = group
         self.log = log or CollectiveLog()
         self._agreed = 0
         # bytes this rank put on its links to keep the dp replicas in sync (gradients, parameter
@@ -45,10 +49,11 @@ class Comm:
                    async_op: bool = False):
         """In place; returns `t`, or a Pending to wait for."""
         rec = self.log.enter("all_reduce", label, [t])
-        pending = Pending(dist.all_reduce(t, op=op, group=group, async_op=True), rec, self.log, t)
+        pending = Pending(dist.all_reduce(t, op=op, group=self._g(group), async_op=True), rec, self.log, t)
         return pending if async_op else pending.wait()
 
     def all_gather(self, t: torch.Tensor, group=None, label: str = "world") -> list[torch.Tensor]:
+        group = self._g(group)
         out = [torch.empty_like(t) for _ in range(dist.get_world_size(group))]
         rec = self.log.enter("all_gather", label, [t])
         Pending(dist.all_gather(out, t, group=group, async_op=True), rec, self.log, t).wait()
@@ -56,6 +61,7 @@ class Comm:
 
     def all_gather_flat(self, t: torch.Tensor, group=None, label: str = "world") -> torch.Tensor:
         """Every rank's `t` (1-D, the same size everywhere), concatenated in rank order."""
+        group = self._g(group)
         out = t.new_empty(dist.get_world_size(group) * t.numel())
         rec = self.log.enter("all_gather", label, [t])
         Pending(dist.all_gather_single(out, t, group=group, async_op=True), rec, self.log, out).wait()
@@ -64,18 +70,32 @@ class Comm:
     def all_to_all(self, out: torch.Tensor, t: torch.Tensor, group=None, label: str = "world") -> torch.Tensor:
         """Chunk j of `t` (split evenly) to rank j; chunk r of `out` from rank r."""
         rec = self.log.enter("all_to_all", label, [t])
-        return Pending(dist.all_to_all_single(out, t, group=group, async_op=True), rec, self.log, out).wait()
+        return Pending(dist.all_to_all_single(out, t, group=self._g(group), async_op=True), rec, self.log,
+                       out).wait()
 
     def reduce_scatter(self, out: torch.Tensor, t: torch.Tensor, group=None, label: str = "world",
                        op=dist.ReduceOp.SUM) -> torch.Tensor:
         """Chunk r of `t` reduced over the ranks, into `out` on rank r."""
         rec = self.log.enter("reduce_scatter", label, [t])
-        return Pending(dist.reduce_scatter_single(out, t, op=op, group=group, async_op=True), rec, self.log,
-                       out).wait()
+        return Pending(dist.reduce_scatter_single(out, t, op=op, group=self._g(group), async_op=True), rec,
+                       self.log, out).wait()
 
     def barrier(self, label: str = "world", group=None) -> None:
         with self.log.record("barrier", label):
-            dist.barrier(group=group)
+            dist.barrier(group=self._g(group))
+
+    def send(self, t: torch.Tensor, dst: int, label: str) -> Pending:
+        """Point to point, to global rank `dst` (async: wait on the result)."""
+        rec = self.log.enter("send", f"{label}, to rank {dst}", [t])
+        return Pending(dist.isend(t, dst), rec, self.log, t)
+
+    def recv(self, t: torch.Tensor, src: int, label: str) -> torch.Tensor:
+        """Point to point, from global rank `src`, into `t`."""
+        rec = self.log.enter("recv", f"{label}, from rank {src}", [t])
+        return Pending(dist.irecv(t, src), rec, self.log, t).wait()
+
+    def _g(self, group):
+        return self.group if group is None else group
 
     def new_group(self, ranks: list[int] | None = None, backend: str | None = None):
         """Collective: every rank must create every group, in the same order (None: all ranks)."""

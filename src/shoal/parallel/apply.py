@@ -24,6 +24,7 @@ from shoal.models.spec import ModelBundle
 from shoal.parallel.data import replicate_ddp, replicate_dtensor
 from shoal.parallel.local_sgd import PeriodicSync
 from shoal.parallel.parallelized import Parallelized
+from shoal.parallel.param_server import PushPull, ServedModel
 from shoal.parallel.pipeline import Pipeline, StageUnion, measure_layer_times, split_stages
 from shoal.parallel.pipelined import PipelinedModel
 from shoal.parallel.precision import sharded_mixed_precision
@@ -71,6 +72,11 @@ def parallelize(bundle: ModelBundle, layout: Layout, parallel: ParallelConfig, p
     to time the layers with (parallel.pp_balance = "time"). `sync`: by default the one `parallel.sync`
     names, uncompressed."""
     dims = layout.dims
+    if layout.servers:  # a parameter-server worker: the model whole and unwrapped
+        push_pull = PushPull(comm, list(range(dims.world_size, dims.world_size + layout.servers)), rank == 0)
+        model = bundle.model.to(device)
+        push_pull.attach(model, None, dims.dp)
+        return ServedModel(model, bundle, push_pull, comm=comm, device=device, dp_rank=rank, dp=dims.dp)
     sync = sync or make_sync(parallel, CommConfig(), comm)
     model = bundle.model.to(device)
     loss_context = contextlib.nullcontext

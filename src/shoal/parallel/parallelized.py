@@ -70,6 +70,9 @@ class Parallelized:
         """The optimizer stepped; `step` steps are done."""
         self.sync.after_step(step)
 
+    def finish(self) -> None:
+        """Training is over on this rank (a parameter server's workers tell the servers)."""
+
     def norm_params(self) -> list[tuple[torch.Tensor, bool]]:
         """Parameters with gradients, and whether each counts in the gradient norm."""
         return [(p, True) for p in self.model.parameters() if p.grad is not None]

@@ -9,11 +9,11 @@ import torch
 from shoal.config import TrainConfig
 
 
-def optimizer_groups(model: torch.nn.Module, cfg: TrainConfig) -> tuple[type[torch.optim.Optimizer], list[dict], dict]:
+def optimizer_groups(parameters, cfg: TrainConfig) -> tuple[type[torch.optim.Optimizer], list[dict], dict]:
     """The optimizer (train.optimizer: AdamW, or SGD with momentum), its parameter groups and
     hyperparameters: decay weight matrices and embeddings, not biases or norm gains (as in GPT-2 /
     nanoGPT)."""
-    params = [p for p in model.parameters() if p.requires_grad]
+    params = [p for p in parameters if p.requires_grad]
     decay = [p for p in params if p.dim() >= 2]
     no_decay = [p for p in params if p.dim() < 2]
     groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]

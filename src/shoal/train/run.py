@@ -42,6 +42,26 @@ from shoal.train.optim import Schedule, optimizer_groups
 from shoal.train.summary import failure_info, fresh_start, summarize
 
 
+def run_job(cfg: Config, layout: Layout, source, run_dir: Path, env: DistEnv, comm: Comm, resume: str = "auto",
+            phase: Phase | None = None) -> dict:
+    """This rank's part of the job: training, or, under parallel.sync = "parameter-server", serving
+    (the last layout.servers ranks). Training ranks then see a world of their own: their collectives
+    run on a group without the servers. Returns the summary (servers: what they served)."""
+    if not layout.servers:
+        return run_training(cfg, layout, source, run_dir, env, comm, resume, phase)
+    n = layout.dims.world_size
+    workers = comm.new_group(list(range(n)))  # collective: every rank creates both groups
+    servers = comm.new_group(list(range(n, n + layout.servers)))
+    if env.rank >= n:
+        from shoal.train.serve import serve
+
+        return serve(cfg, source.spec, env.rank - n, list(range(n)), servers if layout.servers > 1 else None, comm)
+    worker_comm = Comm(env.store, env.rank, n, comm.log, group=workers)
+    worker_comm._agreed = comm._agreed  # the same sequence of store keys
+    return run_training(cfg, layout, source, run_dir, dataclasses.replace(env, world_size=n), worker_comm, resume,
+                        phase)
+
+
 def run_training(cfg: Config, layout: Layout, source, run_dir: Path, env: DistEnv, comm: Comm,
                  resume: str = "auto", phase: Phase | None = None) -> dict:
     """Train on this rank; returns the run summary (identical on every rank). `source`: the data
@@ -56,13 +76,13 @@ def run_training(cfg: Config, layout: Layout, source, run_dir: Path, env: DistEn
     n_params = count_parameters(bundle.model)
     # one pipeline micro-batch, for timing the layers (parallel.pp_balance = "time")
     sample = source.train_batch(torch.arange(layout.per_rank_batch // layout.pp_microbatches)) if dims.pp > 1 else None
-    sync = make_sync(cfg.parallel, cfg.comm, comm, last_step=cfg.train.steps)
+    sync = None if layout.servers else make_sync(cfg.parallel, cfg.comm, comm, last_step=cfg.train.steps)
     par = parallelize(bundle, layout, cfg.parallel, cfg.precision, cfg.train.compile, env.device, env.rank, comm,
                       sync=sync, sample=sample)
     if not cfg.train.compile:  # a compiled model runs its layers as one graph
         phase.track(par.model, bundle.block_types)
     torch.manual_seed(cfg.train.seed + 1 + env.rank)  # dropout etc. differ per rank, reproducibly
-    optimizer_class, groups, hyper = optimizer_groups(par.model, cfg.train)
+    optimizer_class, groups, hyper = optimizer_groups(par.model.parameters(), cfg.train)
     optimizer = par.build_optimizer(groups, optimizer_class, **hyper)
     schedule = Schedule(optimizer, cfg.train)
     precision = Precision(cfg.precision.dtype, env.device)
@@ -123,6 +143,7 @@ def run_training(cfg: Config, layout: Layout, source, run_dir: Path, env: DistEn
             signum = signals.requested() or signal.SIGTERM  # another rank got the signal: say it was SIGTERM
             raise signals.Interrupted(signum, step, str(saved) if saved.exists() else None)
         ckpt.close()  # an async save in flight is part of the run
+        par.finish()
     finally:
         sinks.close()
     summary = summarize(record.history, bundle.items_name, cfg.model.name, n_params, dims,

@@ -1,0 +1,164 @@
+"""A central parameter server, synchronous: the worker's side and the wire both sides speak.
+
+The last `parallel.servers` ranks serve (train/serve.py), the others train. Parameters and their
+optimizer state are sharded over the servers by whole tensors, balanced by bytes (`shard_names`:
+largest first, each to the server holding the fewest bytes so far), so a server steps ordinary
+AdamW on ordinary tensors. One step, on every worker:
+
+  backward -> after_backward: worker 0 sends each server a header (1: a step follows); every worker
+              sends each server the gradients of the tensors it owns (one flat fp32 message), then
+              receives the total gradient norm from server 0 (the servers add their shards' squares)
+  the loop's flags and bad-step verdict, as in every mode
+  optimizer.step() (RemoteOptimizer) -> worker 0 sends each server [1, lr of each group]; every worker
+              receives the new parameters of each server's tensors, into its model
+  a skipped step -> at zero_grad(), worker 0 sends [0, ...]: the servers drop the step's gradients
+  end of training -> finish(): worker 0 sends the header 0, the servers leave their loop
+
+A server sums the workers' gradients in rank order and divides by their number, clips by the total
+norm as torch's clip_grads_with_norm_ does, and steps AdamW with the learning rate worker 0's schedule
+gave: the same arithmetic as every-step data parallelism up to rounding (tests/dist/test_param_server.py).
+The transport is c10d point-to-point on the run's backend (gloo across hosts: it runs wherever the
+collectives run, and each send is logged for the hang report); everything a step needs is known in
+advance, so no RPC layer is needed for the synchronous mode.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+
+from shoal.comm.collectives import Comm
+from shoal.models.spec import ModelBundle
+from shoal.parallel.parallelized import Parallelized
+
+HEADER_STEP, HEADER_DONE = 1.0, 0.0
+
+
+def shard_names(named: list[tuple[str, torch.Tensor]], servers: int) -> list[list[str]]:
+    """Which server owns which tensor: whole tensors, balanced by bytes (largest first, to the server
+    with the fewest bytes so far; ties to the lower index), each server's names in model order."""
+    order = {n: i for i, (n, _) in enumerate(named)}
+    load, owned = [0] * servers, [[] for _ in range(servers)]
+    for name, p in sorted(named, key=lambda x: (-x[1].numel() * x[1].element_size(), order[x[0]])):
+        s = min(range(servers), key=lambda i: (load[i], i))
+        load[s] += p.numel() * p.element_size()
+        owned[s].append(name)
+    return [sorted(names, key=order.get) for names in owned]
+
+
+class PushPull:
+    """The step synchronisation of a parameter-server worker: gradients pushed after backward."""
+
+    name = "parameter-server"
+
+    def __init__(self, comm: Comm, server_ranks: list[int], is_first: bool):
+        self.comm, self.server_ranks, self.is_first = comm, server_ranks, is_first
+        self.shards: list[list[torch.Tensor]] = []
+        self.norm = torch.zeros((), dtype=torch.float64)
+
+    def attach(self, model: torch.nn.Module, dp_group, dp: int) -> None:
+        named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+        params = dict(named)
+        self.shards = [[params[n] for n in names] for names in shard_names(named, len(self.server_ranks))]
+
+    def install(self, module: torch.nn.Module, dp_group, log) -> None:
+        pass  # no data-parallel wrapper: the servers reduce
+
+    def reduces(self, index: int, count: int) -> bool:
+        return index == count - 1
+
+    def after_backward(self) -> None:
+        sends = []
+        if self.is_first:
+            for rank in self.server_ranks:
+                sends.append(self.comm.send(torch.tensor([HEADER_STEP], dtype=torch.float64), rank, "ps header"))
+        for rank, params in zip(self.server_ranks, self.shards, strict=True):
+            flat = torch.cat([p.grad.reshape(-1).float() for p in params])
+            self.comm.sync_bytes += flat.numel() * 4
+            sends.append(self.comm.send(flat, rank, "ps gradients"))
+        for s in sends:
+            s.wait()
+        self.norm = self.comm.recv(torch.zeros((), dtype=torch.float64), self.server_ranks[0], "ps norm")
+
+    def after_step(self, step: int) -> None:
+        pass
+
+    @torch.no_grad()
+    def pull(self) -> None:
+        """The servers' new parameters, into this worker's model."""
+        for rank, params in zip(self.server_ranks, self.shards, strict=True):
+            flat = self.comm.recv(torch.empty(sum(p.numel() for p in params)), rank, "ps parameters")
+            offset = 0
+            for p in params:
+                p.copy_(flat[offset:offset + p.numel()].view_as(p))
+                offset += p.numel()
+
+    def control(self, apply: bool, lrs: list[float]) -> None:
+        """Worker 0 tells the servers whether the step's update applies, with each group's learning rate."""
+        if self.is_first:
+            msg = torch.tensor([1.0 if apply else 0.0, *lrs], dtype=torch.float64)
+            for s in [self.comm.send(msg, rank, "ps control") for rank in self.server_ranks]:
+                s.wait()
+
+    def finish(self) -> None:
+        if self.is_first:
+            for s in [self.comm.send(torch.tensor([HEADER_DONE], dtype=torch.float64), rank, "ps header")
+                      for rank in self.server_ranks]:
+                s.wait()
+
+    def state_dict(self) -> dict:
+        return {}
+
+    def load_state_dict(self, state: dict) -> None:
+        pass
+
+
+class RemoteOptimizer(torch.optim.Optimizer):
+    """The worker's optimizer: its param groups carry the learning rate the schedule sets; stepping
+    asks the servers to apply the update and pulls the result. Every step ends with zero_grad(), where
+    a step that was not taken (a bad step) is reported as skipped."""
+
+    def __init__(self, groups: list[dict], sync: PushPull, **defaults):
+        super().__init__(groups, defaults)
+        self.sync, self._told = sync, False
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        self.sync.control(True, [g["lr"] for g in self.param_groups])
+        self.sync.pull()
+        self._told = True
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        if not self._told:
+            self.sync.control(False, [g["lr"] for g in self.param_groups])
+        self._told = False
+        super().zero_grad(set_to_none=set_to_none)
+
+
+class ServedModel(Parallelized):
+    """A parameter-server worker's model: whole, unwrapped; the servers reduce, clip and step."""
+
+    def __init__(self, model: torch.nn.Module, bundle: ModelBundle, sync: PushPull, *, comm: Comm,
+                 device: torch.device, dp_rank: int, dp: int):
+        super().__init__(model, model, bundle, comm=comm, sync=sync, device=device, dp_rank=dp_rank, dp=dp,
+                         dp_group=None, loss_context=contextlib.nullcontext, owns_loss=True, sharded=False, zero=0)
+        self.push_pull = sync
+
+    def describe(self) -> str:
+        held = ", ".join(f"rank {r}: {len(s)} tensors, {sum(p.numel() for p in s):,} parameters"
+                         for r, s in zip(self.push_pull.server_ranks, self.push_pull.shards, strict=True))
+        return f"parameter servers ({held})"
+
+    def clip_grad_norm(self, max_norm: float, before_clip=lambda norm: None) -> torch.Tensor:
+        """The total norm the servers computed; they clip."""
+        norm = self.push_pull.norm
+        before_clip(norm)
+        return norm
+
+    def build_optimizer(self, groups: list[dict], optimizer_class: type[torch.optim.Optimizer],
+                        **defaults) -> torch.optim.Optimizer:
+        return RemoteOptimizer(groups, self.push_pull, lr=defaults["lr"])
+
+    def finish(self) -> None:
+        self.push_pull.finish()

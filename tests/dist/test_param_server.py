@@ -1,0 +1,46 @@
+"""The synchronous parameter server trains what every-step data parallelism trains: two workers and
+one or two servers against two data-parallel ranks with the same seed and global batch (fp32, 20
+steps, AdamW with clipping and the learning-rate schedule: losses within 1e-5 relative, weights within
+1e-5). The servers sum the workers' gradients and divide by their number where DDP divides each
+before summing: equal up to rounding, not bitwise."""
+
+import pytest
+import torch
+
+from conftest import read_metrics, read_weights
+from harness import train as train_on_ranks
+
+BASE = ["model.n_layer=2", "model.d_model=32", "model.n_head=2", "model.seq_len=32", "data.max_bytes=200000",
+        "train.val_batches=2", "metrics.tensorboard=false", "metrics.progress=false", "train.warmup_steps=2",
+        "train.global_batch_size=8", "train.micro_batch_size=2", "train.val_interval=10", "metrics.log_interval=1",
+        "train.steps=20", "checkpoint.enabled=false", "train.grad_clip=0.5"]
+
+
+def losses(run_dir):
+    return [m["loss"] for m in read_metrics(run_dir) if "loss" in m]
+
+
+@pytest.fixture(scope="module")
+def every_step(tmp_path_factory, ranks):
+    run_dir = tmp_path_factory.mktemp("dp") / "run"
+    ranks(2).run(train_on_ranks, BASE, str(run_dir))
+    return run_dir
+
+
+@pytest.mark.parametrize("servers", [1, 2])
+def test_sync_parameter_server_equals_data_parallelism(tmp_path, ranks, every_step, servers):
+    run_dir = tmp_path / "run"
+    out = ranks(2 + servers).run(train_on_ranks, [*BASE, 'parallel.sync="parameter-server"',
+                                                  f"parallel.servers={servers}"], str(run_dir))
+    assert "serve the parameters" in out[0][1]
+    served = [summary for summary, _ in out[2:]]
+    assert [s["applied"] for s in served] == [20] * servers
+    assert sum(s["parameters"] for s in served) == sum(w.numel() for w in read_weights(every_step).values())
+    torch.testing.assert_close(torch.tensor(losses(run_dir)), torch.tensor(losses(every_step)), rtol=1e-5, atol=0)
+    ref = read_weights(every_step)
+    for k, w in read_weights(run_dir).items():
+        torch.testing.assert_close(w, ref[k], rtol=0, atol=1e-5)
+    grad_norms = [m["grad_norm"] for m in read_metrics(run_dir) if "grad_norm" in m]
+    ref_norms = [m["grad_norm"] for m in read_metrics(every_step) if "grad_norm" in m]
+    torch.testing.assert_close(torch.tensor(grad_norms), torch.tensor(ref_norms), rtol=1e-5, atol=0)
+    assert read_metrics(run_dir)[0]["comm_bytes"] > 0
