@@ -75,6 +75,13 @@ class ParallelDims:
         return init_device_mesh(device_type(), self.shape, mesh_dim_names=AXES)
 
 
+def local_part(t):
+    """The part of a tensor this rank holds: a DTensor's local shard, any other tensor itself."""
+    from torch.distributed.tensor import DTensor
+
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
 def device_type() -> str:
     import torch
 

@@ -29,6 +29,7 @@ from shoal.checkpoint import manifest as mf
 from shoal.config import Config, tomllib, validate_config
 from shoal.errors import UserError
 from shoal.rundir import read_json
+from shoal.topology import local_part
 
 TRAIN_STATE = "train_state.json"
 CHECKPOINT_FORMAT = 3
@@ -143,17 +144,12 @@ class TrainState:
 
 def replica_tensors(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
     """This rank's parameters and optimizer state (local shards of tensor-parallel ones), by name."""
-    from torch.distributed.tensor import DTensor
-
-    def local(t):
-        return t.to_local() if isinstance(t, DTensor) else t
-
     out = {}
     for n, p in model.named_parameters():
-        out[f"model/{n}"] = local(p)
+        out[f"model/{n}"] = local_part(p)
         for k, v in optimizer.state.get(p, {}).items():
             if isinstance(v, torch.Tensor):
-                out[f"optim/{n}/{k}"] = local(v)
+                out[f"optim/{n}/{k}"] = local_part(v)
     return out
 
 

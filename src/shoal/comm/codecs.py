@@ -27,11 +27,14 @@ from __future__ import annotations
 
 import math
 import zlib
+from abc import ABC, abstractmethod
 
 import torch
 import torch.distributed as dist
+from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 
 from shoal.comm.collectives import Comm
+from shoal.errors import UserError
 
 LOSSLESS_NAMES = ("none", "fp16", "bf16")
 
@@ -78,10 +81,9 @@ class Codec:
 
     def ddp_hook(self, state: DDPState, bucket):
         """A DDP comm hook (state: DDPState): averages the bucket's gradients over the dp group."""
-        if self.name == "none":  # torch's allreduce_hook, counted: async, so it overlaps the backward
-            buffer = bucket.buffer().div_(state.world)
-            self._count("all_reduce", nbytes(buffer), state.world)
-            return dist.all_reduce(buffer, group=state.group, async_op=True).get_future().then(lambda f: f.value()[0])
+        if self.name == "none":  # torch's averaging all-reduce, counted: async, so it overlaps the backward
+            self._count("all_reduce", nbytes(bucket.buffer()), state.world)
+            return allreduce_hook(state.group, bucket)
         keys = [state.names[id(p)] for p in bucket.parameters()]
         self.all_reduce_mean(bucket.gradients(), keys, state.group, f"{state.label}, gradient bucket {bucket.index()}")
         fut = torch.futures.Future()
@@ -136,18 +138,19 @@ class HalfPrecision(Codec):
         output.copy_(out)
 
 
-class Gathered(Codec):
+class Gathered(Codec, ABC):
     """A codec whose payloads cannot be summed on the wire: every rank's payload is all-gathered
     (all-to-all for a reduce-scatter) and decoded and summed locally. Subclasses give encode/decode."""
 
     lossy = True
 
+    @abstractmethod
     def encode(self, x: torch.Tensor) -> torch.Tensor:
         """A 1-D fp32 tensor as a uint8 payload whose size depends only on x's size."""
-        raise NotImplementedError
 
+    @abstractmethod
     def decode(self, payload: torch.Tensor, numel: int) -> torch.Tensor:
-        raise NotImplementedError
+        """The fp32 tensor of `numel` entries that `payload` stands for."""
 
     def all_reduce_mean(self, tensors, keys, group, label) -> None:
         w = dist.get_world_size(group)
@@ -269,7 +272,9 @@ class PowerSGD(Codec):
         return out
 
     def reduce_scatter(self, output, input, group, op, key, label) -> None:
-        raise NotImplementedError("PowerSGD compresses whole matrices; ZeRO 2/3 reduce-scatters flat shards")
+        # the config refuses this pair before launch; a codec built by hand is refused here, not run
+        raise UserError('comm.compression = "powersgd" compresses whole matrices, and ZeRO 2/3 reduce-scatters '
+                        'flat shards; use "int8", "topk", "fp16" or "bf16", or zero <= 1')
 
     def state_tensors(self) -> dict[str, torch.Tensor]:
         return {**super().state_tensors(), **{f"q/{k}": v for k, v in self.q.items()}}

@@ -94,6 +94,13 @@ class Comm:
         rec = self.log.enter("recv", f"{label}, from rank {src}", [t])
         return Pending(dist.irecv(t, src), rec, self.log, t).wait()
 
+    def within(self, group, world_size: int) -> Comm:
+        """This rank's Comm for a world made of `group` (the training ranks when others serve): the same
+        store, log and sequence of agreements."""
+        sub = Comm(self.store, self.rank, world_size, self.log, group=group)
+        sub._agreed = self._agreed
+        return sub
+
     def _g(self, group):
         return self.group if group is None else group
 

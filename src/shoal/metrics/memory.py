@@ -8,7 +8,8 @@ import sys
 from collections.abc import Iterable
 
 import torch
-from torch.distributed.tensor import DTensor
+
+from shoal.topology import local_part
 
 STATE_KINDS = ("params", "grads", "optimizer")
 
@@ -28,8 +29,7 @@ def _local_bytes(tensors: Iterable[torch.Tensor]) -> int:
     for t in tensors:
         if t is None:
             continue
-        if isinstance(t, DTensor):
-            t = t.to_local()
+        t = local_part(t)
         key = (t.untyped_storage().data_ptr(), t.storage_offset())
         if key not in seen:
             seen.add(key)

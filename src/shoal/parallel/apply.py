@@ -45,13 +45,12 @@ def make_sync(parallel: ParallelConfig, comm_cfg: CommConfig, comm: Comm, last_s
     return PeriodicSync(parallel.sync, parallel.sync_every, codec, *outer, last_step=last_step, inner=inner)
 
 
-def replica_meshes(layout: Layout):
+def replica_meshes(layout: Layout, dp_group):
     """(the mesh a data-parallel wrapper spans or None for no wrapper, the group periodic syncs run over
     or None for the default group): every step, the dp axis; local SGD / DiLoCo with each dp rank a
     replica, no wrapper and the dp group; with replicas of several ranks (data parallelism only), a
     (replica, shard) mesh over the world: the wrapper spans a replica's ranks, syncs run across."""
     dims = layout.dims
-    dp_group = dims.mesh["dp"].get_group() if dims.world_size > dims.dp else None
     if layout.replicas == 1:
         return dims.mesh["dp"], dp_group
     if layout.replicas == dims.dp:
@@ -85,7 +84,7 @@ def parallelize(bundle: ModelBundle, layout: Layout, parallel: ParallelConfig, p
                                               sequence_parallel=parallel.sequence_parallel) or loss_context
     coords = dims.coords(rank)
     dp_group = dims.mesh["dp"].get_group() if dims.world_size > dims.dp else None
-    inner_mesh, outer_group = replica_meshes(layout)
+    inner_mesh, outer_group = replica_meshes(layout, dp_group)
     inner_group = None if inner_mesh is None or inner_mesh.size() == dims.world_size else inner_mesh.get_group()
 
     def wrapped(m: torch.nn.Module) -> torch.nn.Module:

@@ -29,16 +29,11 @@ update of the mean gradient. AdamW is not linear, so they differ (tests/dist/tes
 from __future__ import annotations
 
 import torch
-from torch.distributed.tensor import DTensor
 
 from shoal.comm.codecs import Codec
 from shoal.comm.log import CollectiveLog
 from shoal.parallel.sync import EveryStep
-
-
-def local(p: torch.Tensor) -> torch.Tensor:
-    """The tensor this rank holds of a parameter (a tensor-parallel shard: its local part)."""
-    return p.to_local() if isinstance(p, DTensor) else p
+from shoal.topology import local_part as local
 
 
 class PeriodicSync:

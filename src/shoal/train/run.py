@@ -56,10 +56,8 @@ def run_job(cfg: Config, layout: Layout, source, run_dir: Path, env: DistEnv, co
         from shoal.train.serve import serve
 
         return serve(cfg, source.spec, env.rank - n, list(range(n)), servers if layout.servers > 1 else None, comm)
-    worker_comm = Comm(env.store, env.rank, n, comm.log, group=workers)
-    worker_comm._agreed = comm._agreed  # the same sequence of store keys
-    return run_training(cfg, layout, source, run_dir, dataclasses.replace(env, world_size=n), worker_comm, resume,
-                        phase)
+    return run_training(cfg, layout, source, run_dir, dataclasses.replace(env, world_size=n), comm.within(workers, n),
+                        resume, phase)
 
 
 def run_training(cfg: Config, layout: Layout, source, run_dir: Path, env: DistEnv, comm: Comm,
@@ -133,6 +131,7 @@ def run_training(cfg: Config, layout: Layout, source, run_dir: Path, env: DistEn
     start_step = sampler.step
     try:
         finished = train_loop(trainer, hooks, lambda start: Prefetcher(make, start, cfg.data.prefetch), sinks, record)
+        par.finish()  # finished or asked to stop: no step follows (a parameter server's loop ends)
         if not finished:  # asked to stop: keep the work done so far, then leave
             step = sampler.step
             # decided from what every rank knows alike (not the filesystem, which rank 0 may still be sealing)
@@ -143,7 +142,6 @@ def run_training(cfg: Config, layout: Layout, source, run_dir: Path, env: DistEn
             signum = signals.requested() or signal.SIGTERM  # another rank got the signal: say it was SIGTERM
             raise signals.Interrupted(signum, step, str(saved) if saved.exists() else None)
         ckpt.close()  # an async save in flight is part of the run
-        par.finish()
     finally:
         sinks.close()
     summary = summarize(record.history, bundle.items_name, cfg.model.name, n_params, dims,
