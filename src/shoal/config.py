@@ -230,7 +230,8 @@ class CheckpointConfig(Section):
     keep: int = Field(3, ge=1)
     """Newest complete checkpoints kept; older ones are deleted once a newer one is complete."""
     async_save: bool = Field(False, alias="async")
-    """`async = true`: training continues while the checkpoint is written (its own process group)."""
+    """`async = true`: training continues while the checkpoint is written (its own process group). Under
+    parallel.sync = "parameter-server" saves block (the servers write their state inside the workers' save)."""
     final_weights: bool = True
     """Write the trained model as run_dir/model.safetensors at the end."""
 
@@ -268,9 +269,9 @@ class Config(Section):
         if p.sync == "parameter-server" and c.compression != "none":
             raise ValueError(f'comm.compression = "{c.compression}" is not applied to a parameter server\'s pushes; '
                              f'set comm.compression = "none"')
-        if p.sync == "parameter-server" and self.checkpoint.enabled:
-            raise ValueError('parallel.sync = "parameter-server" does not write checkpoints yet (the servers\' shards '
-                             'and optimizer state are not saved); set checkpoint.enabled = false')
+        if p.sync == "parameter-server" and self.train.on_bad_step == "rollback":
+            raise ValueError('train.on_bad_step = "rollback" is not offered with parallel.sync = "parameter-server" '
+                             '(the servers would have to reload too); use "skip" or "abort"')
         if c.compression != "none" and p.sync == "every-step" and (p.tp > 1 or p.pp > 1):
             raise ValueError(f'comm.compression = "{c.compression}" compresses the gradients of DDP and ZeRO 2/3 only, '
                              f"but parallel.tp = {p.tp}, pp = {p.pp} synchronise through FSDP2 replicate; set "
@@ -365,7 +366,7 @@ def _explain(err: ValidationError, cls: type[BaseModel], prefix: tuple, where) -
         section = ".".join(loc[:-1])
         return f"{where(key)}: unknown key {key}{_suggest(loc[-1], known, section + '.')}"
     msg = e["msg"].replace("Input should be", "must be").replace("Value error, ", "")
-    if e["type"] == "value_error" and msg.startswith(("parallel.", "model.", "data.", "comm.")):
+    if e["type"] == "value_error" and msg.startswith(tuple(f"{s}." for s in ("model", *SECTIONS))):
         return f"{where(msg.split(' ')[0])}: {msg}"
     value = e.get("input")
     shown = "" if isinstance(value, dict) else f" = {value!r}"

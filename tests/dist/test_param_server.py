@@ -44,3 +44,21 @@ def test_sync_parameter_server_equals_data_parallelism(tmp_path, ranks, every_st
     ref_norms = [m["grad_norm"] for m in read_metrics(every_step) if "grad_norm" in m]
     torch.testing.assert_close(torch.tensor(grad_norms), torch.tensor(ref_norms), rtol=1e-5, atol=0)
     assert read_metrics(run_dir)[0]["comm_bytes"] > 0
+
+
+def test_sync_parameter_server_killed_and_resumed_equals_uninterrupted(tmp_path, ranks):
+    """Two workers and a server, checkpoints every 4 steps: worker 1 killed at step 10; the same command
+    resumes from step 8 (the server takes its AdamW state from the checkpoint, as DCP wrote it with the
+    workers' parameters) and ends bitwise where the uninterrupted run does."""
+    from test_checkpoint import CONFIG, FORWARDS_PER_STEP, args, assert_bitwise, fault, losses_by_step, train
+
+    mode = ['parallel.sync="parameter-server"']
+    ref_dir, run_dir = tmp_path / "ref", tmp_path / "run"
+    ranks(3).run(train_on_ranks, [*CONFIG, *mode], str(ref_dir))
+    sets = [a for o in mode for a in ("--set", o)]
+    train(*args(run_dir, 3, *sets, *fault(1, 9 * FORWARDS_PER_STEP + 1, tmp_path / "fired")), expect=1)
+    assert (run_dir / "checkpoints" / "step_00000008").exists()
+    r = train(*args(run_dir, 3, *sets))
+    assert "(step 8)" in r.stdout
+    assert_bitwise(read_weights(run_dir), read_weights(ref_dir))
+    assert losses_by_step(read_metrics(run_dir)) == losses_by_step(read_metrics(ref_dir))

@@ -40,8 +40,11 @@ class _Pending:
 
 
 class CheckpointManager:
-    def __init__(self, root: Path, cfg: CheckpointConfig, comm: Comm):
+    def __init__(self, root: Path, cfg: CheckpointConfig, comm: Comm, before_write=lambda step: None):
         self.root = root
+        # called on every rank once the folder exists, before DCP writes: a parameter server's workers
+        # call their servers into the save here (they write the optimizer state)
+        self.before_write = before_write
         self.cfg, self.comm, self.rank, self.world_size = cfg, comm, comm.rank, comm.world_size
         self.pending: _Pending | None = None
         self.last_save = time.monotonic()  # or the start: the time-based cadence counts from here
@@ -83,6 +86,7 @@ class CheckpointManager:
                 shutil.rmtree(tmp)
             tmp.mkdir(parents=True)
         self.comm.barrier("world, checkpoint folder")  # the folder exists (and is empty) before anyone writes
+        self.before_write(step)
         write_json(tmp / rng_file(self.rank), state.rng.state_dict())
         own = state.rank_tensors()
         if own:  # written here, before DCP: sealing needs every rank's files in place (see _finish)

@@ -73,6 +73,10 @@ class Parallelized:
     def finish(self) -> None:
         """Training is over on this rank (a parameter server's workers tell the servers)."""
 
+    def before_save(self, step: int) -> None:
+        """A checkpoint of `step` is about to be written (a parameter server's workers call the servers
+        into it: they hold the optimizer state)."""
+
     def norm_params(self) -> list[tuple[torch.Tensor, bool]]:
         """Parameters with gradients, and whether each counts in the gradient norm."""
         return [(p, True) for p in self.model.parameters() if p.grad is not None]

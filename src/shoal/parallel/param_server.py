@@ -12,6 +12,10 @@ AdamW on ordinary tensors. One step, on every worker:
   optimizer.step() (RemoteOptimizer) -> worker 0 sends each server [1, lr of each group]; every worker
               receives the new parameters of each server's tensors, into its model
   a skipped step -> at zero_grad(), worker 0 sends [0, ...]: the servers drop the step's gradients
+  a checkpoint -> before_save(): worker 0 sends the header [2, step] once the checkpoint's folder
+              exists; the servers join the DCP save (over all ranks) with the optimizer state of their
+              tensors, the workers with the parameters: the checkpoint is an ordinary one (any layout
+              resumes it), and a resumed server loads its state from it the same way
   end of training -> finish(): worker 0 sends the header 0, the servers leave their loop
 
 A server sums the workers' gradients in rank order and divides by their number, clips by the total
@@ -32,7 +36,7 @@ from shoal.comm.collectives import Comm
 from shoal.models.spec import ModelBundle
 from shoal.parallel.parallelized import Parallelized
 
-HEADER_STEP, HEADER_DONE = 1.0, 0.0
+HEADER_DONE, HEADER_STEP, HEADER_SAVE = 0.0, 1.0, 2.0  # a header: [what follows, its step]
 
 
 def shard_names(named: list[tuple[str, torch.Tensor]], servers: int) -> list[list[str]]:
@@ -68,11 +72,15 @@ class PushPull:
     def reduces(self, index: int, count: int) -> bool:
         return index == count - 1
 
+    def header(self, kind: float, step: int = 0) -> list:
+        """Worker 0 tells every server what follows; returns the sends to wait for."""
+        if not self.is_first:
+            return []
+        msg = torch.tensor([kind, step], dtype=torch.float64)
+        return [self.comm.send(msg, rank, "ps header") for rank in self.server_ranks]
+
     def after_backward(self) -> None:
-        sends = []
-        if self.is_first:
-            for rank in self.server_ranks:
-                sends.append(self.comm.send(torch.tensor([HEADER_STEP], dtype=torch.float64), rank, "ps header"))
+        sends = self.header(HEADER_STEP)
         for rank, params in zip(self.server_ranks, self.shards, strict=True):
             flat = torch.cat([p.grad.reshape(-1).float() for p in params])
             self.comm.sync_bytes += flat.numel() * 4
@@ -102,10 +110,12 @@ class PushPull:
                 s.wait()
 
     def finish(self) -> None:
-        if self.is_first:
-            for s in [self.comm.send(torch.tensor([HEADER_DONE], dtype=torch.float64), rank, "ps header")
-                      for rank in self.server_ranks]:
-                s.wait()
+        for s in self.header(HEADER_DONE):
+            s.wait()
+
+    def before_save(self, step: int) -> None:
+        for s in self.header(HEADER_SAVE, step):
+            s.wait()
 
     def state_dict(self) -> dict:
         return {}
@@ -162,3 +172,6 @@ class ServedModel(Parallelized):
 
     def finish(self) -> None:
         self.push_pull.finish()
+
+    def before_save(self, step: int) -> None:
+        self.push_pull.before_save(step)

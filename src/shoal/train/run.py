@@ -55,7 +55,8 @@ def run_job(cfg: Config, layout: Layout, source, run_dir: Path, env: DistEnv, co
     if env.rank >= n:
         from shoal.train.serve import serve
 
-        return serve(cfg, source.spec, env.rank - n, list(range(n)), servers if layout.servers > 1 else None, comm)
+        return serve(cfg, source.spec, env.rank - n, list(range(n)), servers if layout.servers > 1 else None, comm,
+                     run_dir, resume)
     return run_training(cfg, layout, source, run_dir, dataclasses.replace(env, world_size=n), comm.within(workers, n),
                         resume, phase)
 
@@ -86,7 +87,8 @@ def run_training(cfg: Config, layout: Layout, source, run_dir: Path, env: DistEn
     precision = Precision(cfg.precision.dtype, env.device)
     bad_steps = BadStepPolicy(cfg.train.on_bad_step, cfg.train.max_bad_steps, scaled=precision.scaler is not None)
     sampler = GlobalBatchSampler(source.num_train, cfg.train.global_batch_size, cfg.train.seed)
-    state = TrainState(par.model, local_optimizer(optimizer), {
+    # a parameter server's worker holds no optimizer state: the servers save it
+    state = TrainState(par.model, None if layout.servers else local_optimizer(optimizer), {
         "sampler": sampler, "scheduler": schedule, "scaler": precision, "bad_steps": bad_steps, "sync": par.sync},
         replicas_differ=layout.replicas > 1)
     trainer = Trainer(cfg.train, cfg.metrics, par, optimizer, schedule, precision, sampler, source, comm, bad_steps,
@@ -96,8 +98,11 @@ def run_training(cfg: Config, layout: Layout, source, run_dir: Path, env: DistEn
         run.config.write_text(cfg.to_toml(), encoding="utf-8")
     recovery = resume_from(state, resume_path, cfg, run, env, comm)
     if sampler.step >= cfg.train.steps and run.summary.exists():  # finished before: leave its results as they are
+        par.finish()
         return {**read_json(run.summary), "already_finished": True, "steps": sampler.step}
-    ckpt = CheckpointManager(run.checkpoints, cfg.checkpoint, comm)
+    # a parameter server writes its optimizer state inside the workers' save: those saves block
+    ckpt_cfg = cfg.checkpoint.model_copy(update={"async_save": False}) if layout.servers else cfg.checkpoint
+    ckpt = CheckpointManager(run.checkpoints, ckpt_cfg, comm, before_write=par.before_save)
     data_spec = dataclasses.asdict(source.spec)
 
     def save_if_due(m: dict, last: bool, by_time: bool) -> None:
@@ -131,16 +136,17 @@ def run_training(cfg: Config, layout: Layout, source, run_dir: Path, env: DistEn
     start_step = sampler.step
     try:
         finished = train_loop(trainer, hooks, lambda start: Prefetcher(make, start, cfg.data.prefetch), sinks, record)
-        par.finish()  # finished or asked to stop: no step follows (a parameter server's loop ends)
         if not finished:  # asked to stop: keep the work done so far, then leave
             step = sampler.step
             # decided from what every rank knows alike (not the filesystem, which rank 0 may still be sealing)
             if cfg.checkpoint.enabled and (not ckpt.stats or ckpt.stats[-1]["step"] != step):
                 ckpt.save(step, state, state.capture(step, cfg, data_spec))
+            par.finish()  # no step or save follows (a parameter server's loop ends)
             ckpt.close()
             saved = run.checkpoints / step_dir_name(step)
             signum = signals.requested() or signal.SIGTERM  # another rank got the signal: say it was SIGTERM
             raise signals.Interrupted(signum, step, str(saved) if saved.exists() else None)
+        par.finish()
         ckpt.close()  # an async save in flight is part of the run
     finally:
         sinks.close()
