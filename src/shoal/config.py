@@ -165,6 +165,14 @@ class ParallelConfig(Section):
     """diloco: the outer optimizer's Nesterov momentum (the paper's 0.9; 0: plain SGD)."""
     servers: int = Field(1, ge=1)
     """parameter-server: how many of the processes serve (the last ones); the others train."""
+    ps_mode: Literal["sync", "async"] = "sync"
+    """parameter-server: sync: the servers wait for every worker's gradients of a step, then step once
+    (every-step data parallelism on another wire). async: each worker's gradient (its share of a global
+    batch, normalised by its own items) is applied on arrival, and the worker pulls the parameters and
+    its next share of data from the servers; a slow worker no longer holds the others back."""
+    max_staleness: int = Field(4, ge=0)
+    """parameter-server, async: how many updates a worker may push beyond the slowest live worker before
+    it waits (stale-synchronous parallel; 0: in step with the slowest)."""
     replicas: int = Field(0, ge=0)
     """local-sgd / diloco: how many replicas the dp ranks form (0: each dp rank is one). The dp / replicas
     ranks of a replica train it together, synchronising gradients every step (DDP, or sharded with
@@ -269,6 +277,9 @@ class Config(Section):
         if p.sync == "parameter-server" and c.compression != "none":
             raise ValueError(f'comm.compression = "{c.compression}" is not applied to a parameter server\'s pushes; '
                              f'set comm.compression = "none"')
+        if p.sync == "parameter-server" and p.ps_mode == "async" and self.checkpoint.enabled:
+            raise ValueError('parallel.ps_mode = "async" does not write checkpoints yet (the workers never stop at '
+                             'the same step); set checkpoint.enabled = false')
         if p.sync == "parameter-server" and self.train.on_bad_step == "rollback":
             raise ValueError('train.on_bad_step = "rollback" is not offered with parallel.sync = "parameter-server" '
                              '(the servers would have to reload too); use "skip" or "abort"')

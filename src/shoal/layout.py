@@ -42,7 +42,9 @@ class Layout:
         compressed = f"; {cfg.comm.compression} compression" if cfg.comm.compression != "none" else ""
         if self.servers:
             sync = (f"; ranks {d.world_size}-{d.world_size + self.servers - 1} serve the parameters "
-                    f"(parameter server, synchronous), ranks 0-{d.world_size - 1} train")
+                    f"(parameter server, {p.ps_mode}"
+                    f"{f', max staleness {p.max_staleness}' if p.ps_mode == 'async' else ''}), "
+                    f"ranks 0-{d.world_size - 1} train")
         return (f"world {d.world_size} = dp {d.dp} x tp {d.tp} x pp {d.pp}{zero} ({self.backend}); global batch "
                 f"{t.global_batch_size} = {split}; {t.global_batch_size * items_per_sample:,} {items_name} per step"
                 f"{sync}{compressed}")

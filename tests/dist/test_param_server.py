@@ -62,3 +62,26 @@ def test_sync_parameter_server_killed_and_resumed_equals_uninterrupted(tmp_path,
     assert "(step 8)" in r.stdout
     assert_bitwise(read_weights(run_dir), read_weights(ref_dir))
     assert losses_by_step(read_metrics(run_dir)) == losses_by_step(read_metrics(ref_dir))
+
+
+@pytest.mark.parametrize("servers,max_staleness", [(1, 0), (2, 3)])
+def test_async_parameter_server_trains_every_unit_once_within_the_staleness_bound(tmp_path, ranks, every_step,
+                                                                                 servers, max_staleness):
+    """Three workers, one or two servers, async: every share of every global batch is applied exactly once
+    (3 x 20 updates), no update is staler than the stale-synchronous bound, and the model learns about
+    at least about as well as every-step data parallelism (not equal: three updates per global batch)."""
+    run_dir = tmp_path / "run"
+    out = ranks(3 + servers).run(train_on_ranks, [*BASE, 'parallel.sync="parameter-server"', 'parallel.ps_mode="async"',
+                                                  f"parallel.servers={servers}", f"parallel.max_staleness={max_staleness}",
+                                                  "train.global_batch_size=6"],
+                       str(run_dir))
+    summary = out[0][0]
+    ps = summary["parameter_server"]
+    assert ps["updates_applied"] == 3 * 20 == out[3][0]["applied"] == out[-1][0]["applied"]
+    assert sum(ps["staleness_histogram"].values()) == 60
+    assert ps["staleness_max"] <= (2 * max_staleness + 1) * 2
+    metrics = read_metrics(run_dir)
+    assert max(m["staleness_max"] for m in metrics if "staleness_max" in m) <= ps["staleness_max"]
+    ref = [m["val_loss"] for m in read_metrics(every_step) if "val_loss" in m]
+    vals = [m["val_loss"] for m in metrics if "val_loss" in m]
+    assert vals[-1] < vals[0] < ref[0] and vals[-1] < 1.1 * ref[-1], (vals, ref)

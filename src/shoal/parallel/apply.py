@@ -28,6 +28,7 @@ from shoal.parallel.param_server import PushPull, ServedModel
 from shoal.parallel.pipeline import Pipeline, StageUnion, measure_layer_times, split_stages
 from shoal.parallel.pipelined import PipelinedModel
 from shoal.parallel.precision import sharded_mixed_precision
+from shoal.parallel.ps_async import AsyncPushPull
 from shoal.parallel.sync import EveryStep, StepSync
 from shoal.parallel.zero import shard_parameters
 from shoal.topology import ParallelDims
@@ -72,8 +73,13 @@ def parallelize(bundle: ModelBundle, layout: Layout, parallel: ParallelConfig, p
     names, uncompressed."""
     dims = layout.dims
     if layout.servers:  # a parameter-server worker: the model whole and unwrapped
-        push_pull = PushPull(comm, list(range(dims.world_size, dims.world_size + layout.servers)), rank == 0)
+        server_ranks = list(range(dims.world_size, dims.world_size + layout.servers))
         model = bundle.model.to(device)
+        if parallel.ps_mode == "async":  # each update is one worker's: its batch is its whole world
+            push_pull = AsyncPushPull(comm, server_ranks, rank, dims.dp, parallel.max_staleness)
+            push_pull.attach(model, None, 1)
+            return ServedModel(model, bundle, push_pull, comm=comm, device=device, dp_rank=0, dp=1)
+        push_pull = PushPull(comm, server_ranks, rank == 0)
         push_pull.attach(model, None, dims.dp)
         return ServedModel(model, bundle, push_pull, comm=comm, device=device, dp_rank=rank, dp=dims.dp)
     sync = sync or make_sync(parallel, CommConfig(), comm)

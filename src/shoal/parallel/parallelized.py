@@ -73,6 +73,14 @@ class Parallelized:
     def finish(self) -> None:
         """Training is over on this rank (a parameter server's workers tell the servers)."""
 
+    def step_metrics(self) -> dict:
+        """What this layout adds to a step's metrics (a parameter server's staleness)."""
+        return {}
+
+    def report(self) -> dict:
+        """What this layout adds to summary.json (what the parameter servers did)."""
+        return {}
+
     def before_save(self, step: int) -> None:
         """A checkpoint of `step` is about to be written (a parameter server's workers call the servers
         into it: they hold the optimizer state)."""

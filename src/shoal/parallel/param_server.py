@@ -109,6 +109,15 @@ class PushPull:
             for s in [self.comm.send(msg, rank, "ps control") for rank in self.server_ranks]:
                 s.wait()
 
+    def update(self, lrs: list[float]) -> None:
+        """The step's update applies: the servers step, the workers pull."""
+        self.control(True, lrs)
+        self.pull()
+
+    def skip(self, lrs: list[float]) -> None:
+        """The step was not taken (a bad step): the servers drop its gradients."""
+        self.control(False, lrs)
+
     def finish(self) -> None:
         for s in self.header(HEADER_DONE):
             s.wait()
@@ -116,6 +125,12 @@ class PushPull:
     def before_save(self, step: int) -> None:
         for s in self.header(HEADER_SAVE, step):
             s.wait()
+
+    def step_metrics(self) -> dict:
+        return {}
+
+    def report(self) -> dict:
+        return {}
 
     def state_dict(self) -> dict:
         return {}
@@ -129,19 +144,19 @@ class RemoteOptimizer(torch.optim.Optimizer):
     asks the servers to apply the update and pulls the result. Every step ends with zero_grad(), where
     a step that was not taken (a bad step) is reported as skipped."""
 
-    def __init__(self, groups: list[dict], sync: PushPull, **defaults):
+    def __init__(self, groups: list[dict], sync, **defaults):
         super().__init__(groups, defaults)
         self.sync, self._told = sync, False
+        sync.groups = len(self.param_groups)  # the learning rates each message carries
 
     @torch.no_grad()
     def step(self, closure=None):
-        self.sync.control(True, [g["lr"] for g in self.param_groups])
-        self.sync.pull()
+        self.sync.update([g["lr"] for g in self.param_groups])
         self._told = True
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         if not self._told:
-            self.sync.control(False, [g["lr"] for g in self.param_groups])
+            self.sync.skip([g["lr"] for g in self.param_groups])
         self._told = False
         super().zero_grad(set_to_none=set_to_none)
 
@@ -149,7 +164,7 @@ class RemoteOptimizer(torch.optim.Optimizer):
 class ServedModel(Parallelized):
     """A parameter-server worker's model: whole, unwrapped; the servers reduce, clip and step."""
 
-    def __init__(self, model: torch.nn.Module, bundle: ModelBundle, sync: PushPull, *, comm: Comm,
+    def __init__(self, model: torch.nn.Module, bundle: ModelBundle, sync, *, comm: Comm,
                  device: torch.device, dp_rank: int, dp: int):
         super().__init__(model, model, bundle, comm=comm, sync=sync, device=device, dp_rank=dp_rank, dp=dp,
                          dp_group=None, loss_context=contextlib.nullcontext, owns_loss=True, sharded=False, zero=0)
@@ -175,3 +190,9 @@ class ServedModel(Parallelized):
 
     def before_save(self, step: int) -> None:
         self.push_pull.before_save(step)
+
+    def step_metrics(self) -> dict:
+        return self.push_pull.step_metrics()
+
+    def report(self) -> dict:
+        return self.push_pull.report()

@@ -167,11 +167,7 @@ def train_loop(t: Trainer, hooks: Hooks, make_loader: Callable[[int], Prefetcher
 def after_step(t: Trainer, hooks: Hooks, done: int, lr: float, out: dict, timer: StepTimer, sinks: MetricsSinks,
                record: Record) -> None:
     """Metrics, validation and hooks of step `done` (1-based: steps completed)."""
-    items = t.items_name
-    m = {"step": done, "time": time.time(), "loss": out["loss"], "lr": lr, "grad_norm": out["grad_norm"],
-         f"{items}_per_s": out["items"] / timer.total, "step_time_s": timer.total, **timer.phases,
-         # bytes this rank sent to keep the replicas in sync: this step, and since this attempt started
-         "comm_bytes": out["comm_bytes"], "comm_bytes_total": t.comm.sync_bytes}
+    m = step_metrics(t, done, lr, out, timer)
     if out["bad"]:
         m["skipped"] = True
         sinks.print(f"step {done}: loss {out['loss']}, gradient norm {out['grad_norm']}: update skipped")
@@ -182,9 +178,7 @@ def after_step(t: Trainer, hooks: Hooks, done: int, lr: float, out: dict, timer:
         # the largest rank's: the one that runs out first
         m.update({f"{k}_bytes": max(r[k] for r in record.memory_per_rank) for k in STATE_KINDS})
     if last or (t.train.val_interval and done % t.train.val_interval == 0):
-        t.phase.outside("validation")
-        m.update(evaluate(t.par, t.source, t.train, t.precision, t.comm, t.device))
-        sinks.print(f"step {done}: " + ", ".join(f"{k} {v:.4f}" for k, v in m.items() if k.startswith("val_")))
+        m.update(validate(t, sinks, done))
     record.history.append(m)
     sinks.step(m)
     if "peak_memory_bytes" in m or "skipped" in m or any(k.startswith("val_") for k in m):
@@ -192,3 +186,19 @@ def after_step(t: Trainer, hooks: Hooks, done: int, lr: float, out: dict, timer:
     t.phase.outside("checkpoint and hooks")
     for hook in hooks.after_step:
         hook(m, last, out["save"])
+
+
+def step_metrics(t: Trainer, done: int, lr: float, out: dict, timer: StepTimer) -> dict:
+    """What metrics.jsonl records of step `done` (validation aside)."""
+    return {"step": done, "time": time.time(), "loss": out["loss"], "lr": lr, "grad_norm": out["grad_norm"],
+            f"{t.items_name}_per_s": out["items"] / timer.total, "step_time_s": timer.total, **timer.phases,
+            # bytes this rank sent to keep the replicas in sync: this step, and since this attempt started
+            "comm_bytes": out["comm_bytes"], "comm_bytes_total": t.comm.sync_bytes, **t.par.step_metrics()}
+
+
+def validate(t: Trainer, sinks: MetricsSinks, done: int) -> dict:
+    """The validation metrics after step `done`, printed."""
+    t.phase.outside("validation")
+    val = evaluate(t.par, t.source, t.train, t.precision, t.comm, t.device)
+    sinks.print(f"step {done}: " + ", ".join(f"{k} {v:.4f}" for k, v in val.items()))
+    return val

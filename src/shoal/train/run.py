@@ -35,6 +35,7 @@ from shoal.parallel.apply import make_sync, parallelize
 from shoal.parallel.precision import Precision
 from shoal.parallel.zero import local_optimizer
 from shoal.rundir import RunDir, read_json, write_json
+from shoal.train.async_loop import async_train_loop, make_unit
 from shoal.train.bad_steps import BadStepPolicy
 from shoal.train.build import build_on, plain_model
 from shoal.train.loop import Hooks, Record, Trainer, train_loop
@@ -50,14 +51,17 @@ def run_job(cfg: Config, layout: Layout, source, run_dir: Path, env: DistEnv, co
     if not layout.servers:
         return run_training(cfg, layout, source, run_dir, env, comm, resume, phase)
     n = layout.dims.world_size
-    workers = comm.new_group(list(range(n)))  # collective: every rank creates both groups
+    workers = comm.new_group(list(range(n)))  # collective: every rank creates every group
     servers = comm.new_group(list(range(n, n + layout.servers)))
+    # asynchronous: each worker's collectives (its step's flags, its validation) are its own
+    alone = [comm.new_group([w]) for w in range(n)] if cfg.parallel.ps_mode == "async" else None
     if env.rank >= n:
         from shoal.train.serve import serve
 
         return serve(cfg, source.spec, env.rank - n, list(range(n)), servers if layout.servers > 1 else None, comm,
                      run_dir, resume)
-    return run_training(cfg, layout, source, run_dir, dataclasses.replace(env, world_size=n), comm.within(workers, n),
+    world = comm.within(alone[env.rank], 1) if alone else comm.within(workers, n)
+    return run_training(cfg, layout, source, run_dir, dataclasses.replace(env, world_size=world.world_size), world,
                         resume, phase)
 
 
@@ -135,7 +139,14 @@ def run_training(cfg: Config, layout: Layout, source, run_dir: Path, env: DistEn
     record = Record()
     start_step = sampler.step
     try:
-        finished = train_loop(trainer, hooks, lambda start: Prefetcher(make, start, cfg.data.prefetch), sinks, record)
+        if cfg.parallel.ps_mode == "async" and layout.servers:
+            def unit_batches(unit: int):
+                return make_unit(sampler, source, unit, dims.dp, cfg.train)
+
+            finished = async_train_loop(trainer, hooks, unit_batches, sinks, record, dims.dp, is_main)
+        else:
+            finished = train_loop(trainer, hooks, lambda start: Prefetcher(make, start, cfg.data.prefetch), sinks,
+                                  record)
         if not finished:  # asked to stop: keep the work done so far, then leave
             step = sampler.step
             # decided from what every rank knows alike (not the filesystem, which rank 0 may still be sealing)
@@ -154,6 +165,7 @@ def run_training(cfg: Config, layout: Layout, source, run_dir: Path, env: DistEn
                         time.perf_counter() - t_start, env.restart_count, recovery, run, is_main,
                         bad_steps.state_dict(), record.memory_per_rank, start_step)
     summary["checkpoints"] = ckpt.stats
+    summary.update(par.report())
     if cfg.checkpoint.final_weights:
         write_final_weights(par, cfg, source.spec, run, is_main, sampler.step)
     if is_main:
