@@ -170,6 +170,11 @@ class ParallelConfig(Section):
     (every-step data parallelism on another wire). async: each worker's gradient (its share of a global
     batch, normalised by its own items) is applied on arrival, and the worker pulls the parameters and
     its next share of data from the servers; a slow worker no longer holds the others back."""
+    ps_sparse: bool = False
+    """parameter-server: send embedding tables (nn.Embedding) by rows: a push carries the rows the batch
+    touched, a pull the rows that changed since the worker's last pull. Exact (the same training as
+    dense); few rows change only under an optimizer that leaves untouched rows alone (SGD without
+    momentum or weight decay), so with AdamW only the pushes shrink."""
     max_staleness: int = Field(4, ge=0)
     """parameter-server, async: how many updates a worker may push beyond the slowest live worker before
     it waits (stale-synchronous parallel; 0: in step with the slowest)."""

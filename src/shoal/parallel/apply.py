@@ -76,10 +76,10 @@ def parallelize(bundle: ModelBundle, layout: Layout, parallel: ParallelConfig, p
         server_ranks = list(range(dims.world_size, dims.world_size + layout.servers))
         model = bundle.model.to(device)
         if parallel.ps_mode == "async":  # each update is one worker's: its batch is its whole world
-            push_pull = AsyncPushPull(comm, server_ranks, rank, dims.dp, parallel.max_staleness)
+            push_pull = AsyncPushPull(comm, server_ranks, rank, dims.dp, parallel.max_staleness, parallel.ps_sparse)
             push_pull.attach(model, None, 1)
             return ServedModel(model, bundle, push_pull, comm=comm, device=device, dp_rank=0, dp=1)
-        push_pull = PushPull(comm, server_ranks, rank == 0)
+        push_pull = PushPull(comm, server_ranks, rank == 0, parallel.ps_sparse)
         push_pull.attach(model, None, dims.dp)
         return ServedModel(model, bundle, push_pull, comm=comm, device=device, dp_rank=rank, dp=dims.dp)
     sync = sync or make_sync(parallel, CommConfig(), comm)

@@ -35,6 +35,7 @@ import torch
 from shoal.comm.collectives import Comm
 from shoal.models.spec import ModelBundle
 from shoal.parallel.parallelized import Parallelized
+from shoal.parallel.ps_wire import Wire, sparse_tables
 
 HEADER_DONE, HEADER_STEP, HEADER_SAVE = 0.0, 1.0, 2.0  # a header: [what follows, its step]
 
@@ -56,15 +57,27 @@ class PushPull:
 
     name = "parameter-server"
 
-    def __init__(self, comm: Comm, server_ranks: list[int], is_first: bool):
-        self.comm, self.server_ranks, self.is_first = comm, server_ranks, is_first
+    def __init__(self, comm: Comm, server_ranks: list[int], is_first: bool, sparse: bool = False):
+        self.comm, self.server_ranks, self.is_first, self.sparse = comm, server_ranks, is_first, sparse
         self.shards: list[list[torch.Tensor]] = []
+        self.wires: list[Wire] = []
         self.norm = torch.zeros((), dtype=torch.float64)
+        self.pulled_bytes = 0  # bytes received from the servers, since the start (sent: comm.sync_bytes)
 
     def attach(self, model: torch.nn.Module, dp_group, dp: int) -> None:
         named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
-        params = dict(named)
-        self.shards = [[params[n] for n in names] for names in shard_names(named, len(self.server_ranks))]
+        params, tables = dict(named), sparse_tables(model) if self.sparse else set()
+        owned = shard_names(named, len(self.server_ranks))
+        self.shards = [[params[n] for n in names] for names in owned]
+        self.wires = [Wire(shard, [n in tables for n in names])
+                      for shard, names in zip(self.shards, owned, strict=True)]
+
+    def push(self, rank: int, wire: Wire) -> list:
+        """This step's gradients of the server's tensors (of its tables, the touched rows)."""
+        grads = [p.grad for p in wire.params]
+        sends, nbytes = wire.send(self.comm, rank, grads, wire.touched(grads), "ps gradients")
+        self.comm.sync_bytes += nbytes
+        return sends
 
     def install(self, module: torch.nn.Module, dp_group, log) -> None:
         pass  # no data-parallel wrapper: the servers reduce
@@ -81,10 +94,8 @@ class PushPull:
 
     def after_backward(self) -> None:
         sends = self.header(HEADER_STEP)
-        for rank, params in zip(self.server_ranks, self.shards, strict=True):
-            flat = torch.cat([p.grad.reshape(-1).float() for p in params])
-            self.comm.sync_bytes += flat.numel() * 4
-            sends.append(self.comm.send(flat, rank, "ps gradients"))
+        for rank, wire in zip(self.server_ranks, self.wires, strict=True):
+            sends += self.push(rank, wire)
         for s in sends:
             s.wait()
         self.norm = self.comm.recv(torch.zeros((), dtype=torch.float64), self.server_ranks[0], "ps norm")
@@ -95,12 +106,13 @@ class PushPull:
     @torch.no_grad()
     def pull(self) -> None:
         """The servers' new parameters, into this worker's model."""
-        for rank, params in zip(self.server_ranks, self.shards, strict=True):
-            flat = self.comm.recv(torch.empty(sum(p.numel() for p in params)), rank, "ps parameters")
-            offset = 0
-            for p in params:
-                p.copy_(flat[offset:offset + p.numel()].view_as(p))
-                offset += p.numel()
+        for rank, wire in zip(self.server_ranks, self.wires, strict=True):
+            self.pull_from(rank, wire)
+
+    def pull_from(self, rank: int, wire: Wire) -> None:
+        (flat,), rows, nbytes = wire.recv(self.comm, rank, "ps parameters")
+        wire.load(flat, rows)
+        self.pulled_bytes += nbytes
 
     def control(self, apply: bool, lrs: list[float]) -> None:
         """Worker 0 tells the servers whether the step's update applies, with each group's learning rate."""
@@ -127,7 +139,7 @@ class PushPull:
             s.wait()
 
     def step_metrics(self) -> dict:
-        return {}
+        return {"pulled_bytes_total": self.pulled_bytes}
 
     def report(self) -> dict:
         return {}

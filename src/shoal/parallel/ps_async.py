@@ -40,8 +40,9 @@ def staleness_bins(workers: int, max_staleness: int) -> int:
 class AsyncPushPull(PushPull):
     name = "parameter-server (async)"
 
-    def __init__(self, comm: Comm, server_ranks: list[int], worker: int, workers: int, max_staleness: int):
-        super().__init__(comm, server_ranks, worker == 0)
+    def __init__(self, comm: Comm, server_ranks: list[int], worker: int, workers: int, max_staleness: int,
+                 sparse: bool = False):
+        super().__init__(comm, server_ranks, worker == 0, sparse)
         self.unit = worker  # the first unit: dealt by rank; then server 0 deals
         self.workers, self.max_staleness = workers, max_staleness
         self.versions = [0] * len(server_ranks)  # each server's version this worker's parameters are
@@ -58,11 +59,8 @@ class AsyncPushPull(PushPull):
 
     def update(self, lrs: list[float]) -> None:
         sends = []
-        for rank, params, version in zip(self.server_ranks, self.shards, self.versions, strict=True):
-            sends.append(self.header(HEADER_STEP, lrs, rank, version))
-            flat = torch.cat([p.grad.reshape(-1).float() for p in params])
-            self.comm.sync_bytes += flat.numel() * 4
-            sends.append(self.comm.send(flat, rank, "ps gradients"))
+        for rank, wire, version in zip(self.server_ranks, self.wires, self.versions, strict=True):
+            sends += [self.header(HEADER_STEP, lrs, rank, version), *self.push(rank, wire)]
         for s in sends:
             s.wait()
         self.pull()
@@ -75,13 +73,13 @@ class AsyncPushPull(PushPull):
 
     def pull(self) -> None:
         self.staleness_max = 0
-        for i, rank in enumerate(self.server_ranks):
+        for i, (rank, wire) in enumerate(zip(self.server_ranks, self.wires, strict=True)):
             version, staleness, unit = self.comm.recv(torch.zeros(3, dtype=torch.float64), rank, "ps version").tolist()
             self.versions[i] = int(version)
             self.staleness_max = max(self.staleness_max, int(staleness))
             if i == 0:
                 self.unit = int(unit)
-        super().pull()
+            self.pull_from(rank, wire)
 
     def finish(self) -> None:
         """Leave (once); worker 0 then waits for the final parameters and the servers' accounts."""
@@ -105,7 +103,7 @@ class AsyncPushPull(PushPull):
             "staleness_max": max(max((s for s, c in enumerate(h) if c), default=0) for _, _, *h in accounts)}
 
     def step_metrics(self) -> dict:
-        return {"ps_version": self.versions[0], "staleness_max": self.staleness_max}
+        return {**super().step_metrics(), "ps_version": self.versions[0], "staleness_max": self.staleness_max}
 
     def report(self) -> dict:
         return {"parameter_server": self.account} if self.account else {}

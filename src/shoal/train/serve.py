@@ -21,6 +21,7 @@ from shoal.comm.collectives import Comm
 from shoal.config import Config
 from shoal.parallel.param_server import HEADER_DONE, HEADER_SAVE, HEADER_STEP, shard_names
 from shoal.parallel.ps_async import staleness_bins
+from shoal.parallel.ps_wire import Wire, sparse_tables
 from shoal.rundir import RunDir
 from shoal.train.build import build_on
 from shoal.train.optim import optimizer_groups
@@ -34,7 +35,12 @@ class Shard:
         self.model = build_on(cfg.model, spec, init=init).model
         named = [(n, p) for n, p in self.model.named_parameters() if p.requires_grad]
         params = dict(named)
-        self.params = [params[n] for n in shard_names(named, cfg.parallel.servers)[index]]
+        names = shard_names(named, cfg.parallel.servers)[index]
+        self.params = [params[n] for n in names]
+        tables = sparse_tables(self.model) if cfg.parallel.ps_sparse else set()
+        self.wire = Wire(self.params, [n in tables for n in names])
+        # per worker, per table: the rows that changed since that worker's last pull
+        self.stale_rows: dict[int, list[torch.Tensor]] = {}
         if not self.params:
             raise RuntimeError(f"parameter server {index} owns no tensor: use fewer servers than the model has "
                                f"tensors")
@@ -42,6 +48,23 @@ class Shard:
         self.optimizer = optimizer_class(groups, **hyper)
         self.numel = sum(p.numel() for p in self.params)
         self.max_norm = cfg.train.grad_clip or math.inf
+
+    def track(self, workers: list[int]) -> None:
+        self.stale_rows = {w: [torch.zeros(t.shape[0], dtype=torch.bool) for t in self.wire.tables] for w in workers}
+
+    def recv_grads(self, comm: Comm, w: int) -> torch.Tensor:
+        """Worker `w`'s push, as the dense flat gradient of this shard."""
+        (flat,), rows, _ = self.wire.recv(comm, w, "ps gradients")
+        return self.wire.dense_grad(flat, rows)
+
+    def send_values(self, comm: Comm, w: int) -> list:
+        """The parameters, to worker `w` (of the tables, the rows that changed since its last pull)."""
+        rows = None
+        if self.wire.tables:
+            rows = [m.nonzero().squeeze(1) for m in self.stale_rows[w]]
+            for m in self.stale_rows[w]:
+                m.zero_()
+        return self.wire.send(comm, w, self.params, rows, "ps parameters")[0]
 
     def set_grads(self, flat: torch.Tensor) -> None:
         offset = 0
@@ -55,11 +78,13 @@ class Shard:
         for group, lr in zip(self.optimizer.param_groups, lrs, strict=True):
             group["lr"] = lr
         torch.nn.utils.clip_grads_with_norm_(self.params, self.max_norm, norm.float())
+        before = [t.clone() for t in self.wire.tables]
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
-
-    def flat(self) -> torch.Tensor:
-        return torch.cat([p.reshape(-1) for p in self.params])
+        for i, (old, t) in enumerate(zip(before, self.wire.tables, strict=True)):
+            changed = t.ne(old).reshape(t.shape[0], -1).any(dim=1)
+            for masks in self.stale_rows.values():
+                masks[i] |= changed
 
     def save(self, tmp: Path, comm: Comm) -> None:
         """Collective with the workers' save: this server's optimizer state (they write the parameters)."""
@@ -74,6 +99,7 @@ def serve(cfg: Config, spec, index: int, workers: list[int], server_group, comm:
     # the workers' first agreement too (run_training): the same checkpoint on every rank
     resume_path = comm.agree("resume_from", lambda: str(find_resume_point(run.checkpoints, resume) or ""))
     shard = Shard(cfg, spec, index, init=not resume_path)
+    shard.track(workers)
     if resume_path:  # collective with the workers' load: they take the parameters, this server its state
         load_checkpoint(Path(resume_path), shard.model, shard.optimizer, comm)
     with torch.no_grad():
@@ -95,7 +121,7 @@ def serve_sync(shard: Shard, run: RunDir, index: int, workers: list[int], server
             shard.save(run.checkpoints / (step_dir_name(int(step)) + ".tmp"), comm)
             saves += 1
             continue
-        grads = [comm.recv(torch.empty(shard.numel), w, "ps gradients") for w in workers]
+        grads = [shard.recv_grads(comm, w) for w in workers]
         mean = grads[0]
         for g in grads[1:]:  # in rank order: the same sum every time
             mean += g
@@ -114,8 +140,7 @@ def serve_sync(shard: Shard, run: RunDir, index: int, workers: list[int], server
         if control[0].item() == 1.0:
             shard.apply(control[1:].tolist(), norm)
             applied += 1
-            flat = shard.flat()
-            for s in [comm.send(flat, w, "ps parameters") for w in workers]:
+            for s in [s for w in workers for s in shard.send_values(comm, w)]:
                 s.wait()
         else:
             shard.optimizer.zero_grad(set_to_none=True)
@@ -144,7 +169,7 @@ def serve_async(shard: Shard, cfg: Config, index: int, workers: list[int], comm:
         since[w] = 0
         # not waited for here: a worker reads its servers' replies in turn, and may be held by another
         # server, so waiting would tie this server to that one
-        outbox.extend([comm.send(meta, w, "ps version"), comm.send(shard.flat(), w, "ps parameters")])
+        outbox.extend([comm.send(meta, w, "ps version"), *shard.send_values(comm, w)])
         for s in [s for s in outbox if s.work.is_completed()]:
             s.wait()  # done: closes its record in the collective log
             outbox.remove(s)
@@ -164,7 +189,7 @@ def serve_async(shard: Shard, cfg: Config, index: int, workers: list[int], comm:
             release()
             continue
         if kind == HEADER_STEP:
-            shard.set_grads(comm.recv(torch.empty(shard.numel), w, "ps gradients"))
+            shard.set_grads(shard.recv_grads(comm, w))
             staleness = version - int(pulled)
             shard.apply(lrs, torch.tensor(norm, dtype=torch.float64))
             version += 1
