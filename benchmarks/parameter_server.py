@@ -127,7 +127,7 @@ def main() -> int:
                     if mode == "all-reduce" and not straggler:  # the straggler sleeps twice a normal step
                         delay = 2 * statistics.median(x["step_time_s"] for x in runs[mode, False]["steps"][1:])
             cluster(WORKERS + 1)
-            ncf = {kind: train(f"ncf-{kind}", [*NCF, f"parallel.ps_sparse={kind == 'sparse'}"], Path(tmp))
+            ncf = {kind: train(f"ncf-{kind}", [*NCF, f"parallel.ps_sparse={str(kind == 'sparse').lower()}"], Path(tmp))
                    for kind in ("dense", "sparse")}
     finally:
         shoal("cluster", "down", capture_output=True)
