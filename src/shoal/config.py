@@ -170,6 +170,10 @@ class ParallelConfig(Section):
     (every-step data parallelism on another wire). async: each worker's gradient (its share of a global
     batch, normalised by its own items) is applied on arrival, and the worker pulls the parameters and
     its next share of data from the servers; a slow worker no longer holds the others back."""
+    ps_aggregate: int = Field(1, ge=1)
+    """parameter-server, async: updates a server averages into one step (each clipped by its own norm
+    first), applied as soon as that many arrived from any workers; 1: each on arrival. The number of
+    workers gives steps of the synchronous batch size without waiting for the slowest."""
     ps_sparse: bool = False
     """parameter-server: send embedding tables (nn.Embedding) by rows: a push carries the rows the batch
     touched, a pull the rows that changed since the worker's last pull. Exact (the same training as

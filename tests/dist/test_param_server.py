@@ -64,22 +64,25 @@ def test_sync_parameter_server_killed_and_resumed_equals_uninterrupted(tmp_path,
     assert losses_by_step(read_metrics(run_dir)) == losses_by_step(read_metrics(ref_dir))
 
 
-@pytest.mark.parametrize("servers,max_staleness", [(1, 0), (2, 3)])
+@pytest.mark.parametrize("servers,max_staleness,aggregate", [(1, 0, 1), (2, 3, 1), (1, 0, 3)])
 def test_async_parameter_server_trains_every_unit_once_within_the_staleness_bound(tmp_path, ranks, every_step,
-                                                                                 servers, max_staleness):
+                                                                                 servers, max_staleness, aggregate):
     """Three workers, one or two servers, async: every share of every global batch is applied exactly once
-    (3 x 20 updates), no update is staler than the stale-synchronous bound, and the model learns about
-    at least about as well as every-step data parallelism (not equal: three updates per global batch)."""
+    (3 x 20 updates), no update is staler than the stale-synchronous bound, and the model learns
+    at least about as well as every-step data parallelism. With max_staleness 0 and the updates of all
+    three workers aggregated, the workers move in lockstep: nothing is stale."""
     run_dir = tmp_path / "run"
     out = ranks(3 + servers).run(train_on_ranks, [*BASE, 'parallel.sync="parameter-server"', 'parallel.ps_mode="async"',
                                                   f"parallel.servers={servers}", f"parallel.max_staleness={max_staleness}",
-                                                  "train.global_batch_size=6"],
+                                                  f"parallel.ps_aggregate={aggregate}", "train.global_batch_size=6"],
                        str(run_dir))
     summary = out[0][0]
     ps = summary["parameter_server"]
     assert ps["updates_applied"] == 3 * 20 == out[3][0]["applied"] == out[-1][0]["applied"]
     assert sum(ps["staleness_histogram"].values()) == 60
     assert ps["staleness_max"] <= (2 * max_staleness + 1) * 2
+    if aggregate == 3:
+        assert ps["staleness_histogram"] == {"0": 60}
     metrics = read_metrics(run_dir)
     assert max(m["staleness_max"] for m in metrics if "staleness_max" in m) <= ps["staleness_max"]
     ref = [m["val_loss"] for m in read_metrics(every_step) if "val_loss" in m]
@@ -107,3 +110,17 @@ def test_sparse_embedding_pushes_and_pulls_train_what_dense_ones_do(tmp_path, ra
     d, s = read_metrics(dense)[-1], read_metrics(sparse)[-1]
     assert s["comm_bytes_total"] < 0.3 * d["comm_bytes_total"], (s, d)
     assert s["pulled_bytes_total"] < 0.3 * d["pulled_bytes_total"], (s, d)
+
+
+def test_async_with_one_worker_is_the_synchronous_server(tmp_path, ranks):
+    """One worker: async's units are whole global batches and nothing is stale, so it must train
+    bitwise what the synchronous server trains (the same arithmetic on another path)."""
+    mode = ['parallel.sync="parameter-server"', "train.steps=8"]
+    runs = {}
+    for ps_mode in ("sync", "async"):
+        runs[ps_mode] = tmp_path / ps_mode
+        ranks(2).run(train_on_ranks, [*BASE, *mode, f'parallel.ps_mode="{ps_mode}"'], str(runs[ps_mode]))
+    assert losses(runs["async"]) == losses(runs["sync"])
+    ref = read_weights(runs["sync"])
+    for k, w in read_weights(runs["async"]).items():
+        assert torch.equal(w, ref[k]), k

@@ -41,6 +41,7 @@ class Shard:
         self.wire = Wire(self.params, [n in tables for n in names])
         # per worker, per table: the rows that changed since that worker's last pull
         self.stale_rows: dict[int, list[torch.Tensor]] = {}
+        self.held: list[torch.Tensor] | None = None  # async: gradients waiting to be aggregated
         if not self.params:
             raise RuntimeError(f"parameter server {index} owns no tensor: use fewer servers than the model has "
                                f"tensors")
@@ -72,12 +73,31 @@ class Shard:
             p.grad = flat[offset:offset + p.numel()].view_as(p).clone()
             offset += p.numel()
 
-    def apply(self, lrs: list[float], norm: torch.Tensor) -> None:
-        """One optimizer step with the gradients set, clipped by `norm` (the whole update's norm) as
-        torch's clip_grads_with_norm_ does, at the learning rates the workers' schedule gave."""
+    def clip(self, norm: torch.Tensor) -> None:
+        """The gradients set, clipped by `norm` (the whole update's norm) as torch's clip_grads_with_norm_ does."""
+        torch.nn.utils.clip_grads_with_norm_(self.params, self.max_norm, norm.float())
+
+    def hold(self) -> None:
+        """Add the gradients set to those held for the next aggregated step."""
+        if self.held is None:
+            self.held = [p.grad for p in self.params]
+        else:
+            for h, p in zip(self.held, self.params, strict=True):
+                h += p.grad
+
+    def set_held(self, count: int) -> None:
+        """The mean of the `count` held gradients, as the gradients to apply."""
+        for h, p in zip(self.held, self.params, strict=True):
+            p.grad = h if count == 1 else h / count
+        self.held = None
+
+    def apply(self, lrs: list[float], norm: torch.Tensor | None = None) -> None:
+        """One optimizer step with the gradients set (clipped by `norm` first, if given), at the learning
+        rates the workers' schedule gave."""
         for group, lr in zip(self.optimizer.param_groups, lrs, strict=True):
             group["lr"] = lr
-        torch.nn.utils.clip_grads_with_norm_(self.params, self.max_norm, norm.float())
+        if norm is not None:
+            self.clip(norm)
         before = [t.clone() for t in self.wire.tables]
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
@@ -122,10 +142,11 @@ def serve_sync(shard: Shard, run: RunDir, index: int, workers: list[int], server
             saves += 1
             continue
         grads = [shard.recv_grads(comm, w) for w in workers]
-        mean = grads[0]
-        for g in grads[1:]:  # in rank order: the same sum every time
-            mean += g
-        mean /= n
+        # each divided by n, then summed in rank order: DDP's order of operations (it divides before
+        # its all-reduce), so the rounding differs from data parallelism only in the sum's order
+        mean = grads[0] / n
+        for g in grads[1:]:
+            mean += g / n
         shard.set_grads(mean)
         squares = torch.nn.utils.get_total_norm([p.grad for p in shard.params]).double() ** 2
         if server_group is not None:
@@ -159,6 +180,9 @@ def serve_async(shard: Shard, cfg: Config, index: int, workers: list[int], comm:
     outbox: list = []  # replies in flight
     hist = torch.zeros(staleness_bins(n, k), dtype=torch.float64)
     version, started = 0, time.perf_counter()
+    aggregate = cfg.parallel.ps_aggregate
+    waiting: list[int] = []  # the pulled versions of the updates held for the next step
+    newest_lrs: list[float] = []
 
     def reply(w: int) -> None:
         nonlocal next_unit
@@ -173,6 +197,20 @@ def serve_async(shard: Shard, cfg: Config, index: int, workers: list[int], comm:
         for s in [s for s in outbox if s.work.is_completed()]:
             s.wait()  # done: closes its record in the collective log
             outbox.remove(s)
+
+    def step() -> None:
+        """Apply the held updates (their mean, at the newest one's learning rates); each one's staleness
+        is counted."""
+        nonlocal version
+        shard.set_held(len(waiting))
+        shard.apply(newest_lrs)
+        for pulled in waiting:
+            staleness = version - pulled
+            hist[min(staleness, len(hist) - 1)] += 1
+            for u in since:
+                since[u] = max(since[u], staleness)
+        waiting.clear()
+        version += 1
 
     def release() -> None:
         slowest = min((clock[u] for u in live), default=0)
@@ -190,15 +228,17 @@ def serve_async(shard: Shard, cfg: Config, index: int, workers: list[int], comm:
             continue
         if kind == HEADER_STEP:
             shard.set_grads(shard.recv_grads(comm, w))
-            staleness = version - int(pulled)
-            shard.apply(lrs, torch.tensor(norm, dtype=torch.float64))
-            version += 1
-            hist[min(staleness, len(hist) - 1)] += 1
-            for u in since:
-                since[u] = max(since[u], staleness)
+            shard.clip(torch.tensor(norm, dtype=torch.float64))  # each update clipped as a whole
+            shard.hold()
+            waiting.append(int(pulled))
+            newest_lrs = lrs
+            if len(waiting) == aggregate:
+                step()
         clock[w] += 1
         held.append(w)
         release()
+    if waiting:  # the last few updates, fewer than parallel.ps_aggregate
+        step()
     applied = int(hist.sum().item())
     reply(workers[0])  # the final parameters
     account = torch.cat([torch.tensor([applied, time.perf_counter() - started], dtype=torch.float64), hist])
