@@ -72,10 +72,12 @@ class PushPull:
         self.wires = [Wire(shard, [n in tables for n in names])
                       for shard, names in zip(self.shards, owned, strict=True)]
 
-    def push(self, rank: int, wire: Wire) -> list:
-        """This step's gradients of the server's tensors (of its tables, the touched rows)."""
+    def push(self, to, wire: Wire) -> list:
+        """This step's gradients of a server's tensors (of its tables, the touched rows), to global rank
+        `to` (or over the link `to`)."""
         grads = [p.grad for p in wire.params]
-        sends, nbytes = wire.send(self.comm, rank, grads, wire.touched(grads), "ps gradients")
+        channel, dst = (self.comm, to) if isinstance(to, int) else (to, None)
+        sends, nbytes = wire.send(channel, dst, grads, wire.touched(grads), "ps gradients")
         self.comm.sync_bytes += nbytes
         return sends
 
@@ -109,8 +111,10 @@ class PushPull:
         for rank, wire in zip(self.server_ranks, self.wires, strict=True):
             self.pull_from(rank, wire)
 
-    def pull_from(self, rank: int, wire: Wire) -> None:
-        (flat,), rows, nbytes = wire.recv(self.comm, rank, "ps parameters")
+    def pull_from(self, frm, wire: Wire) -> None:
+        """A server's new parameters, from global rank `frm` (or over the link `frm`), into the model."""
+        channel, src = (self.comm, frm) if isinstance(frm, int) else (frm, None)
+        (flat,), rows, nbytes = wire.recv(channel, src, "ps parameters")
         wire.load(flat, rows)
         self.pulled_bytes += nbytes
 

@@ -1,10 +1,13 @@
 """A parameter-server worker, asynchronous (parallel.ps_mode = "async"): its side of the wire.
 
-Data is dealt, not split: a global batch of step t is cut into one share per worker (the shares every-step
+Workers talk to each server over a link of their own (ps_links.py), so they can come and go: a new
+or restarted worker registers, joins (header [4, ...]: the reply is the current parameters and a unit),
+and trains. Data is dealt, not split: a global batch of step t is cut into one share per worker (the shares every-step
 data parallelism would give, unit u = t * workers + shard), and server 0 hands out the next unit with
 each reply, in order. Worker w starts with unit w. So the sequence of units is the run's fixed data
-order, every unit is trained once, and a fast worker simply trains more of them; which worker trains
-which unit depends on timing (as does the order updates arrive in).
+order, every unit is trained once (a unit whose worker left before it was applied is dealt again), and
+a fast worker simply trains more of them; which worker trains which unit depends on timing (as does
+the order updates arrive in).
 
 One unit, on a worker:
   forward/backward of the unit (loss normalised by the unit's own items: the update is one worker's)
@@ -16,91 +19,124 @@ One unit, on a worker:
               last pull, the next unit (server 0; -1: none left)] and its tensors' new values. A server
               may hold the reply back (stale-synchronous parallel, train/serve.py)
   a bad step -> the header [3, unit, ...] without gradients: nothing is applied, the reply comes
-  no unit left -> the header [0, ...]: the worker leaves; worker 0 then receives the final parameters
-              and each server's account (updates applied, staleness histogram) once every worker left
+  no unit left -> the header [0, ...]: the worker leaves; the worker of slot 0 then receives the final
+              parameters and each server's account (updates applied, staleness histogram, the workers
+              that joined and left) once every unit is applied
 """
 
 from __future__ import annotations
+
+import json
 
 import torch
 
 from shoal.comm.collectives import Comm
 from shoal.parallel.param_server import HEADER_DONE, HEADER_STEP, PushPull
+from shoal.parallel.ps_links import WORKER, Link, register
 
-HEADER_SKIP = 3.0
+HEADER_SKIP, HEADER_JOIN = 3.0, 4.0
+
+
+def header_size(groups: int) -> int:
+    """[kind, unit, pulled version, norm, one learning rate per parameter group]"""
+    return 4 + groups
 
 
 def staleness_bins(workers: int, max_staleness: int) -> int:
     """Histogram length: a worker may be max_staleness + 1 pushes ahead of one that has just pulled and
     max_staleness behind it, so an update waits for at most (2 k + 1) updates of each other worker; one
-    more bin counts anything beyond (none is expected)."""
+    more bin counts anything beyond (a worker that joined late, or none)."""
     return (2 * max_staleness + 1) * (workers - 1) + 2
+
+
+def account_tensors(hist: torch.Tensor, seconds: float, joined: list[dict], left: list[dict]) -> list[torch.Tensor]:
+    """A server's account for worker slot 0: [updates applied, seconds, bytes of the JSON, histogram...]
+    and the JSON of who joined and left (uint8)."""
+    text = torch.frombuffer(bytearray(json.dumps({"joined": joined, "left": left}).encode()), dtype=torch.uint8)
+    return [torch.cat([torch.tensor([hist.sum().item(), seconds, len(text)], dtype=torch.float64), hist]), text]
 
 
 class AsyncPushPull(PushPull):
     name = "parameter-server (async)"
 
-    def __init__(self, comm: Comm, server_ranks: list[int], worker: int, workers: int, max_staleness: int,
-                 sparse: bool = False):
-        super().__init__(comm, server_ranks, worker == 0, sparse)
-        self.unit = worker  # the first unit: dealt by rank; then server 0 deals
+    def __init__(self, comm: Comm, store, servers: int, slot: int, workers: int, max_staleness: int,
+                 timeout_s: float, sparse: bool = False):
+        super().__init__(comm, list(range(servers)), slot == 0, sparse)
+        self.store, self.slot, self.timeout_s = store, slot, timeout_s
         self.workers, self.max_staleness = workers, max_staleness
-        self.versions = [0] * len(server_ranks)  # each server's version this worker's parameters are
+        self.unit = -1
+        self.versions = [0] * servers  # each server's version this worker's parameters are
         self.staleness_max = 0  # the largest staleness the servers applied since the previous pull
+        self.links: list[Link] = []
         self.left = False
         self.account: dict = {}
+
+    def join(self) -> None:
+        """Register, link to every server, and pull the current parameters and a first unit."""
+        worker = register(self.store, self.slot)
+        self.links = [Link(self.store, s, worker, WORKER, self.timeout_s, self.comm) for s in self.server_ranks]
+        for s in [link.send(self.message(HEADER_JOIN, [0.0] * self.groups, 0), label="ps header")
+                  for link in self.links]:
+            s.wait()
+        self.pull()
 
     def after_backward(self) -> None:
         self.norm = torch.nn.utils.get_total_norm([p.grad for shard in self.shards for p in shard]).double()
 
-    def header(self, kind: float, lrs: list[float], rank: int, version: int):
-        msg = torch.tensor([kind, self.unit, version, self.norm.item(), *lrs], dtype=torch.float64)
-        return self.comm.send(msg, rank, "ps header")
+    def message(self, kind: float, lrs: list[float], version: int) -> torch.Tensor:
+        return torch.tensor([kind, self.unit, version, self.norm.item(), *lrs], dtype=torch.float64)
 
     def update(self, lrs: list[float]) -> None:
         sends = []
-        for rank, wire, version in zip(self.server_ranks, self.wires, self.versions, strict=True):
-            sends += [self.header(HEADER_STEP, lrs, rank, version), *self.push(rank, wire)]
+        for link, wire, version in zip(self.links, self.wires, self.versions, strict=True):
+            sends += [link.send(self.message(HEADER_STEP, lrs, version), label="ps header"), *self.push(link, wire)]
         for s in sends:
             s.wait()
         self.pull()
 
     def skip(self, lrs: list[float]) -> None:
-        for s in [self.header(HEADER_SKIP, lrs, rank, v) for rank, v in zip(self.server_ranks, self.versions,
-                                                                           strict=True)]:
+        for s in [link.send(self.message(HEADER_SKIP, lrs, v), label="ps header")
+                  for link, v in zip(self.links, self.versions, strict=True)]:
             s.wait()
         self.pull()
 
     def pull(self) -> None:
         self.staleness_max = 0
-        for i, (rank, wire) in enumerate(zip(self.server_ranks, self.wires, strict=True)):
-            version, staleness, unit = self.comm.recv(torch.zeros(3, dtype=torch.float64), rank, "ps version").tolist()
+        for i, (link, wire) in enumerate(zip(self.links, self.wires, strict=True)):
+            version, staleness, unit = link.recv(torch.zeros(3, dtype=torch.float64), label="ps version").tolist()
             self.versions[i] = int(version)
             self.staleness_max = max(self.staleness_max, int(staleness))
             if i == 0:
                 self.unit = int(unit)
-            self.pull_from(rank, wire)
+            self.pull_from(link, wire)
 
     def finish(self) -> None:
-        """Leave (once); worker 0 then waits for the final parameters and the servers' accounts."""
+        """Leave (once); slot 0 then waits for the final parameters and the servers' accounts."""
         if self.left:
             return
         self.left = True
-        for s in [self.header(HEADER_DONE, [0.0] * self.groups, rank, 0) for rank in self.server_ranks]:
+        for s in [link.send(self.message(HEADER_DONE, [0.0] * self.groups, 0), label="ps header")
+                  for link in self.links]:
             s.wait()
         if not self.is_first:
             return
         self.pull()
         bins = staleness_bins(self.workers, self.max_staleness)
-        accounts = [self.comm.recv(torch.zeros(2 + bins, dtype=torch.float64), rank, "ps account").tolist()
-                    for rank in self.server_ranks]
-        applied, seconds, *hist = accounts[0]
+        accounts = []
+        for link in self.links:
+            applied, seconds, size, *hist = link.recv(torch.zeros(3 + bins, dtype=torch.float64),
+                                                      label="ps account").tolist()
+            people = json.loads(bytes(link.recv(torch.zeros(int(size), dtype=torch.uint8),
+                                                label="ps account").tolist()).decode())
+            accounts.append((applied, seconds, hist, people))
+        applied, seconds, hist, people = accounts[0]
         self.account = {
             "mode": "async", "max_staleness": self.max_staleness, "updates_applied": int(applied),
             "updates_per_s": applied / seconds if seconds else None,
             # server 0's (each server applies every update, in the order they reach it)
             "staleness_histogram": {str(s): int(c) for s, c in enumerate(hist) if c},
-            "staleness_max": max(max((s for s, c in enumerate(h) if c), default=0) for _, _, *h in accounts)}
+            "staleness_max": max(max((s for s, c in enumerate(h) if c), default=0) for _, _, h, _ in accounts),
+            "workers_joined": people["joined"], "workers_left": people["left"]}
 
     def step_metrics(self) -> dict:
         return {**super().step_metrics(), "ps_version": self.versions[0], "staleness_max": self.staleness_max}

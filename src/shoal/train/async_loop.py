@@ -23,9 +23,10 @@ def async_train_loop(t: Trainer, hooks: Hooks, unit_batches: Callable[[int], lis
                      record: Record, workers: int, is_main: bool) -> bool:
     """Train the units dealt to this worker; returns False when it was asked to stop early."""
     ps = t.par.push_pull
+    ps.join()  # the current parameters and a first unit
     timer = StepTimer(t.device)
-    done = 0
-    while True:
+    done, m, out = 0, None, {"stop": False}
+    while ps.unit >= 0:
         unit = ps.unit
         t.phase.begin_step(done + 1)
         timer.start()
@@ -46,10 +47,11 @@ def async_train_loop(t: Trainer, hooks: Hooks, unit_batches: Callable[[int], lis
         if is_main and t.train.val_interval and done % t.train.val_interval == 0:
             m.update(validate(t, sinks, done))
         log(t, m, sinks, record)
-    t.par.finish()  # worker 0: the final parameters, once every worker is done
-    if is_main and not out["stop"]:
-        m.update(validate(t, sinks, done))
-    log(t, m, sinks, record, last=True)
+    t.par.finish()  # slot 0: the final parameters, once every unit is applied
+    if m is not None:  # (none: this worker joined when every unit was dealt)
+        if is_main and not out["stop"]:
+            m.update(validate(t, sinks, done))
+        log(t, m, sinks, record, last=True)
     return not out["stop"]
 
 

@@ -6,7 +6,7 @@ workers do, and writes its optimizer state into every checkpoint they write."""
 from __future__ import annotations
 
 import math
-import time
+import sys
 from pathlib import Path
 
 import torch
@@ -19,12 +19,12 @@ from shoal.checkpoint.resume import find_resume_point
 from shoal.checkpoint.tensors import tensor_state
 from shoal.comm.collectives import Comm
 from shoal.config import Config
-from shoal.parallel.param_server import HEADER_DONE, HEADER_SAVE, HEADER_STEP, shard_names
-from shoal.parallel.ps_async import staleness_bins
+from shoal.parallel.param_server import HEADER_DONE, HEADER_SAVE, shard_names
 from shoal.parallel.ps_wire import Wire, sparse_tables
 from shoal.rundir import RunDir
 from shoal.train.build import build_on
 from shoal.train.optim import optimizer_groups
+from shoal.train.serve_async import serve_async
 
 
 class Shard:
@@ -51,7 +51,12 @@ class Shard:
         self.max_norm = cfg.train.grad_clip or math.inf
 
     def track(self, workers: list[int]) -> None:
+        """Workers that start with the initial parameters (the synchronous mode's)."""
         self.stale_rows = {w: [torch.zeros(t.shape[0], dtype=torch.bool) for t in self.wire.tables] for w in workers}
+
+    def track_worker(self, w: int) -> None:
+        """A worker that joins: its first pull takes every row."""
+        self.stale_rows[w] = [torch.ones(t.shape[0], dtype=torch.bool) for t in self.wire.tables]
 
     def recv_grads(self, comm: Comm, w: int) -> torch.Tensor:
         """Worker `w`'s push, as the dense flat gradient of this shard."""
@@ -113,18 +118,20 @@ class Shard:
 
 
 def serve(cfg: Config, spec, index: int, workers: list[int], server_group, comm: Comm, run_dir: Path,
-          resume: str = "auto") -> dict:
+          resume: str = "auto", store=None) -> dict:
     """Serve shard `index` until every worker is done; returns what this server did."""
     run = RunDir(run_dir)
     # the workers' first agreement too (run_training): the same checkpoint on every rank
     resume_path = comm.agree("resume_from", lambda: str(find_resume_point(run.checkpoints, resume) or ""))
     shard = Shard(cfg, spec, index, init=not resume_path)
-    shard.track(workers)
+    if cfg.parallel.ps_mode == "sync":
+        shard.track(workers)
     if resume_path:  # collective with the workers' load: they take the parameters, this server its state
         load_checkpoint(Path(resume_path), shard.model, shard.optimizer, comm)
     with torch.no_grad():
         if cfg.parallel.ps_mode == "async":
-            done = serve_async(shard, cfg, index, workers, comm)
+            done = serve_async(shard, cfg, index, len(workers), comm, store or comm.store,
+                               lambda text: print(text, file=sys.stderr, flush=True))
         else:
             done = serve_sync(shard, run, index, workers, server_group, comm)
     return {"server": index, "tensors": len(shard.params), "parameters": shard.numel, **done,
@@ -166,83 +173,3 @@ def serve_sync(shard: Shard, run: RunDir, index: int, workers: list[int], server
         else:
             shard.optimizer.zero_grad(set_to_none=True)
     return {"steps": steps, "applied": applied, "saves": saves}
-
-
-def serve_async(shard: Shard, cfg: Config, index: int, workers: list[int], comm: Comm) -> dict:
-    """Apply each worker's update on arrival; reply with the new parameters (and, server 0, the next
-    unit of data) unless the worker is more than max_staleness updates ahead of the slowest live worker
-    (stale-synchronous parallel, Ho et al. 2013): then its reply waits until the slowest catches up."""
-    n, k, groups = len(workers), cfg.parallel.max_staleness, len(shard.optimizer.param_groups)
-    total_units, next_unit = n * cfg.train.steps, n  # worker w starts with unit w
-    live, clock = set(workers), dict.fromkeys(workers, 0)
-    since = dict.fromkeys(workers, 0)  # the largest staleness applied since the worker's last reply
-    held: list[int] = []
-    outbox: list = []  # replies in flight
-    hist = torch.zeros(staleness_bins(n, k), dtype=torch.float64)
-    version, started = 0, time.perf_counter()
-    aggregate = cfg.parallel.ps_aggregate
-    waiting: list[int] = []  # the pulled versions of the updates held for the next step
-    newest_lrs: list[float] = []
-
-    def reply(w: int) -> None:
-        nonlocal next_unit
-        unit = -1
-        if index == 0 and w in live:
-            unit, next_unit = (next_unit if next_unit < total_units else -1), next_unit + 1
-        meta = torch.tensor([version, since[w], unit], dtype=torch.float64)
-        since[w] = 0
-        # not waited for here: a worker reads its servers' replies in turn, and may be held by another
-        # server, so waiting would tie this server to that one
-        outbox.extend([comm.send(meta, w, "ps version"), *shard.send_values(comm, w)])
-        for s in [s for s in outbox if s.work.is_completed()]:
-            s.wait()  # done: closes its record in the collective log
-            outbox.remove(s)
-
-    def step() -> None:
-        """Apply the held updates (their mean, at the newest one's learning rates); each one's staleness
-        is counted."""
-        nonlocal version
-        shard.set_held(len(waiting))
-        shard.apply(newest_lrs)
-        for pulled in waiting:
-            staleness = version - pulled
-            hist[min(staleness, len(hist) - 1)] += 1
-            for u in since:
-                since[u] = max(since[u], staleness)
-        waiting.clear()
-        version += 1
-
-    def release() -> None:
-        slowest = min((clock[u] for u in live), default=0)
-        for w in [w for w in held if clock[w] - slowest <= k]:
-            held.remove(w)
-            reply(w)
-
-    while live:
-        header = torch.zeros(4 + groups, dtype=torch.float64)
-        w = comm.recv_any(header, "ps header")
-        kind, _unit, pulled, norm, *lrs = header.tolist()
-        if kind == HEADER_DONE:
-            live.discard(w)
-            release()
-            continue
-        if kind == HEADER_STEP:
-            shard.set_grads(shard.recv_grads(comm, w))
-            shard.clip(torch.tensor(norm, dtype=torch.float64))  # each update clipped as a whole
-            shard.hold()
-            waiting.append(int(pulled))
-            newest_lrs = lrs
-            if len(waiting) == aggregate:
-                step()
-        clock[w] += 1
-        held.append(w)
-        release()
-    if waiting:  # the last few updates, fewer than parallel.ps_aggregate
-        step()
-    applied = int(hist.sum().item())
-    reply(workers[0])  # the final parameters
-    account = torch.cat([torch.tensor([applied, time.perf_counter() - started], dtype=torch.float64), hist])
-    outbox.append(comm.send(account, workers[0], "ps account"))
-    for s in outbox:
-        s.wait()
-    return {"applied": applied, "staleness_max": max((s for s, c in enumerate(hist.tolist()) if c), default=0)}

@@ -1,0 +1,205 @@
+"""An asynchronous parameter server (parallel.ps_mode = "async"): workers that come and go.
+
+Threads: a listener makes this server's end of a link (parallel/ps_links.py) for every worker that
+registers; one receiver per link turns its messages into events (a push with its gradient already
+rebuilt dense, a join, a skip, a goodbye, or the link failing); the main thread handles the events in
+order, so the shard, the optimizer and the bookkeeping have one owner.
+
+Units of data (parallel/ps_async.py) are dealt by server 0 with each reply: a unit whose worker leaves
+(its link fails: SIGKILL, a crash, or no message for parallel.timeout_s seconds, a stall) before server
+0 applied it is dealt again, first; a worker asking for work while every unit is dealt but some are
+not applied waits (the unit may come back). Every server applies a unit once (a second push of it, from
+a worker that died between its pushes to two servers, is ignored). Server 0 says the run is complete
+(a store key) once every unit is applied; a server stops when it is complete and every worker it knows
+has left, after sending worker slot 0 (the one that writes the run's results) the final parameters and
+its account: updates applied, the staleness histogram, and which workers joined and left, and why.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from collections import deque
+
+import torch
+
+from shoal.comm.collectives import Comm
+from shoal.config import Config
+from shoal.parallel.param_server import HEADER_DONE, HEADER_STEP
+from shoal.parallel.ps_async import HEADER_JOIN, account_tensors, header_size, staleness_bins
+from shoal.parallel.ps_links import PREFIX, SERVER, Link, registered, slot_of
+
+
+def serve_async(shard, cfg: Config, index: int, workers: int, comm: Comm, store, say=print) -> dict:
+    """Serve until the run is complete and every worker left; returns what this server did."""
+    k, aggregate, groups = cfg.parallel.max_staleness, cfg.parallel.ps_aggregate, len(shard.optimizer.param_groups)
+    total_units, timeout = workers * cfg.train.steps, cfg.parallel.timeout_s
+    events: queue.Queue = queue.Queue()
+    stop = threading.Event()
+
+    def receive(w: int, link: Link) -> None:
+        try:
+            while True:
+                header = link.recv(torch.zeros(header_size(groups), dtype=torch.float64), label="ps header")
+                kind = header[0].item()
+                grad = shard.recv_grads(link, w) if kind == HEADER_STEP else None
+                events.put(("message", w, header.tolist(), grad))
+                if kind == HEADER_DONE:
+                    return
+        except Exception as e:  # the link failed: the worker died, or stalled past the timeout
+            events.put(("gone", w, str(e).strip().splitlines()[0][:200], None))
+
+    def listen() -> None:
+        known = 0
+        while not stop.is_set():
+            for w in range(known, registered(store)):
+                slot = slot_of(store, w)
+                link = Link(store, index, w, SERVER, timeout, comm)  # waits for the worker's end
+                events.put(("join", w, slot, link))
+                threading.Thread(target=receive, args=(w, link), daemon=True, name=f"shoal-ps-recv-{w}").start()
+                known = w + 1
+            stop.wait(0.05)
+
+    links: dict[int, Link] = {}
+    slots: dict[int, int] = {}
+    live: set[int] = set()
+    clock: dict[int, int] = {}
+    since: dict[int, int] = {}  # the largest staleness applied since the worker's last reply
+    pulled: dict[int, int] = {}  # the version each live worker's current unit is computed on
+    held: list[int] = []  # workers whose reply waits: too far ahead, or (server 0) no unit to give yet
+    outbox: list = []
+    applied_units: set[int] = set()
+    waiting: list[int] = []  # pulled versions of the updates held for the next aggregated step
+    newest_lrs: list[float] = []
+    hist = torch.zeros(staleness_bins(workers, k), dtype=torch.float64)
+    version, started = 0, time.perf_counter()
+    next_unit, requeue, outstanding = 0, deque(), {}  # server 0 deals
+    joined: list[dict] = []
+    left: list[dict] = []
+    finals_sent = 0
+
+    def complete() -> bool:
+        if index == 0:
+            return len(applied_units) == total_units
+        return store.check([f"{PREFIX}/complete"])
+
+    def unit_for(w: int) -> int | None:
+        """Server 0: the next unit for `w`; -1 when the run is complete; None: wait (units are out)."""
+        nonlocal next_unit
+        if requeue:
+            unit = requeue.popleft()
+        elif next_unit < total_units:
+            unit, next_unit = next_unit, next_unit + 1
+        elif complete():
+            return -1
+        else:
+            return None
+        outstanding[w] = unit
+        return unit
+
+    def reply(w: int, unit: int) -> None:
+        meta = torch.tensor([version, since[w], unit], dtype=torch.float64)
+        since[w] = 0
+        pulled[w] = version
+        outbox.extend([links[w].send(meta, label="ps version"), *shard.send_values(links[w], w)])
+        for s in [s for s in outbox if s.work.is_completed()]:
+            s.wait()  # done: closes its record in the collective log
+            outbox.remove(s)
+
+    def release() -> None:
+        slowest = min((clock[u] for u in live), default=0)
+        for w in list(held):
+            if clock[w] - slowest > k and not complete():
+                continue
+            unit = unit_for(w) if index == 0 else -1
+            if unit is None:
+                continue
+            held.remove(w)
+            reply(w, unit)
+
+    def step() -> None:
+        nonlocal version
+        shard.set_held(len(waiting))
+        shard.apply(newest_lrs)
+        for v in waiting:
+            staleness = version - v
+            hist[min(staleness, len(hist) - 1)] += 1
+            for u in since:
+                since[u] = max(since[u], staleness)
+        waiting.clear()
+        version += 1
+
+    listener = threading.Thread(target=listen, daemon=True, name="shoal-ps-listen")
+    listener.start()
+    idle_since = None
+    try:
+        while True:
+            if complete() and not live and joined:  # done, once slot 0 has had the final parameters
+                idle_since = idle_since or time.monotonic()
+                if finals_sent or time.monotonic() - idle_since > timeout:  # or it did not come back
+                    break
+            else:
+                idle_since = None
+            try:
+                event, w, data, grad = events.get(timeout=0.5)
+            except queue.Empty:
+                continue
+            if event == "join":
+                links[w], slots[w] = grad, data
+                live.add(w)
+                clock[w] = min((clock[u] for u in live if u != w), default=0)
+                since[w] = 0
+                shard.track_worker(w)
+                joined.append({"worker": w, "slot": data, "at_version": version})
+                say(f"parameter server {index}: worker {w} (slot {data}) joined at version {version}")
+                continue
+            if event == "gone":
+                if w not in live:
+                    continue
+                live.discard(w)
+                if w in held:
+                    held.remove(w)
+                if index == 0 and w in outstanding and outstanding[w] not in applied_units:
+                    requeue.appendleft(outstanding.pop(w))  # trained again, by the next worker that asks
+                left.append({"worker": w, "slot": slots[w], "why": data, "at_version": version})
+                say(f"parameter server {index}: worker {w} (slot {slots[w]}) left: {data}")
+                links.pop(w).close()
+                release()
+                continue
+            kind, unit, pulled_version, norm, *lrs = data
+            unit = int(unit)
+            if kind == HEADER_DONE:
+                live.discard(w)
+                if slots[w] == 0 and complete():  # the final parameters and this server's account
+                    if waiting:  # the last few updates, fewer than parallel.ps_aggregate
+                        step()
+                    reply(w, -1)
+                    for t in account_tensors(hist, time.perf_counter() - started, joined, left):
+                        outbox.append(links[w].send(t, label="ps account"))
+                    finals_sent += 1
+                release()
+                continue
+            if kind == HEADER_STEP and unit not in applied_units:
+                shard.set_grads(grad)
+                shard.clip(torch.tensor(norm, dtype=torch.float64))  # each update clipped as a whole
+                shard.hold()
+                waiting.append(int(pulled_version))
+                newest_lrs = lrs
+                applied_units.add(unit)
+                outstanding.pop(w, None)
+                if len(waiting) == aggregate or (index == 0 and len(applied_units) == total_units):
+                    step()
+                if index == 0 and complete():
+                    store.set(f"{PREFIX}/complete", "1")
+            if kind != HEADER_JOIN:
+                clock[w] += 1
+            held.append(w)
+            release()
+        for s in outbox:
+            s.wait()
+    finally:
+        stop.set()
+    applied = int(hist.sum().item())
+    return {"applied": applied, "staleness_max": max((s for s, c in enumerate(hist.tolist()) if c), default=0),
+            "workers_joined": len(joined), "workers_left": left}
