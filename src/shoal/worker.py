@@ -78,7 +78,9 @@ def main(cfg: Config, run_dir: str | None, config_path: str | None, resume: str 
     try:
         torch.set_num_threads(threads_per_worker(cfg, int(os.environ.get("LOCAL_WORLD_SIZE", 1))))
         # a torchrun launch reaches here unchecked; under `shoal train` this repeats the launcher's checks
-        job = check_job(cfg, [world], cuda=torch.cuda.is_available(), quiet=True)
+        from shoal.ps_launch import reports, total_world
+
+        job = check_job(cfg, [total_world(world)], cuda=torch.cuda.is_available(), quiet=True)
         env = dist.init(job.layout.backend, cfg.parallel.timeout_s)
         comm, phase = Comm(env.store, env.rank, env.world_size), Phase()
         watchdog = Watchdog(comm.log, env.status_store, env.rank, phase)
@@ -92,9 +94,9 @@ def main(cfg: Config, run_dir: str | None, config_path: str | None, resume: str 
 
         # a restarted attempt continues from the newest checkpoint of the attempt before it
         summary = run_job(cfg, job.layout, job.source, path, env, comm, resume if first_attempt else "auto", phase)
-        if env.rank == 0 and summary.get("already_finished"):
+        if reports(env.rank) and summary.get("already_finished"):
             print(finished_message(path, summary["steps"], cfg.train.steps), flush=True)
-        elif env.rank == 0:
+        elif reports(env.rank):
             val = f", val loss {summary['val_loss']:.4f}" if summary.get("val_loss") is not None else ""
             loss = f"{summary['final_loss']:.4f}" if summary.get("final_loss") is not None else "-"
             print(f"done: {summary['steps']} steps in {summary['total_time_s']:.1f} s; final loss "

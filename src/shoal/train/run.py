@@ -9,13 +9,14 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import signal
 import time
 from pathlib import Path
 
 import torch
 
-from shoal import signals
+from shoal import ps_launch, signals
 from shoal.checkpoint.export import export_weights
 from shoal.checkpoint.manager import CheckpointManager, load_checkpoint
 from shoal.checkpoint.manifest import step_dir_name
@@ -51,6 +52,16 @@ def run_job(cfg: Config, layout: Layout, source, run_dir: Path, env: DistEnv, co
     if not layout.servers:
         return run_training(cfg, layout, source, run_dir, env, comm, resume, phase)
     n = layout.dims.world_size
+    role = ps_launch.role()
+    if role:  # asynchronous, each role a job of its own (ps_launch.py): they meet in server 0's store
+        store = ps_launch.open_store(role == "server" and env.rank == 0, cfg.parallel.timeout_s)
+        if role == "server":
+            from shoal.train.serve import serve
+
+            return serve(cfg, source.spec, env.rank, list(range(n)), None, comm, run_dir, resume, store=store)
+        slot = int(os.environ[ps_launch.SLOT])  # the slot is the worker's rank in the run
+        return run_training(cfg, layout, source, run_dir, dataclasses.replace(env, rank=slot), comm, resume, phase,
+                            ps_store=store)
     workers = comm.new_group(list(range(n)))  # collective: every rank creates every group
     servers = comm.new_group(list(range(n, n + layout.servers)))
     # asynchronous: each worker's collectives (its step's flags, its validation) are its own
@@ -66,7 +77,7 @@ def run_job(cfg: Config, layout: Layout, source, run_dir: Path, env: DistEnv, co
 
 
 def run_training(cfg: Config, layout: Layout, source, run_dir: Path, env: DistEnv, comm: Comm,
-                 resume: str = "auto", phase: Phase | None = None) -> dict:
+                 resume: str = "auto", phase: Phase | None = None, ps_store=None) -> dict:
     """Train on this rank; returns the run summary (identical on every rank). `source`: the data
     source the preflight built."""
     t_start = time.perf_counter()
@@ -81,7 +92,7 @@ def run_training(cfg: Config, layout: Layout, source, run_dir: Path, env: DistEn
     sample = source.train_batch(torch.arange(layout.per_rank_batch // layout.pp_microbatches)) if dims.pp > 1 else None
     sync = None if layout.servers else make_sync(cfg.parallel, cfg.comm, comm, last_step=cfg.train.steps)
     par = parallelize(bundle, layout, cfg.parallel, cfg.precision, cfg.train.compile, env.device, env.rank, comm,
-                      sync=sync, sample=sample)
+                      sync=sync, sample=sample, ps_store=ps_store)
     if not cfg.train.compile:  # a compiled model runs its layers as one graph
         phase.track(par.model, bundle.block_types)
     torch.manual_seed(cfg.train.seed + 1 + env.rank)  # dropout etc. differ per rank, reproducibly

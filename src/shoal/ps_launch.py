@@ -1,0 +1,102 @@
+"""An asynchronous parameter-server run as separate elastic jobs, so that workers can come and go.
+
+torch elastic treats the processes of a job as one: when one fails, the agent stops and restarts them
+all. That is right for collectives (a world with a hole cannot all-reduce) and wrong for an
+asynchronous parameter server, whose point is that a worker's death does not stop the others. So
+`shoal train` with `parallel.ps_mode = "async"` (on one machine) starts the roles apart, each under an
+elastic agent of its own (the same `shoal train` command with SHOAL_PS_ROLE set):
+
+  the servers: one job of parallel.servers processes (`--max-restarts 0`: a server that dies ends
+               the run; recovering it needs asynchronous checkpoints, not built yet)
+  each worker: a job of one process, `--max-restarts` as given: its agent restarts only it, and the
+               restarted worker registers again, pulls the current parameters and is dealt units
+
+They meet through a TCPStore that server 0 hosts on a free port (loopback), named in SHOAL_PS_STORE;
+the links between servers and workers are made from it (parallel/ps_links.py). The run succeeds when
+the servers and the worker of slot 0 (which writes the results) do; a worker that failed for good is
+named, one line each, and does not fail the run: its units were dealt to the others.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+ROLE, STORE, SLOT, WORKERS = "SHOAL_PS_ROLE", "SHOAL_PS_STORE", "SHOAL_PS_SLOT", "SHOAL_PS_WORKERS"
+
+
+def role() -> str | None:
+    """"server" or "worker" inside a role's job; None otherwise."""
+    return os.environ.get(ROLE)
+
+
+def reports(rank: int) -> bool:
+    """Whether this process prints the run's result: rank 0, or in the roles' jobs the worker of slot 0."""
+    if role() is None:
+        return rank == 0
+    return role() == "worker" and os.environ.get(SLOT) == "0"
+
+
+def total_world(nproc: int) -> int:
+    """The run's world (workers + servers) as the layout sees it; `nproc` outside a role's job."""
+    return int(os.environ["SHOAL_PS_WORLD"]) if role() else nproc
+
+
+def open_store(host_it: bool, timeout_s: float):
+    """The store the roles meet through; server 0 hosts it."""
+    from torch.distributed import TCPStore
+
+    host, port = os.environ[STORE].rsplit(":", 1)
+    return TCPStore(host, int(port), is_master=host_it, wait_for_workers=False,
+                    timeout=datetime.timedelta(seconds=timeout_s))
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def launch_roles(train_argv: list[str], nproc: int, servers: int, max_restarts: int) -> int:
+    """Run `shoal <train_argv>` as the servers' job and one job per worker; returns the exit code."""
+    workers = nproc - servers
+    env = {**os.environ, STORE: f"127.0.0.1:{free_port()}", WORKERS: str(workers), "SHOAL_PS_WORLD": str(nproc)}
+    jobs = {"servers": subprocess.Popen([sys.executable, "-m", "shoal", *train_argv, "--nproc", str(servers),
+                                         "--max-restarts", "0"], env={**env, ROLE: "server"},
+                                        start_new_session=True)}
+    for slot in range(workers):
+        jobs[f"worker {slot}"] = subprocess.Popen(
+            [sys.executable, "-m", "shoal", *train_argv, "--nproc", "1", "--max-restarts", str(max_restarts)],
+            env={**env, ROLE: "worker", SLOT: str(slot)}, start_new_session=True)
+
+    def forward(signum, _frame):
+        for p in jobs.values():
+            if p.poll() is None:
+                os.killpg(p.pid, signum)
+
+    old = {s: signal.signal(s, forward) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        codes = {}
+        while len(codes) < len(jobs):
+            for name, p in jobs.items():
+                if name not in codes and p.poll() is not None:
+                    codes[name] = p.returncode
+                    if codes[name] and name not in ("servers", "worker 0"):
+                        print(f"shoal: {name} failed for good (exit code {codes[name]}); the run goes on without it",
+                              file=sys.stderr, flush=True)
+            if codes.get("servers") or codes.get("worker 0"):  # the run cannot finish: stop the rest
+                forward(signal.SIGTERM, None)
+            if codes.get("servers") == 0 and codes.get("worker 0") == 0 and len(codes) < len(jobs):
+                forward(signal.SIGTERM, None)  # the run is complete: a worker still starting is not needed
+                for name, p in jobs.items():
+                    codes.setdefault(name, p.wait())
+            time.sleep(0.1)
+    finally:
+        for s, h in old.items():
+            signal.signal(s, h)
+    return max(codes["servers"], codes["worker 0"])
