@@ -19,6 +19,7 @@ named, one line each, and does not fail the run: its units were dealt to the oth
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import os
 import signal
@@ -26,6 +27,7 @@ import socket
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 ROLE, STORE, SLOT, WORKERS = "SHOAL_PS_ROLE", "SHOAL_PS_STORE", "SHOAL_PS_SLOT", "SHOAL_PS_WORKERS"
 
@@ -54,6 +56,21 @@ def open_store(host_it: bool, timeout_s: float):
     host, port = os.environ[STORE].rsplit(":", 1)
     return TCPStore(host, int(port), is_master=host_it, wait_for_workers=False,
                     timeout=datetime.timedelta(seconds=timeout_s))
+
+
+def descendants(pid: int) -> list[int]:
+    """Every process below `pid` (children first found through /proc)."""
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        with contextlib.suppress(OSError):
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+            children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
+    out, todo = [], [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            out.append(child)
+            todo.append(child)
+    return out
 
 
 def free_port() -> int:
@@ -92,7 +109,15 @@ def launch_roles(train_argv: list[str], nproc: int, servers: int, max_restarts: 
             if codes.get("servers") or codes.get("worker 0"):  # the run cannot finish: stop the rest
                 forward(signal.SIGTERM, None)
             if codes.get("servers") == 0 and codes.get("worker 0") == 0 and len(codes) < len(jobs):
-                forward(signal.SIGTERM, None)  # the run is complete: a worker still starting is not needed
+                # the run is complete: a worker still starting, or stalled, is not needed. Killed with its
+                # agent's processes (the agent starts each worker in a session of its own)
+                for name, p in jobs.items():
+                    if name not in codes:
+                        with contextlib.suppress(ProcessLookupError):
+                            os.kill(p.pid, signal.SIGSTOP)  # no new worker while its tree is read
+                        for pid in [p.pid, *descendants(p.pid)]:
+                            with contextlib.suppress(ProcessLookupError):
+                                os.kill(pid, signal.SIGKILL)
                 for name, p in jobs.items():
                     codes.setdefault(name, p.wait())
             time.sleep(0.1)

@@ -152,3 +152,20 @@ def test_async_workers_come_and_go(tmp_path, restarts):
     assert sorted(x["slot"] for x in ps["workers_joined"]) == sorted([0, 1, 2] + [1] * restarts), ps
     if not restarts:
         assert "worker 1 failed for good" in r.stderr
+
+
+def test_async_stalled_worker_is_dropped_and_the_others_finish(tmp_path):
+    """Worker 1 stalls for good in its third step (parallel.timeout_s = 5): the servers drop it when its
+    link times out, deal its unit again, and the others complete the run."""
+    from test_checkpoint import CONFIG, fault, train
+
+    run_dir = tmp_path / "run"
+    mode = ['parallel.sync="parameter-server"', 'parallel.ps_mode="async"', "checkpoint.enabled=false",
+            "train.global_batch_size=6", "train.micro_batch_size=2", "train.steps=12", "model.delay_s=0.2",
+            "parallel.timeout_s=5"]
+    sets = [a for o in [*CONFIG, *mode] for a in ("--set", o)]
+    train("train", "--nproc", "4", "--run-dir", run_dir, *sets, *fault(1, 3, None, mode="hang"))
+    ps = json.loads((run_dir / "summary.json").read_text())["parameter_server"]
+    assert ps["updates_applied"] == 3 * 12, ps
+    assert [x["slot"] for x in ps["workers_left"]] == [1], ps
+    assert "Timed out" in ps["workers_left"][0]["why"], ps
