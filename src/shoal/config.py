@@ -148,7 +148,8 @@ class ParallelConfig(Section):
     threads_per_worker: int = Field(0, ge=0)
     """CPU threads per worker; 0: cores / local workers."""
     timeout_s: float = Field(600.0, gt=0.0)
-    """A collective that waits longer than this fails the run instead of hanging it."""
+    """A collective that waits longer than this fails the run instead of hanging it. An asynchronous
+    parameter server drops a worker that sent nothing for this long (it stalled)."""
     sync: Literal["every-step", "local-sgd", "diloco", "parameter-server"] = "every-step"
     """How the dp replicas stay one model. every-step: gradients averaged every step (DDP / FSDP2).
     local-sgd: each replica steps alone on its slice of the batch; parameters are averaged every `sync_every`
