@@ -5,14 +5,16 @@ registers; one receiver per link turns its messages into events (a push with its
 rebuilt dense, a join, a skip, a goodbye, or the link failing); the main thread handles the events in
 order, so the shard, the optimizer and the bookkeeping have one owner.
 
-Units of data (parallel/ps_async.py) are dealt by server 0 with each reply: a unit whose worker leaves
-(its link fails: SIGKILL, a crash, or no message for parallel.timeout_s seconds, a stall) before server
-0 applied it is dealt again, first; a worker asking for work while every unit is dealt but some are
-not applied waits (the unit may come back). Every server applies a unit once (a second push of it, from
-a worker that died between its pushes to two servers, is ignored). Server 0 says the run is complete
-(a store key) once every unit is applied; a server stops when it is complete and every worker it knows
-has left, after sending worker slot 0 (the one that writes the run's results) the final parameters and
-its account: updates applied, the staleness histogram, and which workers joined and left, and why.
+Units of data (parallel/ps_async.py) are dealt by server 0 with each reply, once the launched workers
+have all joined (or parallel.timeout_s after the first did: the run starts with those there). A unit
+whose worker leaves (its link fails: SIGKILL, a crash, or no message for parallel.timeout_s seconds, a
+stall) before server 0 applied it is dealt again, first; a worker asking for work while every unit is
+dealt but some are not applied waits (the unit may come back). Every server applies a unit once (a
+second push of it, from a worker that died between its pushes to two servers, is ignored). Server 0 says
+the run is complete (a store key) once every unit is applied; a server stops when it is complete and
+every worker it knows has left, after sending worker slot 0 (the one that writes the run's results) the
+final parameters and its account: updates applied, the staleness histogram, and which workers joined and
+left, and why.
 """
 
 from __future__ import annotations
@@ -76,6 +78,7 @@ def serve_async(shard, cfg: Config, index: int, workers: int, comm: Comm, store,
     version, started = 0, time.perf_counter()
     next_unit, requeue, outstanding = 0, deque(), {}  # server 0 deals
     joined: list[dict] = []
+    dealing, first_join = False, 0.0
     left: list[dict] = []
     finals_sent = 0
 
@@ -108,6 +111,11 @@ def serve_async(shard, cfg: Config, index: int, workers: int, comm: Comm, store,
             outbox.remove(s)
 
     def release() -> None:
+        nonlocal dealing
+        if index == 0 and not dealing:  # the start: the launched workers, or whoever came within the timeout
+            dealing = len(live) >= workers or bool(joined) and time.monotonic() - first_join > timeout
+            if not dealing:
+                return
         slowest = min((clock[u] for u in live), default=0)
         for w in list(held):
             if clock[w] - slowest > k and not complete():
@@ -144,6 +152,7 @@ def serve_async(shard, cfg: Config, index: int, workers: int, comm: Comm, store,
             try:
                 event, w, data, grad = events.get(timeout=0.5)
             except queue.Empty:
+                release()  # the start's timeout may have passed
                 continue
             if event == "join":
                 links[w], slots[w] = grad, data
@@ -151,6 +160,7 @@ def serve_async(shard, cfg: Config, index: int, workers: int, comm: Comm, store,
                 clock[w] = min((clock[u] for u in live if u != w), default=0)
                 since[w] = 0
                 shard.track_worker(w)
+                first_join = first_join or time.monotonic()
                 joined.append({"worker": w, "slot": data, "at_version": version})
                 say(f"parameter server {index}: worker {w} (slot {data}) joined at version {version}")
                 continue
