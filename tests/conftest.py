@@ -18,6 +18,8 @@ from pathlib import Path
 
 import pytest
 
+from shoal.ps_launch import descendants
+
 ROOT = Path(__file__).resolve().parents[1]
 FIXTURES = Path(__file__).parent / "fixtures"
 
@@ -43,23 +45,6 @@ def pytest_collection_finish(session):
         missing = {"unit", "dist", "integration"} - found
         if missing:
             raise pytest.UsageError(f"no tests were collected from tests/{', tests/'.join(sorted(missing))}")
-
-
-def descendants(pid: int) -> list[int]:
-    """PIDs of every process below `pid` (from /proc), deepest last."""
-    children: dict[int, list[int]] = {}
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
-    out, todo = [], [pid]
-    while todo:
-        for c in children.get(todo.pop(), []):
-            out.append(c)
-            todo.append(c)
-    return out
 
 
 def run_cli(args: list[str], timeout: float, cwd: Path | None = None, env: dict | None = None,

@@ -1,8 +1,8 @@
 """The synchronous parameter server trains what every-step data parallelism trains: two workers and
 one or two servers against two data-parallel ranks with the same seed and global batch (fp32, 20
 steps, AdamW with clipping and the learning-rate schedule: losses within 1e-5 relative, weights within
-1e-5). The servers sum the workers' gradients and divide by their number where DDP divides each
-before summing: equal up to rounding, not bitwise."""
+1e-5). The servers add the workers' gradients in rank order, gloo's ring in another: equal up to
+rounding, not bitwise."""
 
 import json
 

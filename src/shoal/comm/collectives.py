@@ -94,13 +94,6 @@ class Comm:
         rec = self.log.enter("recv", f"{label}, from rank {src}", [t])
         return Pending(dist.irecv(t, src), rec, self.log, t).wait()
 
-    def recv_any(self, t: torch.Tensor, label: str) -> int:
-        """Point to point, from whichever rank sends first, into `t`; returns that rank."""
-        rec = self.log.enter("recv", f"{label}, from any rank", [t])
-        work = dist.irecv(t)
-        Pending(work, rec, self.log, t).wait()
-        return work._source_rank()
-
     def within(self, group, world_size: int) -> Comm:
         """This rank's Comm for a world made of `group` (the training ranks when others serve): the same
         store, log and sequence of agreements."""

@@ -18,7 +18,8 @@ AdamW on ordinary tensors. One step, on every worker:
               resumes it), and a resumed server loads its state from it the same way
   end of training -> finish(): worker 0 sends the header 0, the servers leave their loop
 
-A server sums the workers' gradients in rank order and divides by their number, clips by the total
+A server divides each worker's gradient by their number and sums them in rank order (DDP divides
+before its all-reduce too; only the order of the sum differs), clips by the total
 norm as torch's clip_grads_with_norm_ does, and steps AdamW with the learning rate worker 0's schedule
 gave: the same arithmetic as every-step data parallelism up to rounding (tests/dist/test_param_server.py).
 The transport is c10d point-to-point on the run's backend (gloo across hosts: it runs wherever the
@@ -114,7 +115,7 @@ class PushPull:
     def pull_from(self, frm, wire: Wire) -> None:
         """A server's new parameters, from global rank `frm` (or over the link `frm`), into the model."""
         channel, src = (self.comm, frm) if isinstance(frm, int) else (frm, None)
-        (flat,), rows, nbytes = wire.recv(channel, src, "ps parameters")
+        flat, rows, nbytes = wire.recv(channel, src, "ps parameters")
         wire.load(flat, rows)
         self.pulled_bytes += nbytes
 

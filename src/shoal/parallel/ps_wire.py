@@ -50,18 +50,19 @@ class Wire:
                  comm.send(flat, dst, label)]
         return sends, (counts.numel() + index.numel()) * 8 + flat.numel() * 4
 
-    def recv(self, comm: Comm, src: int, label: str) -> tuple[list[torch.Tensor], list[torch.Tensor] | None, int]:
-        """The flat dense values, each table's received rows and their values; and the bytes."""
+    def recv(self, comm: Comm, src: int, label: str) -> tuple[torch.Tensor, list[torch.Tensor] | None, int]:
+        """The flat values (the dense tensors, then each table's received rows), the rows per table
+        (None without tables), and the bytes received."""
         if not self.tables:
             flat = comm.recv(torch.empty(self.dense_numel), src, label)
-            return [flat], None, flat.numel() * 4
+            return flat, None, flat.numel() * 4
         counts = comm.recv(torch.empty(len(self.tables), dtype=torch.int64), src, f"{label}, row counts")
         index = comm.recv(torch.empty(int(counts.sum()), dtype=torch.int64), src, f"{label}, rows")
         width = sum(int(c) * t[0].numel() for c, t in zip(counts.tolist(), self.tables, strict=True))
         flat = comm.recv(torch.empty(self.dense_numel + width), src, label)
         rows = list(index.split(counts.tolist()))
         nbytes = (counts.numel() + index.numel()) * 8 + flat.numel() * 4
-        return [flat], rows, nbytes
+        return flat, rows, nbytes
 
     def unflatten(self, flat: torch.Tensor, rows: list[torch.Tensor] | None) -> list[tuple[torch.Tensor,
                                                                                          torch.Tensor | None]]:

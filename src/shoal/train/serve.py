@@ -60,7 +60,7 @@ class Shard:
 
     def recv_grads(self, comm: Comm, w: int) -> torch.Tensor:
         """Worker `w`'s push, as the dense flat gradient of this shard."""
-        (flat,), rows, _ = self.wire.recv(comm, w, "ps gradients")
+        flat, rows, _ = self.wire.recv(comm, w, "ps gradients")
         return self.wire.dense_grad(flat, rows)
 
     def send_values(self, comm: Comm, w: int) -> list:
