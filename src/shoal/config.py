@@ -149,7 +149,8 @@ class ParallelConfig(Section):
     """CPU threads per worker; 0: cores / local workers."""
     timeout_s: float = Field(600.0, gt=0.0)
     """A collective that waits longer than this fails the run instead of hanging it. An asynchronous
-    parameter server drops a worker that sent nothing for this long (it stalled)."""
+    parameter server drops a worker that sent nothing for this long (it stalled), and a worker that
+    lost its servers waits this long for restarted ones."""
     sync: Literal["every-step", "local-sgd", "diloco", "parameter-server"] = "every-step"
     """How the dp replicas stay one model. every-step: gradients averaged every step (DDP / FSDP2).
     local-sgd: each replica steps alone on its slice of the batch; parameters are averaged every `sync_every`
@@ -287,9 +288,6 @@ class Config(Section):
         if p.sync == "parameter-server" and c.compression != "none":
             raise ValueError(f'comm.compression = "{c.compression}" is not applied to a parameter server\'s pushes; '
                              f'set comm.compression = "none"')
-        if p.sync == "parameter-server" and p.ps_mode == "async" and self.checkpoint.enabled:
-            raise ValueError('parallel.ps_mode = "async" does not write checkpoints yet (the workers never stop at '
-                             'the same step); set checkpoint.enabled = false')
         if p.sync == "parameter-server" and self.train.on_bad_step == "rollback":
             raise ValueError('train.on_bad_step = "rollback" is not offered with parallel.sync = "parameter-server" '
                              '(the servers would have to reload too); use "skip" or "abort"')

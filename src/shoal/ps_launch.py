@@ -6,8 +6,11 @@ asynchronous parameter server, whose point is that a worker's death does not sto
 `shoal train` with `parallel.ps_mode = "async"` (on one machine) starts the roles apart, each under an
 elastic agent of its own (the same `shoal train` command with SHOAL_PS_ROLE set):
 
-  the servers: one job of parallel.servers processes (`--max-restarts 0`: a server that dies ends
-               the run; recovering it needs asynchronous checkpoints, not built yet)
+  the servers: one job of parallel.servers processes, `--max-restarts` as given: when one dies its
+               agent restarts them all, and they resume from their newest checkpoint (the servers
+               save alone: train/serve_checkpoint.py); their workers' links break, and each worker
+               joins the restarted servers (retrying for parallel.timeout_s) and is dealt what the
+               checkpoint lacks
   each worker: a job of one process, `--max-restarts` as given: its agent restarts only it, and the
                restarted worker registers again, pulls the current parameters and is dealt units
 
@@ -84,7 +87,7 @@ def launch_roles(train_argv: list[str], nproc: int, servers: int, max_restarts: 
     workers = nproc - servers
     env = {**os.environ, STORE: f"127.0.0.1:{free_port()}", WORKERS: str(workers), "SHOAL_PS_WORLD": str(nproc)}
     jobs = {"servers": subprocess.Popen([sys.executable, "-m", "shoal", *train_argv, "--nproc", str(servers),
-                                         "--max-restarts", "0"], env={**env, ROLE: "server"},
+                                         "--max-restarts", str(max_restarts)], env={**env, ROLE: "server"},
                                         start_new_session=True)}
     for slot in range(workers):
         jobs[f"worker {slot}"] = subprocess.Popen(

@@ -4,7 +4,12 @@ steps, AdamW with clipping and the learning-rate schedule: losses within 1e-5 re
 1e-5). The servers add the workers' gradients in rank order, gloo's ring in another: equal up to
 rounding, not bitwise."""
 
+import contextlib
 import json
+import os
+import signal
+import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -169,3 +174,50 @@ def test_async_stalled_worker_is_dropped_and_the_others_finish(tmp_path):
     assert ps["updates_applied"] == 3 * 12, ps
     assert [x["slot"] for x in ps["workers_left"]] == [1], ps
     assert "Timed out" in ps["workers_left"][0]["why"], ps
+
+
+def test_async_servers_killed_resume_from_their_checkpoint_bitwise(tmp_path, ranks):
+    """One worker, checkpoints every 5 steps. Two servers, and server 1 SIGKILLed once they have saved
+    step 10: its agent restarts both, they resume from their newest checkpoint, the worker joins them
+    again and trains what the checkpoint lacks. With one worker nothing depends on timing, so the
+    weights are bitwise those of an uninterrupted run with one server (in the harness, the servers
+    sharing a job), and so are those of two servers resuming that run's step-10 checkpoint (another
+    number of servers)."""
+    import shutil
+    import threading
+
+    from test_checkpoint import CONFIG, train
+
+    mode = ['parallel.sync="parameter-server"', 'parallel.ps_mode="async"', "checkpoint.interval=5", "train.steps=20"]
+    ref_dir, run_dir, resharded = tmp_path / "ref", tmp_path / "run", tmp_path / "resharded"
+    ranks(2).run(train_on_ranks, [*CONFIG, *mode], str(ref_dir))
+    shutil.copytree(ref_dir / "checkpoints" / "step_00000010", resharded / "checkpoints" / "step_00000010")
+    ranks(3).run(train_on_ranks, [*CONFIG, *mode, "parallel.servers=2"], str(resharded))
+    killed = []
+
+    def kill_server_1():  # once step 10 is saved: the server process of index 1 (not its agent)
+        deadline = time.monotonic() + 120
+        while not (run_dir / "checkpoints" / "step_00000010").exists() and time.monotonic() < deadline:
+            time.sleep(0.02)
+        for environ in Path("/proc").glob("[0-9]*/environ"):
+            with contextlib.suppress(OSError):
+                env = environ.read_bytes().split(b"\0")
+                if b"SHOAL_PS_ROLE=server" in env and b"LOCAL_RANK=1" in env and str(run_dir).encode() in \
+                        (environ.parent / "cmdline").read_bytes():
+                    os.kill(int(environ.parent.name), signal.SIGKILL)
+                    killed.append(environ.parent.name)
+
+    watcher = threading.Thread(target=kill_server_1, daemon=True)
+    watcher.start()
+    sets = [a for o in [*CONFIG, *mode, "parallel.servers=2", "model.delay_s=0.05"] for a in ("--set", o)]
+    r = train("train", "--nproc", "3", "--run-dir", run_dir, *sets, "--max-restarts", "1")
+    watcher.join()
+    assert killed, "server 1 was not found to kill"
+    assert "resumed from" in r.stderr and "lost the servers" in r.stderr, r.stderr
+    ps = json.loads((run_dir / "summary.json").read_text())["parameter_server"]
+    assert ps["updates_applied"] == 20 and len(ps["servers_resumed"]) == 1, ps
+    assert ps["servers_resumed"][0]["units"] >= 10, ps
+    ref = read_weights(ref_dir)
+    for other in (run_dir, resharded):
+        for k, w in read_weights(other).items():
+            assert torch.equal(w, ref[k]), (other.name, k)

@@ -31,3 +31,23 @@ def test_moving_an_earlier_run_aside_keeps_it(tmp_path):
     run.mkdir()
     (run / "a").write_text("")
     assert move_aside(run) != moved  # a second fresh start in the same second gets its own name
+
+
+def test_only_an_asynchronous_parameter_server_resumes_its_servers_checkpoint(tmp_path):
+    """Asynchronous servers save alone: no data position of the workers' kind, so any other mode
+    refuses their checkpoint in one line naming the fix; asynchronous servers take it."""
+    import json
+
+    import pytest
+
+    from shoal.checkpoint.resume import check_compatible
+    from shoal.errors import UserError
+
+    served = load_config(None, ['parallel.sync="parameter-server"', 'parallel.ps_mode="async"'])
+    (tmp_path / "train_state.json").write_text(json.dumps({
+        "format": 3, "step": 10, "config": served.to_toml(), "data_spec": {},
+        "parts": {"parameter_server": {"mode": "async", "units": 20, "workers": 2}}}))
+    assert check_compatible(served, tmp_path)["parts"]["parameter_server"]["units"] == 20
+    for other in ([], ['parallel.sync="parameter-server"']):
+        with pytest.raises(UserError, match='resume it with parallel.ps_mode = "async"'):
+            check_compatible(load_config(None, other), tmp_path)

@@ -40,8 +40,12 @@ class _Pending:
 
 
 class CheckpointManager:
-    def __init__(self, root: Path, cfg: CheckpointConfig, comm: Comm, before_write=lambda step: None):
+    def __init__(self, root: Path, cfg: CheckpointConfig, comm: Comm, before_write=lambda step: None,
+                 dcp_group=None):
         self.root = root
+        # the group DCP saves on; None: the default group (a synchronous parameter server's workers save
+        # with their servers, on the whole world; asynchronous servers save alone, on theirs)
+        self.dcp_group = dcp_group
         # called on every rank once the folder exists, before DCP writes: a parameter server's workers
         # call their servers into the save here (they write the optimizer state)
         self.before_write = before_write
@@ -98,7 +102,10 @@ class CheckpointManager:
         info = {"step": step, "world_size": self.world_size, "time": time.time()}
         if self.cache is None or self.cache.model is not model or self.cache.optimizer is not optimizer:
             self.cache = TensorStateCache(model, optimizer)
-        state = self.cache.get()
+        tensors = self.cache.get()
+        if state.owned is not None:  # a parameter server writes the parameters it owns
+            tensors = {**tensors, "model": {k: v for k, v in tensors["model"].items() if k in state.owned}}
+        state = tensors
         self.stats.append({"step": step, "async": self.group is not None})
         if self.group is not None:
             with self.comm.record("dcp.async_save (planning)", "checkpoint group"):
@@ -108,7 +115,7 @@ class CheckpointManager:
             self.pending = _Pending(response.staging_completion, sealed)
         else:
             with self.comm.record("dcp.save", "world"):
-                dcp.save(state, storage_writer=FileSystemWriter(tmp))
+                dcp.save(state, storage_writer=FileSystemWriter(tmp), process_group=self.dcp_group)
             self._finish(tmp, final, info, t0)
         self.stats[-1]["blocking_s"] = time.perf_counter() - t0
 
@@ -161,10 +168,10 @@ class CheckpointManager:
                 shutil.rmtree(p, ignore_errors=True)
 
 
-def load_checkpoint(path: Path, model, optimizer, comm: Comm) -> None:
-    """Collective: load model and optimizer state from `path`, resharding to this run's layout.
-    `optimizer`: the one whose state this rank holds."""
+def load_checkpoint(path: Path, model, optimizer, comm: Comm, group=None) -> None:
+    """Collective (over `group`; None: the default group): load model and optimizer state from `path`,
+    resharding to this run's layout. `optimizer`: the one whose state this rank holds."""
     state = tensor_state(model, optimizer)
-    with comm.record("dcp.load", "world"):
-        dcp.load(state, storage_reader=SafeFileSystemReader(path), planner=SafeLoadPlanner())
+    with comm.record("dcp.load", "world" if group is None else "servers"):
+        dcp.load(state, storage_reader=SafeFileSystemReader(path), planner=SafeLoadPlanner(), process_group=group)
     apply_tensor_state(model, optimizer, state)

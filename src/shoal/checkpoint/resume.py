@@ -45,6 +45,11 @@ def newest_valid(checkpoints: Path) -> Path | None:
 def check_compatible(cfg: Config, path: Path) -> dict:
     """The checkpoint's train state, after checking that its config describes this model and data."""
     state = read_train_state(path)
+    served = state["parts"].get("parameter_server", {}).get("mode") == "async"
+    if served and not (cfg.parallel.sync == "parameter-server" and cfg.parallel.ps_mode == "async"):
+        raise UserError(f"checkpoint {path.name} was written by asynchronous parameter servers (it has no data "
+                        f'position of the workers\' kind); resume it with parallel.ps_mode = "async", or start fresh '
+                        f"with --resume never or another --run-dir")
     saved = saved_config(state, f"{path}/{TRAIN_STATE}")
     for key in [f"model.{k}" for k in type(cfg.model).model_fields] + list(MUST_MATCH):
         section, name = key.split(".")

@@ -90,6 +90,7 @@ class TrainState:
                  replicas_differ: bool = False):
         self.model, self.optimizer, self.parts = model, optimizer, parts
         self.replicas_differ = replicas_differ  # each dp rank's model and optimizer state are its own
+        self.owned: set[str] | None = None  # the parameters this rank writes (a parameter server's); None: all
         self.rng = RNGStreams()
 
     def rank_tensors(self) -> dict[str, torch.Tensor]:

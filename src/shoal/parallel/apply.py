@@ -67,7 +67,7 @@ def replica_meshes(layout: Layout, dp_group):
 
 def parallelize(bundle: ModelBundle, layout: Layout, parallel: ParallelConfig, precision: PrecisionConfig,
                 compile: bool, device: torch.device, rank: int, comm: Comm, sync: StepSync | None = None,
-                sample: dict | None = None, ps_store=None) -> Parallelized:
+                sample: dict | None = None, ps_store=None, ps_reopen=None) -> Parallelized:
     """This rank's share of `bundle.model`, wrapped for `layout`. `sample`: one pipeline micro-batch,
     to time the layers with (parallel.pp_balance = "time"). `sync`: by default the one `parallel.sync`
     names, uncompressed."""
@@ -77,7 +77,7 @@ def parallelize(bundle: ModelBundle, layout: Layout, parallel: ParallelConfig, p
         model = bundle.model.to(device)
         if parallel.ps_mode == "async":  # each update is one worker's: its batch is its whole world
             push_pull = AsyncPushPull(comm, ps_store or comm.store, layout.servers, rank, dims.dp,
-                                      parallel.max_staleness, parallel.timeout_s, parallel.ps_sparse)
+                                      parallel.max_staleness, parallel.timeout_s, parallel.ps_sparse, ps_reopen)
             push_pull.attach(model, None, 1)  # joins the servers when the loop starts (async_train_loop)
             return ServedModel(model, bundle, push_pull, comm=comm, device=device, dp_rank=0, dp=1)
         push_pull = PushPull(comm, server_ranks, rank == 0, parallel.ps_sparse)

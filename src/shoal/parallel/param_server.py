@@ -177,6 +177,12 @@ class RemoteOptimizer(torch.optim.Optimizer):
         self._told = False
         super().zero_grad(set_to_none=set_to_none)
 
+    def forget(self) -> None:
+        """Drop this step's gradients without a word to the servers: its links broke (what was sent died
+        with them, and the unit is dealt again)."""
+        self._told = False
+        super().zero_grad(set_to_none=True)
+
 
 class ServedModel(Parallelized):
     """A parameter-server worker's model: whole, unwrapped; the servers reduce, clip and step."""

@@ -26,7 +26,10 @@ One unit, on a worker:
 
 from __future__ import annotations
 
+import contextlib
 import json
+import time
+from collections.abc import Callable
 
 import torch
 
@@ -35,6 +38,11 @@ from shoal.parallel.param_server import HEADER_DONE, HEADER_STEP, PushPull
 from shoal.parallel.ps_links import WORKER, Link, register
 
 HEADER_SKIP, HEADER_JOIN = 3.0, 4.0
+
+
+class LinkLost(RuntimeError):
+    """A link to a server failed: the servers died (and may be restarting), or they dropped this worker
+    as stalled."""
 
 
 def header_size(groups: int) -> int:
@@ -49,10 +57,10 @@ def staleness_bins(workers: int, max_staleness: int) -> int:
     return (2 * max_staleness + 1) * (workers - 1) + 2
 
 
-def account_tensors(hist: torch.Tensor, seconds: float, joined: list[dict], left: list[dict]) -> list[torch.Tensor]:
+def account_tensors(hist: torch.Tensor, seconds: float, people: dict) -> list[torch.Tensor]:
     """A server's account for worker slot 0: [updates applied, seconds, bytes of the JSON, histogram...]
-    and the JSON of who joined and left (uint8)."""
-    text = torch.frombuffer(bytearray(json.dumps({"joined": joined, "left": left}).encode()), dtype=torch.uint8)
+    and the JSON of who joined and left, and which checkpoints the servers resumed from (uint8)."""
+    text = torch.frombuffer(bytearray(json.dumps(people).encode()), dtype=torch.uint8)
     return [torch.cat([torch.tensor([hist.sum().item(), seconds, len(text)], dtype=torch.float64), hist]), text]
 
 
@@ -60,9 +68,12 @@ class AsyncPushPull(PushPull):
     name = "parameter-server (async)"
 
     def __init__(self, comm: Comm, store, servers: int, slot: int, workers: int, max_staleness: int,
-                 timeout_s: float, sparse: bool = False):
+                 timeout_s: float, sparse: bool = False, reopen: Callable[[], object] | None = None):
         super().__init__(comm, list(range(servers)), slot == 0, sparse)
         self.store, self.slot, self.timeout_s = store, slot, timeout_s
+        # a new connection to the store the roles meet in (a restarted server 0 hosts a new one); None:
+        # the job's own store, which lives as long as this worker does
+        self.reopen = reopen
         self.workers, self.max_staleness = workers, max_staleness
         self.unit = -1
         self.versions = [0] * servers  # each server's version this worker's parameters are
@@ -73,12 +84,43 @@ class AsyncPushPull(PushPull):
 
     def join(self) -> None:
         """Register, link to every server, and pull the current parameters and a first unit."""
-        worker = register(self.store, self.slot)
-        self.links = [Link(self.store, s, worker, WORKER, self.timeout_s, self.comm) for s in self.server_ranks]
-        for s in [link.send(self.message(HEADER_JOIN, [0.0] * self.groups, 0), label="ps header")
-                  for link in self.links]:
-            s.wait()
-        self.pull()
+        with self.lost():
+            worker = register(self.store, self.slot)
+            self.links = [Link(self.store, s, worker, WORKER, self.timeout_s, self.comm) for s in self.server_ranks]
+            for s in [link.send(self.message(HEADER_JOIN, [0.0] * self.groups, 0), label="ps header")
+                      for link in self.links]:
+                s.wait()
+            self.pull()
+
+    def rejoin(self, why: str, say=print) -> None:
+        """After a LinkLost: join the servers anew, retrying for parallel.timeout_s (restarted servers
+        take seconds to come back from their checkpoint; until then there is no store to reach)."""
+        say(f"worker slot {self.slot}: lost the servers ({why}); joining again")
+        for link in self.links:
+            with contextlib.suppress(Exception):
+                link.close()
+        self.left, deadline = False, time.monotonic() + self.timeout_s
+        while True:
+            try:
+                if self.reopen is not None:
+                    self.store = self.reopen()
+                self.join()
+                return
+            except (LinkLost, RuntimeError) as e:
+                if time.monotonic() > deadline:
+                    raise LinkLost(f"the servers did not come back within parallel.timeout_s "
+                                   f"({self.timeout_s:g} s): {str(e).strip().splitlines()[0][:200]}") from None
+                time.sleep(0.5)
+
+    @contextlib.contextmanager
+    def lost(self):
+        """A failing link (or store) raises LinkLost."""
+        try:
+            yield
+        except LinkLost:
+            raise
+        except RuntimeError as e:  # gloo's and the store's errors (DistError is one)
+            raise LinkLost(str(e).strip().splitlines()[0][:200]) from e
 
     def after_backward(self) -> None:
         self.norm = torch.nn.utils.get_total_norm([p.grad for shard in self.shards for p in shard]).double()
@@ -87,18 +129,21 @@ class AsyncPushPull(PushPull):
         return torch.tensor([kind, self.unit, version, self.norm.item(), *lrs], dtype=torch.float64)
 
     def update(self, lrs: list[float]) -> None:
-        sends = []
-        for link, wire, version in zip(self.links, self.wires, self.versions, strict=True):
-            sends += [link.send(self.message(HEADER_STEP, lrs, version), label="ps header"), *self.push(link, wire)]
-        for s in sends:
-            s.wait()
-        self.pull()
+        with self.lost():
+            sends = []
+            for link, wire, version in zip(self.links, self.wires, self.versions, strict=True):
+                sends += [link.send(self.message(HEADER_STEP, lrs, version), label="ps header"),
+                          *self.push(link, wire)]
+            for s in sends:
+                s.wait()
+            self.pull()
 
     def skip(self, lrs: list[float]) -> None:
-        for s in [link.send(self.message(HEADER_SKIP, lrs, v), label="ps header")
-                  for link, v in zip(self.links, self.versions, strict=True)]:
-            s.wait()
-        self.pull()
+        with self.lost():
+            for s in [link.send(self.message(HEADER_SKIP, lrs, v), label="ps header")
+                      for link, v in zip(self.links, self.versions, strict=True)]:
+                s.wait()
+            self.pull()
 
     def pull(self) -> None:
         self.staleness_max = 0
@@ -115,6 +160,10 @@ class AsyncPushPull(PushPull):
         if self.left:
             return
         self.left = True
+        with self.lost():
+            self._finish()
+
+    def _finish(self) -> None:
         for s in [link.send(self.message(HEADER_DONE, [0.0] * self.groups, 0), label="ps header")
                   for link in self.links]:
             s.wait()
@@ -136,7 +185,8 @@ class AsyncPushPull(PushPull):
             # server 0's (each server applies every update, in the order they reach it)
             "staleness_histogram": {str(s): int(c) for s, c in enumerate(hist) if c},
             "staleness_max": max(max((s for s, c in enumerate(h) if c), default=0) for _, _, h, _ in accounts),
-            "workers_joined": people["joined"], "workers_left": people["left"]}
+            "workers_joined": people["joined"], "workers_left": people["left"],
+            "servers_resumed": people.get("resumed", [])}
 
     def step_metrics(self) -> dict:
         return {**super().step_metrics(), "ps_version": self.versions[0], "staleness_max": self.staleness_max}

@@ -10,44 +10,57 @@ final parameters, once every worker is done.
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable
 
 from shoal.metrics.sinks import MetricsSinks
 from shoal.metrics.timers import StepTimer
 from shoal.models.spec import Batch
+from shoal.parallel.ps_async import LinkLost
 from shoal.train.loop import Hooks, Record, Trainer, step_metrics, train_step, validate
 from shoal.train.optim import lr_factor
 
 
 def async_train_loop(t: Trainer, hooks: Hooks, unit_batches: Callable[[int], list[Batch]], sinks: MetricsSinks,
                      record: Record, workers: int, is_main: bool) -> bool:
-    """Train the units dealt to this worker; returns False when it was asked to stop early."""
+    """Train the units dealt to this worker; returns False when it was asked to stop early. A broken
+    link (the servers died, or dropped this worker as stalled) drops the unit in hand and joins the
+    servers again: restarted servers resume from their checkpoint and deal what it lacks."""
     ps = t.par.push_pull
-    ps.join()  # the current parameters and a first unit
     timer = StepTimer(t.device)
     done, m, out = 0, None, {"stop": False}
-    while ps.unit >= 0:
-        unit = ps.unit
-        t.phase.begin_step(done + 1)
-        timer.start()
-        micro_batches = unit_batches(unit)
-        timer.mark("data_wait_s")
-        lr = t.train.lr * lr_factor(unit // workers, t.train)
-        for group in t.optimizer.param_groups:
-            group["lr"] = lr
-        out = train_step(t, hooks, micro_batches, timer, measure_memory=False)  # pushes, pulls the next unit
-        if out["bad"]:
-            t.bad_steps.record_bad(done + 1, out["loss"], out["grad_norm"])  # "abort" raises here
-        else:
-            t.bad_steps.record_good()
-        done += 1
-        m = {**step_metrics(t, done, lr, out, timer), "unit": unit, "data_step": unit // workers}
-        if ps.unit < 0 or out["stop"]:
+    joined = False
+    while True:
+        try:
+            if not joined:
+                ps.join()  # the current parameters and a first unit
+                joined = True
+            while ps.unit >= 0:
+                unit = ps.unit
+                t.phase.begin_step(done + 1)
+                timer.start()
+                micro_batches = unit_batches(unit)
+                timer.mark("data_wait_s")
+                lr = t.train.lr * lr_factor(unit // workers, t.train)
+                for group in t.optimizer.param_groups:
+                    group["lr"] = lr
+                out = train_step(t, hooks, micro_batches, timer, measure_memory=False)  # pushes, pulls the next unit
+                if out["bad"]:
+                    t.bad_steps.record_bad(done + 1, out["loss"], out["grad_norm"])  # "abort" raises here
+                else:
+                    t.bad_steps.record_good()
+                done += 1
+                m = {**step_metrics(t, done, lr, out, timer), "unit": unit, "data_step": unit // workers}
+                if ps.unit < 0 or out["stop"]:
+                    break
+                if is_main and t.train.val_interval and done % t.train.val_interval == 0:
+                    m.update(validate(t, sinks, done))
+                log(t, m, sinks, record)
+            t.par.finish()  # slot 0: the final parameters, once every unit is applied
             break
-        if is_main and t.train.val_interval and done % t.train.val_interval == 0:
-            m.update(validate(t, sinks, done))
-        log(t, m, sinks, record)
-    t.par.finish()  # slot 0: the final parameters, once every unit is applied
+        except LinkLost as e:
+            t.optimizer.forget()
+            ps.rejoin(str(e), say=lambda text: print(text, file=sys.stderr, flush=True))
     if m is not None:  # (none: this worker joined when every unit was dealt)
         if is_main and not out["stop"]:
             m.update(validate(t, sinks, done))

@@ -61,7 +61,7 @@ def run_job(cfg: Config, layout: Layout, source, run_dir: Path, env: DistEnv, co
             return serve(cfg, source.spec, env.rank, list(range(n)), None, comm, run_dir, resume, store=store)
         slot = int(os.environ[ps_launch.SLOT])  # the slot is the worker's rank in the run
         return run_training(cfg, layout, source, run_dir, dataclasses.replace(env, rank=slot), comm, resume, phase,
-                            ps_store=store)
+                            ps_store=store, ps_reopen=lambda: ps_launch.open_store(False, cfg.parallel.timeout_s))
     workers = comm.new_group(list(range(n)))  # collective: every rank creates every group
     servers = comm.new_group(list(range(n, n + layout.servers)))
     # asynchronous: each worker's collectives (its step's flags, its validation) are its own
@@ -69,22 +69,24 @@ def run_job(cfg: Config, layout: Layout, source, run_dir: Path, env: DistEnv, co
     if env.rank >= n:
         from shoal.train.serve import serve
 
-        return serve(cfg, source.spec, env.rank - n, list(range(n)), servers if layout.servers > 1 else None, comm,
-                     run_dir, resume)
+        return serve(cfg, source.spec, env.rank - n, list(range(n)), servers, comm, run_dir, resume)
     world = comm.within(alone[env.rank], 1) if alone else comm.within(workers, n)
     return run_training(cfg, layout, source, run_dir, dataclasses.replace(env, world_size=world.world_size), world,
                         resume, phase)
 
 
 def run_training(cfg: Config, layout: Layout, source, run_dir: Path, env: DistEnv, comm: Comm,
-                 resume: str = "auto", phase: Phase | None = None, ps_store=None) -> dict:
+                 resume: str = "auto", phase: Phase | None = None, ps_store=None, ps_reopen=None) -> dict:
     """Train on this rank; returns the run summary (identical on every rank). `source`: the data
     source the preflight built."""
     t_start = time.perf_counter()
     run, dims, is_main = RunDir(run_dir), layout.dims, env.rank == 0
     phase = phase or Phase()
     resume_path = comm.agree("resume_from", lambda: str(find_resume_point(run.checkpoints, resume) or ""))
-    resume_path = Path(resume_path) if resume_path else None
+    # an asynchronous server's workers hold nothing worth saving: the servers resume and save alone
+    # (train/serve_checkpoint.py), and a worker pulls what they hold
+    async_worker = bool(layout.servers) and cfg.parallel.ps_mode == "async"
+    resume_path = Path(resume_path) if resume_path and not async_worker else None
     torch.manual_seed(cfg.train.seed)  # identical initial weights on every rank
     bundle = build_on(cfg.model, source.spec, init=resume_path is None)
     n_params = count_parameters(bundle.model)
@@ -92,7 +94,7 @@ def run_training(cfg: Config, layout: Layout, source, run_dir: Path, env: DistEn
     sample = source.train_batch(torch.arange(layout.per_rank_batch // layout.pp_microbatches)) if dims.pp > 1 else None
     sync = None if layout.servers else make_sync(cfg.parallel, cfg.comm, comm, last_step=cfg.train.steps)
     par = parallelize(bundle, layout, cfg.parallel, cfg.precision, cfg.train.compile, env.device, env.rank, comm,
-                      sync=sync, sample=sample, ps_store=ps_store)
+                      sync=sync, sample=sample, ps_store=ps_store, ps_reopen=ps_reopen)
     if not cfg.train.compile:  # a compiled model runs its layers as one graph
         phase.track(par.model, bundle.block_types)
     torch.manual_seed(cfg.train.seed + 1 + env.rank)  # dropout etc. differ per rank, reproducibly
@@ -116,7 +118,8 @@ def run_training(cfg: Config, layout: Layout, source, run_dir: Path, env: DistEn
         par.finish()
         return {**read_json(run.summary), "already_finished": True, "steps": sampler.step}
     # a parameter server writes its optimizer state inside the workers' save: those saves block
-    ckpt_cfg = cfg.checkpoint.model_copy(update={"async_save": False}) if layout.servers else cfg.checkpoint
+    ckpt_cfg = cfg.checkpoint.model_copy(update={"async_save": False, "enabled": cfg.checkpoint.enabled
+                                                 and not async_worker}) if layout.servers else cfg.checkpoint
     ckpt = CheckpointManager(run.checkpoints, ckpt_cfg, comm, before_write=par.before_save)
     data_spec = dataclasses.asdict(source.spec)
 
@@ -150,7 +153,7 @@ def run_training(cfg: Config, layout: Layout, source, run_dir: Path, env: DistEn
     record = Record()
     start_step = sampler.step
     try:
-        if cfg.parallel.ps_mode == "async" and layout.servers:
+        if async_worker:
             def unit_batches(unit: int):
                 return make_unit(sampler, source, unit, dims.dp, cfg.train)
 
@@ -161,7 +164,7 @@ def run_training(cfg: Config, layout: Layout, source, run_dir: Path, env: DistEn
         if not finished:  # asked to stop: keep the work done so far, then leave
             step = sampler.step
             # decided from what every rank knows alike (not the filesystem, which rank 0 may still be sealing)
-            if cfg.checkpoint.enabled and (not ckpt.stats or ckpt.stats[-1]["step"] != step):
+            if ckpt.cfg.enabled and (not ckpt.stats or ckpt.stats[-1]["step"] != step):
                 ckpt.save(step, state, state.capture(step, cfg, data_spec))
             par.finish()  # no step or save follows (a parameter server's loop ends)
             ckpt.close()

@@ -20,11 +20,13 @@ from shoal.checkpoint.tensors import tensor_state
 from shoal.comm.collectives import Comm
 from shoal.config import Config
 from shoal.parallel.param_server import HEADER_DONE, HEADER_SAVE, shard_names
+from shoal.parallel.ps_async import staleness_bins
 from shoal.parallel.ps_wire import Wire, sparse_tables
 from shoal.rundir import RunDir
 from shoal.train.build import build_on
 from shoal.train.optim import optimizer_groups
 from shoal.train.serve_async import serve_async
+from shoal.train.serve_checkpoint import ServerCheckpoints, ServerState
 
 
 class Shard:
@@ -119,21 +121,32 @@ class Shard:
 
 def serve(cfg: Config, spec, index: int, workers: list[int], server_group, comm: Comm, run_dir: Path,
           resume: str = "auto", store=None) -> dict:
-    """Serve shard `index` until every worker is done; returns what this server did."""
+    """Serve shard `index` until every worker is done; returns what this server did. `server_group`: the
+    servers' group when they share a job with the workers (None: the servers' job is theirs alone, and
+    `store` the one the roles meet in: ps_launch.py)."""
     run = RunDir(run_dir)
     # the workers' first agreement too (run_training): the same checkpoint on every rank
     resume_path = comm.agree("resume_from", lambda: str(find_resume_point(run.checkpoints, resume) or ""))
     shard = Shard(cfg, spec, index, init=not resume_path)
+    say = lambda text: print(text, file=sys.stderr, flush=True)  # noqa: E731
     if cfg.parallel.ps_mode == "sync":
         shard.track(workers)
-    if resume_path:  # collective with the workers' load: they take the parameters, this server its state
-        load_checkpoint(Path(resume_path), shard.model, shard.optimizer, comm)
-    with torch.no_grad():
-        if cfg.parallel.ps_mode == "async":
-            done = serve_async(shard, cfg, index, len(workers), comm, store or comm.store,
-                               lambda text: print(text, file=sys.stderr, flush=True))
-        else:
-            done = serve_sync(shard, run, index, workers, server_group, comm)
+        if resume_path:  # collective with the workers' load: they take the parameters, this server its state
+            load_checkpoint(Path(resume_path), shard.model, shard.optimizer, comm)
+        with torch.no_grad():
+            done = serve_sync(shard, run, index, workers, server_group if cfg.parallel.servers > 1 else None, comm)
+    else:  # the servers alone load and save (serve_checkpoint.py)
+        mine = comm if server_group is None else Comm(comm.store, index, cfg.parallel.servers, comm.log,
+                                                      group=server_group)
+        state = ServerState(len(workers), staleness_bins(len(workers), cfg.parallel.max_staleness))
+        saver = ServerCheckpoints(shard, index, cfg, mine, run, len(workers), state)
+        if resume_path:
+            units = saver.resume(Path(resume_path), server_group)
+            state.people.setdefault("resumed", []).append({"checkpoint": resume_path, "units": units})
+            say(f"parameter server {index}: resumed from {resume_path} (every unit before {units} applied, "
+                f"version {state.version})")
+        with torch.no_grad():
+            done = serve_async(shard, cfg, index, len(workers), comm, store or comm.store, saver, say)
     return {"server": index, "tensors": len(shard.params), "parameters": shard.numel, **done,
             "resumed_from": resume_path or None}
 

@@ -29,13 +29,17 @@ import torch
 from shoal.comm.collectives import Comm
 from shoal.config import Config
 from shoal.parallel.param_server import HEADER_DONE, HEADER_STEP
-from shoal.parallel.ps_async import HEADER_JOIN, account_tensors, header_size, staleness_bins
+from shoal.parallel.ps_async import HEADER_JOIN, account_tensors, header_size
 from shoal.parallel.ps_links import PREFIX, SERVER, Link, registered, slot_of
+from shoal.train.serve_checkpoint import ServerCheckpoints
 
 
-def serve_async(shard, cfg: Config, index: int, workers: int, comm: Comm, store, say=print) -> dict:
-    """Serve until the run is complete and every worker left; returns what this server did."""
+def serve_async(shard, cfg: Config, index: int, workers: int, comm: Comm, store, saver: ServerCheckpoints,
+                say=print) -> dict:
+    """Serve until the run is complete and every worker left; returns what this server did. `saver`: the
+    checkpoints (train/serve_checkpoint.py), holding the state resumed from, if any."""
     k, aggregate, groups = cfg.parallel.max_staleness, cfg.parallel.ps_aggregate, len(shard.optimizer.param_groups)
+    shard_count = cfg.parallel.servers
     total_units, timeout = workers * cfg.train.steps, cfg.parallel.timeout_s
     events: queue.Queue = queue.Queue()
     stop = threading.Event()
@@ -71,15 +75,15 @@ def serve_async(shard, cfg: Config, index: int, workers: int, comm: Comm, store,
     pulled: dict[int, int] = {}  # the version each live worker's current unit is computed on
     held: list[int] = []  # workers whose reply waits: too far ahead, or (server 0) no unit to give yet
     outbox: list = []
-    applied_units: set[int] = set()
+    applied_units: set[int] = set(range(saver.saved))  # a resumed run's cut: every unit before it
     waiting: list[int] = []  # pulled versions of the updates held for the next aggregated step
     newest_lrs: list[float] = []
-    hist = torch.zeros(staleness_bins(workers, k), dtype=torch.float64)
-    version, started = 0, time.perf_counter()
-    next_unit, requeue, outstanding = 0, deque(), {}  # server 0 deals
-    joined: list[dict] = []
+    hist = saver.state.hist
+    version, started = saver.state.version, time.perf_counter()
+    next_unit, requeue, outstanding = saver.saved, deque(), {}  # server 0 deals
+    last_from: dict[int, int] = {}  # server 0: the unit it last applied from each worker
+    joined, left = saver.state.people["joined"], saver.state.people["left"]
     dealing, first_join = False, 0.0
-    left: list[dict] = []
     finals_sent = 0
 
     def complete() -> bool:
@@ -93,6 +97,8 @@ def serve_async(shard, cfg: Config, index: int, workers: int, comm: Comm, store,
         if requeue:
             unit = requeue.popleft()
         elif next_unit < total_units:
+            if saver.propose(next_unit):  # a checkpoint's cut: nothing past it until it is saved
+                return None
             unit, next_unit = next_unit, next_unit + 1
         elif complete():
             return -1
@@ -113,7 +119,7 @@ def serve_async(shard, cfg: Config, index: int, workers: int, comm: Comm, store,
     def release() -> None:
         nonlocal dealing
         if index == 0 and not dealing:  # the start: the launched workers, or whoever came within the timeout
-            dealing = len(live) >= workers or bool(joined) and time.monotonic() - first_join > timeout
+            dealing = len(live) >= workers or bool(first_join) and time.monotonic() - first_join > timeout
             if not dealing:
                 return
         slowest = min((clock[u] for u in live), default=0)
@@ -138,6 +144,25 @@ def serve_async(shard, cfg: Config, index: int, workers: int, comm: Comm, store,
         waiting.clear()
         version += 1
 
+    def flush() -> int:
+        if waiting:
+            step()
+        return version
+
+    def save_if_due() -> None:
+        """At a checkpoint's cut, once every unit before it is applied here: the save (collective over
+        the servers), then dealing goes on."""
+        if not saver.enabled:
+            return
+        if index == 0:
+            saver.propose(next_unit)
+        else:
+            saver.announced()
+        if saver.save_if_reached(len(applied_units), flush):
+            say(f"parameter server {index}: checkpoint at step {saver.saved // workers} "
+                f"(units before {saver.saved}, version {version})")
+            release()
+
     listener = threading.Thread(target=listen, daemon=True, name="shoal-ps-listen")
     listener.start()
     idle_since = None
@@ -150,9 +175,10 @@ def serve_async(shard, cfg: Config, index: int, workers: int, comm: Comm, store,
             else:
                 idle_since = None
             try:
-                event, w, data, grad = events.get(timeout=0.5)
+                event, w, data, grad = events.get(timeout=0.2)
             except queue.Empty:
                 release()  # the start's timeout may have passed
+                save_if_due()  # a cut announced meanwhile
                 continue
             if event == "join":
                 links[w], slots[w] = grad, data
@@ -172,6 +198,10 @@ def serve_async(shard, cfg: Config, index: int, workers: int, comm: Comm, store,
                     held.remove(w)
                 if index == 0 and w in outstanding and outstanding[w] not in applied_units:
                     requeue.appendleft(outstanding.pop(w))  # trained again, by the next worker that asks
+                if index == 0 and shard_count > 1 and w in last_from:
+                    # its last push may have reached this server and not all others (it died between
+                    # them): dealt again, servers that applied it skip it
+                    requeue.append(last_from.pop(w))
                 left.append({"worker": w, "slot": slots[w], "why": data, "at_version": version})
                 say(f"parameter server {index}: worker {w} (slot {slots[w]}) left: {data}")
                 links.pop(w).close()
@@ -185,7 +215,7 @@ def serve_async(shard, cfg: Config, index: int, workers: int, comm: Comm, store,
                     if waiting:  # the last few updates, fewer than parallel.ps_aggregate
                         step()
                     reply(w, -1)
-                    for t in account_tensors(hist, time.perf_counter() - started, joined, left):
+                    for t in account_tensors(hist, time.perf_counter() - started, saver.state.people):
                         outbox.append(links[w].send(t, label="ps account"))
                     finals_sent += 1
                 release()
@@ -198,8 +228,10 @@ def serve_async(shard, cfg: Config, index: int, workers: int, comm: Comm, store,
                 newest_lrs = lrs
                 applied_units.add(unit)
                 outstanding.pop(w, None)
+                last_from[w] = unit
                 if len(waiting) == aggregate or (index == 0 and len(applied_units) == total_units):
                     step()
+                save_if_due()
                 if index == 0 and complete():
                     store.set(f"{PREFIX}/complete", "1")
             if kind != HEADER_JOIN:
