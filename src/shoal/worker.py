@@ -106,7 +106,9 @@ def main(cfg: Config, run_dir: str | None, config_path: str | None, resume: str 
         dist.shutdown()
     except signals.Interrupted as e:
         handler.record_exception(e)
-        if os.environ.get("RANK") == "0":
+        from shoal.ps_launch import reports  # (an asynchronous parameter server's: worker slot 0)
+
+        if reports(int(os.environ.get("RANK", "-1"))):
             print(f"shoal: {e}; {resume_hint(resume)}", file=sys.stderr, flush=True)
         code = 128 + e.signum
     except (UserError, TrainingError) as e:  # one line, no traceback: the message says what to do

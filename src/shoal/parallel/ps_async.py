@@ -92,25 +92,27 @@ class AsyncPushPull(PushPull):
                 s.wait()
             self.pull()
 
-    def rejoin(self, why: str, say=print) -> None:
+    def rejoin(self, why: str, stop: Callable[[], bool], say=print) -> bool:
         """After a LinkLost: join the servers anew, retrying for parallel.timeout_s (restarted servers
-        take seconds to come back from their checkpoint; until then there is no store to reach)."""
+        take seconds to come back from their checkpoint; until then there is no store to reach).
+        Returns False when `stop()` said to give up first (the run is being stopped)."""
         say(f"worker slot {self.slot}: lost the servers ({why}); joining again")
         for link in self.links:
             with contextlib.suppress(Exception):
                 link.close()
         self.left, deadline = False, time.monotonic() + self.timeout_s
-        while True:
+        while not stop():
             try:
                 if self.reopen is not None:
                     self.store = self.reopen()
                 self.join()
-                return
+                return True
             except (LinkLost, RuntimeError) as e:
                 if time.monotonic() > deadline:
                     raise LinkLost(f"the servers did not come back within parallel.timeout_s "
                                    f"({self.timeout_s:g} s): {str(e).strip().splitlines()[0][:200]}") from None
                 time.sleep(0.5)
+        return False
 
     @contextlib.contextmanager
     def lost(self):

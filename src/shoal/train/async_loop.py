@@ -13,6 +13,7 @@ from __future__ import annotations
 import sys
 from collections.abc import Callable
 
+from shoal import signals
 from shoal.metrics.sinks import MetricsSinks
 from shoal.metrics.timers import StepTimer
 from shoal.models.spec import Batch
@@ -60,7 +61,10 @@ def async_train_loop(t: Trainer, hooks: Hooks, unit_batches: Callable[[int], lis
             break
         except LinkLost as e:
             t.optimizer.forget()
-            ps.rejoin(str(e), say=lambda text: print(text, file=sys.stderr, flush=True))
+            say = lambda text: print(text, file=sys.stderr, flush=True)  # noqa: E731
+            if not ps.rejoin(str(e), stop=lambda: signals.requested() > 0, say=say):
+                out = {**out, "stop": True}  # stopped meanwhile (the servers too, by the same signal)
+                break
     if m is not None:  # (none: this worker joined when every unit was dealt)
         if is_main and not out["stop"]:
             m.update(validate(t, sinks, done))

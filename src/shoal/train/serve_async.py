@@ -26,6 +26,7 @@ from collections import deque
 
 import torch
 
+from shoal import signals
 from shoal.comm.collectives import Comm
 from shoal.config import Config
 from shoal.parallel.param_server import HEADER_DONE, HEADER_STEP
@@ -168,6 +169,9 @@ def serve_async(shard, cfg: Config, index: int, workers: int, comm: Comm, store,
     idle_since = None
     try:
         while True:
+            if signals.requested():  # the elastic agent stopping the survivors of a dead server, or Ctrl-C:
+                # nothing to finish (a save needs every unit before its cut); the newest checkpoint stands
+                raise signals.Interrupted(signals.requested(), saver.saved // workers, saver.newest())
             if complete() and not live and joined:  # done, once slot 0 has had the final parameters
                 idle_since = idle_since or time.monotonic()
                 if finals_sent or time.monotonic() - idle_since > timeout:  # or it did not come back

@@ -25,6 +25,7 @@ from pathlib import Path
 import torch
 
 from shoal.checkpoint.manager import CheckpointManager, load_checkpoint
+from shoal.checkpoint.manifest import step_dir_name
 from shoal.checkpoint.resume import check_compatible
 from shoal.checkpoint.train_state import TrainState
 from shoal.comm.collectives import Comm
@@ -84,6 +85,11 @@ class ServerCheckpoints:
     @property
     def enabled(self) -> bool:
         return self.cfg.checkpoint.enabled
+
+    def newest(self) -> str | None:
+        """The folder of the newest checkpoint saved or resumed from (None: none yet)."""
+        path = self.manager.root / step_dir_name(self.saved // self.workers)
+        return str(path) if self.saved and path.exists() else None
 
     def resume(self, path: Path, group) -> int:
         """Load the checkpoint at `path` (collective over the servers); returns its cut in units."""
