@@ -57,11 +57,13 @@ def staleness_bins(workers: int, max_staleness: int) -> int:
     return (2 * max_staleness + 1) * (workers - 1) + 2
 
 
-def account_tensors(hist: torch.Tensor, seconds: float, people: dict) -> list[torch.Tensor]:
-    """A server's account for worker slot 0: [updates applied, seconds, bytes of the JSON, histogram...]
-    and the JSON of who joined and left, and which checkpoints the servers resumed from (uint8)."""
+def account_tensors(hist: torch.Tensor, seconds: float, fresh: int, people: dict) -> list[torch.Tensor]:
+    """A server's account for worker slot 0: [updates applied, seconds serving, updates applied in them
+    (not those a checkpoint resumed from), bytes of the JSON, histogram...] and the JSON of who joined
+    and left, and which checkpoints the servers resumed from (uint8)."""
     text = torch.frombuffer(bytearray(json.dumps(people).encode()), dtype=torch.uint8)
-    return [torch.cat([torch.tensor([hist.sum().item(), seconds, len(text)], dtype=torch.float64), hist]), text]
+    return [torch.cat([torch.tensor([hist.sum().item(), seconds, fresh, len(text)], dtype=torch.float64), hist]),
+            text]
 
 
 class AsyncPushPull(PushPull):
@@ -175,18 +177,18 @@ class AsyncPushPull(PushPull):
         bins = staleness_bins(self.workers, self.max_staleness)
         accounts = []
         for link in self.links:
-            applied, seconds, size, *hist = link.recv(torch.zeros(3 + bins, dtype=torch.float64),
+            applied, seconds, fresh, size, *hist = link.recv(torch.zeros(4 + bins, dtype=torch.float64),
                                                       label="ps account").tolist()
             people = json.loads(bytes(link.recv(torch.zeros(int(size), dtype=torch.uint8),
                                                 label="ps account").tolist()).decode())
-            accounts.append((applied, seconds, hist, people))
-        applied, seconds, hist, people = accounts[0]
+            accounts.append((applied, fresh / seconds if seconds else None, hist, people))
+        applied, per_s, hist, people = accounts[0]
         self.account = {
             "mode": "async", "max_staleness": self.max_staleness, "updates_applied": int(applied),
-            "updates_per_s": applied / seconds if seconds else None,
+            "updates_per_s": per_s,
             # server 0's (each server applies every update, in the order they reach it)
             "staleness_histogram": {str(s): int(c) for s, c in enumerate(hist) if c},
-            "staleness_max": max(max((s for s, c in enumerate(h) if c), default=0) for _, _, h, _ in accounts),
+            "staleness_max": max(max((s for s, c in enumerate(h) if c), default=0) for *_, h, _ in accounts),
             "workers_joined": people["joined"], "workers_left": people["left"],
             "servers_resumed": people.get("resumed", [])}
 

@@ -81,6 +81,7 @@ def serve_async(shard, cfg: Config, index: int, workers: int, comm: Comm, store,
     newest_lrs: list[float] = []
     hist = saver.state.hist
     version, started = saver.state.version, time.perf_counter()
+    resumed_updates = int(hist.sum().item())
     next_unit, requeue, outstanding = saver.saved, deque(), {}  # server 0 deals
     last_from: dict[int, int] = {}  # server 0: the unit it last applied from each worker
     joined, left = saver.state.people["joined"], saver.state.people["left"]
@@ -219,7 +220,8 @@ def serve_async(shard, cfg: Config, index: int, workers: int, comm: Comm, store,
                     if waiting:  # the last few updates, fewer than parallel.ps_aggregate
                         step()
                     reply(w, -1)
-                    for t in account_tensors(hist, time.perf_counter() - started, saver.state.people):
+                    fresh = int(hist.sum().item()) - resumed_updates
+                    for t in account_tensors(hist, time.perf_counter() - started, fresh, saver.state.people):
                         outbox.append(links[w].send(t, label="ps account"))
                     finals_sent += 1
                 release()
