@@ -171,7 +171,9 @@ class ParallelConfig(Section):
     """parameter-server: sync: the servers wait for every worker's gradients of a step, then step once
     (every-step data parallelism on another wire). async: each worker's gradient (its share of a global
     batch, normalised by its own items) is applied on arrival, and the worker pulls the parameters and
-    its next share of data from the servers; a slow worker no longer holds the others back."""
+    its next share of data from the servers; a slow worker no longer holds the others back. An
+    update of m shares (m = ps_aggregate) of n is applied at m / n of the schedule's learning rate (the
+    linear scaling rule: n updates then move as far as one synchronous step)."""
     ps_aggregate: int = Field(1, ge=1)
     """parameter-server, async: updates a server averages into one step (each clipped by its own norm
     first), applied as soon as that many arrived from any workers; 1: each on arrival. The number of

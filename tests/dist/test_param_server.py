@@ -76,7 +76,8 @@ def test_async_parameter_server_trains_every_unit_once_within_the_staleness_boun
                                                                                  servers, max_staleness, aggregate):
     """Three workers, one or two servers, async: every share of every global batch is applied exactly once
     (3 x 20 updates), no update is staler than the stale-synchronous bound, and the model learns
-    at least about as well as every-step data parallelism. With max_staleness 0 and the updates of all
+    about as well as every-step data parallelism (final validation loss within 2%: each update of a third
+    of a global batch applied at a third of the learning rate). With max_staleness 0 and the updates of all
     three workers aggregated, the workers move in lockstep: nothing is stale."""
     run_dir = tmp_path / "run"
     out = ranks(3 + servers).run(train_on_ranks, [*BASE, 'parallel.sync="parameter-server"', 'parallel.ps_mode="async"',
@@ -94,7 +95,7 @@ def test_async_parameter_server_trains_every_unit_once_within_the_staleness_boun
     assert max(m["staleness_max"] for m in metrics if "staleness_max" in m) <= ps["staleness_max"]
     ref = [m["val_loss"] for m in read_metrics(every_step) if "val_loss" in m]
     vals = [m["val_loss"] for m in metrics if "val_loss" in m]
-    assert vals[-1] < vals[0] < ref[0] and vals[-1] < 1.1 * ref[-1], (vals, ref)
+    assert vals[-1] < vals[0] and vals[-1] < 1.02 * ref[-1], (vals, ref)
 
 
 NCF = ["model.name=ncf", "data.source=interactions", "data.num_users=500", "data.num_items=400",

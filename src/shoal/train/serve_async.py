@@ -137,7 +137,10 @@ def serve_async(shard, cfg: Config, index: int, workers: int, comm: Comm, store,
     def step() -> None:
         nonlocal version
         shard.set_held(len(waiting))
-        shard.apply(newest_lrs)
+        # an update of len(waiting) units is that share of a global batch: the linear scaling rule
+        # (measured: each update at the global batch's rate, AdamW moved ~n times as far per sample, and
+        # at lr 2e-3 with 3 workers ended at val 2.73-2.89 where synchronous training reaches 2.645)
+        shard.apply([lr * (len(waiting) / workers) for lr in newest_lrs])
         for v in waiting:
             staleness = version - v
             hist[min(staleness, len(hist) - 1)] += 1
