@@ -13,9 +13,11 @@ ranks. Step time: median over the steps after the first. Runs alternate; medians
 
 DeepSpeed: `.venv/bin/pip install deepspeed torch==2.13.0` (runs with DS_ACCELERATOR=cpu, gloo;
 this script sets it). Without it the DeepSpeed rows say why and the ratios against it are nan.
-Targets: shoal zero3 <= 0.55x zero0 model-state bytes per rank; shoal <= DeepSpeed bytes at each
+Targets: shoal zero3 <= 0.55x zero0 model-state bytes per rank, and <= 0.6x its peak RSS (ZeRO 2/3
+workers give freed buffers back to the system: shoal/allocator.py); shoal <= DeepSpeed bytes at each
 stage; step time shoal / DeepSpeed <= 1.0 at each stage. Last line:
     RESULT zero3_vs_zero0=<x> max_shoal_vs_deepspeed_bytes=<y> max_shoal_vs_deepspeed_time=<z>
+           zero3_vs_zero0_peak_rss=<peak RSS of shoal zero3 / zero0>
 """
 
 from __future__ import annotations
@@ -142,8 +144,10 @@ def main() -> None:
         print(f"stage {s}: shoal / deepspeed model state {b:.6f} (target <= 1), peak RSS "
               f"{med[f'shoal zero{s}']['peak'] / ds['peak'] if ds else math.nan:.3f}, step time {t:.3f} (target <= 1)")
     x = med["shoal zero3"]["total"] / zero0
+    rss = med["shoal zero3"]["peak"] / med["shoal zero0"]["peak"]
+    print(f"shoal zero3 / zero0 peak RSS: {rss:.3f} (target <= 0.6)")
     print(f"RESULT zero3_vs_zero0={x:.4f} max_shoal_vs_deepspeed_bytes={max(byte_ratios):.6f} "
-          f"max_shoal_vs_deepspeed_time={max(time_ratios):.4f}")
+          f"max_shoal_vs_deepspeed_time={max(time_ratios):.4f} zero3_vs_zero0_peak_rss={rss:.4f}")
 
 
 if __name__ == "__main__":

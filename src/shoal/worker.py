@@ -18,6 +18,7 @@ import torch
 from torch.distributed.elastic.multiprocessing.errors import get_error_handler
 
 from shoal import dist, signals
+from shoal.allocator import release_freed_memory
 from shoal.comm.collectives import Comm
 from shoal.comm.phase import Phase
 from shoal.comm.report import collective_report
@@ -77,6 +78,8 @@ def main(cfg: Config, run_dir: str | None, config_path: str | None, resume: str 
     world = int(os.environ["WORLD_SIZE"])
     try:
         torch.set_num_threads(threads_per_worker(cfg, int(os.environ.get("LOCAL_WORLD_SIZE", 1))))
+        if cfg.parallel.zero >= 2 and not torch.cuda.is_available():  # so that sharding shows in peak RSS
+            release_freed_memory()
         # a torchrun launch reaches here unchecked; under `shoal train` this repeats the launcher's checks
         from shoal.ps_launch import reports, total_world
 
