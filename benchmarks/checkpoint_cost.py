@@ -31,8 +31,10 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 SIZES = {
-    "default": ["--set", "train.global_batch_size=32", "--set", "train.micro_batch_size=16"],
+    "default": ["--set", "train.global_batch_size=32", "--set", "train.micro_batch_size=16",
+                "--set", "model.seq_len=128"],
     "100m": ["--set", "model.n_layer=14", "--set", "model.d_model=768", "--set", "model.n_head=12",
+             "--set", "model.seq_len=128",
              "--set", "train.global_batch_size=2", "--set", "train.micro_batch_size=1"],
 }
 

@@ -30,7 +30,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 WARMUP = 10  # steps dropped from each run: allocator warm-up, first-touch, thread pools
 INTERVAL = 10  # metrics.log_interval's default: shoal writes metrics every 10 steps
-SEQ_LEN = 128  # configs/gpt-tiny.toml's model.seq_len, as plain_ddp.py's default
+SEQ_LEN = 128  # set on configs/gpt-tiny.toml below (measured so), as plain_ddp.py's default
 
 
 def per_step(stamps: list[float]) -> float:
@@ -45,6 +45,7 @@ def shoal_run(nproc: int, steps: int, micro: int, tmp: Path) -> float:
     cmd = [sys.executable, "-m", "shoal", "train", str(ROOT / "configs/gpt-tiny.toml"), "--nproc", str(nproc),
            "--run-dir", str(run_dir), "--set", f"train.steps={steps}", "--set", f"train.micro_batch_size={micro}",
            "--set", f"train.global_batch_size={2 * micro}", "--set", "parallel.threads_per_worker=1",
+           "--set", f"model.seq_len={SEQ_LEN}",
            "--set", f"metrics.log_interval={INTERVAL}", "--set", "train.val_interval=0", "--set", "train.val_batches=1",
            "--set", "metrics.tensorboard=false", "--set", "checkpoint.final_weights=false"]
     subprocess.run(cmd, check=True, cwd=ROOT, stdout=subprocess.DEVNULL)

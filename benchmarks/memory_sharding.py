@@ -34,7 +34,7 @@ import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-MODEL = ["model.n_layer=14", "model.d_model=768", "model.n_head=12"]
+MODEL = ["model.n_layer=14", "model.d_model=768", "model.n_head=12", "model.seq_len=128"]
 KINDS = ("params", "grads", "optimizer")
 COLUMNS = (*KINDS, "total", "peak", "time")
 
