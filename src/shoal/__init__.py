@@ -1,13 +1,26 @@
 """shoal: distributed training for PyTorch from one validated config."""
 
-import time
+import types
 
-STARTED_AT = time.time()  # this process's start, for the recovery-time breakdown in summary.json
-
-# ruff: noqa: E402
-
+import shoal.train as _train_package
+from shoal.clock import STARTED_AT  # this process's start, for summary.json's recovery times
 from shoal.config import Config, load_config
-from shoal.errors import UserError
+from shoal.errors import TrainingError, UserError
 
-__all__ = ["Config", "UserError", "load_config"]
+
+class _CallableTrainPackage(types.ModuleType):
+    """`shoal.train` is the package of the training loop, and, called, `shoal train` from Python
+    (shoal/api.py): the package must keep the name, as every import of a module below it sets it."""
+
+    def __call__(self, config=None, overrides=None, nproc=1, run_dir=None, resume="auto", max_restarts=0):
+        from shoal.api import train
+
+        return train(config, overrides, nproc, run_dir, resume, max_restarts)
+
+    __call__.__doc__ = "Train as `shoal train` would; returns summary.json. See shoal/api.py."
+
+
+_train_package.__class__ = _CallableTrainPackage
+
+__all__ = ["STARTED_AT", "Config", "TrainingError", "UserError", "load_config", "train"]
 __version__ = "0.1.0"

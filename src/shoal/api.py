@@ -1,0 +1,78 @@
+"""`shoal.train(...)`: the `shoal train` command from a script or a notebook.
+
+The same path as the command: the config validated here (a bad value raises `shoal.UserError` with
+the command's one-line message), the same preflight, and workers started by the same torch elastic
+launch (separate processes: a notebook's own state never reaches them). A builder may be passed as an
+importable callable where the config names one as a string ("module:function", e.g. model.name);
+workers import it by that name, so it must live at a module's top level.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Callable, Mapping
+from pathlib import Path
+
+from shoal.errors import TrainingError, UserError
+
+
+def train(config: str | Path | None = None, overrides: Mapping[str, object] | None = None, nproc: int = 1,
+          run_dir: str | Path | None = None, resume: str = "auto", max_restarts: int = 0) -> dict:
+    """Train as `shoal train CONFIG --nproc N --set KEY=VALUE ...` would; returns the run's summary
+    (summary.json). Raises UserError for a bad config or arguments, TrainingError if the run fails."""
+    from shoal import cli
+    from shoal.config import load_config
+    from shoal.rundir import default_run_dir
+
+    sets = [f"{key}={toml_value(key, value)}" for key, value in (overrides or {}).items()]
+    argv = ["train", *([str(config)] if config is not None else []), *[a for s in sets for a in ("--set", s)],
+            "--nproc", str(nproc), "--resume", resume, "--max-restarts", str(max_restarts)]
+    cfg = load_config(config, sets)  # raises the command's UserError
+    where = Path(run_dir) if run_dir is not None else default_run_dir(str(config) if config else None, cfg)
+    argv += ["--run-dir", str(where)]
+    args = cli.build_parser().parse_args(argv)
+    args.argv = argv
+    saved = dict(os.environ)  # the launch sets variables for its workers; leave the caller's as they were
+    try:
+        code = cli.train(args)
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
+    summary = where / "summary.json"
+    if code != 0 or not summary.exists():
+        raise TrainingError(f"training failed (exit code {code}); its output is above, its run dir {where}")
+    return json.loads(summary.read_text())
+
+
+def toml_value(key: str, value: object) -> str:
+    """`value` as the TOML literal an override takes; a callable as "module:qualname"."""
+    if callable(value):
+        value = importable_name(key, value)
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, (int, float)):
+        return repr(value)
+    if isinstance(value, str):
+        return json.dumps(value)  # a TOML basic string: quotes and escapes as JSON's
+    if isinstance(value, (list, tuple)):
+        return "[" + ", ".join(toml_value(key, v) for v in value) + "]"
+    raise UserError(f"{key}: {type(value).__name__} values cannot be passed; give a number, string, bool or list")
+
+
+def importable_name(key: str, fn: Callable) -> str:
+    """The "module:qualname" workers import `fn` by, checked to lead back to `fn`."""
+    import importlib
+
+    module, qualname = getattr(fn, "__module__", None), getattr(fn, "__qualname__", "")
+    if not module or module == "__main__" or "<locals>" in qualname or "<lambda>" in qualname:
+        raise UserError(f"{key}: {getattr(fn, '__name__', fn)!r} cannot be imported by the workers (defined in "
+                        f"{module or 'no module'}{', inside a function' if '<locals>' in qualname else ''}); define "
+                        f"it at the top level of an importable module and pass it, or its 'module:function' name")
+    target = importlib.import_module(module)
+    for part in qualname.split("."):
+        target = getattr(target, part, None)
+    if target is not fn:
+        raise UserError(f"{key}: {module}:{qualname} does not lead back to the callable passed; pass its "
+                        f"'module:function' name instead")
+    return f"{module}:{qualname}"
