@@ -40,11 +40,12 @@ DataSource = Literal["stdlib-text", "text", "tokens", "synthetic-images", "inter
 
 
 class DataConfig(Section):
-    source: DataSource = "stdlib-text"
+    source: str = "stdlib-text"
     """Where samples come from. stdlib-text: the Python standard library's .py files on this machine,
     byte tokens (no download). text: `path` is a UTF-8 file or a folder of them, byte tokens.
     tokens: `path` is a flat binary file of token ids (`token_dtype`), memory-mapped.
-    synthetic-images: class-conditional 3x32x32 images. interactions: implicit user-item feedback."""
+    synthetic-images: class-conditional 3x32x32 images. interactions: implicit user-item feedback.
+    "package.module:function": your data set, the function called with this section (data/user.py)."""
     path: str | None = None
     """File or folder for the `text` and `tokens` sources."""
     token_dtype: Literal["uint16", "uint32"] = "uint16"
@@ -68,6 +69,13 @@ class DataConfig(Section):
     """interactions: sampled negatives per positive in training (as in the NCF paper)."""
     prefetch: int = Field(2, ge=0, le=64)
     """Batches prepared ahead by a background thread (0: load in the training thread)."""
+
+    @model_validator(mode="after")
+    def _known_source(self) -> DataConfig:
+        if ":" not in self.source and self.source not in DataSource.__args__:
+            raise ValueError(f'unknown data.source = "{self.source}"; use one of {", ".join(DataSource.__args__)} '
+                             f'or "package.module:function" (your data set)')
+        return self
 
 
 class TrainConfig(Section):
@@ -280,7 +288,7 @@ class Config(Section):
     def _compatible(self) -> Config:
         needs = getattr(type(self.model), "data_kinds", None)
         kind = data_kind(self.data.source)
-        if needs is not None and kind not in needs:
+        if needs is not None and kind is not None and kind not in needs:
             sources = [s for s in DataSource.__args__ if data_kind(s) in needs]
             raise ValueError(
                 f'model.name = "{self.model.name}" cannot train on data.source = "{self.data.source}"; '
@@ -311,7 +319,10 @@ class Config(Section):
 SECTIONS = {name: f.annotation for name, f in Config.model_fields.items() if name != "model"}
 
 
-def data_kind(source: str) -> str:
+def data_kind(source: str) -> str | None:
+    """The kind of batches a built-in source gives; None for a user's (known once it is built)."""
+    if ":" in source:
+        return None
     return {"synthetic-images": "images", "interactions": "interactions"}.get(source, "tokens")
 
 

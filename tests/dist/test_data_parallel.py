@@ -85,3 +85,21 @@ def test_two_nodes_on_loopback_train_like_one(tmp_path, dp2):
     written = [d for d in (tmp_path / "node0", tmp_path / "node1") if (d / "metrics.jsonl").exists()]
     assert len(written) == 1
     assert_same_training((read_metrics(written[0]), read_weights(written[0])), dp2)
+
+
+def test_a_users_data_set_trains_the_same_on_two_ranks_as_on_one(tmp_path, ranks):
+    """data.source = "userdata:windows" (tests/fixtures/userdata.py: a torch Dataset of byte windows
+    with its own validation set and DataSpec): the sampler still decides the global batch, so dp 2
+    trains what one process trains."""
+    common = [o for o in COMMON[1::2] if not o.startswith("train.steps")]
+    user = ['data.source="userdata:windows"', "model.seq_len=32", "train.steps=8", "metrics.progress=false"]
+    runs = []
+    for nproc, micro in ((2, 8), (1, 16)):
+        ranks(nproc).run(train_on_ranks, [*common, *user, f"train.micro_batch_size={micro}"], str(tmp_path / f"{nproc}"))
+        runs.append((read_metrics(tmp_path / f"{nproc}"), read_weights(tmp_path / f"{nproc}")))
+    (ma, wa), (mb, wb) = runs
+    la, lb = torch.tensor([m["loss"] for m in ma]), torch.tensor([m["loss"] for m in mb])
+    assert la[-1] < la[0] - 0.2, "the model should be learning"  # 5.54 -> 5.23 in 8 steps
+    torch.testing.assert_close(la, lb, rtol=1e-5, atol=0)
+    for k in wa:
+        torch.testing.assert_close(wa[k], wb[k], rtol=0, atol=1e-6)

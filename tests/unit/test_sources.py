@@ -75,3 +75,34 @@ def test_interactions_hold_out_unseen_candidates():
         cands = v["candidates"][u].tolist()
         assert len(set(cands)) == 100
         assert all((u, c) not in trained for c in cands)  # neither the held-out positive nor the negatives were trained on
+
+
+def test_a_users_data_set_is_batched_by_index_with_its_own_or_a_held_out_validation_set(monkeypatch):
+    from conftest import FIXTURES
+
+    monkeypatch.syspath_prepend(str(FIXTURES))
+    s = build_source(DataConfig(source="userdata:windows"), 32)
+    assert s.spec.vocab_size == 256 and s.num_val == len(s.val)
+    b = s.train_batch(torch.tensor([0, 3]))
+    assert b["input"].shape == (2, 32) and torch.equal(b["target"][:, :-1], b["input"][:, 1:])
+    assert torch.equal(b["input"][1], s.train[3]["input"])
+    bare = build_source(DataConfig(source="userdata:bare"), 32)  # the last 5% held out
+    whole = len(bare.train) + len(bare.val)
+    assert bare.num_val == int(whole * 0.05) and torch.equal(bare.val_batch(torch.tensor([0]))["input"][0],
+                                                             bare.train.data[whole - bare.num_val]["input"])
+    assert bare.spec.kind == "custom"
+
+
+@pytest.mark.parametrize("fn,message", [
+    ("wrong", 'data.source = "userdata:wrong" returned int as its training set; return a map-style dataset'),
+    ("ragged", r'"input" is \[31\] torch.int64 in one sample and \[32\] torch.int64 in another; make every '
+               r"sample one shape \(pad or crop\), or pass a collate function"),
+    ("not_dicts", "a sample is a Tensor, not a dict of tensors"),
+    ("missing", "userdata has no function missing"),
+])
+def test_a_users_data_set_that_cannot_be_batched_is_one_line_naming_the_fix(monkeypatch, fn, message):
+    from conftest import FIXTURES
+
+    monkeypatch.syspath_prepend(str(FIXTURES))
+    with pytest.raises(UserError, match=message):
+        build_source(DataConfig(source=f"userdata:{fn}"), 32)

@@ -183,6 +183,10 @@ class Interactions:
 
 def build_source(cfg: DataConfig, seq_len: int | None):
     """The source named by data.source. Text sources need the model's context length."""
+    if ":" in cfg.source:
+        from shoal.data.user import UserSource
+
+        return UserSource(cfg)
     if cfg.source in ("stdlib-text", "text", "tokens"):
         if seq_len is None:
             raise UserError(f'data.source = "{cfg.source}" needs the model\'s seq_len; set model.seq_len')

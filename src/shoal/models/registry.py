@@ -64,15 +64,20 @@ def build_model(cfg: ModelSection, spec: DataSpec) -> ModelBundle:
 
 
 def _import_user_builder(name: str) -> Callable[..., Any]:
+    return import_user_callable("model.name", name)
+
+
+def import_user_callable(key: str, name: str) -> Callable[..., Any]:
+    """The function "package.module:function" that config key `key` names (a user model or data set)."""
     module_name, _, func_name = name.partition(":")
-    # like `python -m`, let a user model live in the current directory
+    # like `python -m`, let a user's module live in the current directory
     if str(Path.cwd()) not in sys.path:
         sys.path.insert(0, str(Path.cwd()))
     try:
         module = importlib.import_module(module_name)
     except ImportError as e:
-        raise UserError(f'model.name = "{name}": cannot import {module_name} ({e}); check PYTHONPATH') from None
+        raise UserError(f'{key} = "{name}": cannot import {module_name} ({e}); check PYTHONPATH') from None
     fn = getattr(module, func_name, None)
     if not callable(fn):
-        raise UserError(f'model.name = "{name}": {module_name} has no function {func_name}')
+        raise UserError(f'{key} = "{name}": {module_name} has no function {func_name}')
     return fn

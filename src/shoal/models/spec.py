@@ -54,6 +54,21 @@ class DataSpec:
     num_items: int | None = None  # interactions
 
 
+@dataclass(frozen=True)
+class UserData:
+    """What a user's data function (data.source = "package.module:function", called with the [data]
+    config section) may return instead of a bare map-style dataset: the training set, optionally a
+    validation set (else the last data.val_fraction of `train` is held out), a collate function (a
+    list of samples -> a Batch; default: each key's tensors stacked) and the DataSpec the model builder
+    needs (default: kind "custom", no sizes). A dataset is anything with len() and [i] -> a dict of
+    tensors, such as a torch Dataset."""
+
+    train: object
+    val: object | None = None
+    collate: Callable[[list[Batch]], Batch] | None = None
+    spec: DataSpec | None = None
+
+
 class PipelineLayers(NamedTuple):
     """A model seen as a sequence of layers, for pipeline parallelism."""
 
