@@ -12,12 +12,11 @@ class _CallableTrainPackage(types.ModuleType):
     """`shoal.train` is the package of the training loop, and, called, `shoal train` from Python
     (shoal/api.py): the package must keep the name, as every import of a module below it sets it."""
 
-    def __call__(self, config=None, overrides=None, nproc=1, run_dir=None, resume="auto", max_restarts=0):
+    def __call__(self, *args, **kwargs):
+        """shoal.api.train: train as `shoal train` would; returns summary.json."""
         from shoal.api import train
 
-        return train(config, overrides, nproc, run_dir, resume, max_restarts)
-
-    __call__.__doc__ = "Train as `shoal train` would; returns summary.json. See shoal/api.py."
+        return train(*args, **kwargs)
 
 
 _train_package.__class__ = _CallableTrainPackage
