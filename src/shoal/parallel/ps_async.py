@@ -57,11 +57,20 @@ def staleness_bins(workers: int, max_staleness: int) -> int:
     return (2 * max_staleness + 1) * (workers - 1) + 2
 
 
+def json_tensor(obj) -> torch.Tensor:
+    """`obj` as JSON in a uint8 tensor (it travels over a link and sits in a safetensors file)."""
+    return torch.frombuffer(bytearray(json.dumps(obj).encode()), dtype=torch.uint8)
+
+
+def tensor_json(t: torch.Tensor):
+    return json.loads(bytes(t.tolist()).decode())
+
+
 def account_tensors(hist: torch.Tensor, seconds: float, fresh: int, people: dict) -> list[torch.Tensor]:
     """A server's account for worker slot 0: [updates applied, seconds serving, updates applied in them
     (not those a checkpoint resumed from), bytes of the JSON, histogram...] and the JSON of who joined
     and left, and which checkpoints the servers resumed from (uint8)."""
-    text = torch.frombuffer(bytearray(json.dumps(people).encode()), dtype=torch.uint8)
+    text = json_tensor(people)
     return [torch.cat([torch.tensor([hist.sum().item(), seconds, fresh, len(text)], dtype=torch.float64), hist]),
             text]
 
@@ -179,8 +188,7 @@ class AsyncPushPull(PushPull):
         for link in self.links:
             applied, seconds, fresh, size, *hist = link.recv(torch.zeros(4 + bins, dtype=torch.float64),
                                                       label="ps account").tolist()
-            people = json.loads(bytes(link.recv(torch.zeros(int(size), dtype=torch.uint8),
-                                                label="ps account").tolist()).decode())
+            people = tensor_json(link.recv(torch.zeros(int(size), dtype=torch.uint8), label="ps account"))
             accounts.append((applied, fresh / seconds if seconds else None, hist, people))
         applied, per_s, hist, people = accounts[0]
         self.account = {

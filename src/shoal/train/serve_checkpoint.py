@@ -18,7 +18,6 @@ an asynchronous server resumes any checkpoint, from its data step.
 
 from __future__ import annotations
 
-import json
 import time
 from pathlib import Path
 
@@ -30,6 +29,7 @@ from shoal.checkpoint.resume import check_compatible
 from shoal.checkpoint.train_state import TrainState
 from shoal.comm.collectives import Comm
 from shoal.config import Config
+from shoal.parallel.ps_async import json_tensor, tensor_json
 from shoal.parallel.ps_links import PREFIX
 from shoal.rundir import RunDir
 
@@ -53,8 +53,7 @@ class ServerState:
         self.units = int(state.get("units", 0))
 
     def rank_state(self) -> dict[str, torch.Tensor]:
-        text = torch.frombuffer(bytearray(json.dumps(self.people).encode()), dtype=torch.uint8)
-        return {"version": torch.tensor([self.version]), "histogram": self.hist, "people": text}
+        return {"version": torch.tensor([self.version]), "histogram": self.hist, "people": json_tensor(self.people)}
 
     def load_rank_state(self, tensors: dict[str, torch.Tensor] | None) -> None:
         if not tensors:  # another number of servers wrote it: versions and accounts start afresh
@@ -64,7 +63,7 @@ class ServerState:
         n = min(len(saved), len(self.hist))  # max_staleness may have changed: the rest into the last bin
         self.hist[:n] = saved[:n]
         self.hist[-1] += saved[n:].sum()
-        self.people = json.loads(bytes(tensors["people"].tolist()).decode())
+        self.people = tensor_json(tensors["people"])
 
 
 class ServerCheckpoints:
