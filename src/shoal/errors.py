@@ -11,3 +11,14 @@ class UserError(ValueError):
 
 class TrainingError(RuntimeError):
     """Training cannot go on (diverged, nothing to roll back to): reported as one line, exit code 1."""
+
+
+def require(module: str, extra: str, feature: str):
+    """Import an optional dependency, or fail in one line naming the install that brings it."""
+    import importlib
+
+    try:
+        return importlib.import_module(module)
+    except ImportError:
+        raise UserError(f"{feature} needs the {module.split('.')[0]} package; install it with: "
+                        f"pip install 'shoal[{extra}]'") from None
