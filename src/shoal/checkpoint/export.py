@@ -5,6 +5,7 @@ single-process model with `safetensors.torch.load_model`."""
 from __future__ import annotations
 
 import datetime
+import shutil
 import warnings
 from pathlib import Path
 
@@ -36,7 +37,9 @@ def table_rows(run_dir: Path) -> list[tuple[str, ...]]:
     return rows
 
 
-def export_weights(run_dir: Path, out: Path, step: int | None = None) -> mf.CheckpointInfo:
+def load_saved_model(run_dir: Path, step: int | None = None):
+    """The model as checkpointed in `run_dir` (the newest valid checkpoint, or the one at `step`), in
+    one process: (checkpoint, its config, the model with the saved weights)."""
     found = checkpoints_of(run_dir)
     if step is not None:
         found = [c for c in found if c.step == step]
@@ -56,9 +59,35 @@ def export_weights(run_dir: Path, out: Path, step: int | None = None) -> mf.Chec
         warnings.simplefilter("ignore", UserWarning)
         dcp.load(state, storage_reader=SafeFileSystemReader(ckpt.path), planner=SafeLoadPlanner(), no_dist=True)
     bundle.model.load_state_dict(state["model"])
+    return ckpt, cfg, bundle.model
+
+
+def export_weights(run_dir: Path, out: Path, step: int | None = None) -> mf.CheckpointInfo:
+    """One safetensors file, loadable into the one-process model with `safetensors.torch.load_model`."""
     from safetensors.torch import save_model
 
+    ckpt, _, model = load_saved_model(run_dir, step)
     out.parent.mkdir(parents=True, exist_ok=True)
-    save_model(bundle.model, str(out))
+    save_model(model, str(out))
     return ckpt
 
+
+def export_hf(run_dir: Path, out: Path, step: int | None = None) -> mf.CheckpointInfo:
+    """A Hugging Face directory (config.json, model.safetensors; LoRA adapters merged) that
+    `from_pretrained` loads, plus the run's tokenizer when it used one (data.tokenizer)."""
+    from shoal.models.hf import save_pretrained
+
+    ckpt, cfg, model = load_saved_model(run_dir, step)
+    if cfg.model.name != "hf":
+        raise UserError(f'--format hf exports model.name = "hf" runs; this run trained "{cfg.model.name}": use '
+                        f"--format safetensors")
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise UserError(f"--out {out} exists and is not an empty directory; name a new directory")
+    save_pretrained(model, out)
+    tokenizer = Path(cfg.data.tokenizer).expanduser() if getattr(cfg.data, "tokenizer", None) else None
+    if tokenizer is not None and tokenizer.exists():  # a tokenizer.json, or the files of a tokenizer folder
+        files = [tokenizer] if tokenizer.is_file() else [f for f in tokenizer.iterdir() if f.is_file()]
+        for f in files:
+            if f.name != "config.json":  # the model's, written above
+                shutil.copy2(f, out / f.name)
+    return ckpt

@@ -27,10 +27,10 @@ class UserModelConfig(ModelSection):
 
 
 def _builtins() -> dict[str, tuple[type[ModelSection], Callable[..., ModelBundle]]]:
-    from shoal.models import gpt, ncf, resnet
+    from shoal.models import gpt, hf, ncf, resnet
 
     return {"gpt": (gpt.GPTConfig, gpt.build), "resnet": (resnet.ResNetConfig, resnet.build),
-            "ncf": (ncf.NCFConfig, ncf.build)}
+            "ncf": (ncf.NCFConfig, ncf.build), "hf": (hf.HFConfig, hf.build)}
 
 
 def builtin_model_configs() -> dict[str, type[ModelSection]]:
@@ -51,12 +51,22 @@ def model_config_class(name: Any) -> type[ModelSection]:
     )
 
 
-def build_model(cfg: ModelSection, spec: DataSpec) -> ModelBundle:
+def build_model(cfg: ModelSection, spec: DataSpec, pretrained: bool = False, adapters: bool = True) -> ModelBundle:
+    """The model of `cfg`; with `pretrained`, its initial weights loaded (model.init_from) before any
+    adapters (model.lora; left out with adapters=False) wrap it: their names are the base model's."""
     builtins = _builtins()
     builder = builtins[cfg.name][1] if cfg.name in builtins else _import_user_builder(cfg.name)
     bundle = builder(cfg, spec)
     if isinstance(bundle, tuple):  # user models may return (model, loss_fn)
         bundle = ModelBundle(*bundle)
+    if pretrained and cfg.initial_weights():
+        from shoal.models.pretrained import load_pretrained
+
+        load_pretrained(bundle.model, cfg.initial_weights())
+    if adapters and getattr(cfg, "lora", None) is not None:
+        from shoal.models.hf import with_lora
+
+        bundle = with_lora(bundle, cfg.lora, cfg.peft_task)
     if bundle.eval_fn is None:
         loss_fn, count_fn = bundle.loss_fn, bundle.count_fn
         bundle.eval_fn = lambda model, batch: {"loss": (loss_fn(model, batch), count_fn(batch))}

@@ -106,6 +106,13 @@ class ModelSection(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True, strict=True, use_attribute_docstrings=True)
     data_kinds: ClassVar[tuple[str, ...] | None] = None  # data kinds it can train on; None: any
+    init_from: str | None = None
+    """Initial weights of a fresh start (a resume still wins): a .safetensors file (`shoal export` writes
+    one) or a Hugging Face directory. Names and shapes must match the model exactly (models/pretrained.py)."""
+
+    def initial_weights(self) -> str | None:
+        """Where a fresh start's weights come from; None: the seeded random init."""
+        return self.init_from
 
 
 def count_parameters(model: torch.nn.Module) -> int:

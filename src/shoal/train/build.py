@@ -3,21 +3,26 @@ without computing an init that the checkpoint is about to overwrite."""
 
 from __future__ import annotations
 
+import fnmatch
+
 import torch
 
+from shoal.errors import UserError
 from shoal.models.meta import has_transient_buffers, materialize, on_meta
 from shoal.models.registry import build_model
 from shoal.models.spec import DataSpec, ModelBundle, ModelSection
 
 
 def build_on(cfg: ModelSection, spec: DataSpec, device: torch.device | str = "cpu", init: bool = True) -> ModelBundle:
+    """`init`: a fresh start's weights (seeded, or model.init_from); else uninitialised memory."""
     if init:
         with torch.device(device):
-            return build_model(cfg, spec)
+            return build_model(cfg, spec, pretrained=True)
     with on_meta():
         bundle = build_model(cfg, spec)
     if has_transient_buffers(bundle.model):  # state a checkpoint does not hold: build it normally
-        return build_on(cfg, spec, device)
+        with torch.device(device):
+            return build_model(cfg, spec)
     materialize(bundle.model, device)
     return bundle
 
@@ -27,3 +32,21 @@ def plain_model(cfg: ModelSection, spec: DataSpec) -> torch.nn.Module:
     with on_meta():
         model = build_model(cfg, spec).model
     return materialize(model, "cpu")
+
+
+def freeze(model: torch.nn.Module, patterns: list[str]) -> int:
+    """train.freeze: parameters whose names match a glob pattern stop requiring gradients (so the
+    optimizer never sees them); returns how many were frozen. Names are those of model.named_parameters()."""
+    if not patterns:
+        return 0
+    named = list(model.named_parameters())
+    for pattern in patterns:
+        if not any(fnmatch.fnmatchcase(name, pattern) for name, _ in named):
+            raise UserError(f"train.freeze pattern {pattern!r} matches no parameter; names look like "
+                            f"{named[0][0]!r} (glob * matches dots too)")
+    frozen = [p for name, p in named if any(fnmatch.fnmatchcase(name, pat) for pat in patterns)]
+    if len(frozen) == len(named):
+        raise UserError(f"train.freeze = {patterns} freezes every parameter: nothing would train; narrow it")
+    for p in frozen:
+        p.requires_grad_(False)
+    return len(frozen)
