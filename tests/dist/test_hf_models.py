@@ -28,7 +28,8 @@ LLAMA = 'model.config={model_type="llama", hidden_size=32, intermediate_size=64,
 GPT2 = 'model.config={model_type="gpt2", n_embd=32, n_layer=2, n_head=2, n_positions=64, resid_pdrop=0.0, ' \
        'embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0}'
 ARCH = {"llama": LLAMA, "gpt2": GPT2}
-LAYOUTS = {"dp1": (1, []), "dp2": (2, []), "dp2-zero3": (2, ["parallel.zero=3"]), "tp2": (2, ["parallel.tp=2"])}
+LAYOUTS = {"dp1": (1, []), "dp2": (2, []), "dp2-zero3": (2, ["parallel.zero=3"]), "tp2": (2, ["parallel.tp=2"]),
+           "dp2-zero2-ac": (2, ["parallel.zero=2", "precision.activation_checkpointing=true"])}
 LORA = ["model.lora={r=4, alpha=8.0, target_modules=['q_proj', 'v_proj']}"]
 
 
@@ -59,6 +60,7 @@ def assert_same(run_dir, ref_dir, keys=None):
 
 
 @pytest.mark.parametrize("arch,layout", [("llama", "dp2"), ("llama", "dp2-zero3"), ("llama", "tp2"),
+                                         ("llama", "dp2-zero2-ac"),
                                          ("gpt2", "dp2"), ("gpt2", "dp2-zero3")])
 def test_hf_layouts_match_single_process(trained, arch, layout):
     ref = trained(arch, "dp1")
