@@ -36,7 +36,7 @@ class Section(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True, strict=True, use_attribute_docstrings=True)
 
 
-DataSource = Literal["stdlib-text", "text", "tokens", "synthetic-images", "interactions"]
+DataSource = Literal["stdlib-text", "text", "tokens", "hf", "synthetic-images", "interactions"]
 
 
 class DataConfig(Section):
@@ -44,10 +44,28 @@ class DataConfig(Section):
     """Where samples come from. stdlib-text: the Python standard library's .py files on this machine,
     byte tokens (no download). text: `path` is a UTF-8 file or a folder of them, byte tokens.
     tokens: `path` is a flat binary file of token ids (`token_dtype`), memory-mapped.
+    hf: `path` is a Hugging Face dataset whose `text_column` is encoded by `tokenizer` (the `hf` extra),
+    documents joined by `eos_token`, tokenized once and cached in `cache_dir`.
     synthetic-images: class-conditional 3x32x32 images. interactions: implicit user-item feedback.
     "package.module:function": your data set, the function called with this section (data/user.py)."""
     path: str | None = None
-    """File or folder for the `text` and `tokens` sources."""
+    """File or folder for the `text` and `tokens` sources. hf: a `save_to_disk` folder, or a parquet,
+    jsonl, json or csv file, a folder of them or a glob (e.g. "data/*.parquet")."""
+    text_column: str = "text"
+    """hf: the column holding each document's text."""
+    tokenizer: str | None = None
+    """hf: a tokenizer.json file (`tokenizers`) or a folder saved by save_pretrained (read offline by
+    transformers.AutoTokenizer). The model's vocabulary is its size, added tokens included."""
+    eos_token: str | None = None
+    """hf: the token put after every document; unset: the tokenizer's EOS token (a bare tokenizer.json names
+    none, so one of its special tokens <|endoftext|>, </s>, <eos> or <|end_of_text|> is taken)."""
+    split: str = "train"
+    """hf: the split read from a `save_to_disk` folder of a DatasetDict."""
+    max_documents: int = Field(0, ge=0)
+    """hf: tokenize only the first this many documents (0: all)."""
+    cache_dir: str | None = None
+    """hf: where the tokenized stream is cached (a flat .bin memory-mapped by every worker, and a .json
+    of its key and sizes); unset: $XDG_CACHE_HOME/shoal/tokens, i.e. ~/.cache/shoal/tokens."""
     token_dtype: Literal["uint16", "uint32"] = "uint16"
     """Element type of a `tokens` file."""
     max_bytes: int = Field(8_000_000, ge=4096)
@@ -308,8 +326,11 @@ class Config(Section):
         if c.compression == "powersgd" and p.sync == "every-step" and p.zero >= 2:
             raise ValueError(f'comm.compression = "powersgd" needs whole matrices, but parallel.zero = {p.zero} '
                              f'reduce-scatters flat shards; use "int8", "topk", "fp16" or "bf16", or zero <= 1')
-        if self.data.source in ("text", "tokens") and not self.data.path:
+        if self.data.source in ("text", "tokens", "hf") and not self.data.path:
             raise ValueError(f'data.source = "{self.data.source}" needs data.path; set it to a file or folder')
+        if self.data.source == "hf" and not self.data.tokenizer:
+            raise ValueError('data.source = "hf" needs data.tokenizer; set it to a tokenizer.json file or a '
+                             'tokenizer folder')
         return self
 
     def to_toml(self) -> str:

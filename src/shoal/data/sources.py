@@ -17,6 +17,7 @@ import numpy as np
 import torch
 
 from shoal.config import DataConfig
+from shoal.data.hf import hf_tokens
 from shoal.errors import UserError
 from shoal.models.spec import Batch, DataSpec
 
@@ -187,11 +188,13 @@ def build_source(cfg: DataConfig, seq_len: int | None):
         from shoal.data.user import UserSource
 
         return UserSource(cfg)
-    if cfg.source in ("stdlib-text", "text", "tokens"):
+    if cfg.source in ("stdlib-text", "text", "tokens", "hf"):
         if seq_len is None:
             raise UserError(f'data.source = "{cfg.source}" needs the model\'s seq_len; set model.seq_len')
         if cfg.source == "tokens":
             tokens, vocab = token_file(cfg.path, cfg.token_dtype)
+        elif cfg.source == "hf":
+            tokens, vocab = hf_tokens(cfg)
         else:
             tokens = stdlib_bytes(cfg.max_bytes) if cfg.source == "stdlib-text" else text_bytes(cfg.path, cfg.max_bytes)
             vocab = 256
