@@ -36,7 +36,8 @@ class Section(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True, strict=True, use_attribute_docstrings=True)
 
 
-DataSource = Literal["stdlib-text", "text", "tokens", "hf", "synthetic-images", "interactions"]
+DataSource = Literal["stdlib-text", "text", "tokens", "hf", "synthetic-images", "interactions",
+                     "image-folder", "cifar10"]
 
 
 class DataConfig(Section):
@@ -47,10 +48,12 @@ class DataConfig(Section):
     hf: `path` is a Hugging Face dataset whose `text_column` is encoded by `tokenizer` (the `hf` extra),
     documents joined by `eos_token`, tokenized once and cached in `cache_dir`.
     synthetic-images: class-conditional 3x32x32 images. interactions: implicit user-item feedback.
+    image-folder: `path` holds one sub-folder of PNG/JPEG images per class (Pillow: the vision extra).
+    cifar10: `path` is CIFAR-10's binary folder (cifar-10-batches-bin: data_batch_*.bin, test_batch.bin).
     "package.module:function": your data set, the function called with this section (data/user.py)."""
     path: str | None = None
-    """File or folder for the `text` and `tokens` sources. hf: a `save_to_disk` folder, or a parquet,
-    jsonl, json or csv file, a folder of them or a glob (e.g. "data/*.parquet")."""
+    """File or folder for the `text`, `tokens`, `image-folder` and `cifar10` sources. hf: a `save_to_disk`
+    folder, or a parquet, jsonl, json or csv file, a folder of them or a glob (e.g. "data/*.parquet")."""
     text_column: str = "text"
     """hf: the column holding each document's text."""
     tokenizer: str | None = None
@@ -71,12 +74,25 @@ class DataConfig(Section):
     max_bytes: int = Field(8_000_000, ge=4096)
     """Text sources read at most this many bytes (the stdlib gives ~12 MB without its tests)."""
     val_fraction: float = Field(0.05, gt=0.0, lt=0.5)
-    """Held out for validation: the tail of a text/token stream, or that many extra generated images
-    (interactions hold out one item per user instead)."""
+    """Held out for validation: the tail of a text/token stream, that many extra generated images, or
+    that share of each class of an image folder without a val/ folder (chosen by a hash of the file's
+    path); interactions hold out one item per user instead."""
     num_samples: int = Field(20_000, ge=100)
     """synthetic-images: size of the generated training set."""
     num_classes: int = Field(10, ge=2, le=1000)
     """synthetic-images: number of classes."""
+    image_size: int | None = Field(None, ge=4)
+    """image-folder, cifar10: resize images to this square side (default: the first training image's
+    size for a folder, which must then be square; 32 for CIFAR-10)."""
+    augment: bool = True
+    """image-folder, cifar10: augment training images (a random crop of the padded image, a horizontal
+    flip), drawn from (train.seed, step, sample) so resume and every layout see the same pixels;
+    validation images are never augmented."""
+    crop_padding: int = Field(4, ge=0)
+    """augment: zero pixels added on each side before the random crop back to the image size (4 for
+    32x32 CIFAR, as in He et al. 2016)."""
+    horizontal_flip: bool = True
+    """augment: mirror half of the training images left to right (off for data such as digits or text)."""
     num_users: int = Field(2_000, ge=10)
     """interactions: number of users."""
     num_items: int = Field(1_000, ge=110)
@@ -326,7 +342,7 @@ class Config(Section):
         if c.compression == "powersgd" and p.sync == "every-step" and p.zero >= 2:
             raise ValueError(f'comm.compression = "powersgd" needs whole matrices, but parallel.zero = {p.zero} '
                              f'reduce-scatters flat shards; use "int8", "topk", "fp16" or "bf16", or zero <= 1')
-        if self.data.source in ("text", "tokens", "hf") and not self.data.path:
+        if self.data.source in ("text", "tokens", "hf", "image-folder", "cifar10") and not self.data.path:
             raise ValueError(f'data.source = "{self.data.source}" needs data.path; set it to a file or folder')
         if self.data.source == "hf" and not self.data.tokenizer:
             raise ValueError('data.source = "hf" needs data.tokenizer; set it to a tokenizer.json file or a '
@@ -344,7 +360,8 @@ def data_kind(source: str) -> str | None:
     """The kind of batches a built-in source gives; None for a user's (known once it is built)."""
     if ":" in source:
         return None
-    return {"synthetic-images": "images", "interactions": "interactions"}.get(source, "tokens")
+    return {"synthetic-images": "images", "image-folder": "images", "cifar10": "images",
+            "interactions": "interactions"}.get(source, "tokens")
 
 
 def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> Config:

@@ -50,7 +50,7 @@ def check_job(cfg: Config, world_sizes: list[int], cuda: bool, run_dir: Path | N
               resume: str = "auto", quiet: bool = False) -> Job:
     """Check `cfg` for every world size in `world_sizes` (and the run dir, when given)."""
     layouts = [resolve_layout(cfg, w, cuda) for w in world_sizes]
-    source = build_source(cfg.data, getattr(cfg.model, "seq_len", None))
+    source = build_source(cfg.data, getattr(cfg.model, "seq_len", None), cfg.train.seed)
     with on_meta():
         bundle = build_model(cfg.model, source.spec)
     for layout in layouts:

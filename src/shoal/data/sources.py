@@ -3,6 +3,8 @@
 Every source has a training set and a held-out validation set, each addressed by integer index, and a
 DataSpec that tells the model builder the sizes it must agree with. Which indices form a batch is the
 sampler's business (sampler.py), so every source gets the same deterministic, resumable order.
+`train_batch(idx, step)` also gets the data step the indices were drawn for, so a source that draws
+random augmentations can make them a function of (seed, step, index) too (images.py).
 Synthetic sources are generated from a fixed data seed: the data set does not change with
 `train.seed`, only the order it is visited in.
 """
@@ -17,6 +19,7 @@ import numpy as np
 import torch
 
 from shoal.config import DataConfig
+from shoal.data.images import Cifar10, ImageFolder
 from shoal.data.hf import hf_tokens
 from shoal.errors import UserError
 from shoal.models.spec import Batch, DataSpec
@@ -47,7 +50,7 @@ class TokenWindows:
         w = torch.from_numpy(tokens[offsets].astype(np.int64))
         return {"input": w[:, :-1], "target": w[:, 1:]}
 
-    def train_batch(self, idx: torch.Tensor) -> Batch:
+    def train_batch(self, idx: torch.Tensor, step: int = 0) -> Batch:
         return self._gather(self.train_tokens, idx)
 
     def val_batch(self, idx: torch.Tensor) -> Batch:
@@ -133,7 +136,7 @@ class SyntheticImages:
             labels.append(label)
         return {"image": torch.stack(images), "label": torch.tensor(labels)}
 
-    def train_batch(self, idx: torch.Tensor) -> Batch:
+    def train_batch(self, idx: torch.Tensor, step: int = 0) -> Batch:
         return self._make(idx)
 
     def val_batch(self, idx: torch.Tensor) -> Batch:
@@ -169,7 +172,7 @@ class Interactions:
         self.num_val = U
         self.spec = DataSpec(kind="interactions", num_users=U, num_items=n_items)
 
-    def train_batch(self, idx: torch.Tensor) -> Batch:
+    def train_batch(self, idx: torch.Tensor, step: int = 0) -> Batch:
         i = idx.numpy()
         pos, j = i // self.per_pos, i % self.per_pos  # j == 0: the positive, else negative j-1
         user = self.train_pos[pos, 0]
@@ -182,8 +185,9 @@ class Interactions:
         return {"user": idx.clone(), "candidates": torch.from_numpy(self.val_candidates[idx.numpy()])}
 
 
-def build_source(cfg: DataConfig, seq_len: int | None):
-    """The source named by data.source. Text sources need the model's context length."""
+def build_source(cfg: DataConfig, seq_len: int | None, seed: int = 0):
+    """The source named by data.source. Text sources need the model's context length; image sources
+    draw their augmentation from `seed` (train.seed)."""
     if ":" in cfg.source:
         from shoal.data.user import UserSource
 
@@ -201,4 +205,6 @@ def build_source(cfg: DataConfig, seq_len: int | None):
         return TokenWindows(tokens, seq_len, cfg.val_fraction, vocab)
     if cfg.source == "synthetic-images":
         return SyntheticImages(cfg)
+    if cfg.source in ("image-folder", "cifar10"):
+        return (ImageFolder if cfg.source == "image-folder" else Cifar10)(cfg, seed)
     return Interactions(cfg)

@@ -70,7 +70,7 @@ class UserSource:
             check_samples(samples, self.where)
         return self.collate(samples)
 
-    def train_batch(self, idx: torch.Tensor) -> Batch:
+    def train_batch(self, idx: torch.Tensor, step: int = 0) -> Batch:
         return self._batch(self.train, idx)
 
     def val_batch(self, idx: torch.Tensor) -> Batch:

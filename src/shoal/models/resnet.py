@@ -1,5 +1,7 @@
-"""A small ResNet for 32x32 images (He et al. 2016, "Deep Residual Learning", the CIFAR variant:
+"""A small ResNet for small images (He et al. 2016, "Deep Residual Learning", the CIFAR variant:
 three stages of basic blocks at widths w, 2w, 4w, global average pooling, one linear classifier).
+Two stages halve the resolution and the pooling takes any size left, so 32x32 CIFAR and 8x8 digit
+scans both fit (image_size >= 4).
 
 Batches are {"image": (B, 3, H, W) float32, "label": (B,) int64}. BatchNorm statistics are per
 micro-batch and per rank, as in plain DDP, so layouts agree only approximately for this model.
@@ -18,7 +20,7 @@ from shoal.models.spec import Batch, DataSpec, ModelBundle, ModelSection
 
 
 class ResNetConfig(ModelSection):
-    """Small CIFAR-style ResNet classifier; trains on synthetic-images."""
+    """Small CIFAR-style ResNet classifier; trains on images (synthetic-images, image-folder, cifar10)."""
 
     data_kinds: ClassVar = ("images",)
     name: Literal["resnet"] = "resnet"

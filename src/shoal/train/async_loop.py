@@ -81,5 +81,5 @@ def log(t: Trainer, m: dict, sinks: MetricsSinks, record: Record, last: bool = F
 
 def make_unit(sampler, source, unit: int, workers: int, train) -> list[Batch]:
     """Unit `unit` of the data: share `unit % workers` of global step `unit // workers`, in micro-batches."""
-    return [source.train_batch(i) for i in
+    return [source.train_batch(i, sampler.data_step(unit // workers)) for i in
             sampler.local_micro_batches(unit // workers, unit % workers, workers, train.micro_batch_size)]

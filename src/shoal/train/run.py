@@ -144,7 +144,7 @@ def run_training(cfg: Config, layout: Layout, source, run_dir: Path, env: DistEn
         hooks.after_step.append(lambda m, last, _: write_json(run.progress, {"step": m["step"], "time": m["time"]}))
 
     def make(step: int):
-        return [source.train_batch(i) for i in
+        return [source.train_batch(i, sampler.data_step(step)) for i in
                 sampler.local_micro_batches(step, par.dp_rank, dims.dp, cfg.train.micro_batch_size)]
 
     sinks = MetricsSinks(run_dir if is_main else None, cfg.train.steps, sampler.step, bundle.items_name,
