@@ -19,8 +19,8 @@ import numpy as np
 import torch
 
 from shoal.config import DataConfig
-from shoal.data.images import Cifar10, ImageFolder
 from shoal.data.hf import hf_tokens
+from shoal.data.images import Cifar10, ImageFolder
 from shoal.errors import UserError
 from shoal.models.spec import Batch, DataSpec
 
