@@ -151,6 +151,12 @@ class TrainConfig(Section):
     gradient). Under parallel.sync = "local-sgd" / "diloco" it is what each replica steps with."""
     momentum: float = Field(0.0, ge=0.0, lt=1.0)
     """optimizer = "sgd": momentum (0: plain SGD)."""
+    freeze: list[str] = []
+    """Parameters left untouched: glob patterns over the model's parameter names (e.g.
+    ["model.embed_tokens.*", "model.layers.0.*"]); they get no gradient and no optimizer state."""
+    eval_on_start: bool = False
+    """Validate once before the first step of a fresh start (summary.json: initial_val_*), e.g. to see
+    what pretrained weights (model.init_from) score before fine-tuning."""
 
 
 class ParallelConfig(Section):

@@ -21,10 +21,12 @@ from shoal.data.sources import build_source
 from shoal.errors import UserError
 from shoal.layout import Layout, resolve_layout
 from shoal.models.meta import on_meta
+from shoal.models.pretrained import check_pretrained
 from shoal.models.registry import build_model
 from shoal.models.spec import ModelBundle, count_parameters
 from shoal.parallel.fit import check_model_fits
 from shoal.rundir import RunDir, check_writable
+from shoal.train.build import freeze
 
 
 @dataclass(frozen=True)
@@ -65,6 +67,10 @@ def check_job(cfg: Config, world_sizes: list[int], cuda: bool, run_dir: Path | N
         if resume_from is not None:
             resume_step = read_train_state(resume_from)["step"]
             check_compatible(cfg, resume_from)
+    freeze(bundle.model, cfg.train.freeze)
+    if resume_from is None and cfg.model.initial_weights():  # names and shapes, from the files' headers
+        with on_meta():
+            check_pretrained(build_model(cfg.model, source.spec, adapters=False).model, cfg.model.initial_weights())
     return Job(cfg, layouts, source, n_params, resume_from, resume_step)
 
 

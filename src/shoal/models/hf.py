@@ -18,6 +18,7 @@ Batches: causal-lm takes the token sources' {"input", "target"}; sequence-classi
 from __future__ import annotations
 
 import fnmatch
+import warnings
 from pathlib import Path
 from typing import Any, ClassVar, Literal
 
@@ -233,7 +234,9 @@ def with_lora(bundle: ModelBundle, lora: LoraSection, task: str) -> ModelBundle:
     config = peft.LoraConfig(r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout, task_type=task,
                              target_modules=list(lora.target_modules) or None)
     try:
-        bundle.model = peft.get_peft_model(bundle.model, config)
+        with warnings.catch_warnings():  # peft asks transformers a question deprecated in v5
+            warnings.simplefilter("ignore", FutureWarning)
+            bundle.model = peft.get_peft_model(bundle.model, config)
     except ValueError as e:
         raise UserError(f"model.lora: {first_line(e)}") from None
     bundle.tensor_parallel = tensor_parallel if bundle.tensor_parallel else None  # refuses tp with adapters
@@ -242,7 +245,10 @@ def with_lora(bundle: ModelBundle, lora: LoraSection, task: str) -> ModelBundle:
 
 def save_pretrained(model: nn.Module, out: Path) -> nn.Module:
     """Write `model` as a Hugging Face directory (config.json + model.safetensors); adapters merged."""
-    if hasattr(model, "merge_and_unload"):
-        model = model.merge_and_unload()
-    model.save_pretrained(str(out), safe_serialization=True)
+    require("transformers", "hf", "--format hf").utils.logging.disable_progress_bar()  # one line of output
+    with warnings.catch_warnings():  # as in with_lora
+        warnings.simplefilter("ignore", FutureWarning)
+        if hasattr(model, "merge_and_unload"):
+            model = model.merge_and_unload()
+        model.save_pretrained(str(out), safe_serialization=True)
     return model

@@ -69,6 +69,7 @@ class Record:
 
     history: list[dict] = field(default_factory=list)  # per-step metrics
     memory_per_rank: list[dict] = field(default_factory=list)  # the last measurement, rank by rank
+    initial_val: dict = field(default_factory=dict)  # train.eval_on_start: validation before step 1
 
 
 def to_device(batch: Batch, device: torch.device) -> Batch:
@@ -136,6 +137,8 @@ def train_loop(t: Trainer, hooks: Hooks, make_loader: Callable[[int], Prefetcher
                record: Record) -> bool:
     """Train until train.steps; returns False when the ranks agreed to stop early (a signal)."""
     timer = StepTimer(t.device)
+    if t.train.eval_on_start and t.sampler.step == 0:
+        record.initial_val = validate(t, sinks, 0)
     loader = make_loader(t.sampler.step)
     try:
         while t.sampler.step < t.train.steps:

@@ -38,7 +38,7 @@ from shoal.parallel.zero import local_optimizer
 from shoal.rundir import RunDir, read_json, write_json
 from shoal.train.async_loop import async_train_loop, make_unit
 from shoal.train.bad_steps import BadStepPolicy
-from shoal.train.build import build_on, plain_model
+from shoal.train.build import build_on, freeze, plain_model
 from shoal.train.loop import Hooks, Record, Trainer, train_loop
 from shoal.train.optim import Schedule, optimizer_groups
 from shoal.train.summary import failure_info, fresh_start, summarize
@@ -89,6 +89,7 @@ def run_training(cfg: Config, layout: Layout, source, run_dir: Path, env: DistEn
     resume_path = Path(resume_path) if resume_path and not async_worker else None
     torch.manual_seed(cfg.train.seed)  # identical initial weights on every rank
     bundle = build_on(cfg.model, source.spec, init=resume_path is None)
+    freeze(bundle.model, cfg.train.freeze)
     n_params = count_parameters(bundle.model)
     # one pipeline micro-batch, for timing the layers (parallel.pp_balance = "time")
     sample = source.train_batch(torch.arange(layout.per_rank_batch // layout.pp_microbatches)) if dims.pp > 1 else None
@@ -179,6 +180,7 @@ def run_training(cfg: Config, layout: Layout, source, run_dir: Path, env: DistEn
                         time.perf_counter() - t_start, env.restart_count, recovery, run, is_main,
                         bad_steps.state_dict(), record.memory_per_rank, start_step)
     summary["checkpoints"] = ckpt.stats
+    summary.update({f"initial_{k}": v for k, v in record.initial_val.items()})
     summary.update(par.report())
     if cfg.checkpoint.final_weights:
         write_final_weights(par, cfg, source.spec, run, is_main, sampler.step)
@@ -191,7 +193,9 @@ def announce(sinks: MetricsSinks, cfg: Config, layout: Layout, par, bundle, n_pa
              recovery: dict | None) -> None:
     """The start-up lines: the model, every derived value of the layout, the data, the run dir."""
     items_per_sample = getattr(cfg.model, "seq_len", 1) if bundle.items_name == "tokens" else 1
-    sinks.print(f"[bold]shoal[/] {cfg.model.name}: {n_params:,} parameters; "
+    trainable = sum(p.numel() for p in bundle.model.parameters() if p.requires_grad)
+    frozen = f" ({trainable:,} trainable)" if trainable < n_params else ""  # train.freeze, model.lora
+    sinks.print(f"[bold]shoal[/] {cfg.model.name}: {n_params:,} parameters{frozen}; "
                 f"{layout.describe(cfg, bundle.items_name, items_per_sample)}")
     if par.describe():
         sinks.print(par.describe())
