@@ -62,6 +62,7 @@ def test_listing_shows_validity(run_dir, tmp_path, capsys):
 @pytest.mark.parametrize("argv,expected", [
     (["export", "{run}", "--step", "5", "--out", "x.safetensors"], "has no checkpoint at step 5"),
     (["export", "/no/such/run", "--out", "x.safetensors"], "run dir /no/such/run does not exist"),
+    (["export", "{run}", "--format", "hf", "--out", "hf-dir"], 'exports model.name = "hf" runs'),
     (["checkpoints", "/no/such/run"], "run dir /no/such/run does not exist"),
 ])
 def test_bad_input(run_dir, argv, expected, capsys):
