@@ -39,3 +39,15 @@ def test_only_comm_issues_collectives():
 def test_no_comment_cites_a_document_outside_the_repository():
     cited = [f"{p.relative_to(SRC)}" for p in SRC.rglob("*.py") if "TORCH-CPU-FACTS" in p.read_text()]
     assert not cited, cited
+
+
+def test_built_ins_need_no_extra():
+    """shoal without its extras still runs the built-ins: checking and building the default job imports
+    none of them (each is imported only by the feature that needs it)."""
+    code = ("import sys; from shoal.config import load_config; from shoal.preflight import check_job; "
+            "from shoal.models.registry import build_model; import shoal.cli; cfg = load_config(None, []); "
+            "job = check_job(cfg, [2], cuda=False); build_model(cfg.model, job.source.spec); "
+            "print(sorted({'transformers', 'datasets', 'tokenizers', 'peft', 'PIL', 'yaml', 'sklearn'} & set(sys.modules)))")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip() == "[]", r.stdout
