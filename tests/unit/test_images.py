@@ -31,7 +31,8 @@ def write_folder(root, per_class=5, size=6):
 
 def test_folder_classes_split_and_pixels(tmp_path):
     write_folder(tmp_path / "pets", per_class=10)
-    (tmp_path / "pets" / "cat" / "notes.txt").write_text("not an image")  # ignored
+    (tmp_path / "pets" / "cat" / "notes.txt").write_text("not an image")  # ignored, as hidden files are
+    (tmp_path / "pets" / "dog" / "._0.JPG").write_bytes(b"\x00\x05\x16\x07")  # macOS metadata, not a JPEG
     src = build_source(folder(tmp_path / "pets", val_fraction=0.2, augment=False), None)
     assert src.classes == ["cat", "dog"] and src.spec.num_classes == 2 and src.spec.image_size == 6
     assert (src.num_train, src.num_val) == (16, 4)  # 2 of each class held out: stratified
@@ -145,6 +146,12 @@ def test_image_errors_are_one_line_naming_data_path(tmp_path):
     Image.new("RGB", (8, 6)).save(tmp_path / "wide" / "cat" / "0.png")
     fails(folder(tmp_path / "wide"), "is 8x6, not square; set data.image_size")
     assert build_source(folder(tmp_path / "wide", image_size=5), None).spec.image_size == 5
+    write_folder(tmp_path / "split" / "train")
+    (tmp_path / "split" / "val" / "cat").mkdir(parents=True)
+    Image.new("L", (6, 6)).save(tmp_path / "split" / "val" / "cat" / "0.png")
+    (tmp_path / "split" / "val" / "owl").mkdir()
+    Image.new("L", (6, 6)).save(tmp_path / "split" / "val" / "owl" / "0.png")
+    fails(folder(tmp_path / "split"), r"has classes \['cat', 'owl'\], the training folder \['cat', 'dog'\]")
     write_folder(tmp_path / "few", per_class=1)
     fails(folder(tmp_path / "few"), "has 1 image.*too few to hold out")
 

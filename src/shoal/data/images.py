@@ -98,7 +98,7 @@ class ImageFolder(ImageSource):
     found at any depth below it. The validation set is a `val/` (else `test/`) folder of the same
     classes, beside data.path when data.path is named `train`, or inside data.path next to its
     `train/`; without one, `data.val_fraction` of each class's images is held out, chosen by a hash
-    of the file's path (stable when files are added). Images are converted to RGB (grayscale too)
+    of the file's path (the same every run; adding files moves few). Images are converted to RGB (grayscale too)
     and resized to data.image_size (default: the first training image's size)."""
 
     def __init__(self, cfg: DataConfig, seed: int):
@@ -128,8 +128,7 @@ class ImageFolder(ImageSource):
 
     def _scan(self, folder: Path) -> tuple[list[str], list[list[Path]]]:
         classes = sorted(d.name for d in folder.iterdir() if d.is_dir() and not d.name.startswith("."))
-        per_class = [sorted(p for p in (folder / c).rglob("*") if p.suffix.lower() in IMAGE_SUFFIXES and p.is_file())
-                     for c in classes]
+        per_class = [sorted(p for p in (folder / c).rglob("*") if is_image_file(p)) for c in classes]
         empty = [c for c, files in zip(classes, per_class, strict=True) if not files]
         if not classes or len(empty) == len(classes):
             raise UserError(f"{self.where}: {folder} has no class sub-folders of PNG/JPEG images; put each class's "
@@ -179,6 +178,11 @@ class ImageFolder(ImageSource):
         x = self.decode(True, torch.from_numpy(pick)).float() / 255  # (n, 3, S, S)
         # a constant channel (a blank image set) would divide by zero; one grey level is the floor
         return x.mean(dim=(0, 2, 3)), x.std(dim=(0, 2, 3)).clamp(min=1 / 255)
+
+
+def is_image_file(p: Path) -> bool:
+    # a leading dot: hidden, e.g. the "._x.jpg" metadata files macOS leaves on shared drives
+    return p.suffix.lower() in IMAGE_SUFFIXES and not p.name.startswith(".") and p.is_file()
 
 
 def split_folders(root: Path) -> tuple[Path, Path | None]:
