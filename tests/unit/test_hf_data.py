@@ -84,13 +84,18 @@ def test_a_transformers_tokenizer_folder_gives_its_eos_and_added_tokens(corpus, 
     from transformers import PreTrainedTokenizerFast
 
     _, parquet, _ = corpus
-    fast = PreTrainedTokenizerFast(tokenizer_object=train_tokenizer(DOCS, special=("<s>", "</s>")),
-                                   bos_token="<s>", eos_token="</s>")
+    tok = train_tokenizer(DOCS, special=("<s>", "</s>"))
+    tok.enable_truncation(8)  # saved with a model's max length: documents must still be whole
+    tok.enable_padding(length=64, pad_id=0, pad_token="<s>")
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>")
     fast.add_tokens(["<extra>"])  # added tokens count in the model's vocabulary
     fast.save_pretrained(str(tmp_path / "tok"))
     tokens, vocab = hf.hf_tokens(hf_cfg(parquet, tmp_path / "tok", tmp_path / "cache", max_documents=5))
     assert vocab == len(fast) == 301
-    assert tokens.tolist() == expected_stream(tmp_path / "tok" / "tokenizer.json", DOCS[:5], eos="</s>")
+    tok.no_truncation()
+    tok.no_padding()
+    tok.save(str(tmp_path / "whole.json"))
+    assert tokens.tolist() == expected_stream(tmp_path / "whole.json", DOCS[:5], eos="</s>")
 
 
 def test_the_cache_is_reused_and_remade_when_what_the_tokens_depend_on_changes(corpus, tmp_path, monkeypatch):

@@ -112,7 +112,7 @@ def load_tokenizer(name: str) -> Tokenizer:
                             f"point it at a tokenizer.json file or a tokenizer folder") from None
         special = {t.content for t in backend.get_added_tokens_decoder().values() if t.special}
         eos = next((t for t in EOS_NAMES if t in special), None)
-        return Tokenizer(backend, backend.get_vocab_size(with_added_tokens=True), eos)
+        return Tokenizer(whole_documents(backend), backend.get_vocab_size(with_added_tokens=True), eos)
     if not p.is_dir():
         raise UserError(f"data.tokenizer = {name!r} does not exist; point it at a tokenizer.json file or a folder "
                         f"saved by save_pretrained")
@@ -127,7 +127,15 @@ def load_tokenizer(name: str) -> Tokenizer:
     if backend is None:
         raise UserError(f"data.tokenizer = {name!r} loads {type(tok).__name__}, a tokenizer without a fast "
                         f"(Rust) backend; save it with a tokenizer.json (a fast tokenizer's save_pretrained)")
-    return Tokenizer(backend, len(tok), tok.eos_token)
+    return Tokenizer(whole_documents(backend), len(tok), tok.eos_token)
+
+
+def whole_documents(backend):
+    """A tokenizer.json may be saved with truncation or padding on (a model's max length): packing
+    wants every document whole and unpadded."""
+    backend.no_truncation()
+    backend.no_padding()
+    return backend
 
 
 def cache_folder(cfg: DataConfig) -> Path:
