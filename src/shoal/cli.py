@@ -24,13 +24,16 @@ def build_parser() -> argparse.ArgumentParser:
                    help="auto (default): continue from the run dir's newest complete checkpoint; never: start "
                         "fresh (an earlier run in the run dir is moved aside, not deleted); PATH: that checkpoint "
                         "folder")
-    t.add_argument("--nproc", type=int, default=1, help="worker processes on this node (default 1)")
+    t.add_argument("--nproc", type=int, help="worker processes on this node (default 1, or what the scheduler "
+                                             "says: PET_NPROC_PER_NODE, SM_NUM_GPUS, SLURM_GPUS_ON_NODE)")
     t.add_argument("--max-restarts", type=int, default=0,
                    help="restart the worker group this many times after a failure; it resumes from the newest "
                         "checkpoint (default 0)")
-    t.add_argument("--nnodes", default="1", metavar="N", help="nodes in the job (default 1)")
-    t.add_argument("--node-rank", type=int, default=0, help="this node's rank; node 0 hosts the rendezvous")
-    t.add_argument("--rdzv-endpoint", help="HOST:PORT of node 0, for multi-node jobs")
+    t.add_argument("--nnodes", metavar="N", help="nodes in the job (default 1, or what Slurm, a PyTorchJob or "
+                                                 "SageMaker says; see `Your cluster` in the README)")
+    t.add_argument("--node-rank", type=int, help="this node's rank; node 0 hosts the rendezvous (default 0, or the "
+                                                 "scheduler's)")
+    t.add_argument("--rdzv-endpoint", help="HOST:PORT of node 0, for multi-node jobs (default: the scheduler's)")
     t.add_argument("--rdzv-timeout", type=float, metavar="SECONDS",
                    help="how long a node waits for node 0's endpoint to answer and for the other nodes to "
                         "join (default 600, as torchrun)")
@@ -109,6 +112,16 @@ def train(args: argparse.Namespace) -> int:
         return train_on_cluster(args)
     import torch
 
+    from shoal.cluster.environment import node_args
+
+    # flags win; what a scheduler's environment says fills the rest, and the line says what it was
+    node, taken = node_args(args.nnodes, args.node_rank, args.rdzv_endpoint, args.nproc,
+                            gpus=torch.cuda.device_count() if torch.cuda.is_available() else 0)
+    if taken:
+        print(taken, file=sys.stderr, flush=True)
+    args.nnodes, args.node_rank, args.rdzv_endpoint, args.nproc = (node.nnodes, node.node_rank, node.rdzv_endpoint,
+                                                                   node.nproc)
+
     from shoal import ps_launch
     from shoal.launch import check_launch_args, launch, parse_nnodes
     from shoal.preflight import check_job
@@ -136,7 +149,7 @@ def train(args: argparse.Namespace) -> int:
     if job.layout.servers and cfg.parallel.ps_mode == "async" and nodes == (1, 1) and not ps_launch.role():
         # workers that come and go: each role under an agent of its own (ps_launch.py)
         role_argv = ["train", *([args.config] if args.config else []), *[a for s in args.set for a in ("--set", s)],
-                     "--run-dir", str(run_dir), "--resume", "auto"]
+                     "--run-dir", str(run_dir), "--resume", "auto", "--nnodes", "1"]
         return ps_launch.launch_roles(role_argv, args.nproc, job.layout.servers, args.max_restarts)
     return launch(worker_argv, args.nproc, nodes, args.node_rank, args.rdzv_endpoint,
                   threads=threads_per_worker(cfg, args.nproc), max_restarts=args.max_restarts,
@@ -147,7 +160,7 @@ def train_on_cluster(args: argparse.Namespace) -> int:
     """`shoal train ... --cluster`: the same command, as one node per host of the cluster that is up."""
     from shoal.cluster.run import run
 
-    if args.nnodes != "1" or args.node_rank != 0 or args.rdzv_endpoint:
+    if args.nnodes is not None or args.node_rank is not None or args.rdzv_endpoint:
         raise UserError("--cluster sets --nnodes, --node-rank and --rdzv-endpoint for each host; leave them out")
     node_argv = [a for a in args.argv if not (len(a) > 4 and "--cluster".startswith(a))]
     return run(["shoal", *node_argv], resume_command=resume_command(args.argv))

@@ -1,0 +1,149 @@
+"""A scheduler's environment gives `shoal train` its nodes, node rank and rendezvous (flags win), and a
+PyTorchJob pod's RANK / WORLD_SIZE never make shoal think it is a worker (cluster/environment.py)."""
+
+import os
+import stat
+
+import pytest
+
+from shoal import dist
+from shoal.cluster import environment
+from shoal.cluster.environment import NodeArgs, detect, expand_nodelist, node_args
+from shoal.errors import UserError
+
+NO_FLAGS = (None, None, None, None)
+
+SLURM = {"SLURM_JOB_ID": "4242", "SLURM_STEP_ID": "0", "SLURM_JOB_NUM_NODES": "4", "SLURM_STEP_NUM_NODES": "4",
+         "SLURM_STEP_NUM_TASKS": "4", "SLURM_NODEID": "2", "SLURM_JOB_NODELIST": "gpu[07-08,10],cpu3",
+         "SLURM_STEP_NODELIST": "gpu[07-08,10],cpu3"}
+
+
+@pytest.fixture(autouse=True)
+def no_scontrol(monkeypatch):
+    """The node lists are expanded here, as on a machine without Slurm (a test below brings a scontrol)."""
+    monkeypatch.setattr(environment.shutil, "which", lambda name: None)
+
+
+def test_slurm_gives_nodes_node_rank_and_the_first_host_on_a_port_from_the_job_id():
+    args, line = node_args(*NO_FLAGS, env=SLURM)
+    assert args == NodeArgs("4", 2, "gpu07:24242", 1)
+    assert line == "shoal: from Slurm (job 4242): 4 nodes, node rank 2, rendezvous gpu07:24242"
+    # every node of the step derives the same port; another step of the job, another port
+    assert environment.slurm_port("4242", "0") == 24242 and environment.slurm_port("4242", "1") == 24243
+
+
+def test_slurm_master_addr_and_port_win_over_the_node_list_and_gpus_suggest_nproc():
+    env = {**SLURM, "MASTER_ADDR": "10.1.2.3", "MASTER_PORT": "29555", "SLURM_GPUS_ON_NODE": "8"}
+    args, line = node_args(*NO_FLAGS, env=env)
+    assert args == NodeArgs("4", 2, "10.1.2.3:29555", 8)
+    assert line.endswith("rendezvous 10.1.2.3:29555, 8 workers per node (SLURM_GPUS_ON_NODE)")
+
+
+@pytest.mark.parametrize("nodelist, hosts", [
+    ("node[01-03,07]", ["node01", "node02", "node03", "node07"]),
+    ("a[1-2]-b[3-4]", ["a1-b3", "a1-b4", "a2-b3", "a2-b4"]),
+    ("x,y[9-10],n[008-010]", ["x", "y9", "y10", "n008", "n009", "n010"]),
+    ("127.0.0.[1-2]", ["127.0.0.1", "127.0.0.2"]),
+])
+def test_slurm_node_lists_expand_as_scontrol_does(nodelist, hosts):
+    assert expand_nodelist(nodelist) == hosts
+
+
+def test_scontrol_expands_the_node_list_where_slurm_is_installed(monkeypatch, tmp_path):
+    fake = tmp_path / "scontrol"
+    fake.write_text('#!/bin/sh\n[ "$1 $2" = "show hostnames" ] && printf "first-of-%s\\nsecond\\n" "$3"\n')
+    fake.chmod(fake.stat().st_mode | stat.S_IEXEC)
+    monkeypatch.setattr(environment.shutil, "which", lambda name: str(fake) if name == "scontrol" else None)
+    monkeypatch.setenv("PATH", f"{tmp_path}{os.pathsep}{os.environ['PATH']}")
+    assert expand_nodelist("n[1-2]") == ["first-of-n[1-2]", "second"]
+
+
+@pytest.mark.parametrize("env, expected", [
+    ({k: v for k, v in SLURM.items() if k not in ("SLURM_STEP_ID", "SLURM_STEP_NUM_NODES", "SLURM_STEP_NUM_TASKS")},
+     "inside Slurm job 4242 of 4 nodes, but not in an srun step: start one shoal per node with `srun "
+     "--ntasks-per-node=1 shoal train ...`"),
+    ({**SLURM, "SLURM_STEP_NUM_TASKS": "16"}, "srun started 16 tasks on 4 nodes (SLURM_STEP_NUM_TASKS): shoal wants "
+                                              "one per node"),
+    ({**SLURM, "SLURM_NODEID": "4"}, "SLURM_NODEID=4 must be below the job's 4 nodes (SLURM_STEP_NUM_NODES)"),
+    ({**SLURM, "SLURM_STEP_NODELIST": "gpu[07-"}, "the Slurm node list 'gpu[07-' has unbalanced brackets"),
+    ({**SLURM, "SLURM_STEP_NUM_NODES": "four"}, "SLURM_STEP_NUM_NODES='four': expected a whole number"),
+])
+def test_slurm_mistakes_are_one_line_naming_the_fix(env, expected):
+    with pytest.raises(UserError) as e:
+        node_args(*NO_FLAGS, env=env)
+    assert expected in str(e.value) and "\n" not in str(e.value)
+
+
+def test_a_batch_script_may_train_on_its_own_node_when_told():
+    batch = {k: v for k, v in SLURM.items() if k not in ("SLURM_STEP_ID", "SLURM_STEP_NUM_NODES",
+                                                        "SLURM_STEP_NUM_TASKS")}
+    assert node_args("1", None, None, None, env=batch) == (NodeArgs("1", 0, None, 1), None)
+
+
+PYTORCHJOB_POD = {"MASTER_ADDR": "train-master-0", "MASTER_PORT": "23456", "WORLD_SIZE": "3", "RANK": "1"}
+
+
+def test_a_pytorchjob_pods_rank_and_world_size_are_the_nodes_not_a_worker(monkeypatch):
+    """The older operator sets the four torch.distributed variables for the pod (WORLD_SIZE pods, RANK the
+    pod's index): shoal is that node's launcher, not a worker."""
+    for k in ("LOCAL_RANK", "RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(k, raising=False)
+    for k, v in PYTORCHJOB_POD.items():
+        monkeypatch.setenv(k, v)
+    assert not dist.is_launched()
+    args, line = node_args(*NO_FLAGS, env=os.environ)
+    assert args == NodeArgs("3", 1, "train-master-0:23456", 1)
+    assert line == ("shoal: from torchrun variables (WORLD_SIZE, RANK, MASTER_ADDR): 3 nodes, node rank 1, "
+                    "rendezvous train-master-0:23456")
+
+
+def test_a_torch_elastic_worker_is_a_worker(monkeypatch):
+    """What torch 2.13's agent (ours, torchrun's) sets for each worker: LOCAL_RANK among the rest."""
+    worker = {**PYTORCHJOB_POD, "LOCAL_RANK": "0", "GROUP_RANK": "1", "LOCAL_WORLD_SIZE": "1",
+              "TORCHELASTIC_RUN_ID": "shoal-x"}
+    for k, v in worker.items():
+        monkeypatch.setenv(k, v)
+    assert dist.is_launched()
+
+
+def test_the_newer_operators_pet_variables_win_over_its_world_size():
+    """With nprocPerNode the operator sets WORLD_SIZE = pods x nprocPerNode; PET_NNODES is the node count."""
+    env = {**PYTORCHJOB_POD, "WORLD_SIZE": "8", "PET_NNODES": "2", "PET_NODE_RANK": "1", "PET_NPROC_PER_NODE": "4"}
+    args, line = node_args(*NO_FLAGS, env=env)
+    assert args == NodeArgs("2", 1, "train-master-0:23456", 4)
+    assert line == ("shoal: from torchrun variables (PET_*): 2 nodes, node rank 1, rendezvous train-master-0:23456, "
+                    "4 workers per node (PET_NPROC_PER_NODE)")
+
+
+def test_trainer_v2_pet_master_address_and_nproc_auto():
+    env = {"PET_NNODES": "2", "PET_NODE_RANK": "0", "PET_NPROC_PER_NODE": "auto",
+           "PET_MASTER_ADDR": "job-node-0-0.job", "PET_MASTER_PORT": "29400"}
+    assert node_args(*NO_FLAGS, env=env)[0] == NodeArgs("2", 0, "job-node-0-0.job:29400", 1)  # no GPU: not taken
+    assert node_args(*NO_FLAGS, env=env, gpus=8)[0].nproc == 8  # torchrun's auto: one worker per GPU
+
+
+def test_an_elastic_pytorchjob_is_refused_in_one_line():
+    with pytest.raises(UserError, match=r"^PET_NNODES=1:3: elastic node ranges \(a PyTorchJob's elasticPolicy\)"):
+        node_args(*NO_FLAGS, env={"PET_NNODES": "1:3", "PET_RDZV_ENDPOINT": "m:29400"})
+
+
+def test_sagemaker_sorts_the_hosts_and_the_first_is_node_0():
+    env = {"SM_HOSTS": '["algo-2", "algo-1"]', "SM_CURRENT_HOST": "algo-2", "SM_NUM_GPUS": "4"}
+    args, line = node_args(*NO_FLAGS, env=env)
+    assert args == NodeArgs("2", 1, "algo-1:29400", 4)
+    assert line == "shoal: from SageMaker: 2 nodes, node rank 1, rendezvous algo-1:29400, 4 workers per node (SM_NUM_GPUS)"
+    with pytest.raises(UserError, match="SM_CURRENT_HOST='algo-9' is not one of SM_HOSTS"):
+        detect({**env, "SM_CURRENT_HOST": "algo-9"})
+
+
+def test_flags_win_field_by_field():
+    args, line = node_args(None, 0, "10.0.0.1:29400", 2, env=SLURM)
+    assert args == NodeArgs("4", 0, "10.0.0.1:29400", 2)
+    assert line == "shoal: from Slurm (job 4242): 4 nodes"
+    assert node_args("2", 1, "10.0.0.1:29400", 2, env=SLURM) == (NodeArgs("2", 1, "10.0.0.1:29400", 2), None)
+    assert node_args(None, None, None, 0, env=SLURM)[0].nproc == 0  # given, so kept (and refused in one line later)
+
+
+def test_no_scheduler_leaves_the_defaults():
+    assert node_args(*NO_FLAGS, env={"HOME": "/root"}) == (NodeArgs("1", 0, None, 1), None)
+    assert detect({"SLURM_JOB_ID": "7", "SLURM_JOB_NUM_NODES": "1", "SLURM_NODEID": "0"}).endpoint is None
