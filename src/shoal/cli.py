@@ -57,6 +57,21 @@ def build_parser() -> argparse.ArgumentParser:
                                                   'parallel.dp = "auto")')
     p.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
                    help="override a config value in both configs (repeatable)")
+    j = sub.add_parser("launch", help="write the job file that runs a config on your cluster: an sbatch script, a "
+                                      "Kubeflow PyTorchJob manifest or a SageMaker estimator script")
+    j.add_argument("config", help="TOML config file (shipped with the job; see the README's `Your cluster`)")
+    j.add_argument("--target", required=True, choices=("slurm", "kubernetes", "sagemaker"))
+    j.add_argument("--nodes", type=int, required=True, help="nodes (Slurm nodes, pods, instances)")
+    j.add_argument("--nproc", type=int, default=1, help="worker processes per node (default 1)")
+    j.add_argument("--out", help="the file to write; - for stdout (default: <config name>.sbatch, "
+                                 "<config name>-pytorchjob.yaml or <config name>_sagemaker.py here)")
+    j.add_argument("--image", help="container image with shoal installed (kubernetes, sagemaker)")
+    j.add_argument("--gpus-per-node", type=int, default=0, help="GPUs per node to ask for (slurm, kubernetes)")
+    j.add_argument("--cpus-per-node", type=int, help="CPUs per node to ask for (slurm: default the whole node)")
+    j.add_argument("--instance-type", default="ml.g5.xlarge", help="SageMaker instance type (default ml.g5.xlarge)")
+    j.add_argument("--pvc", help="Kubernetes PersistentVolumeClaim for the run dirs (default: an emptyDir per pod)")
+    j.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
+                   help="override a config value in the job (repeatable)")
     k = sub.add_parser("cluster", help="a multi-host cluster on this machine: network namespaces with rate-limited "
                                        "links and capped CPU (root)")
     ksub = k.add_subparsers(dest="action", required=True)
@@ -195,6 +210,28 @@ def parity(args: argparse.Namespace) -> int:
     return run_parity(args.config_a, args.config_b, args.steps, args.rtol, nprocs, args.set)
 
 
+def launch_job(args: argparse.Namespace) -> int:
+    """`shoal launch`: write the job file for a scheduler (cluster/jobs.py)."""
+    from shoal.cluster import jobs
+
+    config = Path(args.config)
+    if not config.is_file():
+        raise UserError(f"config file {config} does not exist; pass the path of a .toml file")
+    spec = jobs.JobSpec(args.target, args.config, config.read_text(encoding="utf-8"), tuple(args.set), args.nodes,
+                        args.nproc, args.image, args.gpus_per_node, args.cpus_per_node, args.instance_type, args.pvc)
+    jobs.check(spec)
+    text = jobs.render(spec)
+    if args.out == "-":
+        print(text, end="")
+        return 0
+    out = Path(args.out) if args.out else jobs.default_out(spec)
+    out.write_text(text, encoding="utf-8")
+    if args.target == "slurm":
+        out.chmod(0o755)
+    print(f"wrote {out}: {args.nodes} node(s) x {args.nproc} worker(s) of {args.config}; {jobs.how_to_run(spec, out)}")
+    return 0
+
+
 def cluster(args: argparse.Namespace) -> int:
     from shoal.cluster import hosts
     from shoal.cluster.system import require_root
@@ -222,7 +259,7 @@ def main(argv: list[str] | None = None) -> int:
     args.argv = argv
     try:
         return {"train": train, "checkpoints": checkpoints, "export": export, "parity": parity,
-                "cluster": cluster}[args.command](args)
+                "cluster": cluster, "launch": launch_job}[args.command](args)
     except UserError as e:
         print(f"shoal: error: {e}", file=sys.stderr)
         return 2

@@ -1,0 +1,148 @@
+"""`shoal launch --target slurm | kubernetes | sagemaker`: each file holds what its system requires and
+starts `shoal train` with the config; bad input is one line and exit code 2 (cluster/jobs.py)."""
+
+import ast
+import os
+import re
+import shlex
+import subprocess
+import sys
+import types
+
+import pytest
+import yaml
+
+from shoal.cli import build_parser, main
+
+CONFIG = """# a job for 2 nodes x 2 workers
+[model]
+name = "gpt"
+n_layer = 2
+
+[train]
+global_batch_size = 16
+micro_batch_size = 4
+"""
+
+
+@pytest.fixture
+def config(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "configs").mkdir()
+    (tmp_path / "configs" / "my-job.toml").write_text(CONFIG)
+    return "configs/my-job.toml"
+
+
+def launch(*args) -> int:
+    return main(["launch", *map(str, args)])
+
+
+def train_args(argv: list[str]):
+    """The `shoal train` command a job runs, parsed by shoal's own parser."""
+    assert argv[:2] == ["shoal", "train"], argv
+    return build_parser().parse_args(argv[1:])
+
+
+def test_slurm_script_asks_for_one_task_per_node_and_srun_starts_shoal(config, capsys):
+    assert launch("--target", "slurm", config, "--nodes", 2, "--nproc", 2, "--gpus-per-node", 2,
+                  "--set", "train.steps=50") == 0
+    assert "wrote my-job.sbatch: 2 node(s) x 2 worker(s)" in capsys.readouterr().out
+    text = open("my-job.sbatch").read()
+    assert os.access("my-job.sbatch", os.X_OK)
+    assert subprocess.run(["bash", "-n", "my-job.sbatch"]).returncode == 0  # the shell reads it
+    directives = dict(re.findall(r"^#SBATCH --([\w-]+)=?(\S*)", text, re.M))
+    assert directives["nodes"] == "2" and directives["ntasks-per-node"] == "1"
+    assert directives["gpus-per-node"] == "2" and "exclusive" in directives  # no --cpus-per-node: the whole node
+    command = shlex.split(text.split("srun ", 1)[1].replace("\\\n", " "))
+    assert command[:2] == ["--ntasks-per-node=1", "--cpus-per-task=${SLURM_CPUS_PER_TASK:-$SLURM_CPUS_ON_NODE}"]
+    args = train_args(command[2:])
+    assert (args.config, args.nproc, args.set, args.nnodes) == (config, 2, ["train.steps=50"], None)
+
+
+def test_pytorchjob_manifest_has_what_the_operator_requires(config, capsys):
+    assert launch("--target", "kubernetes", config, "--nodes", 3, "--nproc", 2, "--image", "reg.io/shoal:1",
+                  "--gpus-per-node", 2, "--pvc", "shared-runs", "--set", "train.global_batch_size=24") == 0
+    assert "kubectl apply -f my-job-pytorchjob.yaml" in capsys.readouterr().out
+    config_map, job = yaml.safe_load_all(open("my-job-pytorchjob.yaml"))
+    assert (config_map["apiVersion"], config_map["kind"]) == ("v1", "ConfigMap")
+    assert config_map["data"] == {"my-job.toml": CONFIG}  # the config travels with the job, as written
+    assert (job["apiVersion"], job["kind"]) == ("kubeflow.org/v1", "PyTorchJob")
+    assert re.fullmatch(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?", job["metadata"]["name"]) and len(job["metadata"]["name"]) <= 40
+    assert job["spec"]["nprocPerNode"] == "2"
+    replicas = job["spec"]["pytorchReplicaSpecs"]
+    assert {k: r["replicas"] for k, r in replicas.items()} == {"Master": 1, "Worker": 2}
+    for r in replicas.values():
+        assert r["restartPolicy"] == "OnFailure"
+        pod = r["template"]["spec"]
+        (container,) = pod["containers"]
+        assert container["name"] == "pytorch" and container["image"] == "reg.io/shoal:1"
+        assert {"name": "pytorchjob-port", "containerPort": 23456} in container["ports"]
+        assert container["resources"]["limits"] == {"nvidia.com/gpu": 2}
+        args = train_args(container["command"])
+        assert (args.nproc, args.set, args.nnodes) == (2, ["train.global_batch_size=24"], None)
+        volumes = {v["name"]: v for v in pod["volumes"]}
+        mounts = {m["name"]: m["mountPath"] for m in container["volumeMounts"]}
+        assert volumes["config"]["configMap"]["name"] == config_map["metadata"]["name"]
+        assert args.config == f"{mounts['config']}/my-job.toml"
+        assert volumes["runs"]["persistentVolumeClaim"] == {"claimName": "shared-runs"}
+        assert args.run_dir.startswith(mounts["runs"] + "/")
+        assert volumes["shm"]["emptyDir"] == {"medium": "Memory"} and mounts["shm"] == "/dev/shm"
+
+
+def test_a_one_node_pytorchjob_has_no_workers(config):
+    assert launch("--target", "kubernetes", config, "--nodes", 1, "--nproc", 1, "--image", "i",
+                  "--set", "train.global_batch_size=4") == 0
+    job = list(yaml.safe_load_all(open("my-job-pytorchjob.yaml")))[1]
+    assert list(job["spec"]["pytorchReplicaSpecs"]) == ["Master"]
+    pod = job["spec"]["pytorchReplicaSpecs"]["Master"]["template"]["spec"]
+    assert {"name": "runs", "emptyDir": {}} in pod["volumes"]  # outlives a container restart (OnFailure)
+
+
+def test_sagemaker_script_submits_an_estimator_and_is_its_entry_point(config, tmp_path, monkeypatch):
+    assert launch("--target", "sagemaker", config, "--nodes", 2, "--nproc", 2, "--image", "123.dkr.ecr/shoal:1",
+                  "--instance-type", "ml.g5.12xlarge") == 0
+    text = open("my-job_sagemaker.py").read()
+    code = compile(text, "my-job_sagemaker.py", "exec")
+    constants = {n.targets[0].id: ast.literal_eval(n.value) for n in ast.parse(text).body
+                 if isinstance(n, ast.Assign) and isinstance(n.targets[0], ast.Name)}
+    assert constants["INSTANCE_COUNT"] == 2 and constants["INSTANCE_TYPE"] == "ml.g5.12xlarge"
+    args = train_args(constants["TRAIN"])
+    assert (args.config, args.nproc, args.nnodes) == ("my-job.toml", 2, None)
+
+    calls = []  # a stand-in sagemaker package records the estimator it is given
+    fake = types.ModuleType("sagemaker")
+    fake.get_execution_role = lambda: "arn:aws:iam::1:role/default"
+    fake.pytorch = types.ModuleType("sagemaker.pytorch")
+    fake.pytorch.PyTorch = lambda **kw: calls.append(kw) or types.SimpleNamespace(fit=lambda: None)
+    monkeypatch.setitem(sys.modules, "sagemaker", fake)
+    monkeypatch.setitem(sys.modules, "sagemaker.pytorch", fake.pytorch)
+    monkeypatch.delenv("SAGEMAKER_ROLE", raising=False)
+    namespace = {"__name__": "generated", "__file__": str(tmp_path / "my-job_sagemaker.py")}
+    exec(code, namespace)
+    assert namespace["submit"]() == 0
+    (kw,) = calls
+    assert kw["instance_count"] == 2 and kw["image_uri"] == "123.dkr.ecr/shoal:1"
+    assert kw["entry_point"] == "my-job_sagemaker.py" and kw["role"] == "arn:aws:iam::1:role/default"
+    assert sorted(os.listdir(kw["source_dir"])) == ["my-job.toml", "my-job_sagemaker.py"]  # what ships
+    assert open(os.path.join(kw["source_dir"], "my-job.toml")).read() == CONFIG
+
+
+@pytest.mark.parametrize("target, args, expected", [
+    ("slurm", ["--nodes", 0], "--nodes (0) must be >= 1"),
+    ("slurm", ["--nodes", 2, "--nproc", 0], "--nproc (0) must be >= 1"),
+    ("kubernetes", ["--nodes", 2], "--target kubernetes needs --image IMAGE"),
+    ("sagemaker", ["--nodes", 2], "--target sagemaker needs --image IMAGE"),
+    ("slurm", ["--nodes", 3], "train.global_batch_size (16) must be divisible by train.micro_batch_size (4) x dp (3)"),
+    ("slurm", ["--nodes", 2, "--set", "train.stepz=3"], "unknown key train.stepz; did you mean train.steps?"),
+    ("slurm", ["--nodes", 2, "--nproc", 4, "--gpus-per-node", 2], "--nproc 4 workers per node but --gpus-per-node 2"),
+])
+def test_bad_input_is_one_line_and_exit_2(config, capsys, target, args, expected):
+    assert launch("--target", target, config, *args) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and expected in err, err
+    assert not [p for p in os.listdir(".") if p.startswith("my-job")]  # nothing written
+
+
+def test_a_missing_config_is_one_line(config, capsys):
+    assert launch("--target", "slurm", "configs/nope.toml", "--nodes", 2) == 2
+    assert capsys.readouterr().err == "shoal: error: config file configs/nope.toml does not exist; pass the path of a .toml file\n"
