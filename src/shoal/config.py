@@ -28,7 +28,7 @@ else:  # pragma: no cover - exercised on 3.10 only
 # configs that differ only here train the same model (`shoal parity` compares such pairs, and a run
 # resumes across them)
 LAYOUT_SECTIONS = ("parallel", "comm", "precision", "checkpoint", "metrics")
-LAYOUT_KEYS = frozenset({"train.micro_batch_size", "train.compile"})
+LAYOUT_KEYS = frozenset({"train.micro_batch_size", "train.compile", "data.cache_dir"})
 
 
 class Section(BaseModel):

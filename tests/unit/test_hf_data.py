@@ -160,3 +160,11 @@ def test_mistakes_are_one_line_naming_the_key_and_the_fix(corpus, tmp_path, monk
         load_config(None, ['data.source="hf"', 'data.path="x.parquet"'])
     monkeypatch.setitem(sys.modules, "datasets", None)  # the hf extra not installed
     fails(r"""data.source = "hf" needs the datasets package; install it with: pip install 'shoal\[hf\]'""")
+
+
+def test_where_the_tokens_are_cached_is_not_what_a_run_trains():
+    from shoal.rundir import default_run_dir
+
+    a, b = (load_config(None, ['data.source="hf"', 'data.path="d.parquet"', 'data.tokenizer="t.json"',
+                               f'data.cache_dir="{d}"']) for d in ("x", "y"))
+    assert default_run_dir(None, a) == default_run_dir(None, b)  # the same command resumes the same run
