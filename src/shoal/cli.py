@@ -42,10 +42,14 @@ def build_parser() -> argparse.ArgumentParser:
                         "--nproc workers each")
     c = sub.add_parser("checkpoints", help="list a run's checkpoints with step, world size, size and validity")
     c.add_argument("run_dir")
-    e = sub.add_parser("export", help="write a checkpoint's model weights as one safetensors file")
+    e = sub.add_parser("export", help="write a checkpoint's model weights as one safetensors file, or (hf models) "
+                                      "a Hugging Face directory")
     e.add_argument("run_dir")
     e.add_argument("--step", type=int, help="the checkpoint's step (default: the newest valid one)")
-    e.add_argument("--out", required=True, help="output file, e.g. model.safetensors")
+    e.add_argument("--out", required=True, help="output file, e.g. model.safetensors (--format hf: a new directory)")
+    e.add_argument("--format", choices=("safetensors", "hf"), default="safetensors",
+                   help="safetensors: one file of the model's weights; hf: config.json + model.safetensors (LoRA "
+                        "merged) + the run's tokenizer, for from_pretrained")
     p = sub.add_parser("parity", help="train two configs (two layouts of one run) side by side and compare "
                                       "their loss and gradient norm step by step")
     p.add_argument("config_a")
@@ -107,10 +111,11 @@ def checkpoints(args: argparse.Namespace) -> int:
 
 
 def export(args: argparse.Namespace) -> int:
-    from shoal.checkpoint.export import export_weights
+    from shoal.checkpoint.export import export_hf, export_weights
 
-    ckpt = export_weights(Path(args.run_dir), Path(args.out), args.step)
-    print(f"wrote {args.out}: model weights of {ckpt.path} (step {ckpt.step})")
+    ckpt = (export_hf if args.format == "hf" else export_weights)(Path(args.run_dir), Path(args.out), args.step)
+    what = "a Hugging Face model directory" if args.format == "hf" else "model weights"
+    print(f"wrote {args.out}: {what} of {ckpt.path} (step {ckpt.step})")
     return 0
 
 
