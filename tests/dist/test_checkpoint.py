@@ -107,9 +107,10 @@ def test_one_process_crashed_and_resumed_equals_uninterrupted(tmp_path, ranks, r
 
 
 def test_sigkill_with_restarts_recovers_exactly(tmp_path, reference):
-    """--max-restarts: torch elastic restarts the group, which resumes from the newest checkpoint."""
+    """--max-restarts: torch elastic restarts the group, which resumes from the newest checkpoint (killed
+    at a forward drawn from a fixed seed: any point of a step must do)."""
     rng = random.Random(20261121)
-    for attempt in range(2):
+    for attempt in range(1):
         kill_at = rng.randrange(1, STEPS * FORWARDS_PER_STEP)
         run_dir = tmp_path / f"run{attempt}"
         r = train(*args(run_dir, 2, *fault(1, kill_at, tmp_path / f"fired{attempt}")), "--max-restarts", "2")

@@ -7,7 +7,7 @@ QUIET = ["metrics.tensorboard=false", "metrics.progress=false", "checkpoint.fina
 
 def test_resnet_learns_synthetic_images(tmp_path):
     s = train_in_process(["model.name=resnet", "data.source=synthetic-images", "data.num_samples=5000",
-                          "train.steps=150", "train.global_batch_size=32", "train.micro_batch_size=32",
+                          "train.steps=100", "train.global_batch_size=32", "train.micro_batch_size=32",
                           "train.warmup_steps=10", "train.lr=3e-3", "train.val_interval=0", "train.val_batches=4",
                           *QUIET], tmp_path)
     assert s["val_accuracy"] > 0.6, s  # chance: 0.1 (10 classes)

@@ -49,7 +49,7 @@ class Tokenizer:
 def hf_tokens(cfg: DataConfig) -> tuple[np.ndarray, int]:
     """The token stream of `cfg` (memory-mapped from the cache, tokenized first when not cached) and
     the vocabulary size the model needs."""
-    require("datasets", "hf", FEATURE)
+    require("datasets", "hf", FEATURE)  # checked first: the one line names the extra, not a missing part of it
     filelock = require("filelock", "hf", FEATURE)
     files, builder = dataset_files(cfg.path)
     tok = load_tokenizer(cfg.tokenizer)
