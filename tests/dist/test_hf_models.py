@@ -4,10 +4,11 @@ base_model_tp_plan) tp 2 against one process with the same seed and global batch
 final weights within 1e-5). Then fine-tuning: `shoal export --format hf` loads with from_pretrained
 and gives shoal's logits; model.init_from starts a run at the exporting run's final validation loss;
 train.freeze leaves parameters bitwise unchanged; LoRA (peft) trains with ZeRO 2 as in one process,
-and its merged export reproduces its logits.
+resumes its checkpoint in another layout, and its merged export reproduces its logits.
 """
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -91,7 +92,7 @@ def test_export_hf_loads_with_from_pretrained_and_starts_a_fine_tune(tmp_path, t
 
     tune = tmp_path / "tune"
     frozen = ["model.embed_tokens.*", "model.layers.0.*"]
-    ranks(2).run(train_on_ranks, [*COMMON, f'model.path="{out}"', "train.eval_on_start=true",
+    ranks(2).run(train_on_ranks, [*COMMON, LLAMA, f'model.init_from="{out}"', "train.eval_on_start=true",
                                   f"train.freeze={json.dumps(frozen)}", "train.steps=3"], str(tune))
     summary = json.loads((tune / "summary.json").read_text())
     assert summary["initial_val_loss"] == pytest.approx(final_val, rel=1e-6)
@@ -104,14 +105,22 @@ def test_export_hf_loads_with_from_pretrained_and_starts_a_fine_tune(tmp_path, t
             assert not torch.equal(v, start[k]), k  # the rest trained
 
 
-def test_lora_trains_with_zero2_as_one_process_and_exports_merged(tmp_path, trained):
+def test_lora_trains_with_zero2_as_one_process_resumes_and_exports_merged(tmp_path, trained, ranks):
     ref = trained("llama", "dp1", LORA)
     losses = [m["loss"] for m in read_metrics(ref)]
     assert losses[-1] < losses[0]
-    sharded = trained("llama", "dp2", [*LORA, "parallel.zero=2"])
+    sharded = trained("llama", "dp2", [*LORA, "parallel.zero=2", "checkpoint.interval=4"])
     adapters = [k for k in read_weights(ref) if "lora_" in k]
     assert adapters
     assert_same(sharded, ref)
+    # its step-4 checkpoint resumed by one process (another layout) ends where the one process did
+    resumed = tmp_path / "resumed"
+    shutil.copytree(sharded / "checkpoints" / "step_00000004", resumed / "checkpoints" / "step_00000004")
+    ranks(1).run(train_on_ranks, [*COMMON, LLAMA, *LORA], str(resumed))
+    assert [m["step"] for m in read_metrics(resumed)] == list(range(5, STEPS + 1))
+    w_resumed, w_ref = read_weights(resumed), read_weights(ref)
+    for k in w_ref:
+        torch.testing.assert_close(w_resumed[k], w_ref[k], rtol=0, atol=1e-5, msg=lambda m, k=k: f"{k}: {m}")
     w = read_weights(ref)  # the base weights did not move: only the adapters trained
     assert all(not torch.equal(w[k], torch.zeros_like(w[k])) for k in adapters if "lora_B" in k)
 
