@@ -13,6 +13,11 @@ class TrainingError(RuntimeError):
     """Training cannot go on (diverged, nothing to roll back to): reported as one line, exit code 1."""
 
 
+def first_line(e: BaseException) -> str:
+    """A library's exception as one line of a UserError (its first line, at most 200 characters)."""
+    return (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
+
+
 def require(module: str, extra: str, feature: str):
     """Import an optional dependency, or fail in one line naming the install that brings it."""
     import importlib

@@ -28,7 +28,7 @@ from pathlib import Path
 import numpy as np
 
 from shoal.config import DataConfig
-from shoal.errors import UserError, require
+from shoal.errors import UserError, first_line, require
 
 FEATURE = 'data.source = "hf"'
 FORMATS = {".parquet": "parquet", ".jsonl": "json", ".json": "json", ".csv": "csv"}  # suffix -> datasets builder
@@ -108,7 +108,7 @@ def load_tokenizer(name: str) -> Tokenizer:
         try:
             backend = tokenizers.Tokenizer.from_file(str(p))
         except Exception as e:  # the Rust side raises a bare Exception for a malformed file
-            raise UserError(f"data.tokenizer = {name!r} is not a readable tokenizer.json ({_first_line(e)}); "
+            raise UserError(f"data.tokenizer = {name!r} is not a readable tokenizer.json ({first_line(e)}); "
                             f"point it at a tokenizer.json file or a tokenizer folder") from None
         special = {t.content for t in backend.get_added_tokens_decoder().values() if t.special}
         eos = next((t for t in EOS_NAMES if t in special), None)
@@ -121,7 +121,7 @@ def load_tokenizer(name: str) -> Tokenizer:
         tok = transformers.AutoTokenizer.from_pretrained(str(p), local_files_only=True)
     except Exception as e:  # transformers raises OSError, ValueError, KeyError, ... for a folder it cannot read
         raise UserError(f"data.tokenizer = {name!r} cannot be loaded by transformers.AutoTokenizer "
-                        f"({type(e).__name__}: {_first_line(e)}); point it at a folder saved by save_pretrained "
+                        f"({type(e).__name__}: {first_line(e)}); point it at a folder saved by save_pretrained "
                         f"or at a tokenizer.json") from None
     backend = getattr(tok, "backend_tokenizer", None)
     if backend is None:
@@ -251,8 +251,4 @@ def _batches(ds, cfg: DataConfig):
     except UserError:
         raise
     except (OSError, ValueError) as e:  # a malformed file (pyarrow's errors are ValueErrors)
-        raise UserError(f"{where} cannot be read ({type(e).__name__}: {_first_line(e)}); check the files") from None
-
-
-def _first_line(e: BaseException) -> str:
-    return (str(e).strip().splitlines() or [""])[0][:200]
+        raise UserError(f"{where} cannot be read ({type(e).__name__}: {first_line(e)}); check the files") from None

@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from pydantic import BaseModel, ConfigDict, Field
 from torch import nn
 
-from shoal.errors import UserError, require
+from shoal.errors import UserError, first_line, require
 from shoal.models.spec import Batch, DataSpec, ModelBundle, ModelSection
 
 FEATURE = 'model.name = "hf"'
@@ -104,10 +104,6 @@ def hf_config(cfg: HFConfig, spec: DataSpec | None = None):
         return transformers.AutoConfig.from_pretrained(str(path), local_files_only=True, **overrides)
     except (OSError, ValueError, TypeError) as e:
         raise UserError(f"model.path = {cfg.path!r}: {first_line(e)}") from None
-
-
-def first_line(e: BaseException) -> str:
-    return (str(e).strip().splitlines() or [type(e).__name__])[0]
 
 
 def build(cfg: HFConfig, spec: DataSpec) -> ModelBundle:
