@@ -248,6 +248,16 @@ def test_a_failed_node_stops_the_others(cluster, monkeypatch, capsys):
     assert "h1 failed (exit code 4) 1 s ago; stopping h0" in capsys.readouterr().err
 
 
+@pytest.mark.timeout(150)
+def test_two_srun_tasks_on_two_hosts_form_one_job_from_slurm_variables_alone(cluster, tmp_path):
+    """A Slurm job's two tasks, one per host, each given only the job's variables: they find node 0
+    (10.200.0.1, the node list's first host) and train as one world across the shaped link."""
+    from test_scheduler_env import two_slurm_nodes
+
+    two_slurm_nodes(tmp_path, "10.200.0", launchers=[["ip", "netns", "exec", f"shoal-h{i}", sys.executable, "-m",
+                                                      "shoal"] for i in range(2)])
+
+
 @pytest.mark.timeout(60)
 def test_a_node_that_cannot_reach_the_endpoint_says_so_in_one_line(cluster, tmp_path):
     """Node 1 in its namespace, node 0's endpoint an address nobody has: one line within the timeout."""

@@ -1,6 +1,8 @@
 """Two nodes started from Slurm's variables alone: each `shoal train` (no --nnodes, --node-rank or
---rdzv-endpoint) is one srun task on loopback, told its node by SLURM_NODEID and node 0 by the first
-host of the compressed node list, and they train as one world of 2 (cluster/environment.py)."""
+--rdzv-endpoint) is one srun task, told its node by SLURM_NODEID and node 0 by the first host of the
+compressed node list, and they train as one world of 2 (cluster/environment.py). On two hosts of the
+one-machine cluster (network namespaces, test_cluster.py runs it there with its hosts up), or here on
+two loopback addresses where namespaces cannot be made."""
 
 import json
 import random
@@ -11,6 +13,7 @@ import pytest
 
 from conftest import TINY_GPT, run_cli
 from shoal.cluster.environment import SLURM_PORTS, slurm_port
+from test_cluster import WHY_NOT
 
 
 def free_slurm_job_id() -> str:
@@ -28,21 +31,29 @@ def free_slurm_job_id() -> str:
 
 
 @pytest.mark.timeout(150)
+@pytest.mark.skipif(WHY_NOT is None, reason="namespaces can be made: test_cluster.py runs this on two hosts")
 def test_two_srun_tasks_form_one_job_from_slurm_variables_alone(tmp_path):
+    two_slurm_nodes(tmp_path, "127.0.0", launchers=[None, None])
+
+
+def two_slurm_nodes(tmp_path, subnet: str, launchers: list) -> None:
+    """Node i runs `shoal train` through launchers[i] (None: here) with Slurm's variables for a job on
+    the hosts subnet.1 and subnet.2."""
     job = free_slurm_job_id()
+    nodes = f"{subnet}.[1-2]"
     slurm = {"SLURM_JOB_ID": job, "SLURM_STEP_ID": "0", "SLURM_JOB_NUM_NODES": "2", "SLURM_STEP_NUM_NODES": "2",
-             "SLURM_STEP_NUM_TASKS": "2", "SLURM_JOB_NODELIST": "127.0.0.[1-2]", "SLURM_STEP_NODELIST": "127.0.0.[1-2]"}
+             "SLURM_STEP_NUM_TASKS": "2", "SLURM_JOB_NODELIST": nodes, "SLURM_STEP_NODELIST": nodes}
 
     def node(rank):
         return run_cli(["train", "--nproc", 1, "--run-dir", tmp_path / f"node{rank}", *TINY_GPT, "--set", "train.steps=3",
                         "--set", "checkpoint.enabled=false", "--set", "metrics.progress=false"],
-                       timeout=120, env={**slurm, "SLURM_NODEID": str(rank)})
+                       timeout=120, env={**slurm, "SLURM_NODEID": str(rank)}, launcher=launchers[rank])
 
     with ThreadPoolExecutor(2) as pool:
         results = list(pool.map(node, [0, 1]))
     for rank, r in enumerate(results):
         assert r.returncode == 0, r.output
-        assert (f"shoal: from Slurm (job {job}): 2 nodes, node rank {rank}, rendezvous 127.0.0.1:{slurm_port(job)}"
+        assert (f"shoal: from Slurm (job {job}): 2 nodes, node rank {rank}, rendezvous {subnet}.1:{slurm_port(job)}"
                 in r.stderr), r.stderr
     # global rank 0 writes the results; the c10d rendezvous decides which node holds it
     summaries = [d / "summary.json" for d in (tmp_path / "node0", tmp_path / "node1") if (d / "summary.json").exists()]
