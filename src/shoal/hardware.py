@@ -1,0 +1,82 @@
+"""A hardware profile: what a machine and its network can do, measured by `shoal probe` or taken from a
+named preset. MFU (achieved / peak FLOP/s) and `shoal plan` read it.
+
+The JSON file (`shoal probe --out profile.json`):
+  {"name": "...", "device": "cpu" | "cuda", "device_name": "...", "nproc": N, "nnodes": M,
+   "matmul_flops": {"fp32": F, "bf16": F, ...},          # peak dense matmul FLOP/s of ONE worker
+   "memory_bandwidth": B,                                 # bytes/s of one worker (a large copy)
+   "collectives": {"all_reduce": [[bytes, seconds], ...], # per message size, over the group of nproc x nnodes
+                   "all_gather": [...], "reduce_scatter": [...], "send_recv": [...]}}
+A preset holds the vendor's dense peaks and no collective curves (plan then needs a probe for time).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from pydantic import BaseModel, ConfigDict, ValidationError
+
+from shoal.errors import UserError
+
+# dense (no 2:4 sparsity) tensor-core peaks from the vendors' data sheets, FLOP/s per GPU
+PRESETS = {
+    "h100": {"device": "cuda", "device_name": "NVIDIA H100 SXM (data sheet)",
+             "matmul_flops": {"fp32": 67e12, "tf32": 494.5e12, "bf16": 989.4e12, "fp16": 989.4e12},
+             "memory_bandwidth": 3.35e12},
+    "h200": {"device": "cuda", "device_name": "NVIDIA H200 SXM (data sheet)",
+             "matmul_flops": {"fp32": 67e12, "tf32": 494.5e12, "bf16": 989.4e12, "fp16": 989.4e12},
+             "memory_bandwidth": 4.8e12},
+    "a100": {"device": "cuda", "device_name": "NVIDIA A100 SXM (data sheet)",
+             "matmul_flops": {"fp32": 19.5e12, "tf32": 156e12, "bf16": 312e12, "fp16": 312e12},
+             "memory_bandwidth": 2.04e12},
+}
+
+
+class HardwareProfile(BaseModel):
+    model_config = ConfigDict(extra="allow", frozen=True)
+    name: str = "probe"
+    device: str = "cpu"
+    device_name: str = ""
+    nproc: int = 1
+    nnodes: int = 1
+    matmul_flops: dict[str, float]
+    memory_bandwidth: float | None = None
+    collectives: dict[str, list[tuple[float, float]]] = {}
+
+    def peak_flops(self, dtype: str) -> float:
+        """Peak FLOP/s of one worker for compute in `dtype` (fp32 on a GPU means TF32 tensor cores when the
+        profile has them only if measured so; a preset's fp32 is the plain fp32 peak)."""
+        if dtype in self.matmul_flops:
+            return self.matmul_flops[dtype]
+        raise UserError(f"the hardware profile {self.name!r} has no peak for {dtype}; it has "
+                        f"{', '.join(self.matmul_flops)} (run `shoal probe` on this machine)")
+
+
+def preset(name: str) -> HardwareProfile:
+    key = name.lower()
+    if key not in PRESETS:
+        raise UserError(f"unknown hardware preset {name!r}; use one of {', '.join(PRESETS)} or a profile from "
+                        f"`shoal probe --out profile.json`")
+    return HardwareProfile(name=key, **PRESETS[key])
+
+
+def load_profile(path: str | Path) -> HardwareProfile:
+    p = Path(path).expanduser()
+    if not p.is_file():
+        raise UserError(f"hardware profile {str(path)!r} does not exist; write one with `shoal probe --out {path}` "
+                        f"or name a preset ({', '.join(PRESETS)})")
+    try:
+        return HardwareProfile.model_validate(json.loads(p.read_text()))
+    except (json.JSONDecodeError, ValidationError) as e:
+        raise UserError(f"hardware profile {str(path)!r} is not a shoal probe file ({str(e).splitlines()[0]}); "
+                        f"write it again with `shoal probe`") from None
+
+
+def profile_or_preset(value: str) -> HardwareProfile:
+    """A preset's name (h100, h200, a100) or the path of a probe file."""
+    return preset(value) if value.lower() in PRESETS else load_profile(value)
+
+
+def save_profile(profile: HardwareProfile, path: str | Path) -> None:
+    Path(path).write_text(json.dumps(profile.model_dump(), indent=1) + "\n")
