@@ -41,6 +41,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="run this command as one node per host of the cluster on this machine (`shoal cluster up`), "
                         "--nproc workers each")
     c = sub.add_parser("checkpoints", help="list a run's checkpoints with step, world size, size and validity")
+    rp = sub.add_parser("report", help="one self-contained HTML page of runs (loss, throughput, step time breakdown, "
+                                       "memory, bytes sent, checkpoints, recoveries); several run dirs overlay")
+    rp.add_argument("run_dirs", nargs="+", metavar="RUN_DIR")
+    rp.add_argument("--out", default="report.html", help="the page to write (default report.html); each figure is "
+                                                         "also written beside it as <name>-<figure>.png")
     c.add_argument("run_dir")
     e = sub.add_parser("export", help="write a checkpoint's model weights as one safetensors file, or (hf models) "
                                       "a Hugging Face directory")
@@ -107,6 +112,14 @@ def checkpoints(args: argparse.Namespace) -> int:
     if not console.is_terminal:
         console.width = 200  # a pipe or a log file: do not wrap the problem text
     console.print(table if rows else f"no checkpoints in {args.run_dir}")
+    return 0
+
+
+def report(args: argparse.Namespace) -> int:
+    from shoal.report.page import render
+
+    written = render([Path(p) for p in args.run_dirs], Path(args.out))
+    print(f"wrote {written[0]} ({len(written) - 1} figures, also as PNG files beside it)")
     return 0
 
 
@@ -264,7 +277,7 @@ def main(argv: list[str] | None = None) -> int:
     args.argv = argv
     try:
         return {"train": train, "checkpoints": checkpoints, "export": export, "parity": parity,
-                "cluster": cluster, "launch": launch_job}[args.command](args)
+                "cluster": cluster, "launch": launch_job, "report": report}[args.command](args)
     except UserError as e:
         print(f"shoal: error: {e}", file=sys.stderr)
         return 2
