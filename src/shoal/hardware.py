@@ -13,6 +13,7 @@ A preset holds the vendor's dense peaks and no collective curves (plan then need
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict, ValidationError
@@ -43,6 +44,21 @@ class HardwareProfile(BaseModel):
     matmul_flops: dict[str, float]
     memory_bandwidth: float | None = None
     collectives: dict[str, list[tuple[float, float]]] = {}
+    matmul_curve: dict[str, list[tuple[float, float]]] = {}  # per dtype: [[n, FLOP/s of n x n x n], ...]
+    op_overhead_s: float | None = None  # one operator on a one-element tensor (dispatch and launch)
+    process_bytes: int | None = None  # resident memory of a worker after importing the training stack (CPU)
+    threads: int | None = None  # compute threads of one worker when measured
+
+    def collective_time(self, op: str, nbytes: float) -> float | None:
+        """Seconds of collective `op` for a message of `nbytes`, interpolated log-log between the
+        measured sizes (linear in bytes beyond the largest); None: the profile has no curve for it."""
+        return interpolate(self.collectives.get(op, []), nbytes, extrapolate_linear=True)
+
+    def matmul_rate(self, dtype: str, n: float) -> float:
+        """FLOP/s of a matmul of effective size n (the cube root of m k n), from the measured curve
+        (flat beyond its ends); the peak without one."""
+        rate = interpolate(self.matmul_curve.get(dtype, []), n, extrapolate_linear=False)
+        return rate if rate is not None else self.peak_flops(dtype)
 
     def peak_flops(self, dtype: str) -> float:
         """Peak FLOP/s of one worker for compute in `dtype` (fp32 on a GPU means TF32 tensor cores when the
@@ -51,6 +67,23 @@ class HardwareProfile(BaseModel):
             return self.matmul_flops[dtype]
         raise UserError(f"the hardware profile {self.name!r} has no peak for {dtype}; it has "
                         f"{', '.join(self.matmul_flops)} (run `shoal probe` on this machine)")
+
+
+def interpolate(points, x: float, extrapolate_linear: bool) -> float | None:
+    """y at x on a log-log polyline through (x, y) points; beyond the largest x: proportional to x
+    (`extrapolate_linear`, a message's time grows with its bytes) or the last y; below the smallest: its y."""
+    pts = sorted((float(a), float(b)) for a, b in points)
+    if not pts:
+        return None
+    if x <= pts[0][0]:
+        return pts[0][1]
+    if x >= pts[-1][0]:
+        return pts[-1][1] * (x / pts[-1][0] if extrapolate_linear else 1.0)
+    for (x0, y0), (x1, y1) in zip(pts, pts[1:], strict=False):
+        if x0 <= x <= x1:
+            f = math.log(x / x0) / math.log(x1 / x0)
+            return math.exp(math.log(y0) + f * (math.log(y1) - math.log(y0)))
+    return pts[-1][1]
 
 
 def preset(name: str) -> HardwareProfile:

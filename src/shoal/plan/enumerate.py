@@ -1,0 +1,79 @@
+"""Every layout `shoal plan` considers for a config and a number of processes: dp x tp x pp = world,
+pipeline schedule, ZeRO stage 0-3, activation checkpointing on or off, micro-batch size (the divisors
+of the per-rank batch). Each is a copy of the config with those keys set, checked by the same layout
+resolution (layout.py) and model checks (preflight.py, parallel/fit.py) that a run's start applies:
+the reason a layout is invalid is the run's own one-line error."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from shoal.config import Config, validate_config
+from shoal.errors import UserError
+from shoal.layout import Layout, resolve_layout
+from shoal.preflight import check_fit
+
+SCHEDULES = ("1f1b", "gpipe", "interleaved-1f1b")
+
+
+@dataclass
+class Candidate:
+    keys: dict[str, object]  # the config keys this layout sets ("parallel.zero": 2, ...)
+    cfg: Config | None = None
+    layout: Layout | None = None
+    reason: str | None = None  # why it is invalid (None: valid)
+
+    def label(self) -> str:
+        k = self.keys
+        parts = [f"dp{k['parallel.dp']} tp{k['parallel.tp']} pp{k['parallel.pp']}"]
+        if k["parallel.pp"] > 1:
+            parts.append(str(k["parallel.pp_schedule"]))
+        parts.append(f"zero{k['parallel.zero']}")
+        if k["precision.activation_checkpointing"]:
+            parts.append("ckpt")
+        parts.append(f"mb{k['train.micro_batch_size']}")
+        return " ".join(parts)
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def with_keys(cfg: Config, keys: dict[str, object]) -> Config:
+    """`cfg` with the dotted keys set, validated as a config file would be."""
+    raw = cfg.model_dump(by_alias=True, exclude_none=True)
+    for key, value in keys.items():
+        section, _, name = key.partition(".")
+        raw.setdefault(section, {})[name] = value
+    return validate_config(raw, "plan")
+
+
+def candidates(cfg: Config, world: int, bundle, source, cuda: bool, micro_batches: list[int] | None = None):
+    """Every layout for `world` processes, valid or with its reason."""
+    out = []
+    gb = cfg.train.global_batch_size
+    for tp in _divisors(world):
+        for pp in _divisors(world // tp):
+            dp = world // (tp * pp)
+            micros = micro_batches or (_divisors(gb // dp) if gb % dp == 0 else [cfg.train.micro_batch_size])
+            for schedule in (SCHEDULES if pp > 1 else (cfg.parallel.pp_schedule,)):
+                for zero in range(4):
+                    for ckpt in (False, True):
+                        for micro in micros:
+                            keys = {"parallel.dp": dp, "parallel.tp": tp, "parallel.pp": pp,
+                                    "parallel.pp_schedule": schedule, "parallel.zero": zero,
+                                    "precision.activation_checkpointing": ckpt, "train.micro_batch_size": micro,
+                                    "parallel.pp_microbatches": 0}
+                            out.append(check(cfg, keys, world, bundle, source, cuda))
+    return out
+
+
+def check(cfg: Config, keys: dict, world: int, bundle, source, cuda: bool) -> Candidate:
+    c = Candidate(keys)
+    try:
+        c.cfg = with_keys(cfg, keys)
+        c.layout = resolve_layout(c.cfg, world, cuda)
+        check_fit(c.cfg, c.layout, bundle, source)
+    except UserError as e:
+        c.reason = str(e).removeprefix("plan: ")
+    return c

@@ -1,0 +1,152 @@
+"""The plan of one config: its model traced once on the meta device, every candidate layout checked
+and predicted, the valid ones ranked by predicted step time; a layout that does not fit in the memory
+given is rejected with the figure."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+
+import torch
+
+from shoal.config import Config
+from shoal.data.sources import build_source
+from shoal.errors import UserError
+from shoal.hardware import HardwareProfile
+from shoal.layout import resolve_layout
+from shoal.models.meta import on_meta
+from shoal.models.registry import build_model
+from shoal.parallel.pipeline import split_stages
+from shoal.plan.cost import MicroBatchCost, trace_micro_batch, trace_optimizer_step
+from shoal.plan.enumerate import Candidate, candidates
+from shoal.plan.predict import ModelShape, Prediction, predict_memory, predict_time, rank_params
+from shoal.train.build import freeze
+
+_UNITS = {"": 1, "b": 1, "kb": 1e3, "mb": 1e6, "gb": 1e9, "tb": 1e12, "kib": 2 ** 10, "mib": 2 ** 20,
+          "gib": 2 ** 30, "tib": 2 ** 40}
+
+
+def parse_bytes(text: str) -> int:
+    """'80GB' (10^9), '80GiB' (2^30), '512MB', '1e9' -> bytes."""
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:e[0-9]+)?)\s*([a-zA-Z]*)\s*", str(text))
+    if not m or m.group(2).lower() not in _UNITS:
+        raise UserError(f"--memory {text!r}: expected a size such as 80GB, 80GiB or 512MB")
+    return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+
+
+def human_bytes(n: float) -> str:
+    for unit, size in (("GiB", 2 ** 30), ("MiB", 2 ** 20), ("KiB", 2 ** 10)):
+        if abs(n) >= size:
+            return f"{n / size:.2f} {unit}"
+    return f"{n:.0f} B"
+
+
+@dataclass
+class Planned:
+    candidate: Candidate
+    prediction: Prediction | None = None
+    reason: str | None = None  # rejected: why
+
+    @property
+    def ok(self) -> bool:
+        return self.reason is None
+
+
+@dataclass
+class Model:
+    """The config's model on meta, and what predictions read of it."""
+
+    cfg: Config
+    bundle: object
+    source: object
+    shape: ModelShape
+    costs: dict[int, MicroBatchCost] = field(default_factory=dict)
+    opt_ops: object = None
+
+    @classmethod
+    def build(cls, cfg: Config) -> Model:
+        source = build_source(cfg.data, getattr(cfg.model, "seq_len", None), cfg.train.seed)
+        with on_meta():
+            bundle = build_model(cfg.model, source.spec)
+        freeze(bundle.model, cfg.train.freeze)
+        blocks = [m for m in bundle.model.modules() if bundle.block_types and isinstance(m, bundle.block_types)]
+        shape = ModelShape(_describe(bundle.model.parameters()), [_describe(b.parameters()) for b in blocks])
+        model = cls(cfg, bundle, source, shape)
+        model.opt_ops = trace_optimizer_step(bundle.model, cfg.train.optimizer, cfg.train.momentum)
+        return model
+
+    def cost(self, micro: int) -> MicroBatchCost:
+        if micro not in self.costs:
+            batch = self.source.train_batch(torch.arange(micro))
+            batch = {k: v.to("meta") if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
+            self.costs[micro] = trace_micro_batch(self.bundle, batch, self.bundle.block_types)
+        return self.costs[micro]
+
+    def stage_params(self, cfg: Config, pp_rank: int) -> list:
+        """Parameters of pipeline rank `pp_rank`'s stages for `cfg`'s split."""
+        p = cfg.parallel
+        layers = self.bundle.pipeline(self.bundle.model)
+        split = split_stages(layers.names, layers.costs, p.pp, p.pp_schedule, p.pp_stages_per_rank, p.pp_split)
+        out = []
+        for k in range(split.stages_per_rank):
+            with on_meta():
+                out += _describe(layers.build_stage(*split.bounds(pp_rank + k * p.pp)).parameters())
+        return out
+
+
+def _describe(params) -> list:
+    seen, out = set(), []
+    for p in params:
+        if id(p) not in seen:  # tied weights count once
+            seen.add(id(p))
+            out.append((p.numel(), p.shape[0] if p.dim() else 1, p.dim(), p.requires_grad))
+    return out
+
+
+def predict(model: Model, cfg: Config, layout, profile: HardwareProfile | None) -> Prediction:
+    p, d = cfg.parallel, layout.dims
+    cost = model.cost(cfg.train.micro_batch_size)
+    params = rank_params(model.shape, layout, p.pp_schedule, lambda r: model.stage_params(cfg, r))
+    total = sum(n for n, *_ in params) or 1
+    fraction = total / (sum(n for n, *_ in model.shape.params) or 1) if d.pp > 1 else 1.0
+    mem = predict_memory(model.shape, params, cost, layout, cfg.train.optimizer, cfg.train.momentum,
+                         cfg.precision.activation_checkpointing, p.pp_schedule, profile, fraction)
+    if profile is None:
+        return Prediction(mem, {"compute": None, "comm": None, "bubble": None, "step": None})
+    stages = p.pp_stages_per_rank if p.pp_schedule == "interleaved-1f1b" else 1
+    grad_bytes = sum(n for n, _, _, t in params if t) * model.shape.element_size // d.tp
+    full = sum(n for n, *_ in params) * model.shape.element_size // d.tp
+    t = predict_time(model.shape, cost, model.opt_ops, layout, profile, cfg.precision.dtype,
+                     cfg.precision.activation_checkpointing, p.pp_schedule, stages, grad_bytes, full)
+    return Prediction(mem, t)
+
+
+def predict_config(cfg: Config, world: int, profile: HardwareProfile | None, cuda: bool = False,
+                   model: Model | None = None) -> Prediction:
+    """The prediction for the layout `cfg` itself sets (--check)."""
+    model = model or Model.build(cfg)
+    return predict(model, cfg, resolve_layout(cfg, world, cuda), profile)
+
+
+def plan(cfg: Config, world: int, profile: HardwareProfile | None, memory: int | None,
+         cuda: bool = False, micro_batches: list[int] | None = None) -> list[Planned]:
+    """Every candidate, the valid ones first by predicted step time (then by peak memory)."""
+    model = Model.build(cfg)
+    out = []
+    for c in candidates(cfg, world, model.bundle, model.source, cuda, micro_batches):
+        if c.reason:
+            out.append(Planned(c, reason=c.reason))
+            continue
+        pred = predict(model, c.cfg, c.layout, profile)
+        reason = None
+        if memory is not None and pred.memory["peak"] > memory:
+            reason = (f"does not fit: {human_bytes(pred.memory['peak'])} per rank predicted, "
+                      f"--memory {human_bytes(memory)}")
+        out.append(Planned(c, pred, reason))
+
+    def key(pl: Planned):
+        # a preset has no collective curves: compute time alone ranks
+        t = (pl.prediction.step_time or pl.prediction.time["compute"]) if pl.prediction else None
+        return (not pl.ok, pl.prediction is None, t if t is not None else float("inf"),
+                pl.prediction.memory["peak"] if pl.prediction else 0)
+    return sorted(out, key=key)

@@ -1,0 +1,195 @@
+"""Per-rank memory and step time of one layout, predicted from the model's meta-device trace
+(cost.py) and a hardware profile (hardware.py). The largest rank is predicted, as summary.json's
+memory_per_rank is read (the rank that runs out first).
+
+Memory, the quantities metrics/memory.py measures (STATE_KINDS), each parameter counted where it lives:
+  params      tp splits matrices (ndim >= 2) by tp; pp keeps the rank's stages' layers; ZeRO 2/3
+              (FSDP2) shard every tensor's first dimension over dp (rank 0's chunk is the ceiling)
+  grads       as params for ZeRO 2/3; whole (this rank's tp/pp part) for ZeRO 0/1; none when frozen
+  optimizer   AdamW: 2 fp32 moments + a one-element step per parameter; SGD: the momentum buffer;
+              ZeRO 1 gives whole parameters to ranks greedily by size (ZeroRedundancyOptimizer), 2/3 shard
+  activations what autograd saves for backward, per micro-batch in flight (pp: 1F1B holds up to pp,
+              GPipe all m), block inputs only under activation checkpointing
+  buffers     ZeRO 2 keeps every block's gathered parameters from forward to backward, ZeRO 3 two
+              blocks (one prefetched); the largest tensor's gradient in backward
+  peak        the worker's resident memory before a model (profile's process_bytes; 0 on a GPU)
+              + all of the above
+Time, per optimizer step of the slowest rank:
+  compute     every traced operator: max(FLOPs / the matmul FLOP/s at its size, bytes / memory
+              bandwidth) + the profile's per-operator cost; tp divides FLOPs and bytes, not operators
+  comm        from the profile's collective curves, interpolated by message size, with the overlap each
+              strategy allows: DDP's bucketed all-reduce hides under backward but its last bucket; ZeRO 1
+              adds the parameters' all-gather after the step; ZeRO 2/3 all-gather per block (ZeRO 3 again
+              in backward and per micro-batch) and reduce-scatter, each hidden under one block's compute;
+              tp all-reduces activations twice per block forward and twice backward, never hidden; pp
+              sends activations and gradients between stages
+  bubble      pipeline idle time: (p-1)/(v m + p-1) of the stage's busy time (v stages per rank)
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from shoal.hardware import HardwareProfile
+from shoal.layout import Layout
+from shoal.parallel.pipeline import bubble_fraction
+from shoal.plan.cost import MicroBatchCost, Ops
+
+DDP_BUCKET_BYTES = 25 * 2 ** 20  # torch DDP's bucket_cap_mb
+DEFAULT_OP_OVERHEAD_S = {"cpu": 5e-6, "cuda": 6e-6}  # a preset has no measured one: a kernel launch
+
+
+@dataclass
+class ModelShape:
+    """What predict needs of the model: each parameter as (numel, first dimension, ndim, trainable),
+    grouped by where it is (per block, or outside), and each pipeline stage's parameters."""
+
+    params: list[tuple[int, int, int, bool]]
+    block_params: list[list[tuple[int, int, int, bool]]]
+    stage_params: dict[tuple[int, int], list[tuple[int, int, int, bool]]] = field(default_factory=dict)
+    element_size: int = 4
+
+
+@dataclass
+class Prediction:
+    memory: dict[str, int]  # params, grads, optimizer, activations, buffers, peak (bytes, largest rank)
+    time: dict[str, float | None]  # compute, comm, bubble, step (seconds); comm None: no curves
+
+    @property
+    def step_time(self) -> float | None:
+        return self.time["step"]
+
+
+def _bytes(params, shard: int, zero_sharded: bool, tp: int, esize: int, what: str) -> int:
+    """Bytes of `params` on the largest rank: matrices split by tp, then (ZeRO 2/3) the first
+    dimension chunked over `shard` ranks, rank 0's chunk the ceiling."""
+    total = 0
+    for numel, dim0, ndim, trainable in params:
+        if what != "params" and not trainable:
+            continue
+        rest = numel // max(dim0, 1)
+        d0 = dim0 // tp if (tp > 1 and ndim >= 2) else dim0
+        if zero_sharded and shard > 1:
+            d0 = math.ceil(d0 / shard)
+        total += d0 * rest * esize
+    return total
+
+
+def _zero1_max(params, dp: int, tp: int, per_element: int, per_param: int) -> int:
+    """ZeroRedundancyOptimizer: parameters sorted by size, each to the least loaded rank."""
+    loads = [0] * dp
+    for numel in sorted((n for n, _, _, t in params if t), reverse=True):
+        i = loads.index(min(loads))
+        loads[i] += numel * per_element + per_param
+    return max(loads)
+
+
+def rank_params(shape: ModelShape, layout: Layout, schedule: str, stage_of) -> list:
+    """Parameters of the largest pp rank (its stages), or all."""
+    if layout.dims.pp == 1:
+        return shape.params
+    return max((stage_of(r) for r in range(layout.dims.pp)), key=lambda ps: sum(p[0] for p in ps))
+
+
+def predict_memory(shape: ModelShape, params: list, cost: MicroBatchCost, layout: Layout, optimizer: str,
+                   momentum: float, checkpointing: bool, schedule: str, profile: HardwareProfile | None,
+                   stage_fraction: float) -> dict[str, int]:
+    d, zero, es = layout.dims, layout.zero, shape.element_size
+    sharded = zero >= 2
+    p_bytes = _bytes(params, d.dp, sharded, d.tp, es, "params")
+    g_bytes = _bytes(params, d.dp, sharded, d.tp, es, "grads")
+    moments = 2 if optimizer == "adamw" else (1 if momentum else 0)
+    step_bytes = 4 if optimizer == "adamw" else 0  # AdamW's step: a one-element fp32 tensor per parameter
+    n_trainable = sum(1 for p in params if p[3])
+    if zero == 1:
+        opt = _zero1_max([(n // d.tp if d.tp > 1 and nd >= 2 else n, d0, nd, t) for n, d0, nd, t in params],
+                         d.dp, 1, moments * es, step_bytes)
+    else:
+        opt = _bytes(params, d.dp, sharded, d.tp, es, "grads") * moments + n_trainable * step_bytes
+    in_flight = 1
+    if d.pp > 1:
+        m = layout.pp_microbatches
+        in_flight = m if schedule == "gpipe" else min(m, d.pp)
+    act = cost.activation_bytes(checkpointing, stage_fraction) * in_flight // d.tp
+    full_block = max((_bytes(b, 1, False, d.tp, es, "params") for b in shape.block_params), default=0)
+    gathered = {0: 0, 1: 0, 2: _bytes(params, 1, False, d.tp, es, "params") - p_bytes, 3: 2 * full_block}[zero]
+    buffers = gathered + cost.largest // d.tp
+    base = (profile.process_bytes or 0) if profile is not None and profile.device == "cpu" else 0
+    mem = {"params": p_bytes, "grads": g_bytes, "optimizer": opt, "activations": act, "buffers": buffers}
+    mem["peak"] = base + sum(mem.values())
+    return mem
+
+
+def op_time(ops: Ops, profile: HardwareProfile, dtype: str, scale: float = 1.0) -> float:
+    """Seconds of the operators, each on `scale` of its data (tp's share)."""
+    bw = profile.memory_bandwidth or 1e11
+    overhead = profile.op_overhead_s if profile.op_overhead_s is not None else DEFAULT_OP_OVERHEAD_S.get(
+        profile.device, 5e-6)
+    total = 0.0
+    for flops, moved in ops.items:
+        t = moved * scale / bw
+        if flops:
+            n_eff = (flops * scale / 2) ** (1 / 3)
+            t = max(t, flops * scale / profile.matmul_rate(dtype, n_eff))
+        total += t + overhead
+    return total
+
+
+def _hidden(comm: float, under: float) -> float:
+    """What of `comm` is left exposed when it runs beside `under` seconds of compute."""
+    return max(0.0, comm - under)
+
+
+def predict_time(shape: ModelShape, cost: MicroBatchCost, opt_ops: Ops, layout: Layout, profile: HardwareProfile,
+                 dtype: str, checkpointing: bool, schedule: str, stages_per_rank: int, grad_bytes: int,
+                 param_bytes_full: int) -> dict[str, float | None]:
+    d, zero = layout.dims, layout.zero
+    micro = cost.micro_batch
+    n_micro = layout.per_rank_batch // micro
+    per_micro = op_time(cost.ops, profile, dtype, 1.0 / d.tp) / d.pp
+    fwd_share = cost.forward_flops / max(cost.ops.flops, 1.0)
+    if checkpointing:
+        per_micro *= 1 + fwd_share  # blocks run their forward again in backward
+    shard = (1.0 / d.dp if zero >= 1 else 1.0) / (d.tp * d.pp)
+    optimizer = op_time(opt_ops, profile, dtype, 1.0) * shard if zero >= 1 else op_time(opt_ops, profile, dtype,
+                                                                                           1.0 / (d.tp * d.pp))
+    compute = per_micro * n_micro + optimizer
+    bubble = 0.0
+    if d.pp > 1:
+        bubble = per_micro * n_micro * bubble_fraction(d.pp, n_micro, stages_per_rank) / (
+            1 - bubble_fraction(d.pp, n_micro, stages_per_rank))
+    t = {"compute": compute, "bubble": bubble}
+    ct = profile.collective_time
+    if d.world_size > 1 and not profile.collectives:
+        t.update(comm=None, step=None)
+        return t
+    comm = 0.0
+    backward = per_micro * (1 - fwd_share)
+    n_blocks = max(len(shape.block_params), 1)
+    block_compute = per_micro / n_blocks
+    if d.dp > 1:
+        if zero <= 1:
+            buckets = max(1, math.ceil(grad_bytes / DDP_BUCKET_BYTES))
+            each = ct("all_reduce", grad_bytes / buckets) or 0.0
+            comm += each + _hidden(each * (buckets - 1), backward)
+            if zero == 1:
+                comm += ct("all_gather", param_bytes_full / d.dp) or 0.0
+        else:
+            block_bytes = param_bytes_full / n_blocks
+            gather = ct("all_gather", block_bytes / d.dp) or 0.0
+            scatter = ct("reduce_scatter", block_bytes) or 0.0
+            gathers = n_blocks * (2 * n_micro if zero == 3 else 1)
+            comm += gather + (gathers - 1) * _hidden(gather, block_compute)
+            comm += scatter + (n_blocks - 1) * _hidden(scatter, block_compute)
+    if d.tp > 1:
+        act = cost.block_input[0] if cost.block_input else 0
+        per_block = 4 * (ct("all_reduce", act) or 0.0)
+        comm += n_micro * (n_blocks * per_block / d.pp + 2 * (ct("all_reduce", act) or 0.0))
+    if d.pp > 1:
+        act = cost.block_input[0] if cost.block_input else 0
+        hops = 2 * (n_micro + d.pp - 1) * stages_per_rank
+        comm += hops * (ct("send_recv", act) or 0.0)
+    t["comm"] = comm
+    t["step"] = compute + bubble + comm
+    return t
