@@ -234,6 +234,15 @@ class ParallelConfig(Section):
     max_staleness: int = Field(4, ge=0)
     """parameter-server, async: how many updates a worker may push beyond the slowest live worker before
     it waits (stale-synchronous parallel; 0: in step with the slowest)."""
+    balance: Literal["uniform", "throughput"] = "uniform"
+    """How the global batch is split over the dp ranks. uniform: global_batch_size / dp each. throughput: each
+    rank's share in proportion to its measured samples per second of compute (re-measured as the run goes,
+    agreed every `balance_interval` steps), for workers of uneven speed; the same samples and the same
+    gradient as uniform (the loss is normalised over the whole global batch). dp with zero 0 or 1 and
+    sync = "every-step" only."""
+    balance_interval: int = Field(10, ge=1)
+    """balance = "throughput": steps between agreements of the ranks' throughputs (one small all-gather); a new
+    split takes effect data.prefetch + 1 steps after it is agreed (batches already prefetched keep theirs)."""
     replicas: int = Field(0, ge=0)
     """local-sgd / diloco: how many replicas the dp ranks form (0: each dp rank is one). The dp / replicas
     ranks of a replica train it together, synchronising gradients every step (DDP, or sharded with
@@ -254,6 +263,10 @@ class ParallelConfig(Section):
         if self.sequence_parallel and self.tp == 1:
             raise ValueError("parallel.sequence_parallel = true splits the sequence over the tp ranks, but tp = 1; "
                              "set parallel.tp > 1 or sequence_parallel = false")
+        if self.balance == "throughput" and (self.zero > 1 or self.tp > 1 or self.pp > 1 or self.sync != "every-step"):
+            raise ValueError(f'parallel.balance = "throughput" splits the batch unevenly over dp ranks that run DDP '
+                             f'(zero 0/1, tp = 1, pp = 1, sync = "every-step"); got zero {self.zero}, tp {self.tp}, '
+                             f'pp {self.pp}, sync "{self.sync}": set balance = "uniform"')
         if self.dp != "auto" and self.dp < 1:
             raise ValueError(f'parallel.dp = {self.dp} must be >= 1 or "auto"')
         return self

@@ -22,6 +22,7 @@ from shoal.metrics.memory import STATE_KINDS, model_state_bytes, peak_memory_byt
 from shoal.metrics.sinks import MetricsSinks
 from shoal.metrics.timers import StepTimer
 from shoal.models.spec import Batch
+from shoal.parallel.balance import ThroughputBalance
 from shoal.parallel.parallelized import Parallelized
 from shoal.parallel.precision import Precision
 from shoal.parallel.zero import local_optimizer
@@ -49,6 +50,7 @@ class Trainer:
     items_name: str
     device: torch.device
     phase: Phase = field(default_factory=Phase)
+    balance: ThroughputBalance | None = None  # parallel.balance = "throughput": the batch split over dp
 
 
 @dataclass
@@ -93,7 +95,11 @@ def train_step(t: Trainer, hooks: Hooks, micro_batches: list[Batch], timer: Step
         return scale[0]
 
     t.phase.outside("forward/backward")  # the model's layers refine it (comm/phase.py)
+    if t.balance:
+        t.balance.start()
     loss_sum = par.forward_backward(batches, grad_scale, t.precision)
+    if t.balance:
+        t.balance.measured(t.sampler.step)
     par.after_backward()
     timer.mark("forward_backward_s")
 
@@ -171,6 +177,8 @@ def after_step(t: Trainer, hooks: Hooks, done: int, lr: float, out: dict, timer:
                record: Record) -> None:
     """Metrics, validation and hooks of step `done` (1-based: steps completed)."""
     m = step_metrics(t, done, lr, out, timer)
+    if t.balance:  # before the checkpoint hooks: a split agreed now is saved with this step
+        m.update(t.balance.after_step(done))
     if out["bad"]:
         m["skipped"] = True
         sinks.print(f"step {done}: loss {out['loss']}, gradient norm {out['grad_norm']}: update skipped")

@@ -33,6 +33,7 @@ from shoal.layout import Layout
 from shoal.metrics.sinks import MetricsSinks
 from shoal.models.spec import count_parameters
 from shoal.parallel.apply import make_sync, parallelize
+from shoal.parallel.balance import ComputeClock, ThroughputBalance
 from shoal.parallel.precision import Precision
 from shoal.parallel.zero import local_optimizer
 from shoal.rundir import RunDir, read_json, write_json
@@ -105,12 +106,16 @@ def run_training(cfg: Config, layout: Layout, source, run_dir: Path, env: DistEn
     precision = Precision(cfg.precision.dtype, env.device)
     bad_steps = BadStepPolicy(cfg.train.on_bad_step, cfg.train.max_bad_steps, scaled=precision.scaler is not None)
     sampler = GlobalBatchSampler(source.num_train, cfg.train.global_batch_size, cfg.train.seed)
+    balance = None
+    if cfg.parallel.balance == "throughput":  # a new split waits until the batches prefetched before it are used
+        balance = ThroughputBalance(cfg.train.global_batch_size, dims.dp, par.dp_rank, cfg.parallel.balance_interval,
+                                    cfg.data.prefetch + 1, comm, par.dp_group, ComputeClock(par.model, env.device))
     # a parameter server's worker holds no optimizer state: the servers save it
     state = TrainState(par.model, None if layout.servers else local_optimizer(optimizer), {
-        "sampler": sampler, "scheduler": schedule, "scaler": precision, "bad_steps": bad_steps, "sync": par.sync},
-        replicas_differ=layout.replicas > 1)
+        "sampler": sampler, "scheduler": schedule, "scaler": precision, "bad_steps": bad_steps, "sync": par.sync,
+        **({"balance": balance} if balance else {})}, replicas_differ=layout.replicas > 1)
     trainer = Trainer(cfg.train, cfg.metrics, par, optimizer, schedule, precision, sampler, source, comm, bad_steps,
-                      bundle.count_fn, bundle.items_name, env.device, phase)
+                      bundle.count_fn, bundle.items_name, env.device, phase, balance)
     if is_main:
         run_dir.mkdir(parents=True, exist_ok=True)
         run.config.write_text(cfg.to_toml(), encoding="utf-8")
@@ -145,8 +150,9 @@ def run_training(cfg: Config, layout: Layout, source, run_dir: Path, env: DistEn
         hooks.after_step.append(lambda m, last, _: write_json(run.progress, {"step": m["step"], "time": m["time"]}))
 
     def make(step: int):
+        shares = balance.split_for(step) if balance else None
         return [source.train_batch(i, sampler.data_step(step)) for i in
-                sampler.local_micro_batches(step, par.dp_rank, dims.dp, cfg.train.micro_batch_size)]
+                sampler.local_micro_batches(step, par.dp_rank, dims.dp, cfg.train.micro_batch_size, shares)]
 
     sinks = MetricsSinks(run_dir if is_main else None, cfg.train.steps, sampler.step, bundle.items_name,
                          cfg.metrics.tensorboard, cfg.metrics.progress)
