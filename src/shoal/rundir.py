@@ -58,6 +58,10 @@ class RunDir:
         return self.path / "summary.json"
 
     @property
+    def traces(self) -> Path:  # metrics.trace_steps: torch.profiler traces, one file per rank
+        return self.path / "traces"
+
+    @property
     def progress(self) -> Path:  # heartbeat: the last completed step and its time
         return self.path / "progress.json"
 

@@ -4,7 +4,18 @@ Each rank numbers the collectives it enters; ranks that run the same program ent
 order, so "rank 1 is at #56 while rank 0 waits in #57" means rank 1 never reached #57. A record is
 finished when its wait returns (a DDP gradient bucket: when its future completes), and `waiting`
 names the one the main thread is blocked in, if any: the hang report tells a rank that waits from a
-rank that is elsewhere. Durations are summed per (op, group) for the step profile.
+rank that is elsewhere. Durations are summed per (op, group).
+
+[Note: exposed communication] The step profile charges to communication only the time the training
+thread could not compute because it waited on the network, per mesh axis (the group label's first
+word: dp, tp, pp, else world). Two waits are seen: (1) the main thread blocked in one of shoal's own
+collectives (`blocked_in`, outermost wait only), and (2) DDP's end of backward: once the last gradient
+bucket has been handed to the network, backward's remaining work is waiting for every bucket (DDP
+finalises in C++), so the time from that hand-off until the next step mark, less any wait already
+counted in between, is exposed dp time. Buckets that finish while backward still computes are hidden
+and count nothing. Collectives torch issues inside the model on its own (DTensor's tensor-parallel
+all-reduces, FSDP2's all-gathers, a pipeline's send/recv) are not seen here: their waits count as
+compute (a pipeline's waits for its neighbours appear as its bubble).
 """
 
 from __future__ import annotations
@@ -24,6 +35,10 @@ class CollectiveLog:
         self.waiting: dict | None = None  # the record the main thread is blocked in
         self.totals: dict[tuple[str, str], list[float]] = {}  # (op, group) -> [count, seconds]
         self._lock = threading.Lock()
+        # mesh axis -> seconds the main thread waited on the network ([Note: exposed communication])
+        self.exposed: dict[str, float] = {}
+        self._main = threading.main_thread().ident
+        self._tail: tuple[float, str, float] | None = None  # (handed off at, axis, exposed then): DDP's last bucket
 
     def enter(self, op: str, group: str, tensors: list[torch.Tensor] = ()) -> dict:
         with self._lock:
@@ -54,10 +69,27 @@ class CollectiveLog:
     def blocked_in(self, rec: dict):
         """The main thread waits for `rec` inside this block."""
         outer, self.waiting = self.waiting, rec
+        t0 = time.perf_counter()
         try:
             yield
         finally:
             self.waiting = outer
+            if outer is None and threading.get_ident() == self._main:  # a nested wait counts once
+                self.add_exposed(mesh_axis(rec["group"]), time.perf_counter() - t0)
+
+    def add_exposed(self, axis: str, seconds: float) -> None:
+        self.exposed[axis] = self.exposed.get(axis, 0.0) + seconds
+
+    def last_bucket_sent(self, group: str) -> None:
+        """DDP handed its last gradient bucket of the backward to the network (from its comm hook)."""
+        self._tail = (time.perf_counter(), mesh_axis(group), sum(self.exposed.values()))
+
+    def settle(self, now: float) -> None:
+        """At a step mark: charge the wait since DDP's last bucket left (if any) as exposed."""
+        if self._tail is not None:
+            sent, axis, before = self._tail
+            self._tail = None
+            self.add_exposed(axis, max(0.0, now - sent - (sum(self.exposed.values()) - before)))
 
     def last(self) -> dict | None:
         with self._lock:
@@ -67,6 +99,13 @@ class CollectiveLog:
         """The oldest collective entered and not finished."""
         with self._lock:
             return next((dict(r) for r in self.records if not r["done"]), None)
+
+
+def mesh_axis(group: str) -> str:
+    """The mesh axis a collective's group label names: its first word ("dp, gradient bucket 3" -> dp;
+    weights tied across the first and last stage -> pp; a parameter server's traffic -> dp)."""
+    word = group.split(",")[0].split(" ")[0]
+    return {"dp": "dp", "tp": "tp", "pp": "pp", "tied": "pp", "ps": "dp"}.get(word, "world")
 
 
 def describe(rec: dict | None) -> str:

@@ -41,7 +41,7 @@ class ConsoleSink:
             self.console.print(
                 f"step {m['step']:>6}  loss {m['loss']:.4f}  lr {m['lr']:.2e}  grad_norm {m['grad_norm']:.3f}  "
                 f"{m[f'{self.items_name}_per_s']:,.0f} {self.items_name}/s  step {m['step_time_s'] * 1e3:.0f} ms "
-                f"(data wait {m['data_wait_s'] * 1e3:.1f} ms)"
+                f"(data wait {m['data_wait_s'] * 1e3:.1f} ms)" + (f"  MFU {m['mfu']:.1%}" if "mfu" in m else "")
             )
 
     def close(self) -> None:

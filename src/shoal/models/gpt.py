@@ -152,5 +152,16 @@ def build(cfg: GPTConfig, spec: DataSpec) -> ModelBundle:
     vocab = -(-vocab // cfg.vocab_multiple) * cfg.vocab_multiple
     from shoal.models.gpt_parallel import pipeline_layers, tensor_parallel
 
-    return ModelBundle(GPT(cfg, vocab), lm_loss, count_tokens, block_types=(Block,), items_name="tokens",
-                       tensor_parallel=tensor_parallel, pipeline=pipeline_layers)
+    model = GPT(cfg, vocab)
+    return ModelBundle(model, lm_loss, count_tokens, block_types=(Block,), items_name="tokens",
+                       tensor_parallel=tensor_parallel, pipeline=pipeline_layers, flops_per_sample=flops(model, cfg))
+
+
+def flops(model: GPT, cfg: GPTConfig) -> float:
+    """Training FLOPs of one sequence (Kaplan et al. 2020; PaLM's appendix B): 6 per weight of a matmul
+    per token (forward 2, backward 4), the tied embedding counted once as the head's matmul, the position
+    table (a lookup) not at all; plus attention's scores and weighted sum, 12 x layers x seq_len x d_model
+    per token, as if not causal (the usual convention). Norms and the softmax are left out."""
+    matmul = sum(p.numel() for p in model.parameters()) - model.pos_emb.weight.numel()
+    per_token = 6 * matmul + 12 * cfg.n_layer * cfg.seq_len * cfg.d_model
+    return float(per_token * cfg.seq_len)

@@ -99,6 +99,9 @@ class ModelBundle:
     tensor_parallel: Callable[..., LossContext | None] | None = None
     # pipeline(model) -> PipelineLayers. None: the model cannot be split into pipeline stages.
     pipeline: Callable[[torch.nn.Module], PipelineLayers] | None = None
+    # training FLOPs (forward + backward) of one sample, by the model's own count, for MFU; None: counted
+    # by torch's FlopCounterMode over one micro-batch on the meta device (metrics/profile.py)
+    flops_per_sample: float | None = None
 
 
 class ModelSection(BaseModel):
