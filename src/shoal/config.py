@@ -325,6 +325,28 @@ class MetricsConfig(Section):
     """Write TensorBoard event files to run_dir/tensorboard."""
     progress: bool = True
     """Show the progress bar on rank 0."""
+    profile: bool = True
+    """The step profile in every step's metrics: compute, communication this rank waited for per mesh
+    axis, data wait, optimizer, pipeline bubble, achieved FLOP/s and MFU; at logged steps the ranks'
+    compute times, naming a straggler (README, "What the run shows")."""
+    peak: str = "auto"
+    """Peak FLOP/s of one worker, for MFU: "auto" (a CUDA device's data-sheet preset found by its name,
+    otherwise a short matmul in the run's dtype measured at start), a preset ("h100", "h200", "a100"),
+    or the path of a `shoal probe` JSON."""
+    straggler_ratio: float = Field(1.2, gt=1)
+    """A rank whose compute time since the last logged step is at least this many times the median of
+    the other ranks' is named a straggler."""
+    trace_steps: list[int] = []
+    """[first, last]: write a torch.profiler trace of these steps (1-based, inclusive) to
+    run_dir/traces, one file per rank (TensorBoard's profiler plugin or ui.perfetto.dev open it)."""
+
+    @model_validator(mode="after")
+    def _trace_steps(self) -> MetricsConfig:
+        t = self.trace_steps
+        if t and (len(t) != 2 or not 1 <= t[0] <= t[1]):
+            raise ValueError(f"metrics.trace_steps = {t} must be [first, last] with 1 <= first <= last, "
+                             f"e.g. [5, 7]")
+        return self
 
 
 class Config(Section):

@@ -19,8 +19,10 @@ from shoal.config import MetricsConfig, TrainConfig
 from shoal.data.loader import Prefetcher
 from shoal.data.sampler import GlobalBatchSampler
 from shoal.metrics.memory import STATE_KINDS, model_state_bytes, peak_memory_bytes
+from shoal.metrics.profile import Profiler
 from shoal.metrics.sinks import MetricsSinks
 from shoal.metrics.timers import StepTimer
+from shoal.metrics.trace import StepTrace
 from shoal.models.spec import Batch
 from shoal.parallel.balance import ThroughputBalance
 from shoal.parallel.parallelized import Parallelized
@@ -51,6 +53,8 @@ class Trainer:
     device: torch.device
     phase: Phase = field(default_factory=Phase)
     balance: ThroughputBalance | None = None  # parallel.balance = "throughput": the batch split over dp
+    profile: Profiler | None = None  # metrics.profile: the step profile (metrics/profile.py)
+    trace: StepTrace | None = None  # metrics.trace_steps
 
 
 @dataclass
@@ -130,19 +134,26 @@ def train_step(t: Trainer, hooks: Hooks, micro_batches: list[Batch], timer: Step
             "save": agreed.save, "held": held, "comm_bytes": t.comm.sync_bytes - sent}
 
 
-def gather_memory(t: Trainer, held: dict[str, int]) -> list[dict]:
-    """Every rank's model-state bytes and peak memory (one small all-gather over the world)."""
-    mine = torch.tensor([float(held[k]) for k in STATE_KINDS] + [float(peak_memory_bytes(t.device))],
+def gather_memory(t: Trainer, held: dict[str, int], compute_s: float | None = None) -> list[dict]:
+    """Every rank's model-state bytes and peak memory (one small all-gather over the world), and with
+    `compute_s` every rank's mean compute per step since the last logged step (the step profile)."""
+    extra = [compute_s] if compute_s is not None else []
+    mine = torch.tensor([float(held[k]) for k in STATE_KINDS] + [float(peak_memory_bytes(t.device))] + extra,
                         dtype=torch.float64, device=t.device)
     out = t.comm.all_gather(mine, label="world, memory accounting")
-    return [{"rank": r, **{k: int(v) for k, v in zip((*STATE_KINDS, "peak"), x.tolist(), strict=True)}}
+    rows = [{"rank": r, **{k: int(v) for k, v in zip((*STATE_KINDS, "peak"), x.tolist(), strict=False)}}
             for r, x in enumerate(out)]
+    if extra:
+        for row, x in zip(rows, out, strict=True):
+            row["compute_s"] = x[-1].item()
+    return rows
 
 
 def train_loop(t: Trainer, hooks: Hooks, make_loader: Callable[[int], Prefetcher], sinks: MetricsSinks,
                record: Record) -> bool:
     """Train until train.steps; returns False when the ranks agreed to stop early (a signal)."""
-    timer = StepTimer(t.device)
+    # with the profile on, the timer also reads the collective log's waits at each mark
+    timer = StepTimer(t.device, t.comm.log if t.profile else None)
     if t.train.eval_on_start and t.sampler.step == 0:
         record.initial_val = validate(t, sinks, 0)
     loader = make_loader(t.sampler.step)
@@ -150,6 +161,8 @@ def train_loop(t: Trainer, hooks: Hooks, make_loader: Callable[[int], Prefetcher
         while t.sampler.step < t.train.steps:
             step = t.sampler.step
             t.phase.begin_step(step + 1)
+            if t.trace:
+                t.trace.before(step + 1)
             timer.start()
             micro_batches = loader.next()
             timer.mark("data_wait_s")
@@ -165,11 +178,15 @@ def train_loop(t: Trainer, hooks: Hooks, make_loader: Callable[[int], Prefetcher
             if not out["bad"]:
                 t.bad_steps.record_good()
             t.sampler.step = step + 1
+            if t.trace:
+                t.trace.after(step + 1)
             after_step(t, hooks, step + 1, lr, out, timer, sinks, record)
             if out["stop"]:
                 return False
     finally:
         loader.close()
+        if t.trace:
+            t.trace.close()
     return True
 
 
@@ -184,7 +201,12 @@ def after_step(t: Trainer, hooks: Hooks, done: int, lr: float, out: dict, timer:
         sinks.print(f"step {done}: loss {out['loss']}, gradient norm {out['grad_norm']}: update skipped")
     last = done == t.train.steps
     if out["held"] is not None:
-        record.memory_per_rank = gather_memory(t, out["held"])
+        record.memory_per_rank = gather_memory(t, out["held"], t.profile.take_compute() if t.profile else None)
+        if t.profile:
+            m.update(t.profile.stragglers([r.pop("compute_s") for r in record.memory_per_rank], done))
+            if "straggler_rank" in m:
+                sinks.print(f"rank {m['straggler_rank']}: compute {m['straggler_ratio']:.1f}x the median of the "
+                            f"other ranks (steps {m['straggler_steps'][0]}-{done})")
         m["peak_memory_bytes"] = max(r["peak"] for r in record.memory_per_rank)
         # the largest rank's: the one that runs out first
         m.update({f"{k}_bytes": max(r[k] for r in record.memory_per_rank) for k in STATE_KINDS})
@@ -204,7 +226,8 @@ def step_metrics(t: Trainer, done: int, lr: float, out: dict, timer: StepTimer) 
     return {"step": done, "time": time.time(), "loss": out["loss"], "lr": lr, "grad_norm": out["grad_norm"],
             f"{t.items_name}_per_s": out["items"] / timer.total, "step_time_s": timer.total, **timer.phases,
             # bytes this rank sent to keep the replicas in sync: this step, and since this attempt started
-            "comm_bytes": out["comm_bytes"], "comm_bytes_total": t.comm.sync_bytes, **t.par.step_metrics()}
+            "comm_bytes": out["comm_bytes"], "comm_bytes_total": t.comm.sync_bytes, **t.par.step_metrics(),
+            **(t.profile.step(timer.phases, timer.exposed, timer.total) if t.profile else {})}
 
 
 def validate(t: Trainer, sinks: MetricsSinks, done: int) -> dict:

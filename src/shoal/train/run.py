@@ -30,7 +30,11 @@ from shoal.data.sampler import GlobalBatchSampler
 from shoal.dist import DistEnv
 from shoal.errors import TrainingError
 from shoal.layout import Layout
+from shoal.metrics.profile import bubble_fraction, start_profiler, summarize_profile
 from shoal.metrics.sinks import MetricsSinks
+from shoal.metrics.trace import StepTrace
+from shoal.models.meta import on_meta
+from shoal.models.registry import build_model
 from shoal.models.spec import count_parameters
 from shoal.parallel.apply import make_sync, parallelize
 from shoal.parallel.balance import ComputeClock, ThroughputBalance
@@ -116,6 +120,11 @@ def run_training(cfg: Config, layout: Layout, source, run_dir: Path, env: DistEn
         **({"balance": balance} if balance else {})}, replicas_differ=layout.replicas > 1)
     trainer = Trainer(cfg.train, cfg.metrics, par, optimizer, schedule, precision, sampler, source, comm, bad_steps,
                       bundle.count_fn, bundle.items_name, env.device, phase, balance)
+    profile_line = None
+    if cfg.metrics.profile:
+        trainer.profile, profile_line = profiler(cfg, layout, bundle, source, env, comm, sampler.step)
+    if cfg.metrics.trace_steps:
+        trainer.trace = StepTrace(cfg.metrics.trace_steps, run.traces, env.rank, env.device)
     if is_main:
         run_dir.mkdir(parents=True, exist_ok=True)
         run.config.write_text(cfg.to_toml(), encoding="utf-8")
@@ -157,6 +166,8 @@ def run_training(cfg: Config, layout: Layout, source, run_dir: Path, env: DistEn
     sinks = MetricsSinks(run_dir if is_main else None, cfg.train.steps, sampler.step, bundle.items_name,
                          cfg.metrics.tensorboard, cfg.metrics.progress)
     announce(sinks, cfg, layout, par, bundle, n_params, source, run_dir, recovery)
+    if profile_line:
+        sinks.print(profile_line)
     record = Record()
     start_step = sampler.step
     try:
@@ -186,6 +197,8 @@ def run_training(cfg: Config, layout: Layout, source, run_dir: Path, env: DistEn
                         time.perf_counter() - t_start, env.restart_count, recovery, run, is_main,
                         bad_steps.state_dict(), record.memory_per_rank, start_step)
     summary["checkpoints"] = ckpt.stats
+    if trainer.profile:
+        summary["profile"] = summarize_profile(record.history)
     summary.update({f"initial_{k}": v for k, v in record.initial_val.items()})
     summary.update(par.report())
     if cfg.checkpoint.final_weights:
@@ -193,6 +206,24 @@ def run_training(cfg: Config, layout: Layout, source, run_dir: Path, env: DistEn
     if is_main:
         run.summary.write_text(json.dumps(summary, indent=2) + "\n", encoding="utf-8")
     return summary
+
+
+def profiler(cfg: Config, layout: Layout, bundle, source, env: DistEnv, comm: Comm, start_step: int):
+    """metrics.profile: the step profile's profiler and the line saying what MFU is measured against."""
+    dims, p = layout.dims, cfg.parallel
+    axes = tuple(a for a, n in (("dp", dims.dp), ("tp", dims.tp), ("pp", dims.pp)) if n > 1)
+    bubble = bubble_fraction(dims.pp, layout.pp_microbatches,
+                             p.pp_stages_per_rank if p.pp_schedule == "interleaved-1f1b" else 1)
+
+    def meta_model():  # shapes only: what FlopCounterMode needs
+        with on_meta():
+            b = build_model(cfg.model, source.spec)
+        return b.model, b.loss_fn
+
+    return start_profiler(cfg.metrics.peak, cfg.metrics.straggler_ratio, cfg.precision.dtype, env.device,
+                          axes + (("world",) if comm.world_size > 1 else ()), bubble, comm.world_size,
+                          cfg.train.global_batch_size, start_step, bundle.flops_per_sample, meta_model,
+                          source.train_batch(torch.arange(min(cfg.train.micro_batch_size, source.num_train))))
 
 
 def announce(sinks: MetricsSinks, cfg: Config, layout: Layout, par, bundle, n_params: int, source, run_dir: Path,
