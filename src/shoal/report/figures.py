@@ -31,6 +31,12 @@ def _figure(rows: int = 1, cols: int = 1, height: float = 3.4, **kw):
     return fig, axes
 
 
+def _integer_steps(axis) -> None:
+    from matplotlib.ticker import MaxNLocator
+
+    axis.set_major_locator(MaxNLocator(integer=True))
+
+
 def _label(key: str) -> str:
     return key.removesuffix("_s").removesuffix("_per").replace("_", " ")
 
@@ -55,6 +61,7 @@ def loss(runs: list[Run]):
         ax.plot([], [], color="0.3", label="training (solid)")
         ax.plot([], [], color="0.3", linestyle="--", marker="o", markersize=4, label="validation (dashed)")
     ax.set(xlabel="step", ylabel="loss", title="Loss")
+    _integer_steps(ax.xaxis)
     ax.grid(alpha=0.3)
     ax.legend(fontsize="small")
     return fig
@@ -79,6 +86,7 @@ def throughput(runs: list[Run]):
             ax.set(ylabel=key.removesuffix("_per_s") + "/s", title=f"Throughput ({key.removesuffix('_per_s')}/s)")
             ax.yaxis.set_major_formatter(EngFormatter())
         ax.set_xlabel("step")
+        _integer_steps(ax.xaxis)
         ax.set_ylim(bottom=0)
         ax.grid(alpha=0.3)
         ax.legend(fontsize="small")
@@ -103,7 +111,7 @@ def breakdown(runs: list[Run]):
         rows = [r for r in run.rows if any(k in r for k in phases)]
         steps = [r["step"] for r in rows]
         ax.stackplot(steps, *[[r.get(k) or 0.0 for r in rows] for k in phases], colors=[palette[k] for k in phases],
-                     labels=[_label(k) for k in phases], alpha=0.85, step="mid")
+                     labels=[_label(k) for k in phases], step="mid")
         total_steps, totals = series(run, "step_time_s")
         if total_steps:
             ax.plot(total_steps, totals, color="black", linestyle="--", linewidth=1, drawstyle="steps-mid",
@@ -113,6 +121,7 @@ def breakdown(runs: list[Run]):
         ax.grid(alpha=0.3)
     axes[0][0].legend(fontsize="small", loc="upper left", bbox_to_anchor=(1.0, 1.0))
     axes[-1][0].set_xlabel("step")
+    _integer_steps(axes[-1][0].xaxis)
     return fig
 
 
@@ -169,6 +178,7 @@ def comm(runs: list[Run]):
                 ax.plot(steps, values, color=colours[run.name], linestyle=styles[j % len(styles)], marker=".",
                         label=run.name if len(keys) == 1 else f"{run.name}: {_label(key)}")
     ax.set(xlabel="step", ylabel="bytes per step", title="Bytes sent per step (rank 0)")
+    _integer_steps(ax.xaxis)
     ax.yaxis.set_major_formatter(EngFormatter(unit="B"))
     ax.set_ylim(bottom=0)
     ax.grid(alpha=0.3)
@@ -183,16 +193,24 @@ def per_rank(runs: list[Run]):
     panels = [(run, k) for k in keys for run in runs if any(isinstance(r.get(k), list) for r in run.rows)]
     if not panels:
         return None
+    from matplotlib import colormaps
+
+    _, EngFormatter = _mpl()
     fig, axes = _figure(len(panels), 1, height=2.6, sharex=True)
     for ax, (run, key) in zip(axes[:, 0], panels, strict=True):
         rows = [r for r in run.rows if isinstance(r.get(key), list)]
         for rank in range(max(len(r[key]) for r in rows)):
             pts = [(r["step"], r[key][rank]) for r in rows if rank < len(r[key])]
-            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker=".", label=f"rank {rank}")
+            # ranks take Dark2, not tab10, so a rank never looks like a run
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker=".", color=colormaps["Dark2"].colors[rank % 8],
+                    label=f"rank {rank}")
         ax.set(ylabel=_label(key), title=f"{_label(key)} per rank: {run.name}")
+        if key.endswith("_s"):
+            ax.yaxis.set_major_formatter(EngFormatter(unit="s"))
         ax.grid(alpha=0.3)
         ax.legend(fontsize="small", loc="upper left", bbox_to_anchor=(1.0, 1.0))
     axes[-1][0].set_xlabel("step")
+    _integer_steps(axes[-1][0].xaxis)
     return fig
 
 
@@ -206,7 +224,10 @@ def timeline(runs: list[Run]):
     for run in runs:
         c = colours[run.name]
         seconds, steps = elapsed(run)
-        ax.plot(seconds, steps, color=c, marker=".", label=run.name)
+        # one line per attempt: a recovery goes back to its checkpoint's step, drawn as a new line
+        cuts = [0] + [i for i in range(1, len(steps)) if steps[i] < steps[i - 1]] + [len(steps)]
+        for n, (a, b) in enumerate(zip(cuts, cuts[1:], strict=False)):
+            ax.plot(seconds[a:b], steps[a:b], color=c, marker=".", label=None if n else run.name)
         for ck in run.summary.get("checkpoints") or []:
             t = step_time_at(run, ck.get("step", -1))
             if t is not None:
@@ -228,6 +249,7 @@ def timeline(runs: list[Run]):
         ax.fill_between([], [], color="0.6", alpha=0.3, label="recovery (seconds lost)")
     ax.set(xlabel="seconds since the first logged step", ylabel="step", title="Progress, checkpoints, recoveries")
     ax.set_ylim(bottom=0)
+    _integer_steps(ax.yaxis)
     ax.grid(alpha=0.3)
     ax.legend(fontsize="small")
     return fig

@@ -1,0 +1,62 @@
+"""What `shoal report` reads from a run dir: every phase key present (not a fixed list), the time of a
+checkpoint in the attempt that saved it, named stragglers, and one-line errors for what is not a run."""
+
+import sys
+
+import pytest
+
+from conftest import FIXTURES
+from shoal.errors import UserError
+from shoal.report.data import (
+    comm_keys,
+    load_run,
+    load_runs,
+    per_rank_keys,
+    phase_keys,
+    series,
+    step_time_at,
+    stragglers,
+    throughput_keys,
+)
+
+sys.path.insert(0, str(FIXTURES))
+from report_runs import STRAGGLER, write_runs  # noqa: E402
+
+
+def test_the_report_finds_what_each_run_recorded(tmp_path):
+    done, running = load_runs(write_runs(tmp_path))
+    assert phase_keys([running]) == ["data_wait_s", "forward_backward_s", "optimizer_s"]
+    # phases a layout adds are stacked too; the step's total and rates are not phases
+    assert phase_keys([running, done]) == ["data_wait_s", "forward_backward_s", "optimizer_s", "exposed_comm_dp_s",
+                                           "pipeline_bubble_s"]
+    assert throughput_keys([done]) == ["tokens_per_s"]
+    assert comm_keys([done]) == ["comm_bytes", "comm_bytes_dp"]
+    assert per_rank_keys([done, running]) == ["rank_compute_s"]
+    assert stragglers(done) == [STRAGGLER, f"step 15: {STRAGGLER}"] and stragglers(running) == []
+    # validation is on some rows only; the running run's partial last line is left out
+    assert series(done, "val_loss") == ([10, 20], [4.6, 4.1])
+    assert series(running, "loss")[0] == [2, 4, 6, 8, 10, 12, 14]
+    assert running.summary == {} and done.recoveries[0]["failed_after_step"] == 12
+
+
+def test_a_step_is_placed_in_the_last_attempt_that_reached_it(tmp_path):
+    done, running = load_runs(write_runs(tmp_path))
+    rows_11 = [r["time"] - done.t0 for r in done.rows if r["step"] == 11]
+    assert len(rows_11) == 2 and step_time_at(done, 11) == pytest.approx(rows_11[1])  # after the recovery
+    # between two logged steps: interpolated; before the first logged step: unknown
+    assert step_time_at(running, 3) == pytest.approx(0.06)
+    assert step_time_at(running, 1) is None
+
+
+def test_what_is_not_a_run_is_one_line(tmp_path):
+    with pytest.raises(UserError, match="is not a run dir"):
+        load_run(tmp_path)
+    (tmp_path / "config.toml").write_text("")
+    with pytest.raises(UserError, match="no metrics yet"):
+        load_run(tmp_path)
+    (tmp_path / "metrics.jsonl").write_text("")
+    with pytest.raises(UserError, match="no metrics yet"):
+        load_run(tmp_path)
+    (tmp_path / "metrics.jsonl").write_text('{"step": 1, "ti\n{"step": 2, "time": 1.0}\n')
+    with pytest.raises(UserError, match="line 1 is not JSON"):
+        load_run(tmp_path)
