@@ -26,11 +26,11 @@ _UNITS = {"": 1, "b": 1, "kb": 1e3, "mb": 1e6, "gb": 1e9, "tb": 1e12, "kib": 2 *
           "gib": 2 ** 30, "tib": 2 ** 40}
 
 
-def parse_bytes(text: str) -> int:
+def parse_bytes(text: str, flag: str = "--memory") -> int:
     """'80GB' (10^9), '80GiB' (2^30), '512MB', '1e9' -> bytes."""
     m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:e[0-9]+)?)\s*([a-zA-Z]*)\s*", str(text))
     if not m or m.group(2).lower() not in _UNITS:
-        raise UserError(f"--memory {text!r}: expected a size such as 80GB, 80GiB or 512MB")
+        raise UserError(f"{flag} {text!r}: expected a size such as 80GB, 80GiB or 512MB")
     return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
 
 

@@ -1,0 +1,129 @@
+"""shoal plan and shoal probe: the layouts enumerated and why each invalid one is rejected, per-rank
+model-state bytes equal to the known counts, --apply's config, --check on a finished run, a probe's
+profile, and one-line errors. Pure Python on the meta device (probe: one in-process measurement)."""
+
+import json
+
+import pytest
+import tomli_w
+
+from harness import train as train_on_ranks
+from shoal.cli import main
+from shoal.config import load_config
+from shoal.errors import UserError
+from shoal.hardware import HardwareProfile, load_profile
+from shoal.models.meta import on_meta
+from shoal.models.registry import build_model
+from shoal.plan.check import check_run
+from shoal.plan.planner import parse_bytes, plan
+from shoal.plan.report import apply
+
+TINY = ["model.n_layer=2", "model.d_model=32", "model.n_head=2", "model.seq_len=32", "data.max_bytes=200000",
+        "train.global_batch_size=8", "train.micro_batch_size=2"]
+# a profile with curves of the right shape: 10 GFLOP/s, 10 GB/s, 100 us + 1 ns per byte collectives
+PROFILE = HardwareProfile(matmul_flops={"fp32": 1e10, "bf16": 1e10}, memory_bandwidth=1e10, op_overhead_s=5e-6,
+                          collectives={op: [(4096.0, 1e-4 + 4096e-9), (2 ** 26, 1e-4 + 2 ** 26 * 1e-9)]
+                                       for op in ("all_reduce", "all_gather", "reduce_scatter", "send_recv")})
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    cfg = load_config(None, TINY)
+    path = tmp_path_factory.mktemp("plan") / "tiny.toml"
+    raw = {}
+    for item in TINY:
+        key, value = item.split("=")
+        raw.setdefault(key.split(".")[0], {})[key.split(".")[1]] = int(value)
+    path.write_text(tomli_w.dumps(raw))
+    with on_meta():
+        n = sum(p.numel() for p in build_model(cfg.model, _spec(cfg)).model.parameters())
+    return cfg, path, n, plan(cfg, 2, PROFILE, parse_bytes("1MiB"))
+
+
+def _spec(cfg):
+    from shoal.data.sources import build_source
+
+    return build_source(cfg.data, cfg.model.seq_len, 0).spec
+
+
+def by_label(planned):
+    return {p.candidate.label(): p for p in planned}
+
+
+def test_enumerates_layouts_and_names_why_each_invalid_one_fails(tiny):
+    _, _, _, planned = tiny
+    got = by_label(planned)
+    assert {"dp2 tp1 pp1 zero0 mb2", "dp2 tp1 pp1 zero3 ckpt mb4", "dp1 tp2 pp1 zero0 mb1",
+            "dp1 tp1 pp2 gpipe zero0 mb2", "dp1 tp1 pp2 interleaved-1f1b zero0 mb2"} <= set(got)
+    assert "shards state across the dp ranks, but dp = 1" in got["dp1 tp2 pp1 zero3 mb2"].reason
+    assert 'needs at least parallel.pp (2) micro-batches' in got["dp1 tp1 pp2 1f1b zero0 mb8"].reason
+    fits = [p for p in planned if p.ok]
+    assert fits and all(p.prediction.memory["peak"] <= parse_bytes("1MiB") for p in fits)
+    assert any(p.reason and p.reason.startswith("does not fit") for p in planned)
+    steps = [p.prediction.step_time for p in fits]
+    assert steps == sorted(steps)  # ranked fastest first
+
+
+def test_model_state_bytes_are_the_known_counts(tiny):
+    _, _, n, planned = tiny
+    got = by_label(planned)
+    zero0, zero3 = got["dp2 tp1 pp1 zero0 mb2"].prediction.memory, got["dp2 tp1 pp1 zero3 mb2"].prediction.memory
+    n_tensors = 2 + 2 * 16 + 2  # embeddings, 16 tensors per block, final norm (head tied)
+    assert zero0["params"] == zero0["grads"] == 4 * n
+    assert zero0["optimizer"] == 2 * 4 * n + 4 * n_tensors  # two fp32 moments + a step per tensor
+    assert abs(zero3["params"] - 4 * n / 2) / (4 * n / 2) < 0.01  # sharded by dp (rank 0's chunks round up)
+    assert abs(zero3["optimizer"] - (8 * n / 2 + 4 * n_tensors)) / (8 * n / 2) < 0.01
+
+
+def test_apply_writes_a_config_that_loads(tiny, tmp_path):
+    cfg, path, _, planned = tiny
+    best = apply(path, planned, tmp_path / "best.toml")
+    loaded = load_config(tmp_path / "best.toml")
+    assert loaded.parallel.zero == best.candidate.keys["parallel.zero"]
+    assert loaded.train.micro_batch_size == best.candidate.keys["train.micro_batch_size"]
+    assert loaded.model.d_model == 32
+
+
+def test_check_compares_a_finished_run(tmp_path, ranks):
+    run_dir = tmp_path / "run"
+    ranks(1).run(train_on_ranks, [*TINY, "train.steps=3", "train.val_interval=0", "train.val_batches=1",
+                                  "metrics.tensorboard=false", "metrics.progress=false", "metrics.log_interval=1",
+                                  "checkpoint.enabled=false", "checkpoint.final_weights=false"], str(run_dir))
+    rows = {name: (pred, meas, err) for name, pred, meas, err in check_run(run_dir, PROFILE)}
+    for kind in ("params (bytes)", "grads (bytes)", "optimizer (bytes)"):
+        assert rows[kind][2] == 0.0, (kind, rows[kind])  # model state: exact
+    assert rows["step time (s)"][1] == json.loads((run_dir / "summary.json").read_text())["median_step_time_s"]
+
+
+def test_probe_writes_a_profile(tmp_path):
+    from shoal import dist
+    from shoal.hardware import save_profile
+    from shoal.probe import measure
+
+    env = dist.init("gloo", 60)
+    try:
+        profile = measure(env, sizes=(4096,), repeats=1, matmul_sizes=(32,), copy_bytes=2 ** 20)
+    finally:
+        dist.shutdown()
+    save_profile(profile, tmp_path / "p.json")
+    got = load_profile(tmp_path / "p.json")
+    assert got.matmul_flops["fp32"] > 0 and got.matmul_flops["bf16"] > 0 and got.memory_bandwidth > 0
+    assert set(got.collectives) == {"all_reduce", "all_gather", "reduce_scatter"}  # no pair in a group of 1
+    assert got.collective_time("all_reduce", 4096) > 0
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["plan", "--hardware", "nope.json"], "hardware profile 'nope.json' does not exist"),
+    (["plan", "--preset", "tpu9"], "unknown hardware preset 'tpu9'"),
+    (["plan", "--memory", "lots"], "--memory 'lots': expected a size"),
+])
+def test_errors_are_one_line(argv, message, capsys):
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert message in err and err.count("\n") == 1
+
+
+def test_parse_bytes():
+    assert parse_bytes("80GB") == 80 * 10 ** 9 and parse_bytes("1GiB") == 2 ** 30
+    with pytest.raises(UserError):
+        parse_bytes("80 parsecs")
