@@ -13,6 +13,7 @@ from shoal.report.data import (
     load_runs,
     per_rank_keys,
     phase_keys,
+    run_phases,
     series,
     step_time_at,
     stragglers,
@@ -20,19 +21,28 @@ from shoal.report.data import (
 )
 
 sys.path.insert(0, str(FIXTURES))
-from report_runs import STRAGGLER, write_runs  # noqa: E402
+from report_runs import write_runs  # noqa: E402
 
 
 def test_the_report_finds_what_each_run_recorded(tmp_path):
     done, running = load_runs(write_runs(tmp_path))
-    assert phase_keys([running]) == ["data_wait_s", "forward_backward_s", "optimizer_s"]
-    # phases a layout adds are stacked too; the step's total and rates are not phases
-    assert phase_keys([running, done]) == ["data_wait_s", "forward_backward_s", "optimizer_s", "exposed_comm_dp_s",
-                                           "pipeline_bubble_s"]
+    # without the step profile: the timer's phases (the step's total and rates are not phases)
+    assert run_phases(running) == ["data_wait_s", "forward_backward_s", "optimizer_s"]
+    # with it: its parts, which add up to the step time, and not the timer's phases they re-cut
+    parts = ["time_data_wait_s", "time_compute_s", "time_bubble_s", "time_optimizer_s", "time_exposed_dp_s"]
+    assert run_phases(done) == parts
+    assert sum(done.rows[0][k] for k in parts) == pytest.approx(done.rows[0]["step_time_s"])
+    assert phase_keys([running, done]) == run_phases(running) + parts
+    # any other per-step *_s key a layout records is a phase too
+    running.rows[0]["pipeline_wait_s"] = 0.001
+    assert run_phases(running)[-1] == "pipeline_wait_s"
     assert throughput_keys([done]) == ["tokens_per_s"]
     assert comm_keys([done]) == ["comm_bytes", "comm_bytes_dp"]
-    assert per_rank_keys([done, running]) == ["rank_compute_s"]
-    assert stragglers(done) == [STRAGGLER, f"step 15: {STRAGGLER}"] and stragglers(running) == []
+    assert per_rank_keys([done, running]) == ["compute_s_per_rank"]
+    assert stragglers(done) == [
+        "rank 1: named at 1 logged step(s), compute at worst 1.80x the median of the other ranks",
+        "steps 16-20: rank 1, compute up to 1.80x the median of the other ranks"]
+    assert stragglers(running) == []
     # validation is on some rows only; the running run's partial last line is left out
     assert series(done, "val_loss") == ([10, 20], [4.6, 4.1])
     assert series(running, "loss")[0] == [2, 4, 6, 8, 10, 12, 14]

@@ -84,16 +84,21 @@ def elapsed(run: Run) -> tuple[list[float], list[int]]:
     return [r["time"] - t0 for r in run.rows], [r["step"] for r in run.rows]
 
 
+def run_phases(run: Run) -> list[str]:
+    """The parts a step's time is split into, in first-seen order. With the step profile on, the time_*_s
+    parts (data wait, compute, pipeline bubble, optimizer, exposed communication per mesh axis), which add
+    up to the step time; without it, the timer's phases (data_wait_s, forward_backward_s, optimizer_s and
+    any other per-step *_s key a layout records). Never both: the profile's parts re-cut the timer's
+    phases, and stacking both would count each second twice."""
+    numeric = [k for r in run.rows for k, v in r.items()
+               if k.endswith("_s") and not k.endswith("_per_s") and k not in NOT_PHASES and is_number(v)]
+    profiled = [k for k in numeric if k.startswith("time_")]
+    return list(dict.fromkeys(profiled or numeric))
+
+
 def phase_keys(runs: list[Run]) -> list[str]:
-    """The phases a step's time is split into (data_wait_s, forward_backward_s, optimizer_s, and any other
-    per-step *_s key a layout records, e.g. exposed communication or pipeline bubble), in first-seen order."""
-    keys: dict[str, None] = {}
-    for run in runs:
-        for r in run.rows:
-            for k, v in r.items():
-                if k.endswith("_s") and not k.endswith("_per_s") and k not in NOT_PHASES and is_number(v):
-                    keys[k] = None
-    return list(keys)
+    """Every run's phases, for one colour per phase across the runs."""
+    return list(dict.fromkeys(k for run in runs for k in run_phases(run)))
 
 
 def throughput_keys(runs: list[Run]) -> list[str]:
@@ -109,30 +114,31 @@ def comm_keys(runs: list[Run]) -> list[str]:
 
 
 def per_rank_keys(runs: list[Run]) -> list[str]:
-    """Metrics recorded rank by rank (a list of numbers per step, e.g. each rank's compute time): where a
-    straggler shows."""
+    """Metrics recorded rank by rank (`<name>_per_rank`: a list of numbers per logged step, e.g. the step
+    profile's compute_s_per_rank): where a straggler shows."""
     return sorted({k for run in runs for r in run.rows for k, v in r.items()
-                   if isinstance(v, list) and len(v) > 1 and all(is_number(x) for x in v)})
+                   if k.endswith("_per_rank") and isinstance(v, list) and all(is_number(x) for x in v)})
 
 
 def stragglers(run: Run) -> list[str]:
-    """Every straggler the run named, as text: summary.json's `stragglers` and any per-step `straggler(s)`
-    entry, step by step, repeats kept once."""
-    out: dict[str, None] = {}
-
-    def add(entry, step=None) -> None:
-        if entry in (None, [], {}, ""):
-            return
-        for e in entry if isinstance(entry, list) else [entry]:
-            text = e if isinstance(e, str) else ", ".join(f"{k} {v}" for k, v in e.items()) if isinstance(e, dict) \
-                else str(e)
-            out[f"step {step}: {text}" if step is not None else text] = None
-
-    add(run.summary.get("stragglers"))
-    for r in run.rows:
-        for k in ("straggler", "stragglers"):
-            add(r.get(k), r["step"])
-    return list(out)
+    """The stragglers the run named, as text: summary.json's profile (each rank named, how often, how
+    slow at worst), then the logged steps that named one, consecutive namings of one rank as one span."""
+    out = []
+    for e in (run.summary.get("profile") or {}).get("stragglers") or []:
+        out.append(f"rank {e.get('rank')}: named at {e.get('times_named')} logged step(s), compute at worst "
+                   f"{e.get('worst_ratio', 0):.2f}x the median of the other ranks")
+    span = None  # [rank, first step, last step, worst ratio]
+    for r in run.rows + [{}]:  # the sentinel closes the last span
+        rank = r.get("straggler_rank")
+        if span and rank == span[0]:
+            span[2], span[3] = r["step"], max(span[3], r.get("straggler_ratio") or 0.0)
+            continue
+        if span:
+            out.append(f"steps {span[1]}-{span[2]}: rank {span[0]}, compute up to {span[3]:.2f}x the median of "
+                       f"the other ranks")
+        steps = r.get("straggler_steps") or [r.get("step"), r.get("step")]
+        span = [rank, steps[0], r.get("step"), r.get("straggler_ratio") or 0.0] if rank is not None else None
+    return out
 
 
 def step_time_at(run: Run, step: int) -> float | None:

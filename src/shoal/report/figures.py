@@ -5,7 +5,18 @@ across every figure; the legend names them."""
 from __future__ import annotations
 
 from shoal.errors import require
-from shoal.report.data import Run, comm_keys, elapsed, per_rank_keys, phase_keys, series, step_time_at, throughput_keys
+from shoal.report.data import (
+    Run,
+    comm_keys,
+    elapsed,
+    is_number,
+    per_rank_keys,
+    phase_keys,
+    run_phases,
+    series,
+    step_time_at,
+    throughput_keys,
+)
 
 WIDTH = 10.0  # inches at 100 dpi: 1000 px, the page's column
 RATE_PANELS = ("mfu",)  # per-step rates drawn beside throughput when a run records them
@@ -38,7 +49,8 @@ def _integer_steps(axis) -> None:
 
 
 def _label(key: str) -> str:
-    return key.removesuffix("_s").removesuffix("_per").replace("_", " ")
+    """time_exposed_dp_s -> exposed dp; compute_s_per_rank -> compute."""
+    return key.removeprefix("time_").removesuffix("_per_rank").removesuffix("_s").replace("_", " ")
 
 
 def loss(runs: list[Run]):
@@ -101,17 +113,18 @@ def breakdown(runs: list[Run]):
     if not phases:
         return None
     _, EngFormatter = _mpl()
-    shown = [run for run in runs if any(series(run, k)[0] for k in phases)]
+    shown = [run for run in runs if run_phases(run)]
     fig, axes = _figure(len(shown), 1, height=2.8, sharex=True, sharey=True)
     from matplotlib import colormaps
 
     # phases take Set2, not tab10, so a phase never looks like a run
     palette = {k: colormaps["Set2"].colors[i % 8] for i, k in enumerate(phases)}
     for ax, run in zip(axes[:, 0], shown, strict=True):
-        rows = [r for r in run.rows if any(k in r for k in phases)]
+        mine = run_phases(run)
+        rows = [r for r in run.rows if any(k in r for k in mine)]
         steps = [r["step"] for r in rows]
-        ax.stackplot(steps, *[[r.get(k) or 0.0 for r in rows] for k in phases], colors=[palette[k] for k in phases],
-                     labels=[_label(k) for k in phases], step="mid")
+        ax.stackplot(steps, *[[r.get(k) or 0.0 for r in rows] for k in mine], colors=[palette[k] for k in mine],
+                     labels=[_label(k) for k in mine], step="mid")
         total_steps, totals = series(run, "step_time_s")
         if total_steps:
             ax.plot(total_steps, totals, color="black", linestyle="--", linewidth=1, drawstyle="steps-mid",
@@ -119,7 +132,8 @@ def breakdown(runs: list[Run]):
         ax.set(ylabel="seconds", title=f"Step time breakdown: {run.name}")
         ax.yaxis.set_major_formatter(EngFormatter(unit="s"))
         ax.grid(alpha=0.3)
-    axes[0][0].legend(fontsize="small", loc="upper left", bbox_to_anchor=(1.0, 1.0))
+    for ax in axes[:, 0]:
+        ax.legend(fontsize="small", loc="upper left", bbox_to_anchor=(1.0, 1.0))
     axes[-1][0].set_xlabel("step")
     _integer_steps(axes[-1][0].xaxis)
     return fig
@@ -205,7 +219,12 @@ def per_rank(runs: list[Run]):
             ax.plot([p[0] for p in pts], [p[1] for p in pts], marker=".", color=colormaps["Dark2"].colors[rank % 8],
                     label=f"rank {rank}")
         ax.set(ylabel=_label(key), title=f"{_label(key)} per rank: {run.name}")
-        if key.endswith("_s"):
+        named = [(r["step"], r[key][r["straggler_rank"]]) for r in rows
+                 if is_number(r.get("straggler_rank")) and r["straggler_rank"] < len(r[key])]
+        if named:  # the logged steps that named a straggler: a ring around that rank's point
+            ax.plot([p[0] for p in named], [p[1] for p in named], "o", markersize=11, markerfacecolor="none",
+                    markeredgecolor="red", label="named straggler")
+        if key.removesuffix("_per_rank").endswith("_s"):
             ax.yaxis.set_major_formatter(EngFormatter(unit="s"))
         ax.grid(alpha=0.3)
         ax.legend(fontsize="small", loc="upper left", bbox_to_anchor=(1.0, 1.0))

@@ -28,7 +28,8 @@ td:first-child, th:first-child { text-align: left; }
 HEADLINE = (("model", "model", "{}"), ("world_size", "world", "{}"), ("dp", "dp", "{}"), ("tp", "tp", "{}"),
             ("pp", "pp", "{}"), ("steps", "steps", "{}"), ("final_loss", "final loss", "{:.4f}"),
             ("val_loss", "val loss", "{:.4f}"), ("median_step_time_s", "median step", "{:.3f} s"),
-            ("peak_memory_bytes", "peak memory", "{:,.0f} B"), ("total_time_s", "time", "{:.1f} s"),
+            ("profile.median_mfu", "MFU", "{:.1%}"), ("peak_memory_bytes", "peak memory", "{:,.0f} B"),
+            ("total_time_s", "time", "{:.1f} s"),
             ("restarts", "restarts", "{}"))
 
 
@@ -48,6 +49,13 @@ def _cell(fmt: str, value) -> str:
         return html.escape(fmt.format(value))
     except (ValueError, TypeError):
         return html.escape(str(value))
+
+
+def _get(summary: dict, key: str):
+    """summary.json's value at a dotted key (profile.median_mfu), None where absent."""
+    for part in key.split("."):
+        summary = summary.get(part) if isinstance(summary, dict) else None
+    return summary
 
 
 def _table(header: list[str], rows: list[list[str]]) -> str:
@@ -70,7 +78,7 @@ def runs_table(runs: list[Run], colours: dict[str, str]) -> str:
             last = run.rows[-1]
             s = {"steps": last["step"], "final_loss": last.get("loss")}
         rows.append([_swatch(run, colours), html.escape(str(run.path))] +
-                    [_cell(fmt, s.get(key)) for key, _, fmt in HEADLINE])
+                    [_cell(fmt, _get(s, key)) for key, _, fmt in HEADLINE])
     note = "".join(f'<p class="note">{html.escape(r.name)}: no summary.json yet (the run has not finished); '
                    f'numbers from its last logged step.</p>' for r in runs if not r.summary)
     return _table(["run", "run dir"] + [title for _, title, _ in HEADLINE], rows) + note
