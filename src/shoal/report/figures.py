@@ -106,9 +106,9 @@ def throughput(runs: list[Run]):
 
 
 def breakdown(runs: list[Run]):
-    """Where each step's time goes: the recorded phases stacked, one panel per run, with the measured
-    step time as a line over them (the gap between the stack and the line is time no phase claims;
-    a stack above the line means phases overlap, e.g. communication hidden under compute)."""
+    """Where each step's time goes, one panel per run: the step profile's parts stacked (data wait,
+    compute, pipeline bubble, optimizer, communication waited for per mesh axis), or without the profile
+    the timer's phases, under the measured step time (dashed; a gap is time no part claims)."""
     phases = phase_keys(runs)
     if not phases:
         return None

@@ -28,7 +28,7 @@ td:first-child, th:first-child { text-align: left; }
 HEADLINE = (("model", "model", "{}"), ("world_size", "world", "{}"), ("dp", "dp", "{}"), ("tp", "tp", "{}"),
             ("pp", "pp", "{}"), ("steps", "steps", "{}"), ("final_loss", "final loss", "{:.4f}"),
             ("val_loss", "val loss", "{:.4f}"), ("median_step_time_s", "median step", "{:.3f} s"),
-            ("profile.median_mfu", "MFU", "{:.1%}"), ("peak_memory_bytes", "peak memory", "{:,.0f} B"),
+            ("profile.median_mfu", "MFU", "{:.1%}"), ("peak_memory_bytes", "peak memory", "mib"),
             ("total_time_s", "time", "{:.1f} s"),
             ("restarts", "restarts", "{}"))
 
@@ -45,6 +45,8 @@ def png(fig) -> bytes:
 def _cell(fmt: str, value) -> str:
     if value is None:
         return "–"
+    if fmt == "mib" and isinstance(value, (int, float)):
+        return f"{value / 2**20:,.0f} MiB"
     try:
         return html.escape(fmt.format(value))
     except (ValueError, TypeError):
@@ -67,7 +69,8 @@ def _table(header: list[str], rows: list[list[str]]) -> str:
 def _swatch(run: Run, colours: dict[str, str]) -> str:
     from matplotlib.colors import to_hex
 
-    return f'<span class="swatch" style="background:{to_hex(colours[run.name])}"></span> {html.escape(run.name)}'
+    return (f'<span class="swatch" style="background:{to_hex(colours[run.name])}"></span> '
+            f'<span title="{html.escape(str(run.path.resolve()))}">{html.escape(run.name)}</span>')
 
 
 def runs_table(runs: list[Run], colours: dict[str, str]) -> str:
@@ -77,11 +80,11 @@ def runs_table(runs: list[Run], colours: dict[str, str]) -> str:
         if not s:  # still running: what the metrics say so far
             last = run.rows[-1]
             s = {"steps": last["step"], "final_loss": last.get("loss")}
-        rows.append([_swatch(run, colours), html.escape(str(run.path))] +
+        rows.append([_swatch(run, colours)] +
                     [_cell(fmt, _get(s, key)) for key, _, fmt in HEADLINE])
     note = "".join(f'<p class="note">{html.escape(r.name)}: no summary.json yet (the run has not finished); '
                    f'numbers from its last logged step.</p>' for r in runs if not r.summary)
-    return _table(["run", "run dir"] + [title for _, title, _ in HEADLINE], rows) + note
+    return _table(["run"] + [title for _, title, _ in HEADLINE], rows) + note
 
 
 def checkpoints_table(runs: list[Run], colours: dict[str, str]) -> str:
