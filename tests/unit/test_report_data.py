@@ -70,3 +70,12 @@ def test_what_is_not_a_run_is_one_line(tmp_path):
     (tmp_path / "metrics.jsonl").write_text('{"step": 1, "ti\n{"step": 2, "time": 1.0}\n')
     with pytest.raises(UserError, match="line 1 is not JSON"):
         load_run(tmp_path)
+
+
+def test_without_matplotlib_the_report_names_its_extra(tmp_path, monkeypatch):
+    from shoal.report.page import render
+
+    done, _ = write_runs(tmp_path)
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # `import matplotlib` now fails
+    with pytest.raises(UserError, match=r"pip install 'shoal\[report\]'"):
+        render([done], tmp_path / "report.html")

@@ -9,7 +9,7 @@ import io
 import time
 from pathlib import Path
 
-from shoal.errors import UserError
+from shoal.errors import UserError, require
 from shoal.report import figures
 from shoal.report.data import Run, load_runs, stragglers
 
@@ -125,6 +125,7 @@ def stragglers_list(runs: list[Run]) -> str:
 
 def render(paths: list[Path], out: Path) -> list[Path]:
     """Write the page to `out` and each figure beside it as <out stem>-<figure>.png; returns the files."""
+    require("matplotlib", "report", "shoal report")  # before any figure or colour: a missing extra is one line
     runs = load_runs(paths)
     if out.suffix.lower() not in (".html", ".htm"):
         raise UserError(f"--out {out}: expected an .html file, for example --out report.html")
