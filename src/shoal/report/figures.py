@@ -149,7 +149,7 @@ def memory(runs: list[Run]):
     _, EngFormatter = _mpl()
     colours = run_colours(runs)
     kinds = list(dict.fromkeys(k for _, ranks in per_run for r in ranks for k, v in r.items()
-                               if k not in ("rank", "peak") and isinstance(v, (int, float))))
+                               if k not in ("rank", "peak") and is_number(v)))
     hatches = ["", "//", "..", "xx", "\\\\", "oo"]
     fig, axes = _figure(1, 2)
     ax_peak, ax_state = axes[0]
