@@ -100,9 +100,9 @@ class ThroughputBalance:
     """The split of every step's global batch over the dp ranks, and the measurements that decide it."""
 
     def __init__(self, batch: int, dp: int, dp_rank: int, interval: int, lag: int, comm: Comm, dp_group,
-                 clock: ComputeClock | None):
+                 clock: ComputeClock | None, device: torch.device | str = "cpu"):
         self.batch, self.dp, self.dp_rank, self.interval, self.lag = batch, dp, dp_rank, interval, lag
-        self.comm, self.dp_group, self.clock = comm, dp_group, clock
+        self.comm, self.dp_group, self.clock, self.device = comm, dp_group, clock, device  # nccl: a CUDA tensor
         # (first step, samples per rank) in step order: each split holds until the next one's first step
         self.splits: list[tuple[int, list[int]]] = [(0, split_batch(batch, [1.0] * dp))]
         self.agreed: list[float] | None = None  # every rank's samples/s at the last agreement
@@ -135,7 +135,7 @@ class ThroughputBalance:
             m["compute_s"] = self.last_s
         if done % self.interval or self.dp == 1:
             return m
-        mine = torch.tensor([self.mine if self.mine else math.nan], dtype=torch.float64)
+        mine = torch.tensor([self.mine if self.mine else math.nan], dtype=torch.float64, device=self.device)
         rates = self.comm.all_gather_flat(mine, group=self.dp_group, label="dp, throughputs for the split").tolist()
         if all(math.isfinite(x) and x > 0 for x in rates):  # every rank has measured at least one step
             self.agreed = rates

@@ -113,7 +113,8 @@ def run_training(cfg: Config, layout: Layout, source, run_dir: Path, env: DistEn
     balance = None
     if cfg.parallel.balance == "throughput":  # a new split waits until the batches prefetched before it are used
         balance = ThroughputBalance(cfg.train.global_batch_size, dims.dp, par.dp_rank, cfg.parallel.balance_interval,
-                                    cfg.data.prefetch + 1, comm, par.dp_group, ComputeClock(par.model, env.device))
+                                    cfg.data.prefetch + 1, comm, par.dp_group, ComputeClock(par.model, env.device),
+                                    env.device)
     # a parameter server's worker holds no optimizer state: the servers save it
     state = TrainState(par.model, None if layout.servers else local_optimizer(optimizer), {
         "sampler": sampler, "scheduler": schedule, "scaler": precision, "bad_steps": bad_steps, "sync": par.sync,
