@@ -59,10 +59,28 @@ def memory_bandwidth(device: torch.device, nbytes: int, repeats: int, sync) -> f
 
 
 def op_overhead(device: torch.device, repeats: int, sync) -> float:
-    """Seconds of one operator on a one-element tensor: dispatch and launch, no arithmetic to speak of."""
-    x = torch.ones(1, device=device)
-    n = 200
-    return _timed(lambda: [x.add(1.0) for _ in range(n)], repeats, sync) / n
+    """Seconds per operator of a training step whose tensors are too small to cost anything else: a
+    stack of tiny layers, forward and backward (modules, autograd and dispatch, what every operator of
+    a real step pays besides its arithmetic), over the aten operators it runs."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Count(TorchDispatchMode):
+        n = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            Count.n += 1
+            return func(*args, **(kwargs or {}))
+
+    layers = [m for _ in range(8) for m in (torch.nn.Linear(4, 4), torch.nn.GELU(), torch.nn.LayerNorm(4))]
+    model = torch.nn.Sequential(*layers).to(device)
+    x = torch.ones(2, 4, device=device)
+
+    def step():
+        model(x).sum().backward()
+
+    with Count():
+        step()
+    return _timed(step, max(repeats, 5), sync) / Count.n
 
 
 def collective_curves(comm: Comm, device: torch.device, sizes, repeats: int, sync) -> dict:
@@ -145,3 +163,46 @@ def _cpu_name() -> str:
     import platform
 
     return platform.processor() or "cpu"
+
+
+def sizes_up_to(max_bytes: int) -> tuple[int, ...]:
+    return tuple(s for s in DEFAULT_SIZES if s <= max_bytes) or (DEFAULT_SIZES[0],)
+
+
+def worker(out: str, sizes, repeats: int, nnodes: int) -> None:
+    """One process of the group (started by `launch` below): measure, rank 0 writes the profile."""
+    from shoal import dist
+    from shoal.hardware import save_profile
+
+    env = dist.init("nccl" if torch.cuda.is_available() else "gloo", 300.0)
+    try:
+        profile = measure(env, sizes, repeats, nnodes=nnodes)
+        if env.rank == 0:
+            save_profile(profile, out)
+            print(summary_line(profile, out), flush=True)
+    finally:
+        dist.shutdown()
+
+
+def summary_line(profile: HardwareProfile, out: str) -> str:
+    flops = ", ".join(f"{k} {v / 1e9:.1f} GFLOP/s" for k, v in profile.matmul_flops.items())
+    ar = profile.collectives.get("all_reduce", [])
+    big = f"; all-reduce of {ar[-1][0] / 2 ** 20:.2f} MiB: {ar[-1][1] * 1e3:.2f} ms" if ar else ""
+    return (f"wrote {out}: {profile.nproc * profile.nnodes} process(es) on {profile.device_name}: {flops}; copy "
+            f"{(profile.memory_bandwidth or 0) / 1e9:.1f} GB/s; {(profile.op_overhead_s or 0) * 1e6:.1f} us per "
+            f"operator{big}")
+
+
+def launch_probe(argv: list[str], nproc: int) -> int:
+    """The probe's workers through shoal's launcher: this node alone, or (on a host of the one-machine
+    cluster, cluster/run.py) one node of the cluster's job, as `shoal train` runs there."""
+    import os
+
+    from shoal.launch import launch
+
+    nnodes = int(os.environ.get("SHOAL_NNODES", "1"))
+    node_rank = int(os.environ.get("SHOAL_NODE_RANK", "0"))
+    endpoint = os.environ.get("SHOAL_RDZV_ENDPOINT") if nnodes > 1 else None
+    threads = max(1, (os.cpu_count() or 1) // nproc)
+    return launch(["-m", "shoal", "probe", *argv, "--nnodes-measured", str(nnodes)], nproc, (nnodes, nnodes),
+                  node_rank, endpoint, threads=threads)

@@ -62,6 +62,8 @@ class Model:
     shape: ModelShape
     costs: dict[int, MicroBatchCost] = field(default_factory=dict)
     opt_ops: object = None
+    data_bytes: int = 0  # tensors the data source holds in every worker
+
 
     @classmethod
     def build(cls, cfg: Config) -> Model:
@@ -73,6 +75,8 @@ class Model:
         shape = ModelShape(_describe(bundle.model.parameters()), [_describe(b.parameters()) for b in blocks])
         model = cls(cfg, bundle, source, shape)
         model.opt_ops = trace_optimizer_step(bundle.model, cfg.train.optimizer, cfg.train.momentum)
+        model.data_bytes = sum(t.numel() * t.element_size() for t in vars(source).values()
+                               if isinstance(t, torch.Tensor))
         return model
 
     def cost(self, micro: int) -> MicroBatchCost:
@@ -110,7 +114,8 @@ def predict(model: Model, cfg: Config, layout, profile: HardwareProfile | None) 
     total = sum(n for n, *_ in params) or 1
     fraction = total / (sum(n for n, *_ in model.shape.params) or 1) if d.pp > 1 else 1.0
     mem = predict_memory(model.shape, params, cost, layout, cfg.train.optimizer, cfg.train.momentum,
-                         cfg.precision.activation_checkpointing, p.pp_schedule, profile, fraction)
+                         cfg.precision.activation_checkpointing, p.pp_schedule, profile, fraction,
+                         model.data_bytes if profile is not None and profile.device == "cpu" else 0)
     if profile is None:
         return Prediction(mem, {"compute": None, "comm": None, "bubble": None, "step": None})
     stages = p.pp_stages_per_rank if p.pp_schedule == "interleaved-1f1b" else 1

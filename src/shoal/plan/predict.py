@@ -12,6 +12,7 @@ Memory, the quantities metrics/memory.py measures (STATE_KINDS), each parameter 
               GPipe all m), block inputs only under activation checkpointing
   buffers     ZeRO 2 keeps every block's gathered parameters from forward to backward, ZeRO 3 two
               blocks (one prefetched); the largest tensor's gradient in backward
+  data        the data source's tensors each worker holds (CPU: counted in its resident memory)
   peak        the worker's resident memory before a model (profile's process_bytes; 0 on a GPU)
               + all of the above
 Time, per optimizer step of the slowest rank:
@@ -94,7 +95,7 @@ def rank_params(shape: ModelShape, layout: Layout, schedule: str, stage_of) -> l
 
 def predict_memory(shape: ModelShape, params: list, cost: MicroBatchCost, layout: Layout, optimizer: str,
                    momentum: float, checkpointing: bool, schedule: str, profile: HardwareProfile | None,
-                   stage_fraction: float) -> dict[str, int]:
+                   stage_fraction: float, data_bytes: int = 0) -> dict[str, int]:
     d, zero, es = layout.dims, layout.zero, shape.element_size
     sharded = zero >= 2
     p_bytes = _bytes(params, d.dp, sharded, d.tp, es, "params")
@@ -116,7 +117,8 @@ def predict_memory(shape: ModelShape, params: list, cost: MicroBatchCost, layout
     gathered = {0: 0, 1: 0, 2: _bytes(params, 1, False, d.tp, es, "params") - p_bytes, 3: 2 * full_block}[zero]
     buffers = gathered + cost.largest // d.tp
     base = (profile.process_bytes or 0) if profile is not None and profile.device == "cpu" else 0
-    mem = {"params": p_bytes, "grads": g_bytes, "optimizer": opt, "activations": act, "buffers": buffers}
+    mem = {"params": p_bytes, "grads": g_bytes, "optimizer": opt, "activations": act, "buffers": buffers,
+           "data": data_bytes}
     mem["peak"] = base + sum(mem.values())
     return mem
 
@@ -136,9 +138,10 @@ def op_time(ops: Ops, profile: HardwareProfile, dtype: str, scale: float = 1.0) 
     return total
 
 
-def _hidden(comm: float, under: float) -> float:
-    """What of `comm` is left exposed when it runs beside `under` seconds of compute."""
-    return max(0.0, comm - under)
+def _hidden(comm: float, under: float, cuda: bool) -> float:
+    """What of `comm` is left exposed when it runs beside `under` seconds of compute. On CPU nothing
+    hides: gloo moves and reduces the bytes on the same cores the compute has taken."""
+    return max(0.0, comm - under) if cuda else comm
 
 
 def predict_time(shape: ModelShape, cost: MicroBatchCost, opt_ops: Ops, layout: Layout, profile: HardwareProfile,
@@ -164,7 +167,7 @@ def predict_time(shape: ModelShape, cost: MicroBatchCost, opt_ops: Ops, layout: 
     if d.world_size > 1 and not profile.collectives:
         t.update(comm=None, step=None)
         return t
-    comm = 0.0
+    comm, cuda = 0.0, profile.device == "cuda"
     backward = per_micro * (1 - fwd_share)
     n_blocks = max(len(shape.block_params), 1)
     block_compute = per_micro / n_blocks
@@ -172,7 +175,7 @@ def predict_time(shape: ModelShape, cost: MicroBatchCost, opt_ops: Ops, layout: 
         if zero <= 1:
             buckets = max(1, math.ceil(grad_bytes / DDP_BUCKET_BYTES))
             each = ct("all_reduce", grad_bytes / buckets) or 0.0
-            comm += each + _hidden(each * (buckets - 1), backward)
+            comm += each + _hidden(each * (buckets - 1), backward, cuda)
             if zero == 1:
                 comm += ct("all_gather", param_bytes_full / d.dp) or 0.0
         else:
@@ -180,8 +183,11 @@ def predict_time(shape: ModelShape, cost: MicroBatchCost, opt_ops: Ops, layout: 
             gather = ct("all_gather", block_bytes / d.dp) or 0.0
             scatter = ct("reduce_scatter", block_bytes) or 0.0
             gathers = n_blocks * (2 * n_micro if zero == 3 else 1)
-            comm += gather + (gathers - 1) * _hidden(gather, block_compute)
-            comm += scatter + (n_blocks - 1) * _hidden(scatter, block_compute)
+            # FSDP2 copies each gathered block out of the flat buffer, each gradient into one
+            copy = 2 * block_bytes / (profile.memory_bandwidth or 1e11)
+            comm += copy * (gathers + n_blocks)
+            comm += gather + (gathers - 1) * _hidden(gather, block_compute, cuda)
+            comm += scatter + (n_blocks - 1) * _hidden(scatter, block_compute, cuda)
     if d.tp > 1:
         act = cost.block_input[0] if cost.block_input else 0
         per_block = 4 * (ct("all_reduce", act) or 0.0)

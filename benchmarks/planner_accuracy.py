@@ -1,0 +1,86 @@
+"""How close is `shoal plan`'s prediction to what a run measures?
+
+A GPT (4 layers, d_model 256, 4 heads, 128-byte context; fp32, 2 processes x 1 thread, gloo, CPU) in
+at least 8 layouts: dp 2 with ZeRO 0, 1, 2, 3, dp 2 with activation checkpointing, tp 2, pp 2 with
+the 1F1B and GPipe schedules. The machine is measured first (`shoal probe --nproc 2`, the profile
+plan reads); each layout is then trained for --steps steps (`shoal train --nproc 2`) and its finished
+run dir given to `shoal plan --check`'s comparison (plan/check.py): predicted against measured median
+step time, per-rank model state (params + grads + optimizer, the largest rank) and peak memory.
+
+    python benchmarks/planner_accuracy.py [--steps 12] [--max-size 16MiB]
+
+Targets: median relative time error <= 0.10, median memory error (model state and peak, all layouts)
+<= 0.05. Last line:
+    RESULT time_median_err=<x> memory_median_err=<y> worst_time_err=<z>
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "src"))
+
+MODEL = ["model.n_layer=4", "model.d_model=256", "model.n_head=4", "model.seq_len=128"]
+LAYOUTS = {
+    "dp2": [],
+    "dp2-zero1": ["parallel.zero=1"],
+    "dp2-zero2": ["parallel.zero=2"],
+    "dp2-zero3": ["parallel.zero=3"],
+    "dp2-ckpt": ["precision.activation_checkpointing=true"],
+    "tp2": ["parallel.tp=2"],
+    "pp2-1f1b": ["parallel.pp=2", 'parallel.pp_schedule="1f1b"'],
+    "pp2-gpipe": ["parallel.pp=2", 'parallel.pp_schedule="gpipe"'],
+}
+
+
+def sets(*keys: str) -> list[str]:
+    return [a for k in keys for a in ("--set", k)]
+
+
+def train(name: str, extra: list[str], steps: int, tmp: Path) -> Path:
+    run_dir = tmp / name
+    cmd = [sys.executable, "-m", "shoal", "train", str(ROOT / "configs/gpt-tiny.toml"), "--nproc", "2",
+           "--run-dir", str(run_dir), *sets(*MODEL, "train.global_batch_size=8", "train.micro_batch_size=2",
+           f"train.steps={steps}", "metrics.log_interval=1", "checkpoint.enabled=false",
+           "checkpoint.final_weights=false", "metrics.tensorboard=false", "metrics.progress=false",
+           "train.val_interval=0", "train.val_batches=1", "parallel.threads_per_worker=1", *extra)]
+    subprocess.run(cmd, check=True, cwd=ROOT, stdout=subprocess.DEVNULL)
+    return run_dir
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--steps", type=int, default=12)
+    ap.add_argument("--max-size", default="16MiB", help="largest collective message the probe measures")
+    args = ap.parse_args()
+    from shoal.hardware import load_profile
+    from shoal.plan.check import check_run
+
+    tmp = Path(tempfile.mkdtemp(prefix="shoal-planner-"))
+    profile_path = tmp / "profile.json"
+    subprocess.run([sys.executable, "-m", "shoal", "probe", "--nproc", "2", "--out", str(profile_path),
+                    "--max-size", args.max_size], check=True, cwd=ROOT)
+    profile = load_profile(profile_path)
+    time_errs, mem_errs = [], []
+    print(f"{'layout':12s} {'time pred':>10s} {'time meas':>10s} {'err':>7s} {'state pred':>11s} "
+          f"{'state meas':>11s} {'err':>7s} {'peak pred':>10s} {'peak meas':>10s} {'err':>7s}")
+    for name, extra in LAYOUTS.items():
+        rows = {r[0]: r[1:] for r in check_run(train(name, extra, args.steps, tmp), profile)}
+        t, s, p = rows["step time (s)"], rows["model state (bytes)"], rows["peak (bytes)"]
+        time_errs.append(abs(t[2]))
+        mem_errs += [abs(s[2]), abs(p[2])]
+        print(f"{name:12s} {t[0] * 1e3:8.1f}ms {t[1] * 1e3:8.1f}ms {t[2]:+7.1%} {s[0] / 2 ** 20:9.2f}Mi "
+              f"{s[1] / 2 ** 20:9.2f}Mi {s[2]:+7.1%} {p[0] / 2 ** 20:8.1f}Mi {p[1] / 2 ** 20:8.1f}Mi {p[2]:+7.1%}",
+              flush=True)
+    print(f"RESULT time_median_err={statistics.median(time_errs):.3f} "
+          f"memory_median_err={statistics.median(mem_errs):.3f} worst_time_err={max(time_errs):.3f}")
+
+
+if __name__ == "__main__":
+    main()
