@@ -203,7 +203,12 @@ def after_step(t: Trainer, hooks: Hooks, done: int, lr: float, out: dict, timer:
     if out["held"] is not None:
         record.memory_per_rank = gather_memory(t, out["held"], t.profile.take_compute() if t.profile else None)
         if t.profile:
-            m.update(t.profile.stragglers([r.pop("compute_s") for r in record.memory_per_rank], done))
+            compute = [r.pop("compute_s") for r in record.memory_per_rank]
+            if t.balance:  # uneven shares on purpose: a straggler is slow per sample, not per step
+                share = t.balance.split_for(done - 1)
+                mean = t.train.global_batch_size / len(share)
+                compute = [c * mean / n for c, n in zip(compute, share, strict=True)]
+            m.update(t.profile.stragglers(compute, done))
             if "straggler_rank" in m:
                 sinks.print(f"rank {m['straggler_rank']}: compute {m['straggler_ratio']:.1f}x the median of the "
                             f"other ranks (steps {m['straggler_steps'][0]}-{done})")
