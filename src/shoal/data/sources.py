@@ -12,6 +12,7 @@ Synthetic sources are generated from a fixed data seed: the data set does not ch
 from __future__ import annotations
 
 import hashlib
+import os
 import sysconfig
 from pathlib import Path
 
@@ -66,7 +67,12 @@ def stdlib_bytes(max_bytes: int) -> np.ndarray:
     """
     root = Path(sysconfig.get_paths()["stdlib"])
     skip = {"test", "tests", "idle_test", "site-packages", "encodings"}
-    files = [p for p in root.rglob("*.py") if not (skip & set(p.relative_to(root).parts))]
+    files = []
+    # os.walk pruning the skipped folders: rglob then filtering walked site-packages and the test
+    # suite too (0.58 s in every process of every run here, against 4 ms)
+    for folder, dirs, names in os.walk(root):
+        dirs[:] = [d for d in dirs if d not in skip]
+        files += [Path(folder) / n for n in names if n.endswith(".py")]
     files.sort(key=lambda p: hashlib.sha1(str(p.relative_to(root)).encode()).hexdigest())
     return _read_bytes(files, max_bytes, what=f"the standard library at {root}")
 

@@ -150,11 +150,22 @@ def build(cfg: GPTConfig, spec: DataSpec) -> ModelBundle:
             f"raise it or leave it unset"
         )
     vocab = -(-vocab // cfg.vocab_multiple) * cfg.vocab_multiple
-    from shoal.models.gpt_parallel import pipeline_layers, tensor_parallel
-
     model = GPT(cfg, vocab)
     return ModelBundle(model, lm_loss, count_tokens, block_types=(Block,), items_name="tokens",
                        tensor_parallel=tensor_parallel, pipeline=pipeline_layers, flops_per_sample=flops(model, cfg))
+
+
+# gpt_parallel.py imports DTensor's parallel styles (~0.5 s): only a run that splits the model pays for it
+def tensor_parallel(model, tp: int, mesh=None, sequence_parallel: bool = False):
+    from shoal.models import gpt_parallel
+
+    return gpt_parallel.tensor_parallel(model, tp, mesh, sequence_parallel)
+
+
+def pipeline_layers(model):
+    from shoal.models import gpt_parallel
+
+    return gpt_parallel.pipeline_layers(model)
 
 
 def flops(model: GPT, cfg: GPTConfig) -> float:
