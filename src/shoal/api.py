@@ -17,17 +17,20 @@ from pathlib import Path
 from shoal.errors import TrainingError, UserError
 
 
-def train(config: str | Path | None = None, overrides: Mapping[str, object] | None = None, nproc: int = 1,
+def train(config: str | Path | None = None, overrides: Mapping[str, object] | None = None, nproc: int | None = None,
           run_dir: str | Path | None = None, resume: str = "auto", max_restarts: int = 0) -> dict:
     """Train as `shoal train CONFIG --nproc N --set KEY=VALUE ...` would; returns the run's summary
-    (summary.json). Raises UserError for a bad config or arguments, TrainingError if the run fails."""
+    (summary.json). `nproc` None: as the command without --nproc (1, or what a scheduler's environment
+    says: cluster/environment.py). Raises UserError for a bad config or arguments, TrainingError if the
+    run fails."""
     from shoal import cli
     from shoal.config import load_config
     from shoal.rundir import default_run_dir
 
     sets = [f"{key}={toml_value(key, value)}" for key, value in (overrides or {}).items()]
     argv = ["train", *([str(config)] if config is not None else []), *[a for s in sets for a in ("--set", s)],
-            "--nproc", str(nproc), "--resume", resume, "--max-restarts", str(max_restarts)]
+            *(["--nproc", str(nproc)] if nproc is not None else []), "--resume", resume,
+            "--max-restarts", str(max_restarts)]
     cfg = load_config(config, sets)  # raises the command's UserError
     where = Path(run_dir) if run_dir is not None else default_run_dir(str(config) if config else None, cfg)
     argv += ["--run-dir", str(where)]

@@ -14,13 +14,16 @@ def test_train_from_python_with_a_builder_passed_as_a_callable(tmp_path, monkeyp
     monkeypatch.setenv("PYTHONPATH", f"{FIXTURES}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
     from faulty import build
 
+    # no nproc: the scheduler's environment says it, as for the command (a PyTorchJob's variables here)
+    monkeypatch.setenv("PET_NNODES", "1")
+    monkeypatch.setenv("PET_NPROC_PER_NODE", "2")
     env = dict(os.environ)
     summary = shoal.train(overrides={"model.name": build, "model.seq_len": 32, "model.mode": "none",
                                      "model.rank": 0, "model.at_call": 0, "data.max_bytes": 100_000,
                                      "train.steps": 4, "train.global_batch_size": 8, "train.micro_batch_size": 2,
                                      "train.val_interval": 0, "train.val_batches": 1, "metrics.progress": False,
                                      "metrics.tensorboard": False},
-                          nproc=2, run_dir=tmp_path / "run")
+                          run_dir=tmp_path / "run")
     assert summary["steps"] == 4 and summary["world_size"] == 2
     assert (tmp_path / "run" / "model.safetensors").exists()
     assert "faulty:build" in (tmp_path / "run" / "config.toml").read_text()
