@@ -18,6 +18,7 @@ Validation images are never augmented.
 
 from __future__ import annotations
 
+import abc
 import hashlib
 from pathlib import Path
 
@@ -55,7 +56,7 @@ def augment(images: torch.Tensor, seed: int, step: int, idx: torch.Tensor, paddi
     return out.permute(0, 3, 1, 2).contiguous()
 
 
-class ImageSource:
+class ImageSource(abc.ABC):
     """What the two readers share: labels, normalisation, training-only augmentation. A reader sets
     the attributes below and implements `decode(train, idx) -> (B, 3, S, S) uint8`."""
 
@@ -77,8 +78,9 @@ class ImageSource:
     def num_val(self) -> int:
         return len(self.val_labels)
 
+    @abc.abstractmethod
     def decode(self, train: bool, idx: torch.Tensor) -> torch.Tensor:
-        raise NotImplementedError
+        """The images at `idx` of the training (or validation) set, (B, 3, S, S) uint8."""
 
     def normalize(self, images: torch.Tensor) -> torch.Tensor:
         return (images.float() / 255 - self.mean[:, None, None]) / self.std[:, None, None]
