@@ -9,7 +9,6 @@ refused naming the key. Exit 0 when every step agrees within the relative tolera
 
 from __future__ import annotations
 
-import json
 import subprocess
 import sys
 import tempfile
@@ -17,7 +16,7 @@ from pathlib import Path
 
 from shoal.config import LAYOUT_KEYS, LAYOUT_SECTIONS, Config, load_config
 from shoal.errors import UserError
-from shoal.rundir import RunDir
+from shoal.rundir import RunDir, read_metrics
 
 # default relative tolerance by the less precise of the two compute dtypes: fp32 differs only in
 # summation order; bf16 keeps 8 mantissa bits
@@ -60,7 +59,7 @@ def run_one(config: str, nproc: int, steps: int, overrides: list[str], run_dir: 
     if r.returncode != 0:
         tail = "\n".join((r.stdout + r.stderr).strip().splitlines()[-15:])
         raise UserError(f"{config} failed (exit {r.returncode}):\n{tail}")
-    records = [json.loads(line) for line in RunDir(run_dir).metrics.read_text().splitlines()]
+    records = read_metrics(RunDir(run_dir).metrics)
     return [m for m in records if "loss" in m]
 
 

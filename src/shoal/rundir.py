@@ -137,3 +137,19 @@ def read_json(path: Path, default=_REQUIRED):
         if default is _REQUIRED:
             raise
         return default
+
+
+def read_metrics(path: Path) -> list[dict]:
+    """metrics.jsonl's records. A last line cut short (a run being written, or killed mid-write) is left
+    out; a bad line before it means the file is damaged."""
+    rows, lines = [], path.read_text(encoding="utf-8").splitlines()
+    for n, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            rows.append(json.loads(line))
+        except ValueError:
+            if n == len(lines):
+                break
+            raise UserError(f"{path} line {n} is not JSON; the file is damaged") from None
+    return rows

@@ -4,12 +4,11 @@ plotting, so the extraction is tested on its own."""
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from shoal.errors import UserError
-from shoal.rundir import RunDir, read_json
+from shoal.rundir import RunDir, read_json, read_metrics
 
 # keys ending in _s that are not a phase of one step: the step's total, and rates (tokens_per_s)
 NOT_PHASES = {"step_time_s"}
@@ -41,16 +40,7 @@ def load_run(path: Path, name: str | None = None) -> Run:
                             f"a `shoal train`")
         raise UserError(f"run dir {path} has no metrics yet (no metrics.jsonl); the first line is written after "
                         f"metrics.log_interval steps")
-    rows, lines = [], run.metrics.read_text(encoding="utf-8").splitlines()
-    for n, line in enumerate(lines, 1):
-        if not line.strip():
-            continue
-        try:
-            rows.append(json.loads(line))
-        except ValueError:
-            if n == len(lines):  # a run being written (or killed mid-write): the lines before are good
-                break
-            raise UserError(f"{run.metrics} line {n} is not JSON; the file is damaged") from None
+    rows = read_metrics(run.metrics)
     rows = [r for r in rows if isinstance(r, dict) and "step" in r and "time" in r]
     if not rows:
         raise UserError(f"run dir {path} has no metrics yet (metrics.jsonl is empty); the first line is written "
