@@ -113,6 +113,7 @@ def test_lora_trains_with_zero2_as_one_process_resumes_and_exports_merged(tmp_pa
     adapters = [k for k in read_weights(ref) if "lora_" in k]
     assert adapters
     assert_same(sharded, ref)
+    assert_same(trained("llama", "dp2-zero3", LORA), ref)  # ZeRO 3: frozen and trained tensors in one unit
     # its step-4 checkpoint resumed by one process (another layout) ends where the one process did
     resumed = tmp_path / "resumed"
     shutil.copytree(sharded / "checkpoints" / "step_00000004", resumed / "checkpoints" / "step_00000004")
