@@ -235,7 +235,6 @@ def with_lora(bundle: ModelBundle, lora: LoraSection, task: str) -> ModelBundle:
             bundle.model = peft.get_peft_model(bundle.model, config)
     except ValueError as e:
         raise UserError(f"model.lora: {first_line(e)}") from None
-    bundle.tensor_parallel = tensor_parallel if bundle.tensor_parallel else None  # refuses tp with adapters
     return bundle
 
 

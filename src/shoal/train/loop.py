@@ -141,7 +141,8 @@ def gather_memory(t: Trainer, held: dict[str, int], compute_s: float | None = No
     mine = torch.tensor([float(held[k]) for k in STATE_KINDS] + [float(peak_memory_bytes(t.device))] + extra,
                         dtype=torch.float64, device=t.device)
     out = t.comm.all_gather(mine, label="world, memory accounting")
-    rows = [{"rank": r, **{k: int(v) for k, v in zip((*STATE_KINDS, "peak"), x.tolist(), strict=False)}}
+    kinds = (*STATE_KINDS, "peak")
+    rows = [{"rank": r, **{k: int(v) for k, v in zip(kinds, x.tolist()[:len(kinds)], strict=True)}}
             for r, x in enumerate(out)]
     if extra:
         for row, x in zip(rows, out, strict=True):
