@@ -45,7 +45,9 @@ class HardwareProfile(BaseModel):
     memory_bandwidth: float | None = None
     collectives: dict[str, list[tuple[float, float]]] = {}
     matmul_curve: dict[str, list[tuple[float, float]]] = {}  # per dtype: [[n, FLOP/s of n x n x n], ...]
-    op_overhead_s: float | None = None  # one operator on a one-element tensor (dispatch and launch)
+    op_overhead_s: float | None = None  # what a training step pays per operator besides its arithmetic
+    fresh_memory_s_per_byte: float | None = None  # CPU, ZeRO 2/3's mmap threshold: faulting in new pages
+    op_rates: dict[str, list[tuple[float, float]]] = {}  # per aten operator without FLOPs: [[bytes, bytes/s]]
     process_bytes: int | None = None  # resident memory of a worker after importing the training stack (CPU)
     threads: int | None = None  # compute threads of one worker when measured
 
@@ -59,6 +61,12 @@ class HardwareProfile(BaseModel):
         (flat beyond its ends); the peak without one."""
         rate = interpolate(self.matmul_curve.get(dtype, []), n, extrapolate_linear=False)
         return rate if rate is not None else self.peak_flops(dtype)
+
+    def op_rate(self, name: str, nbytes: float) -> float:
+        """Bytes per second of aten operator `name` moving `nbytes`, from the measured rates (log-log
+        between sizes, flat beyond them); an operator never measured moves at the copy bandwidth."""
+        rate = interpolate(self.op_rates.get(name, []), nbytes, extrapolate_linear=False)
+        return rate if rate is not None else (self.memory_bandwidth or 1e11)
 
     def peak_flops(self, dtype: str) -> float:
         """Peak FLOP/s of one worker for compute in `dtype` (fp32 on a GPU means TF32 tensor cores when the

@@ -5,7 +5,9 @@ One worker per process of the group, started through shoal's own launcher (launc
 one node per host of the one-machine cluster, cluster/run.py). Each worker measures
   - matmul FLOP/s per dtype over square sizes (the curve, and its best as the peak),
   - memory bandwidth (a large copy: bytes read + written per second),
-  - the cost of one small operator (what a step of many small kernels pays per op),
+  - reference training steps of the built-in GPT (reference_steps): each operator without FLOPs timed
+    by operator and size, what a step pays per operator besides its arithmetic, and (CPU) what
+    freshly mapped memory costs per byte under ZeRO 2/3's allocator setting,
   - its resident memory after importing the training stack (what every worker holds before a model),
 and the group measures all-reduce, all-gather, reduce-scatter and point-to-point (rank pairs 2i <->
 2i+1) over message sizes, issued through comm/ (each one recorded). A time is the median over the
@@ -16,9 +18,13 @@ from __future__ import annotations
 
 import statistics
 import time
+from collections import defaultdict
+from dataclasses import dataclass
 
 import torch
+from torch.utils._pytree import tree_flatten
 
+from shoal.allocator import THRESHOLD
 from shoal.comm.collectives import Comm
 from shoal.dist import DistEnv
 from shoal.hardware import HardwareProfile
@@ -58,29 +64,144 @@ def memory_bandwidth(device: torch.device, nbytes: int, repeats: int, sync) -> f
     return 2 * nbytes / _timed(lambda: dst.copy_(src), repeats, sync)  # read + write
 
 
-def op_overhead(device: torch.device, repeats: int, sync) -> float:
-    """Seconds per operator of a training step whose tensors are too small to cost anything else: a
-    stack of tiny layers, forward and backward (modules, autograd and dispatch, what every operator of
-    a real step pays besides its arithmetic), over the aten operators it runs."""
+REFERENCE_WIDTHS = (128, 512)  # d_model of the reference GPT: tensors from ~64 KiB to ~4 MiB
+
+
+@dataclass
+class StepCosts:
+    """What the reference training steps measured (see reference_steps)."""
+
+    op_rates: dict[str, list[tuple[float, float]]]
+    op_overhead_s: float
+    fresh_memory_s_per_byte: float | None
+
+
+def _reference_step(width: int, device: torch.device, repeats: int):
+    """One training step of the reference GPT at `width` as a callable of the step's index."""
+    from shoal.models.gpt import GPTConfig, build
+    from shoal.models.spec import DataSpec
+
+    torch.manual_seed(0)
+    cfg = GPTConfig(n_layer=2, n_head=4, d_model=width, seq_len=128)
+    bundle = build(cfg, DataSpec(kind="tokens", vocab_size=256))
+    model = bundle.model.to(device)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    data = torch.randint(0, 256, (repeats + 3, 4, cfg.seq_len), device=device)
+
+    def step(i: int) -> None:
+        x = data[i % len(data)]
+        bundle.loss_fn(model, {"input": x, "target": x}).sum().backward()
+        # clipped as parallel/clip.py clips, one tensor at a time as the planner's meta trace sees it
+        # (a CPU's foreach kernels loop over the same per-tensor kernels)
+        grads = [p.grad for p in model.parameters()]
+        norm = torch.nn.utils.get_total_norm(grads, foreach=False)
+        torch.nn.utils.clip_grads_with_norm_(model.parameters(), 1.0, norm, foreach=False)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    step(0)  # makes the optimizer's state
+    return step
+
+
+def _wall(step, repeats: int, sync) -> float:
+    steps = iter(range(1, 10 ** 9))
+    return _timed(lambda: step(next(steps)), max(repeats, 5), sync)
+
+
+def reference_walls(repeats: int, widths=REFERENCE_WIDTHS) -> list[float]:
+    """Median seconds of a CPU reference step at each width, in this process."""
+    return [_wall(_reference_step(w, torch.device("cpu"), repeats), repeats, lambda: None) for w in widths]
+
+
+def _walls_in_new_process(repeats: int, widths, env: dict) -> list[float]:
+    import json
+    import os
+    import subprocess
+    import sys
+
+    code = f"import json, torch; torch.set_num_threads({torch.get_num_threads()}); " \
+           f"from shoal.probe import reference_walls; print(json.dumps(reference_walls({repeats}, {tuple(widths)})))"
+    out = subprocess.run([sys.executable, "-c", code], env={**os.environ, **env}, check=True, capture_output=True,
+                         text=True).stdout
+    return json.loads(out.splitlines()[-1])
+
+
+def reference_steps(device: torch.device, repeats: int, sync, widths=REFERENCE_WIDTHS) -> StepCosts:
+    """Training steps of the built-in GPT (2 blocks, 4 sequences of 128 tokens, a new batch each step:
+    forward, backward, gradient clipping, AdamW, zero_grad) at each of REFERENCE_WIDTHS, measured three
+    ways:
+      - every operator without FLOPs (element-wise, norms, softmax, attention, the optimizer's updates)
+        timed one call at a time: {aten name: [[bytes moved, bytes per second], ...]}. A large copy's
+        bandwidth alone mispredicts them both ways: gelu's backward evaluates erf and exp per element
+        (~1.5x slower than a copy of its bytes here) while the updates of tensors that fit in cache run
+        faster. Operators with FLOPs are priced by the matmul curve instead.
+      - the whole step's wall time against the sum of its operators' times: what a step pays per
+        operator besides its arithmetic (Python, modules, the autograd engine, allocation, launches);
+      - on CPU, the step in a new process with glibc's mmap threshold fixed from its start, as ZeRO 2/3
+        workers fix it (allocator.py), against a new process without: every tensor over 64 KiB is then
+        freshly mapped and its pages faulted in; the extra seconds per byte so allocated. (Set in a
+        process that has already grown its heap, the threshold changes little: malloc serves requests
+        from the freed heap first. Measured here: +3% against +39% from the start.)"""
     from torch.utils._python_dispatch import TorchDispatchMode
 
-    class Count(TorchDispatchMode):
-        n = 0
+    from shoal.plan.cost import describe_op
+
+    kernel: dict[tuple[str, float, int], list[float]] = defaultdict(list)
+    allocated = [0]  # bytes of operator outputs over the mmap threshold, in one step
+
+    class Timed(TorchDispatchMode):
+        call = 0
 
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            Count.n += 1
-            return func(*args, **(kwargs or {}))
+            kwargs = kwargs or {}
+            sync()
+            t0 = time.perf_counter()
+            out = func(*args, **kwargs)
+            sync()
+            took = time.perf_counter() - t0
+            op = describe_op(func, args, kwargs, out)
+            if op is not None:
+                kernel[(op[0], op[2] if not op[1] else -1.0, Timed.call)].append(took)  # call i of every step
+                allocated[0] += sum(t.numel() * t.element_size() for t in tree_flatten(out)[0]
+                                    if isinstance(t, torch.Tensor) and t.numel() * t.element_size() > THRESHOLD)
+            Timed.call += 1
+            return out
 
-    layers = [m for _ in range(8) for m in (torch.nn.Linear(4, 4), torch.nn.GELU(), torch.nn.LayerNorm(4))]
-    model = torch.nn.Sequential(*layers).to(device)
-    x = torch.ones(2, 4, device=device)
+    by_op: dict[str, list] = defaultdict(list)
+    overheads, allocs = [], []
+    for width in widths:
+        step = _reference_step(width, device, repeats)
+        for i in range(repeats):
+            Timed.call, allocated[0] = 0, 0
+            with Timed():
+                step(i + 1)
+        n_ops = Timed.call
+        allocs.append(allocated[0])
+        wall = _wall(step, repeats, sync)
+        sum_kernels = sum(statistics.median(t) for t in kernel.values())
+        # the smallest call's time is what any call pays with nothing to move: counted in the overhead,
+        # taken off each rate so that a rate is of the bytes alone
+        floor = min(statistics.median(t) for t in kernel.values())
+        overheads.append(max(wall - sum_kernels, 0.0) / n_ops + floor)
+        for (name, nbytes, _), times in kernel.items():
+            if nbytes > 0:
+                by_op[name].append((nbytes, nbytes / max(statistics.median(times) - floor, 1e-9)))
+        kernel.clear()
+    fresh = None
+    if device.type == "cpu":
+        plain = _walls_in_new_process(repeats, widths, {})
+        mapped = _walls_in_new_process(repeats, widths, {"MALLOC_MMAP_THRESHOLD_": str(THRESHOLD)})
+        fresh = max(statistics.median((m - p) / max(a, 1) for m, p, a in zip(mapped, plain, allocs, strict=True)),
+                    0.0)
+    # the narrowest reference's: its operators are too small for cache misses to add to their time
+    return StepCosts({name: _merge(points) for name, points in sorted(by_op.items())}, overheads[0], fresh)
 
-    def step():
-        model(x).sum().backward()
 
-    with Count():
-        step()
-    return _timed(step, max(repeats, 5), sync) / Count.n
+def _merge(points: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    """One point per size: the median rate of the calls of that size."""
+    sizes: dict[float, list[float]] = {}
+    for nbytes, rate in points:
+        sizes.setdefault(nbytes, []).append(rate)
+    return [(b, statistics.median(r)) for b, r in sorted(sizes.items())]
 
 
 def collective_curves(comm: Comm, device: torch.device, sizes, repeats: int, sync) -> dict:
@@ -127,7 +248,7 @@ def _group_time(comm: Comm, fn, sync, device) -> float:
 
 
 def measure(env: DistEnv, sizes=DEFAULT_SIZES, repeats: int = 3, matmul_sizes=MATMUL_SIZES,
-            copy_bytes: int = 64 * 1024 * KIB, nnodes: int = 1) -> HardwareProfile:
+            copy_bytes: int = 64 * 1024 * KIB, nnodes: int = 1, widths=REFERENCE_WIDTHS) -> HardwareProfile:
     """Collective over the default group: every rank calls it; every rank gets the profile."""
     import shoal.train.run  # noqa: F401 - the training stack, imported as a worker imports it (resident memory)
 
@@ -138,6 +259,8 @@ def measure(env: DistEnv, sizes=DEFAULT_SIZES, repeats: int = 3, matmul_sizes=MA
     dtypes = {"fp32": torch.float32, "bf16": torch.bfloat16, **({"fp16": torch.float16} if cuda else {})}
     curves = {name: matmul_curve(dt, device, matmul_sizes, repeats, sync) for name, dt in dtypes.items()}
     comm = Comm(env.store, env.rank, env.world_size)
+    collectives = collective_curves(comm, device, sizes, repeats, sync)
+    steps = reference_steps(device, repeats, sync, widths)
     return HardwareProfile(
         name="probe", device=device.type,
         device_name=torch.cuda.get_device_name(device) if cuda else _cpu_name(),
@@ -145,10 +268,12 @@ def measure(env: DistEnv, sizes=DEFAULT_SIZES, repeats: int = 3, matmul_sizes=MA
         matmul_flops={name: max(f for _, f in c) for name, c in curves.items()},
         matmul_curve=curves,
         memory_bandwidth=memory_bandwidth(device, copy_bytes, repeats, sync),
-        op_overhead_s=op_overhead(device, repeats, sync),
+        op_overhead_s=steps.op_overhead_s,
+        op_rates=steps.op_rates,
+        fresh_memory_s_per_byte=steps.fresh_memory_s_per_byte,
         process_bytes=base,
         threads=torch.get_num_threads(),
-        collectives=collective_curves(comm, device, sizes, repeats, sync),
+        collectives=collectives,
     )
 
 

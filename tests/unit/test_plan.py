@@ -102,7 +102,7 @@ def test_probe_writes_a_profile(tmp_path):
 
     env = dist.init("gloo", 60)
     try:
-        profile = measure(env, sizes=(4096,), repeats=1, matmul_sizes=(32,), copy_bytes=2 ** 20)
+        profile = measure(env, sizes=(4096,), repeats=1, matmul_sizes=(32,), copy_bytes=2 ** 20, widths=(32,))
     finally:
         dist.shutdown()
     save_profile(profile, tmp_path / "p.json")
@@ -110,6 +110,9 @@ def test_probe_writes_a_profile(tmp_path):
     assert got.matmul_flops["fp32"] > 0 and got.matmul_flops["bf16"] > 0 and got.memory_bandwidth > 0
     assert set(got.collectives) == {"all_reduce", "all_gather", "reduce_scatter"}  # no pair in a group of 1
     assert got.collective_time("all_reduce", 4096) > 0
+    # the reference step's operators: element-wise ones rated by size, matmuls left to the curve
+    assert got.op_rate("gelu_backward", 1e5) > 0 and "mm" not in got.op_rates and got.op_overhead_s > 0
+    assert got.fresh_memory_s_per_byte is not None
 
 
 @pytest.mark.parametrize("argv, message", [

@@ -8,20 +8,44 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
+import torch.nn.functional as F
+from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 from torch.utils.flop_counter import flop_registry
 
+from shoal.allocator import THRESHOLD
+
 
 @dataclass
 class Ops:
-    """Operators as (FLOPs, bytes moved) pairs."""
+    """Operators as (name, FLOPs, bytes moved)."""
 
-    items: list[tuple[float, float]] = field(default_factory=list)
+    items: list[tuple[str, float, float]] = field(default_factory=list)
+    fresh_bytes: int = 0  # outputs larger than the mmap threshold ZeRO 2/3 fix on CPU (allocator.py)
 
     @property
     def flops(self) -> float:
-        return sum(f for f, _ in self.items)
+        return sum(f for _, f, _ in self.items)
+
+
+_VIEWS = frozenset(getattr(torch.ops.aten, n) for n in (
+    "detach", "view", "_unsafe_view", "t", "transpose", "expand", "permute", "alias", "unsqueeze", "squeeze",
+    "slice", "split"))
+
+
+def describe_op(func, args, kwargs, out) -> tuple[str, float, float] | None:
+    """(name, FLOPs by torch's flop counter registry, bytes read and written) of one aten call; None for a
+    view (no kernel runs). The planner's trace and the probe's timed reference step both use it, so the
+    probe's per-operator rates are keyed as the planner looks them up."""
+    packet = func._overloadpacket
+    if packet in _VIEWS:
+        return None
+    count = flop_registry.get(packet)
+    flops = float(count(*args, **kwargs, out_val=out)) if count else 0.0
+    moved = sum(t.numel() * t.element_size() for t in tree_flatten((args, kwargs, out))[0]
+                if isinstance(t, torch.Tensor))
+    return str(packet).removeprefix("aten."), flops, float(moved)
 
 
 class _Trace(TorchDispatchMode):
@@ -32,17 +56,31 @@ class _Trace(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
-        if func._overloadpacket in (torch.ops.aten.detach, torch.ops.aten.view, torch.ops.aten._unsafe_view,
-                                    torch.ops.aten.t, torch.ops.aten.transpose, torch.ops.aten.expand,
-                                    torch.ops.aten.permute, torch.ops.aten.alias, torch.ops.aten.unsqueeze,
-                                    torch.ops.aten.squeeze, torch.ops.aten.slice, torch.ops.aten.split):
-            return out  # views: no kernel runs
-        count = flop_registry.get(func._overloadpacket)
-        flops = float(count(*args, **kwargs, out_val=out)) if count else 0.0
-        moved = sum(t.numel() * t.element_size() for t in tree_flatten((args, kwargs, out))[0]
-                    if isinstance(t, torch.Tensor))
-        self.ops.items.append((flops, float(moved)))
+        op = describe_op(func, args, kwargs, out)
+        if op is not None:
+            self.ops.items.append(op)
+            self.ops.fresh_bytes += sum(t.numel() * t.element_size() for t in tree_flatten(out)[0]
+                                        if isinstance(t, torch.Tensor) and t.numel() * t.element_size() > THRESHOLD)
         return out
+
+
+class _FusedAttention(TorchFunctionMode):
+    """On the meta device scaled_dot_product_attention falls back to its math decomposition (matmuls, a
+    mask, a softmax and copies, each with its own backward) where a CPU or GPU runs one fused kernel. The
+    trace takes the CPU's fused kernel instead, which has a meta implementation and its own backward, so
+    the operators traced are the ones a run executes and the probe times."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is F.scaled_dot_product_attention and not kwargs.get("enable_gqa"):
+            q, k, v, *rest = args
+            names = ("attn_mask", "dropout_p", "is_causal", "scale")
+            given = {**dict(zip(names, rest, strict=False)), **kwargs}
+            if q.device.type == "meta" and q.shape[-1] == v.shape[-1]:
+                return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+                    q, k, v, given.get("dropout_p", 0.0), given.get("is_causal", False),
+                    attn_mask=given.get("attn_mask"), scale=given.get("scale"))[0]
+        return func(*args, **kwargs)
 
 
 @dataclass
@@ -96,7 +134,7 @@ def trace_micro_batch(bundle, batch: dict, block_types: tuple) -> MicroBatchCost
 
     trace = _Trace()
     try:
-        with trace, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        with _FusedAttention(), trace, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
             loss = bundle.loss_fn(model, batch).sum()
             forward_flops = trace.ops.flops
             loss.backward()
@@ -113,15 +151,21 @@ def _batch_size(batch: dict) -> int:
     return next(iter(batch.values())).shape[0]
 
 
-def trace_optimizer_step(model: torch.nn.Module, name: str, momentum: float) -> Ops:
-    """One step of the run's optimizer (torch's own, on the meta parameters with meta gradients)."""
+def trace_optimizer_step(model: torch.nn.Module, name: str, momentum: float, clip: bool) -> Ops:
+    """The gradient clipping (`clip`) and one step of the run's optimizer (torch's own, on the meta
+    parameters with meta gradients): the second step, as every step after the first (which also makes
+    the state) runs. On meta, torch picks the per-tensor kernels a CPU run uses (no foreach)."""
     params = [p for p in model.parameters() if p.requires_grad]
     for p in params:
         p.grad = torch.empty_like(p)
     opt = (torch.optim.AdamW(params, lr=1e-3, foreach=False) if name == "adamw"
            else torch.optim.SGD(params, lr=1e-3, momentum=momentum, foreach=False))
+    opt.step()
     trace = _Trace()
     with trace:
+        if clip:  # as parallel/clip.py clips
+            grads = [p.grad for p in params]
+            torch.nn.utils.clip_grads_with_norm_(params, 1.0, torch.nn.utils.get_total_norm(grads))
         opt.step()
     for p in params:
         p.grad = None

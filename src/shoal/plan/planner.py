@@ -74,7 +74,8 @@ class Model:
         blocks = [m for m in bundle.model.modules() if bundle.block_types and isinstance(m, bundle.block_types)]
         shape = ModelShape(_describe(bundle.model.parameters()), [_describe(b.parameters()) for b in blocks])
         model = cls(cfg, bundle, source, shape)
-        model.opt_ops = trace_optimizer_step(bundle.model, cfg.train.optimizer, cfg.train.momentum)
+        model.opt_ops = trace_optimizer_step(bundle.model, cfg.train.optimizer, cfg.train.momentum,
+                                             bool(cfg.train.grad_clip))
         model.data_bytes = sum(t.numel() * t.element_size() for t in vars(source).values()
                                if isinstance(t, torch.Tensor))
         return model

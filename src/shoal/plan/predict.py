@@ -16,8 +16,10 @@ Memory, the quantities metrics/memory.py measures (STATE_KINDS), each parameter 
   peak        the worker's resident memory before a model (profile's process_bytes; 0 on a GPU)
               + all of the above
 Time, per optimizer step of the slowest rank:
-  compute     every traced operator: max(FLOPs / the matmul FLOP/s at its size, bytes / memory
-              bandwidth) + the profile's per-operator cost; tp divides FLOPs and bytes, not operators
+  compute     every traced operator: with FLOPs, max(FLOPs / the matmul FLOP/s at its size, bytes / memory
+              bandwidth); without, bytes / that operator's measured rate at its size (the copy bandwidth
+              for one the probe never saw); + the profile's per-operator cost; tp divides FLOPs and
+              bytes, not operators
   comm        from the profile's collective curves, interpolated by message size, with the overlap each
               strategy allows: DDP's bucketed all-reduce hides under backward but its last bucket; ZeRO 1
               adds the parameters' all-gather after the step; ZeRO 2/3 all-gather per block (ZeRO 3 again
@@ -129,11 +131,12 @@ def op_time(ops: Ops, profile: HardwareProfile, dtype: str, scale: float = 1.0) 
     overhead = profile.op_overhead_s if profile.op_overhead_s is not None else DEFAULT_OP_OVERHEAD_S.get(
         profile.device, 5e-6)
     total = 0.0
-    for flops, moved in ops.items:
-        t = moved * scale / bw
+    for name, flops, moved in ops.items:
         if flops:
             n_eff = (flops * scale / 2) ** (1 / 3)
-            t = max(t, flops * scale / profile.matmul_rate(dtype, n_eff))
+            t = max(moved * scale / bw, flops * scale / profile.matmul_rate(dtype, n_eff))
+        else:
+            t = moved * scale / profile.op_rate(name, moved * scale)
         total += t + overhead
     return total
 
@@ -158,6 +161,9 @@ def predict_time(shape: ModelShape, cost: MicroBatchCost, opt_ops: Ops, layout: 
     optimizer = op_time(opt_ops, profile, dtype, 1.0) * shard if zero >= 1 else op_time(opt_ops, profile, dtype,
                                                                                            1.0 / (d.tp * d.pp))
     compute = per_micro * n_micro + optimizer
+    if zero >= 2 and profile.fresh_memory_s_per_byte:  # CPU: every large tensor freshly mapped (allocator.py)
+        compute += profile.fresh_memory_s_per_byte * (cost.ops.fresh_bytes * n_micro / (d.tp * d.pp)
+                                                      + opt_ops.fresh_bytes * shard)
     bubble = 0.0
     if d.pp > 1:
         bubble = per_micro * n_micro * bubble_fraction(d.pp, n_micro, stages_per_rank) / (
