@@ -47,7 +47,9 @@ class HardwareProfile(BaseModel):
     matmul_curve: dict[str, list[tuple[float, float]]] = {}  # per dtype: [[n, FLOP/s of n x n x n], ...]
     op_overhead_s: float | None = None  # what a training step pays per operator besides its arithmetic
     fresh_memory_s_per_byte: float | None = None  # CPU, ZeRO 2/3's mmap threshold: faulting in new pages
+    parallel_overheads: dict[str, float] = {}  # DTensor per operator, FSDP2 per call and parameter (probe.py)
     op_rates: dict[str, list[tuple[float, float]]] = {}  # per aten operator without FLOPs: [[bytes, bytes/s]]
+    op_flop_rates: dict[str, list[tuple[float, float]]] = {}  # per aten operator with FLOPs: [[FLOPs, FLOP/s]]
     process_bytes: int | None = None  # resident memory of a worker after importing the training stack (CPU)
     threads: int | None = None  # compute threads of one worker when measured
 
@@ -67,6 +69,13 @@ class HardwareProfile(BaseModel):
         between sizes, flat beyond them); an operator never measured moves at the copy bandwidth."""
         rate = interpolate(self.op_rates.get(name, []), nbytes, extrapolate_linear=False)
         return rate if rate is not None else (self.memory_bandwidth or 1e11)
+
+    def op_flop_rate(self, name: str, dtype: str, flops: float) -> float:
+        """FLOP/s of aten operator `name` doing `flops` in fp32, measured in the probe's reference steps;
+        otherwise (another dtype, an operator never measured) the matmul curve at the same size."""
+        rate = interpolate(self.op_flop_rates.get(name, []), flops, extrapolate_linear=False) \
+            if dtype == "fp32" else None
+        return rate if rate is not None else self.matmul_rate(dtype, (flops / 2) ** (1 / 3))
 
     def peak_flops(self, dtype: str) -> float:
         """Peak FLOP/s of one worker for compute in `dtype` (fp32 on a GPU means TF32 tensor cores when the

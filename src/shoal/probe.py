@@ -5,9 +5,10 @@ One worker per process of the group, started through shoal's own launcher (launc
 one node per host of the one-machine cluster, cluster/run.py). Each worker measures
   - matmul FLOP/s per dtype over square sizes (the curve, and its best as the peak),
   - memory bandwidth (a large copy: bytes read + written per second),
-  - reference training steps of the built-in GPT (reference_steps): each operator without FLOPs timed
-    by operator and size, what a step pays per operator besides its arithmetic, and (CPU) what
-    freshly mapped memory costs per byte under ZeRO 2/3's allocator setting,
+  - reference training steps of the built-in GPT (reference_steps): each operator timed by operator
+    and size, what a step pays per operator besides its arithmetic, and (CPU) what freshly mapped
+    memory costs per byte under ZeRO 2/3's allocator setting,
+  - what DTensor and FSDP2 add per operator, call and parameter tensor (parallel_overheads),
   - its resident memory after importing the training stack (what every worker holds before a model),
 and the group measures all-reduce, all-gather, reduce-scatter and point-to-point (rank pairs 2i <->
 2i+1) over message sizes, issued through comm/ (each one recorded). A time is the median over the
@@ -27,7 +28,7 @@ from torch.utils._pytree import tree_flatten
 from shoal.allocator import THRESHOLD
 from shoal.comm.collectives import Comm
 from shoal.dist import DistEnv
-from shoal.hardware import HardwareProfile
+from shoal.hardware import HardwareProfile, interpolate
 from shoal.metrics.memory import peak_memory_bytes
 
 KIB = 1024
@@ -72,6 +73,7 @@ class StepCosts:
     """What the reference training steps measured (see reference_steps)."""
 
     op_rates: dict[str, list[tuple[float, float]]]
+    op_flop_rates: dict[str, list[tuple[float, float]]]
     op_overhead_s: float
     fresh_memory_s_per_byte: float | None
 
@@ -125,15 +127,17 @@ def _walls_in_new_process(repeats: int, widths, env: dict) -> list[float]:
     return json.loads(out.splitlines()[-1])
 
 
-def reference_steps(device: torch.device, repeats: int, sync, widths=REFERENCE_WIDTHS) -> StepCosts:
+def reference_steps(device: torch.device, repeats: int, sync, widths=REFERENCE_WIDTHS,
+                    together=lambda: None) -> StepCosts:
     """Training steps of the built-in GPT (2 blocks, 4 sequences of 128 tokens, a new batch each step:
     forward, backward, gradient clipping, AdamW, zero_grad) at each of REFERENCE_WIDTHS, measured three
     ways:
-      - every operator without FLOPs (element-wise, norms, softmax, attention, the optimizer's updates)
-        timed one call at a time: {aten name: [[bytes moved, bytes per second], ...]}. A large copy's
-        bandwidth alone mispredicts them both ways: gelu's backward evaluates erf and exp per element
-        (~1.5x slower than a copy of its bytes here) while the updates of tensors that fit in cache run
-        faster. Operators with FLOPs are priced by the matmul curve instead.
+      - every operator timed one call at a time: those with FLOPs (matmuls) as {aten name: [[FLOPs,
+        FLOP/s], ...]}: the model's rectangular and transposed matmuls run ~10% below the square ones of
+        the matmul curve; the others (element-wise, norms, softmax, attention, the optimizer's updates)
+        as {aten name: [[bytes moved, bytes per second], ...]}: a large copy's bandwidth alone
+        mispredicts them both ways: gelu's backward evaluates erf and exp per element (~1.5x slower than
+        a copy of its bytes here) while the updates of tensors that fit in cache run faster.
       - the whole step's wall time against the sum of its operators' times: what a step pays per
         operator besides its arithmetic (Python, modules, the autograd engine, allocation, launches);
       - on CPU, the step in a new process with glibc's mmap threshold fixed from its start, as ZeRO 2/3
@@ -145,7 +149,7 @@ def reference_steps(device: torch.device, repeats: int, sync, widths=REFERENCE_W
 
     from shoal.plan.cost import describe_op
 
-    kernel: dict[tuple[str, float, int], list[float]] = defaultdict(list)
+    kernel: dict[tuple[str, float, bool, int], list[float]] = defaultdict(list)
     allocated = [0]  # bytes of operator outputs over the mmap threshold, in one step
 
     class Timed(TorchDispatchMode):
@@ -159,17 +163,19 @@ def reference_steps(device: torch.device, repeats: int, sync, widths=REFERENCE_W
             sync()
             took = time.perf_counter() - t0
             op = describe_op(func, args, kwargs, out)
-            if op is not None:
-                kernel[(op[0], op[2] if not op[1] else -1.0, Timed.call)].append(took)  # call i of every step
+            if op is not None:  # by FLOPs (matmuls, attention) or bytes; call i of every step together
+                kernel[(op[0], op[1] or op[2], bool(op[1]), Timed.call)].append(took)
                 allocated[0] += sum(t.numel() * t.element_size() for t in tree_flatten(out)[0]
                                     if isinstance(t, torch.Tensor) and t.numel() * t.element_size() > THRESHOLD)
             Timed.call += 1
             return out
 
     by_op: dict[str, list] = defaultdict(list)
+    by_flops: dict[str, list] = defaultdict(list)
     overheads, allocs = [], []
     for width in widths:
         step = _reference_step(width, device, repeats)
+        together()
         for i in range(repeats):
             Timed.call, allocated[0] = 0, 0
             with Timed():
@@ -182,18 +188,22 @@ def reference_steps(device: torch.device, repeats: int, sync, widths=REFERENCE_W
         # taken off each rate so that a rate is of the bytes alone
         floor = min(statistics.median(t) for t in kernel.values())
         overheads.append(max(wall - sum_kernels, 0.0) / n_ops + floor)
-        for (name, nbytes, _), times in kernel.items():
-            if nbytes > 0:
-                by_op[name].append((nbytes, nbytes / max(statistics.median(times) - floor, 1e-9)))
+        for (name, amount, flops, _), times in kernel.items():
+            if amount > 0:
+                (by_flops if flops else by_op)[name].append((amount, amount / max(statistics.median(times) - floor,
+                                                                                   1e-9)))
         kernel.clear()
     fresh = None
     if device.type == "cpu":
+        together()
         plain = _walls_in_new_process(repeats, widths, {})
+        together()
         mapped = _walls_in_new_process(repeats, widths, {"MALLOC_MMAP_THRESHOLD_": str(THRESHOLD)})
         fresh = max(statistics.median((m - p) / max(a, 1) for m, p, a in zip(mapped, plain, allocs, strict=True)),
                     0.0)
     # the narrowest reference's: its operators are too small for cache misses to add to their time
-    return StepCosts({name: _merge(points) for name, points in sorted(by_op.items())}, overheads[0], fresh)
+    return StepCosts({name: _merge(points) for name, points in sorted(by_op.items())},
+                     {name: _merge(points) for name, points in sorted(by_flops.items())}, overheads[0], fresh)
 
 
 def _merge(points: list[tuple[float, float]]) -> list[tuple[float, float]]:
@@ -202,6 +212,54 @@ def _merge(points: list[tuple[float, float]]) -> list[tuple[float, float]]:
     for nbytes, rate in points:
         sizes.setdefault(nbytes, []).append(rate)
     return [(b, statistics.median(r)) for b, r in sorted(sizes.items())]
+
+
+def parallel_overheads(comm: Comm, device: torch.device, repeats: int, sync, curves: dict) -> dict[str, float]:
+    """What torch's parallel wrappers cost on top of their arithmetic and messages, over the probe's group:
+      dtensor_op_s        one operator on a DTensor beyond the same operator on a plain tensor (Python
+                          dispatch, sharding propagation): tensor parallelism's layers and the optimizer
+                          of every sharded layout pay it per operator;
+      fsdp_gather_s, fsdp_gather_param_s, fsdp_scatter_s, fsdp_scatter_param_s
+                          an FSDP2 unit's all-gather and reduce-scatter: per call and per parameter
+                          tensor (copy-in, copy-out, views), from units of 8 and 64 tiny parameters
+                          (messages of a few KiB, whose collective time is taken off) with and without
+                          resharding after forward (1 or 2 all-gathers per step, 1 reduce-scatter)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import Replicate, distribute_tensor
+
+    mesh = init_device_mesh(device.type, (comm.world_size,))
+    plain = torch.ones(64, device=device)
+    replicated = distribute_tensor(plain.clone(), mesh, [Replicate()])
+    n = 200
+    dtensor = (_timed(lambda: [replicated.mul_(1.0) for _ in range(n)], repeats, sync)
+               - _timed(lambda: [plain.mul_(1.0) for _ in range(n)], repeats, sync)) / n
+    step = {}
+    x = torch.ones(2, 8, device=device)
+    for layers in (4, 32):
+        for reshard in (False, True):
+            torch.manual_seed(0)
+            unit = torch.nn.Sequential(*[torch.nn.Linear(8, 8) for _ in range(layers)]).to(device)
+            bare = torch.nn.Sequential(*[torch.nn.Linear(8, 8) for _ in range(layers)]).to(device)
+            fully_shard(unit, mesh=mesh, reshard_after_forward=reshard)
+            comm.barrier(label="probe")
+            step[(layers, reshard)] = (_timed(lambda u=unit: u(x).sum().backward(), max(repeats, 30), sync)
+                                       - _timed(lambda b=bare: b(x).sum().backward(), max(repeats, 30), sync))
+    # the two settings differ by one all-gather; the rest of a step is a gather and a reduce-scatter
+    gather = {k: step[(k, True)] - step[(k, False)] for k in (4, 32)}
+    scatter = {k: step[(k, False)] - gather[k] for k in (4, 32)}
+
+    def fit(cost: dict, op: str) -> tuple[float, float]:
+        """(per call, per parameter tensor) from units of 8 and 64 parameter tensors, the collective's own
+        time for the units' 4-layer message taken off (the planner adds it from the curves)."""
+        per_param = max((cost[32] - cost[4]) / (2 * (32 - 4)), 0.0)
+        message = interpolate(curves.get(op, []), 4 * 8 * 9 * 4, extrapolate_linear=True) or 0.0
+        return max(cost[4] - 2 * 4 * per_param - message, 0.0), per_param
+
+    g0, g1 = fit(gather, "all_gather")
+    s0, s1 = fit(scatter, "reduce_scatter")
+    return {"dtensor_op_s": max(dtensor, 0.0), "fsdp_gather_s": g0, "fsdp_gather_param_s": g1,
+            "fsdp_scatter_s": s0, "fsdp_scatter_param_s": s1}
 
 
 def collective_curves(comm: Comm, device: torch.device, sizes, repeats: int, sync) -> dict:
@@ -260,7 +318,10 @@ def measure(env: DistEnv, sizes=DEFAULT_SIZES, repeats: int = 3, matmul_sizes=MA
     curves = {name: matmul_curve(dt, device, matmul_sizes, repeats, sync) for name, dt in dtypes.items()}
     comm = Comm(env.store, env.rank, env.world_size)
     collectives = collective_curves(comm, device, sizes, repeats, sync)
-    steps = reference_steps(device, repeats, sync, widths)
+    # every worker measures at once, as every worker trains at once: side by side, two processes on two
+    # cores ran the reference operators 5-15% slower than one alone (memory bandwidth, caches)
+    steps = reference_steps(device, repeats, sync, widths, together=lambda: comm.barrier(label="probe"))
+    overheads = parallel_overheads(comm, device, repeats, sync, collectives)
     return HardwareProfile(
         name="probe", device=device.type,
         device_name=torch.cuda.get_device_name(device) if cuda else _cpu_name(),
@@ -270,7 +331,9 @@ def measure(env: DistEnv, sizes=DEFAULT_SIZES, repeats: int = 3, matmul_sizes=MA
         memory_bandwidth=memory_bandwidth(device, copy_bytes, repeats, sync),
         op_overhead_s=steps.op_overhead_s,
         op_rates=steps.op_rates,
+        op_flop_rates=steps.op_flop_rates,
         fresh_memory_s_per_byte=steps.fresh_memory_s_per_byte,
+        parallel_overheads=overheads,
         process_bytes=base,
         threads=torch.get_num_threads(),
         collectives=collectives,

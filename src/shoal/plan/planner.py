@@ -76,8 +76,7 @@ class Model:
         model = cls(cfg, bundle, source, shape)
         model.opt_ops = trace_optimizer_step(bundle.model, cfg.train.optimizer, cfg.train.momentum,
                                              bool(cfg.train.grad_clip))
-        model.data_bytes = sum(t.numel() * t.element_size() for t in vars(source).values()
-                               if isinstance(t, torch.Tensor))
+        model.data_bytes = sum(_nbytes(v) for v in vars(source).values())
         return model
 
     def cost(self, micro: int) -> MicroBatchCost:
@@ -97,6 +96,16 @@ class Model:
             with on_meta():
                 out += _describe(layers.build_stage(*split.bounds(pp_rank + k * p.pp)).parameters())
         return out
+
+
+def _nbytes(value) -> int:
+    """Bytes of a tensor or numpy array a data source holds in memory (its tokens, its images); 0 for
+    anything else, and for a memory-mapped token file (its pages are the file's: shared, evictable)."""
+    if isinstance(value, torch.Tensor):
+        return value.numel() * value.element_size()
+    import numpy as np
+
+    return value.nbytes if isinstance(value, np.ndarray) and not isinstance(value, np.memmap) else 0
 
 
 def _describe(params) -> list:

@@ -16,16 +16,20 @@ Memory, the quantities metrics/memory.py measures (STATE_KINDS), each parameter 
   peak        the worker's resident memory before a model (profile's process_bytes; 0 on a GPU)
               + all of the above
 Time, per optimizer step of the slowest rank:
-  compute     every traced operator: with FLOPs, max(FLOPs / the matmul FLOP/s at its size, bytes / memory
-              bandwidth); without, bytes / that operator's measured rate at its size (the copy bandwidth
-              for one the probe never saw); + the profile's per-operator cost; tp divides FLOPs and
-              bytes, not operators
+  compute     every traced operator at the rate the probe measured for it in reference training steps:
+              with FLOPs, FLOPs / its FLOP/s at that many FLOPs (the matmul curve for one never measured);
+              without, bytes / its bytes per second at that size (the copy bandwidth for one never
+              measured); + the profile's per-operator cost; tp divides FLOPs and bytes, not operators;
+              under ZeRO 2/3 on CPU, the bytes of tensors freshly mapped (allocator.py) at the measured
+              cost per byte
   comm        from the profile's collective curves, interpolated by message size, with the overlap each
-              strategy allows: DDP's bucketed all-reduce hides under backward but its last bucket; ZeRO 1
-              adds the parameters' all-gather after the step; ZeRO 2/3 all-gather per block (ZeRO 3 again
-              in backward and per micro-batch) and reduce-scatter, each hidden under one block's compute;
-              tp all-reduces activations twice per block forward and twice backward, never hidden; pp
-              sends activations and gradients between stages
+              strategy allows (on CPU none: gloo reduces on the cores the compute has): DDP's bucketed
+              all-reduce hides under backward but its last bucket; ZeRO 1 adds a broadcast of each
+              parameter from its owner after the step; ZeRO 2/3 all-gather each block per micro-batch (ZeRO 3 again in
+              backward) and reduce-scatter once per step, plus FSDP2's measured cost per call and per
+              parameter tensor and DTensor's per optimizer operator; tp all-reduces activations once per
+              split matrix and micro-batch, plus DTensor's cost per operator on split layers; pp sends
+              activations and gradients between stages
   bubble      pipeline idle time: (p-1)/(v m + p-1) of the stage's busy time (v stages per rank)
 """
 
@@ -133,8 +137,7 @@ def op_time(ops: Ops, profile: HardwareProfile, dtype: str, scale: float = 1.0) 
     total = 0.0
     for name, flops, moved in ops.items:
         if flops:
-            n_eff = (flops * scale / 2) ** (1 / 3)
-            t = max(moved * scale / bw, flops * scale / profile.matmul_rate(dtype, n_eff))
+            t = max(moved * scale / bw, flops * scale / profile.op_flop_rate(name, dtype, flops * scale))
         else:
             t = moved * scale / profile.op_rate(name, moved * scale)
         total += t + overhead
@@ -182,22 +185,46 @@ def predict_time(shape: ModelShape, cost: MicroBatchCost, opt_ops: Ops, layout: 
             buckets = max(1, math.ceil(grad_bytes / DDP_BUCKET_BYTES))
             each = ct("all_reduce", grad_bytes / buckets) or 0.0
             comm += each + _hidden(each * (buckets - 1), backward, cuda)
-            if zero == 1:
-                comm += ct("all_gather", param_bytes_full / d.dp) or 0.0
+            if zero == 1:  # ZeroRedundancyOptimizer broadcasts each parameter from the rank that updated it
+                comm += sum(ct("send_recv", n * shape.element_size / (d.tp if nd >= 2 else 1))
+                            or ct("all_gather", n * shape.element_size / d.dp) or 0.0
+                            for n, _, nd, trainable in shape.params if trainable)
         else:
             block_bytes = param_bytes_full / n_blocks
             gather = ct("all_gather", block_bytes / d.dp) or 0.0
             scatter = ct("reduce_scatter", block_bytes) or 0.0
-            gathers = n_blocks * (2 * n_micro if zero == 3 else 1)
+            # per micro-batch each block is gathered for its forward (ZeRO 2 keeps it through backward,
+            # then frees it), ZeRO 3 again for its backward but the last block's; gradients are reduced
+            # once per step (the last micro-batch)
+            gathers = n_blocks * n_micro * (2 if zero == 3 else 1) - (n_micro if zero == 3 else 0)
             # FSDP2 copies each gathered block out of the flat buffer, each gradient into one
             copy = 2 * block_bytes / (profile.memory_bandwidth or 1e11)
             comm += copy * (gathers + n_blocks)
             comm += gather + (gathers - 1) * _hidden(gather, block_compute, cuda)
             comm += scatter + (n_blocks - 1) * _hidden(scatter, block_compute, cuda)
+            # FSDP2's own work per call and per parameter tensor, for the blocks and the root (the rest);
+            # the optimizer and the clipping run on DTensor shards
+            over = profile.parallel_overheads
+            per_block = sum(len(b) for b in shape.block_params) / n_blocks
+            rest = max(len(shape.params) - sum(len(b) for b in shape.block_params), 0)
+            root_gathers = n_micro * (2 if zero == 3 else 1)
+            comm += (gathers * (over.get("fsdp_gather_s", 0.0) + per_block * over.get("fsdp_gather_param_s", 0.0))
+                     + root_gathers * (over.get("fsdp_gather_s", 0.0) + rest * over.get("fsdp_gather_param_s", 0.0))
+                     + (n_blocks + 1) * over.get("fsdp_scatter_s", 0.0)
+                     + len(shape.params) * over.get("fsdp_scatter_param_s", 0.0)
+                     + len(opt_ops.items) * over.get("dtensor_op_s", 0.0))
     if d.tp > 1:
+        # one all-reduce of a block's activations per split matrix and micro-batch: a row-wise layer's
+        # output in forward, a column-wise layer's input gradient in backward
         act = cost.block_input[0] if cost.block_input else 0
-        per_block = 4 * (ct("all_reduce", act) or 0.0)
-        comm += n_micro * (n_blocks * per_block / d.pp + 2 * (ct("all_reduce", act) or 0.0))
+        matrices = [sum(1 for p in b if p[2] >= 2) for b in shape.block_params]
+        outside = sum(1 for p in shape.params if p[2] >= 2) - sum(matrices)
+        comm += n_micro * (sum(matrices) / d.pp + outside) * (ct("all_reduce", act) or 0.0)
+        # DTensor dispatch for the split layers: their forward and backward (about 4 operators per
+        # matrix and micro-batch) and the optimizer's operators on them
+        split = sum(matrices) / max(sum(len(b) for b in shape.block_params), 1) * 2  # a matrix and its bias
+        comm += profile.parallel_overheads.get("dtensor_op_s", 0.0) * (
+            4 * n_micro * sum(matrices) / d.pp + min(split, 1.0) * len(opt_ops.items) / d.pp)
     if d.pp > 1:
         act = cost.block_input[0] if cost.block_input else 0
         hops = 2 * (n_micro + d.pp - 1) * stages_per_rank
