@@ -215,18 +215,24 @@ def _merge(points: list[tuple[float, float]]) -> list[tuple[float, float]]:
 
 
 def parallel_overheads(comm: Comm, device: torch.device, repeats: int, sync, curves: dict) -> dict[str, float]:
-    """What torch's parallel wrappers cost on top of their arithmetic and messages, over the probe's group:
+    """What torch's parallel wrappers cost on top of their arithmetic and messages, over the probe's group,
+    each fitted as (per call, per parameter tensor) from stacks of 4 and 32 tiny linear layers (8 and 64
+    parameter tensors; messages of a few KiB, whose collective time is taken off: the planner adds it
+    from the curves), forward and backward against the same stack unwrapped:
       dtensor_op_s        one operator on a DTensor beyond the same operator on a plain tensor (Python
                           dispatch, sharding propagation): tensor parallelism's layers and the optimizer
                           of every sharded layout pay it per operator;
+      ddp_call_s, ddp_param_s
+                          DistributedDataParallel per micro-batch (its forward's checks, the reducer's
+                          bucket copies and autograd hooks), one all-reduce taken off;
       fsdp_gather_s, fsdp_gather_param_s, fsdp_scatter_s, fsdp_scatter_param_s
-                          an FSDP2 unit's all-gather and reduce-scatter: per call and per parameter
-                          tensor (copy-in, copy-out, views), from units of 8 and 64 tiny parameters
-                          (messages of a few KiB, whose collective time is taken off) with and without
-                          resharding after forward (1 or 2 all-gathers per step, 1 reduce-scatter)."""
+                          an FSDP2 unit's all-gather and reduce-scatter (copy-in, copy-out, views): with
+                          and without resharding after forward (2 or 1 all-gathers per step, 1 reduce-
+                          scatter), the difference is one all-gather."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor import Replicate, distribute_tensor
+    from torch.nn.parallel import DistributedDataParallel
 
     mesh = init_device_mesh(device.type, (comm.world_size,))
     plain = torch.ones(64, device=device)
@@ -234,32 +240,35 @@ def parallel_overheads(comm: Comm, device: torch.device, repeats: int, sync, cur
     n = 200
     dtensor = (_timed(lambda: [replicated.mul_(1.0) for _ in range(n)], repeats, sync)
                - _timed(lambda: [plain.mul_(1.0) for _ in range(n)], repeats, sync)) / n
-    step = {}
     x = torch.ones(2, 8, device=device)
-    for layers in (4, 32):
-        for reshard in (False, True):
+    sizes = (4, 32)
+
+    def extra(wrap) -> dict[int, float]:
+        """{layers: seconds a wrapped stack's forward and backward takes beyond the bare stack's}."""
+        out = {}
+        for layers in sizes:
             torch.manual_seed(0)
-            unit = torch.nn.Sequential(*[torch.nn.Linear(8, 8) for _ in range(layers)]).to(device)
-            bare = torch.nn.Sequential(*[torch.nn.Linear(8, 8) for _ in range(layers)]).to(device)
-            fully_shard(unit, mesh=mesh, reshard_after_forward=reshard)
+            unit, bare = (torch.nn.Sequential(*[torch.nn.Linear(8, 8) for _ in range(layers)]).to(device)
+                          for _ in range(2))
+            unit = wrap(unit)
             comm.barrier(label="probe")
-            step[(layers, reshard)] = (_timed(lambda u=unit: u(x).sum().backward(), max(repeats, 30), sync)
-                                       - _timed(lambda b=bare: b(x).sum().backward(), max(repeats, 30), sync))
-    # the two settings differ by one all-gather; the rest of a step is a gather and a reduce-scatter
-    gather = {k: step[(k, True)] - step[(k, False)] for k in (4, 32)}
-    scatter = {k: step[(k, False)] - gather[k] for k in (4, 32)}
+            out[layers] = (_timed(lambda u=unit: u(x).sum().backward(), max(repeats, 30), sync)
+                           - _timed(lambda b=bare: b(x).sum().backward(), max(repeats, 30), sync))
+        return out
 
     def fit(cost: dict, op: str) -> tuple[float, float]:
-        """(per call, per parameter tensor) from units of 8 and 64 parameter tensors, the collective's own
-        time for the units' 4-layer message taken off (the planner adds it from the curves)."""
-        per_param = max((cost[32] - cost[4]) / (2 * (32 - 4)), 0.0)
-        message = interpolate(curves.get(op, []), 4 * 8 * 9 * 4, extrapolate_linear=True) or 0.0
-        return max(cost[4] - 2 * 4 * per_param - message, 0.0), per_param
+        per_param = max((cost[sizes[1]] - cost[sizes[0]]) / (2 * (sizes[1] - sizes[0])), 0.0)
+        message = interpolate(curves.get(op, []), sizes[0] * 8 * 9 * 4, extrapolate_linear=True) or 0.0
+        return max(cost[sizes[0]] - 2 * sizes[0] * per_param - message, 0.0), per_param
 
-    g0, g1 = fit(gather, "all_gather")
-    s0, s1 = fit(scatter, "reduce_scatter")
-    return {"dtensor_op_s": max(dtensor, 0.0), "fsdp_gather_s": g0, "fsdp_gather_param_s": g1,
-            "fsdp_scatter_s": s0, "fsdp_scatter_param_s": s1}
+    ddp = extra(lambda m: DistributedDataParallel(m) if comm.world_size > 1 else m)
+    kept = extra(lambda m: fully_shard(m, mesh=mesh, reshard_after_forward=False))
+    freed = extra(lambda m: fully_shard(m, mesh=mesh, reshard_after_forward=True))
+    d0, d1 = fit(ddp, "all_reduce") if comm.world_size > 1 else (0.0, 0.0)
+    g0, g1 = fit({k: freed[k] - kept[k] for k in sizes}, "all_gather")
+    s0, s1 = fit({k: kept[k] - (freed[k] - kept[k]) for k in sizes}, "reduce_scatter")
+    return {"dtensor_op_s": max(dtensor, 0.0), "ddp_call_s": d0, "ddp_param_s": d1, "fsdp_gather_s": g0,
+            "fsdp_gather_param_s": g1, "fsdp_scatter_s": s0, "fsdp_scatter_param_s": s1}
 
 
 def collective_curves(comm: Comm, device: torch.device, sizes, repeats: int, sync) -> dict:

@@ -24,7 +24,8 @@ Time, per optimizer step of the slowest rank:
               cost per byte
   comm        from the profile's collective curves, interpolated by message size, with the overlap each
               strategy allows (on CPU none: gloo reduces on the cores the compute has): DDP's bucketed
-              all-reduce hides under backward but its last bucket; ZeRO 1 adds a broadcast of each
+              all-reduce hides under backward but its last bucket, plus DDP's measured cost per
+              micro-batch and its division of the sums; ZeRO 1 adds a broadcast of each
               parameter from its owner after the step; ZeRO 2/3 all-gather each block per micro-batch (ZeRO 3 again in
               backward) and reduce-scatter once per step, plus FSDP2's measured cost per call and per
               parameter tensor and DTensor's per optimizer operator; tp all-reduces activations once per
@@ -185,6 +186,11 @@ def predict_time(shape: ModelShape, cost: MicroBatchCost, opt_ops: Ops, layout: 
             buckets = max(1, math.ceil(grad_bytes / DDP_BUCKET_BYTES))
             each = ct("all_reduce", grad_bytes / buckets) or 0.0
             comm += each + _hidden(each * (buckets - 1), backward, cuda)
+            # DDP's own work per micro-batch (measured), and its division of the reduced gradients
+            # by the world size (one pass over them: they are the buckets' views, nothing is copied)
+            over = profile.parallel_overheads
+            comm += n_micro * (over.get("ddp_call_s", 0.0) + len(shape.params) * over.get("ddp_param_s", 0.0))
+            comm += 2 * grad_bytes / (profile.memory_bandwidth or 1e11)
             if zero == 1:  # ZeroRedundancyOptimizer broadcasts each parameter from the rank that updated it
                 comm += sum(ct("send_recv", n * shape.element_size / (d.tp if nd >= 2 else 1))
                             or ct("all_gather", n * shape.element_size / d.dp) or 0.0
