@@ -11,6 +11,7 @@ in it.
 
 from __future__ import annotations
 
+import math
 import os
 import re
 from pathlib import Path
@@ -20,7 +21,11 @@ from shoal.errors import UserError
 
 CPU_ROOT = Path("/sys/fs/cgroup/cpu")  # the cgroup v1 cpu controller
 CPU_GROUP = "shoal-cluster"  # the parent group of every host's group
-CFS_PERIOD_US = 100_000
+# a host with half a core should be a slower host, not one that stops: under the kernel's default
+# 100 ms period a half-core host runs at full speed for 50 ms and then stops for 50, longer than a
+# training step, so a step's compute reads anywhere from full to a third of the speed
+CFS_PERIOD_US = 10_000
+MIN_QUOTA_US = 1_000  # the kernel refuses a smaller quota (EINVAL): a small share gets a longer period
 PROBE_NETNS = "shoal-probe"
 
 _RATE_UNITS = {"bit": 1, "kbit": 10**3, "mbit": 10**6, "gbit": 10**9}
@@ -110,9 +115,16 @@ def make_cpu_group(host: str, share: float) -> Path:
     require_cpu_controller()
     group = CPU_ROOT / CPU_GROUP / host
     group.mkdir(parents=True, exist_ok=True)
-    (group / "cpu.cfs_period_us").write_text(str(CFS_PERIOD_US))
-    (group / "cpu.cfs_quota_us").write_text(str(round(share * CFS_PERIOD_US)))
+    period = cfs_period_us(share)
+    (group / "cpu.cfs_period_us").write_text(str(period))
+    (group / "cpu.cfs_quota_us").write_text(str(round(share * period)))
     return group
+
+
+def cfs_period_us(share: float) -> int:
+    """The CFS period for `share` of a core: CFS_PERIOD_US, longer where the quota would be below the
+    kernel's 1 ms minimum."""
+    return max(CFS_PERIOD_US, math.ceil(MIN_QUOTA_US / share))
 
 
 def join_cpu_group(group: str) -> None:
