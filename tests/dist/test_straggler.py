@@ -29,3 +29,26 @@ def test_slowed_rank_is_named_and_the_parts_add_up(ranks, tmp_path):
     # rank 0 computes fast and then waits for rank 1 in dp: its wait shows, its compute stays small
     assert rows[-1]["time_exposed_dp_s"] > rows[-1]["time_compute_s"]
     assert list(Path(tmp_path, "traces").glob("rank*.pt.trace.json")) and len(list((tmp_path / "traces").iterdir())) == 2
+
+
+GPT = ["model.n_layer=2", "model.d_model=32", "model.n_head=2", "model.seq_len=16", "data.max_bytes=50000",
+       "train.steps=3", "train.global_batch_size=8", "train.micro_batch_size=2", "train.val_interval=0",
+       "train.val_batches=1", "metrics.log_interval=1", "metrics.tensorboard=false", "checkpoint.enabled=false",
+       "checkpoint.final_weights=false", "parallel.threads_per_worker=1", 'metrics.peak="a100"']
+
+
+@pytest.mark.parametrize("layout, axis", [(["parallel.tp=2"], "tp"), (["parallel.zero=3"], "dp"),
+                                          (["parallel.pp=2", "parallel.pp_microbatches=4"], "pp")])
+def test_waits_inside_the_model_are_exposed_on_their_axis(ranks, tmp_path, layout, axis):
+    """DTensor's all-reduces (tp), FSDP2's all-gathers (ZeRO 3: dp) and a pipeline's receives (pp) are
+    torch's collectives, not shoal's: their waits are timed all the same, and still add up to the step."""
+    (summary, _), _ = ranks(2).run(train, [*GPT, *layout], str(tmp_path))
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    for m in rows:
+        parts = sum(v for k, v in m.items() if k.startswith("time_"))
+        assert parts == pytest.approx(m["step_time_s"], rel=0.02)
+    assert summary["profile"][f"median_time_exposed_{axis}_s"] > 0
+    if axis == "tp":  # 2 blocks x 6 split matrices x 4 micro-batches of all-reduces: no small share of a step
+        assert summary["profile"]["median_time_exposed_tp_s"] > 0.05 * summary["median_step_time_s"]
+    if axis == "pp":  # a stage's idling is first the schedule's bubble
+        assert summary["profile"]["median_time_bubble_s"] > 0

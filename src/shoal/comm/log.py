@@ -13,9 +13,9 @@ collectives (`blocked_in`, outermost wait only), and (2) DDP's end of backward: 
 bucket has been handed to the network, backward's remaining work is waiting for every bucket (DDP
 finalises in C++), so the time from that hand-off until the next step mark, less any wait already
 counted in between, is exposed dp time. Buckets that finish while backward still computes are hidden
-and count nothing. Collectives torch issues inside the model on its own (DTensor's tensor-parallel
-all-reduces, FSDP2's all-gathers, a pipeline's send/recv) are not seen here: their waits count as
-compute (a pipeline's waits for its neighbours appear as its bubble).
+and count nothing. (3) The waits of collectives torch issues inside the model on its own (FSDP2's
+all-gathers, DTensor's tensor-parallel all-reduces, a pipeline's send/recv), timed by comm/model_waits.py;
+a pipeline stage's wait for its neighbours is first its schedule's bubble (metrics/profile.py).
 """
 
 from __future__ import annotations

@@ -77,12 +77,17 @@ class Profiler:
 def step_breakdown(phases: dict[str, float], exposed: dict[str, dict[str, float]], axes: tuple[str, ...],
                    bubble_fraction: float) -> dict[str, float]:
     """The parts of one step (StepTimer's phases and their waits), adding up to the step time."""
-    fb_wait = exposed.get("forward_backward_s", {})
+    fb_wait = dict(exposed.get("forward_backward_s", {}))
     opt_wait = exposed.get("optimizer_s", {})
-    busy = max(0.0, phases.get("forward_backward_s", 0.0) - sum(fb_wait.values()))
+    # a pipeline stage idles while it waits for its neighbours: the schedule's bubble share of the
+    # stage's time is bubble, only what it waited beyond that is exposed pp communication
+    pp_wait = fb_wait.pop("pp", 0.0)
+    active = max(0.0, phases.get("forward_backward_s", 0.0) - sum(fb_wait.values()))
+    bubble = active * bubble_fraction
+    fb_wait["pp"] = max(0.0, pp_wait - bubble)
     out = {"time_data_wait_s": phases.get("data_wait_s", 0.0),
-           "time_compute_s": busy * (1 - bubble_fraction),
-           "time_bubble_s": busy * bubble_fraction,
+           "time_compute_s": max(0.0, active - bubble - fb_wait["pp"]),
+           "time_bubble_s": bubble,
            "time_optimizer_s": max(0.0, phases.get("optimizer_s", 0.0) - sum(opt_wait.values()))}
     for axis in AXES:
         waited = fb_wait.get(axis, 0.0) + opt_wait.get(axis, 0.0)

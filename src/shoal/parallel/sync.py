@@ -33,6 +33,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from shoal.comm.codecs import Codec, DDPState
 from shoal.comm.hooks import logged
 from shoal.comm.log import CollectiveLog
+from shoal.comm.model_waits import log_fsdp_all_gathers
 
 
 class StepSync(Protocol):
@@ -80,6 +81,7 @@ class EveryStep:
             names = {id(p): n for n, p in module.module.named_parameters()}
             module.register_comm_hook(DDPState(dp_group, names), logged(self.codec.ddp_hook, log, "dp"))
         else:
+            log_fsdp_all_gathers(module, log)  # the parameters' all-gathers, in the log as well
             for name, m in module.named_modules():
                 if isinstance(m, FSDPModule):
                     m.set_custom_reduce_scatter(CodecReduceScatter(self.codec, name or "root"))

@@ -23,6 +23,7 @@ from shoal.checkpoint.manifest import step_dir_name
 from shoal.checkpoint.resume import check_compatible, find_resume_point, newest_valid
 from shoal.checkpoint.train_state import TrainState, read_train_state
 from shoal.comm.collectives import Comm
+from shoal.comm.model_waits import time_model_waits
 from shoal.comm.phase import Phase
 from shoal.config import Config
 from shoal.data.loader import Prefetcher
@@ -213,6 +214,7 @@ def profiler(cfg: Config, layout: Layout, bundle, source, env: DistEnv, comm: Co
     """metrics.profile: the step profile's profiler and the line saying what MFU is measured against."""
     dims, p = layout.dims, cfg.parallel
     axes = tuple(a for a, n in (("dp", dims.dp), ("tp", dims.tp), ("pp", dims.pp)) if n > 1)
+    time_model_waits(comm.log, "tp" if dims.tp > 1 else "dp", pipeline=dims.pp > 1)
     bubble = bubble_fraction(dims.pp, layout.pp_microbatches,
                              p.pp_stages_per_rank if p.pp_schedule == "interleaved-1f1b" else 1)
 
