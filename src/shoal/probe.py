@@ -17,6 +17,7 @@ repetitions of the slowest rank's time (a collective ends when its last rank doe
 
 from __future__ import annotations
 
+import contextlib
 import statistics
 import time
 from collections import defaultdict
@@ -28,7 +29,7 @@ from torch.utils._pytree import tree_flatten
 from shoal.allocator import THRESHOLD
 from shoal.comm.collectives import Comm
 from shoal.dist import DistEnv
-from shoal.hardware import HardwareProfile, interpolate
+from shoal.hardware import FSDP_PROBE_CALLS, PROBE_LAYERS, HardwareProfile
 from shoal.metrics.memory import peak_memory_bytes
 
 KIB = 1024
@@ -78,17 +79,23 @@ class StepCosts:
     fresh_memory_s_per_byte: float | None
 
 
-def _reference_step(width: int, device: torch.device, repeats: int):
-    """One training step of the reference GPT at `width` as a callable of the step's index."""
+def _reference_bundle(width: int, device: torch.device):
+    """The reference GPT: 2 blocks of `width`, 4 heads, 128 tokens, byte vocabulary."""
     from shoal.models.gpt import GPTConfig, build
     from shoal.models.spec import DataSpec
 
+    bundle = build(GPTConfig(n_layer=2, n_head=4, d_model=width, seq_len=128), DataSpec(kind="tokens", vocab_size=256))
+    bundle.model.to(device)
+    return bundle
+
+
+def _reference_step(width: int, device: torch.device, repeats: int):
+    """One training step of the reference GPT at `width` as a callable of the step's index."""
     torch.manual_seed(0)
-    cfg = GPTConfig(n_layer=2, n_head=4, d_model=width, seq_len=128)
-    bundle = build(cfg, DataSpec(kind="tokens", vocab_size=256))
-    model = bundle.model.to(device)
+    bundle = _reference_bundle(width, device)
+    model = bundle.model
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
-    data = torch.randint(0, 256, (repeats + 3, 4, cfg.seq_len), device=device)
+    data = torch.randint(0, 256, (repeats + 3, 4, 128), device=device)
 
     def step(i: int) -> None:
         x = data[i % len(data)]
@@ -214,24 +221,27 @@ def _merge(points: list[tuple[float, float]]) -> list[tuple[float, float]]:
     return [(b, statistics.median(r)) for b, r in sorted(sizes.items())]
 
 
-def parallel_overheads(comm: Comm, device: torch.device, repeats: int, sync, curves: dict) -> dict[str, float]:
-    """What torch's parallel wrappers cost on top of their arithmetic and messages, over the probe's group,
-    each fitted as (per call, per parameter tensor) from stacks of 4 and 32 tiny linear layers (8 and 64
-    parameter tensors; messages of a few KiB, whose collective time is taken off: the planner adds it
-    from the curves), forward and backward against the same stack unwrapped:
+def parallel_overheads(comm: Comm, device: torch.device, repeats: int, sync) -> dict[str, float]:
+    """What torch's parallel wrappers cost on top of their arithmetic, over the probe's group: stacks of 4
+    and 32 tiny linear layers (8 and 64 parameter tensors, messages of ~1 KiB), forward and backward,
+    wrapped against bare, fitted as a cost per call and per parameter tensor. A call's cost includes its
+    tiny collective as it runs between layers (~1 ms here where the same collective alone takes 0.2-0.4):
+    the planner adds only what a larger message costs beyond it (hardware.py's OVERHEAD_MESSAGE_BYTES).
       dtensor_op_s        one operator on a DTensor beyond the same operator on a plain tensor (Python
-                          dispatch, sharding propagation): tensor parallelism's layers and the optimizer
-                          of every sharded layout pay it per operator;
-      ddp_call_s, ddp_param_s
-                          DistributedDataParallel per micro-batch (its forward's checks, the reducer's
-                          bucket copies and autograd hooks), one all-reduce taken off;
-      fsdp_gather_s, fsdp_gather_param_s, fsdp_scatter_s, fsdp_scatter_param_s
-                          an FSDP2 unit's all-gather and reduce-scatter (copy-in, copy-out, views): with
-                          and without resharding after forward (2 or 1 all-gathers per step, 1 reduce-
-                          scatter), the difference is one all-gather."""
+                          dispatch, sharding propagation): what the optimizer of a sharded layout pays
+                          per operator;
+      tp_layer_s          one linear layer split by tensor parallelism (column- and row-wise in turn):
+                          DTensor's wrapping, sharding propagation and redistribution around it, and
+                          its all-reduce (a row-wise layer's output in forward, a column-wise layer's
+                          input gradient in backward);
+      ddp_sync_s, ddp_local_s, ddp_param_s
+                          DistributedDataParallel per micro-batch that all-reduces, per micro-batch that
+                          only accumulates (no_sync), and per parameter tensor (its autograd hook);
+      fsdp_call_s, fsdp_byte_s
+                          FSDP2 per collective call and per byte it moves (fsdp_costs)."""
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor import Replicate, distribute_tensor
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
     from torch.nn.parallel import DistributedDataParallel
 
     mesh = init_device_mesh(device.type, (comm.world_size,))
@@ -241,34 +251,84 @@ def parallel_overheads(comm: Comm, device: torch.device, repeats: int, sync, cur
     dtensor = (_timed(lambda: [replicated.mul_(1.0) for _ in range(n)], repeats, sync)
                - _timed(lambda: [plain.mul_(1.0) for _ in range(n)], repeats, sync)) / n
     x = torch.ones(2, 8, device=device)
-    sizes = (4, 32)
 
-    def extra(wrap) -> dict[int, float]:
-        """{layers: seconds a wrapped stack's forward and backward takes beyond the bare stack's}."""
+    def extra(wrap, quiet: bool = False) -> dict[int, float]:
+        """{layers: seconds a wrapped stack's forward and backward takes beyond the bare stack's}
+        (`quiet`: inside DDP's no_sync)."""
         out = {}
-        for layers in sizes:
+        for layers in PROBE_LAYERS:
             torch.manual_seed(0)
             unit, bare = (torch.nn.Sequential(*[torch.nn.Linear(8, 8) for _ in range(layers)]).to(device)
                           for _ in range(2))
             unit = wrap(unit)
+
+            def step(u=unit):
+                with u.no_sync() if quiet else contextlib.nullcontext():
+                    u(x).sum().backward()
             comm.barrier(label="probe")
-            out[layers] = (_timed(lambda u=unit: u(x).sum().backward(), max(repeats, 30), sync)
-                           - _timed(lambda b=bare: b(x).sum().backward(), max(repeats, 30), sync))
+            # wrapped and bare in turn, the median of the differences: the machine's drift cancels
+            diffs = [_timed(step, 1, sync) - _timed(lambda b=bare: b(x).sum().backward(), 1, sync)
+                     for _ in range(max(repeats, 40))]
+            out[layers] = statistics.median(diffs)
         return out
 
-    def fit(cost: dict, op: str) -> tuple[float, float]:
-        per_param = max((cost[sizes[1]] - cost[sizes[0]]) / (2 * (sizes[1] - sizes[0])), 0.0)
-        message = interpolate(curves.get(op, []), sizes[0] * 8 * 9 * 4, extrapolate_linear=True) or 0.0
-        return max(cost[sizes[0]] - 2 * sizes[0] * per_param - message, 0.0), per_param
+    def fit(cost: dict) -> tuple[float, float]:
+        """(per call, per parameter tensor) from the two stacks."""
+        small, large = PROBE_LAYERS
+        per_param = max((cost[large] - cost[small]) / (2 * (large - small)), 0.0)
+        return max(cost[small] - 2 * small * per_param, 0.0), per_param
 
-    ddp = extra(lambda m: DistributedDataParallel(m) if comm.world_size > 1 else m)
-    kept = extra(lambda m: fully_shard(m, mesh=mesh, reshard_after_forward=False))
-    freed = extra(lambda m: fully_shard(m, mesh=mesh, reshard_after_forward=True))
-    d0, d1 = fit(ddp, "all_reduce") if comm.world_size > 1 else (0.0, 0.0)
-    g0, g1 = fit({k: freed[k] - kept[k] for k in sizes}, "all_gather")
-    s0, s1 = fit({k: kept[k] - (freed[k] - kept[k]) for k in sizes}, "reduce_scatter")
-    return {"dtensor_op_s": max(dtensor, 0.0), "ddp_call_s": d0, "ddp_param_s": d1, "fsdp_gather_s": g0,
-            "fsdp_gather_param_s": g1, "fsdp_scatter_s": s0, "fsdp_scatter_param_s": s1}
+    out = {"dtensor_op_s": max(dtensor, 0.0)}
+    if comm.world_size > 1:
+        (sync_s, per_param), (local_s, _) = (fit(extra(DistributedDataParallel, quiet)) for quiet in (False, True))
+        out.update(ddp_sync_s=sync_s, ddp_local_s=local_s, ddp_param_s=per_param)
+    split = extra(lambda m: parallelize_module(m, mesh, {str(i): ColwiseParallel() if i % 2 == 0
+                                                         else RowwiseParallel() for i in range(len(m))}))
+    out["tp_layer_s"] = max((split[PROBE_LAYERS[1]] - split[PROBE_LAYERS[0]]) / (PROBE_LAYERS[1] - PROBE_LAYERS[0]),
+                            0.0)
+    out.update(fsdp_costs(comm, device, repeats, sync, mesh))
+    return out
+
+
+def fsdp_costs(comm: Comm, device: torch.device, repeats: int, sync, mesh) -> dict[str, float]:
+    """FSDP2 (ZeRO 3: every block and the root sharded, resharded after forward) on the reference GPT of
+    each REFERENCE_WIDTHS, forward and backward against the same model unsharded, in turn: the extra
+    seconds fitted as a cost per collective call (the same calls at both widths: 5 all-gathers, 3
+    reduce-scatters) and per byte gathered or reduced (copy-in, copy-out, the network). The tiny stacks
+    of parallel_overheads put FSDP2's cost per call at 0.5-2 ms, a tenth of what a GPT's blocks pay."""
+    from torch.distributed.fsdp import fully_shard
+
+    from shoal.models.gpt import Block
+
+    extra, moved = [], []
+    for width in REFERENCE_WIDTHS:
+        models = []
+        for shard in (False, True):
+            torch.manual_seed(0)
+            bundle = _reference_bundle(width, device)
+            blocks = [m for m in bundle.model.modules() if isinstance(m, Block)]
+            if shard:
+                for i, block in enumerate(blocks):
+                    fully_shard(block, mesh=mesh, reshard_after_forward=i < len(blocks) - 1)
+                fully_shard(bundle.model, mesh=mesh)
+            models.append(bundle)
+        x = torch.randint(0, 256, (4, 128), device=device)
+
+        def fwd_bwd(bundle, x=x):
+            bundle.loss_fn(bundle.model, {"input": x, "target": x}).sum().backward()
+            bundle.model.zero_grad(set_to_none=True)
+        plain, sharded = models
+        comm.barrier(label="probe")
+        diffs = [_timed(lambda s=sharded: fwd_bwd(s), 1, sync) - _timed(lambda p=plain: fwd_bwd(p), 1, sync)
+                 for _ in range(max(repeats, 8))]
+        extra.append(statistics.median(diffs))
+        block = sum(p.numel() * p.element_size() for p in blocks[0].parameters())
+        rest = sum(p.numel() * p.element_size() for p in models[0].model.parameters()) - len(blocks) * block
+        # gathered: each block in forward, again in backward but the last; the root twice; reduced once each
+        moved.append(block * (2 * len(blocks) - 1) + 2 * rest + block * len(blocks) + rest)
+    per_byte = max((extra[1] - extra[0]) / (moved[1] - moved[0]), 0.0)
+    calls = FSDP_PROBE_CALLS
+    return {"fsdp_call_s": max(extra[0] - per_byte * moved[0], 0.0) / calls, "fsdp_byte_s": per_byte}
 
 
 def collective_curves(comm: Comm, device: torch.device, sizes, repeats: int, sync) -> dict:
@@ -296,8 +356,11 @@ def collective_curves(comm: Comm, device: torch.device, sizes, repeats: int, syn
                     comm.recv(t, peer, "probe")
                     comm.send(t, peer, "probe").wait()
             runs["send_recv"] = send_recv  # a round trip: half of it is one message's time
+        # small messages take 0.2 ms or, now and then, 3-4 (a peer's thread not yet scheduled): a median
+        # needs more than a few of them
+        times = repeats if size > 256 * KIB else max(repeats, 15)
         for op, fn in runs.items():
-            seconds = [_group_time(comm, fn, sync, device) for _ in range(repeats + 1)][1:]  # 1st warms up
+            seconds = [_group_time(comm, fn, sync, device) for _ in range(times + 1)][1:]  # 1st warms up
             sec = statistics.median(seconds)
             curves[op].append((float(n * 4), sec / 2 if op == "send_recv" else sec))
     return {op: pts for op, pts in curves.items() if pts}
@@ -330,7 +393,7 @@ def measure(env: DistEnv, sizes=DEFAULT_SIZES, repeats: int = 3, matmul_sizes=MA
     # every worker measures at once, as every worker trains at once: side by side, two processes on two
     # cores ran the reference operators 5-15% slower than one alone (memory bandwidth, caches)
     steps = reference_steps(device, repeats, sync, widths, together=lambda: comm.barrier(label="probe"))
-    overheads = parallel_overheads(comm, device, repeats, sync, collectives)
+    overheads = parallel_overheads(comm, device, repeats, sync)
     return HardwareProfile(
         name="probe", device=device.type,
         device_name=torch.cuda.get_device_name(device) if cuda else _cpu_name(),

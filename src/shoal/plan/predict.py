@@ -28,8 +28,9 @@ Time, per optimizer step of the slowest rank:
               micro-batch and its division of the sums; ZeRO 1 adds a broadcast of each
               parameter from its owner after the step; ZeRO 2/3 all-gather each block per micro-batch (ZeRO 3 again in
               backward) and reduce-scatter once per step, plus FSDP2's measured cost per call and per
-              parameter tensor and DTensor's per optimizer operator; tp all-reduces activations once per
-              split matrix and micro-batch, plus DTensor's cost per operator on split layers; pp sends
+              parameter tensor and DTensor's per optimizer operator; tp: per split matrix and micro-batch the
+              probe's measured cost of a split layer (DTensor and an all-reduce between layers) and
+              what the activations' all-reduce costs beyond its tiny one; pp sends
               activations and gradients between stages
   bubble      pipeline idle time: (p-1)/(v m + p-1) of the stage's busy time (v stages per rank)
 """
@@ -39,7 +40,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from shoal.hardware import HardwareProfile
+from shoal.hardware import OVERHEAD_MESSAGE_BYTES, HardwareProfile
 from shoal.layout import Layout
 from shoal.parallel.pipeline import bubble_fraction
 from shoal.plan.cost import MicroBatchCost, Ops
@@ -186,51 +187,57 @@ def predict_time(shape: ModelShape, cost: MicroBatchCost, opt_ops: Ops, layout: 
             buckets = max(1, math.ceil(grad_bytes / DDP_BUCKET_BYTES))
             each = ct("all_reduce", grad_bytes / buckets) or 0.0
             comm += each + _hidden(each * (buckets - 1), backward, cuda)
-            # DDP's own work per micro-batch (measured), and its division of the reduced gradients
-            # by the world size (one pass over them: they are the buckets' views, nothing is copied)
+            # DDP's own work (measured): per micro-batch, the last one's with a small all-reduce in place
+            # of the first bucket's latency; and its division of the reduced gradients by the world size
+            # (one pass over them: they are the buckets' views, nothing is copied)
             over = profile.parallel_overheads
-            comm += n_micro * (over.get("ddp_call_s", 0.0) + len(shape.params) * over.get("ddp_param_s", 0.0))
+            if "ddp_sync_s" in over:
+                comm += (over["ddp_sync_s"] - (ct("all_reduce", OVERHEAD_MESSAGE_BYTES["stack"]) or 0.0)
+                         + (n_micro - 1) * over["ddp_local_s"] + n_micro * len(shape.params) * over["ddp_param_s"])
             comm += 2 * grad_bytes / (profile.memory_bandwidth or 1e11)
             if zero == 1:  # ZeroRedundancyOptimizer broadcasts each parameter from the rank that updated it
                 comm += sum(ct("send_recv", n * shape.element_size / (d.tp if nd >= 2 else 1))
                             or ct("all_gather", n * shape.element_size / d.dp) or 0.0
                             for n, _, nd, trainable in shape.params if trainable)
         else:
-            block_bytes = param_bytes_full / n_blocks
-            gather = ct("all_gather", block_bytes / d.dp) or 0.0
-            scatter = ct("reduce_scatter", block_bytes) or 0.0
+            in_blocks = sum(n for b in shape.block_params for n, *_ in b) * shape.element_size / d.tp
+            block_bytes = (in_blocks or param_bytes_full) / n_blocks
+            rest_bytes = max(param_bytes_full - n_blocks * block_bytes, 0.0)  # the root's: embeddings, head
             # per micro-batch each block is gathered for its forward (ZeRO 2 keeps it through backward,
-            # then frees it), ZeRO 3 again for its backward but the last block's; gradients are reduced
-            # once per step (the last micro-batch)
+            # then frees it), ZeRO 3 again for its backward but the last block's; the root (the layers
+            # outside blocks) likewise; gradients are reduced once per step (the last micro-batch)
             gathers = n_blocks * n_micro * (2 if zero == 3 else 1) - (n_micro if zero == 3 else 0)
-            # FSDP2 copies each gathered block out of the flat buffer, each gradient into one
-            copy = 2 * block_bytes / (profile.memory_bandwidth or 1e11)
-            comm += copy * (gathers + n_blocks)
-            comm += gather + (gathers - 1) * _hidden(gather, block_compute, cuda)
-            comm += scatter + (n_blocks - 1) * _hidden(scatter, block_compute, cuda)
-            # FSDP2's own work per call and per parameter tensor, for the blocks and the root (the rest);
-            # the optimizer and the clipping run on DTensor shards
-            over = profile.parallel_overheads
-            per_block = sum(len(b) for b in shape.block_params) / n_blocks
-            rest = max(len(shape.params) - sum(len(b) for b in shape.block_params), 0)
             root_gathers = n_micro * (2 if zero == 3 else 1)
-            comm += (gathers * (over.get("fsdp_gather_s", 0.0) + per_block * over.get("fsdp_gather_param_s", 0.0))
-                     + root_gathers * (over.get("fsdp_gather_s", 0.0) + rest * over.get("fsdp_gather_param_s", 0.0))
-                     + (n_blocks + 1) * over.get("fsdp_scatter_s", 0.0)
-                     + len(shape.params) * over.get("fsdp_scatter_param_s", 0.0)
-                     + len(opt_ops.items) * over.get("dtensor_op_s", 0.0))
+            over = profile.parallel_overheads
+            if "fsdp_call_s" in over:  # FSDP2 as the probe measured it on a GPT: per call and per byte moved
+                moved = (gathers + n_blocks) * block_bytes + (root_gathers + 1) * rest_bytes
+                comm += (gathers + root_gathers + n_blocks + 1) * over["fsdp_call_s"] + moved * over["fsdp_byte_s"]
+            else:  # the collectives alone, from the curves
+                gather = ct("all_gather", block_bytes / d.dp) or 0.0
+                scatter = ct("reduce_scatter", block_bytes) or 0.0
+                comm += gather + (gathers - 1) * _hidden(gather, block_compute, cuda)
+                comm += scatter + (n_blocks - 1) * _hidden(scatter, block_compute, cuda)
+            comm += len(opt_ops.items) * over.get("dtensor_op_s", 0.0)
+            if profile.fresh_memory_s_per_byte:
+                # FSDP2's buffers, each freshly mapped on CPU (allocator.py): per all-gather the block's
+                # gathered flat buffer and its parameters copied out of it, per reduce-scatter its flat
+                # input and output, and each micro-batch's unsharded gradients
+                fresh = (2 * gathers + 2 * n_blocks) * block_bytes + n_micro * param_bytes_full
+                comm += profile.fresh_memory_s_per_byte * fresh
     if d.tp > 1:
-        # one all-reduce of a block's activations per split matrix and micro-batch: a row-wise layer's
-        # output in forward, a column-wise layer's input gradient in backward
+        # one all-reduce of a block's activations per split matrix and micro-batch (a row-wise layer's
+        # output in forward, a column-wise layer's input gradient in backward): the probe's measured cost
+        # of a split layer (DTensor's work and a tiny all-reduce between layers) and what a message of
+        # the activations' size costs more; DTensor's cost per optimizer operator on split parameters
         act = cost.block_input[0] if cost.block_input else 0
         matrices = [sum(1 for p in b if p[2] >= 2) for b in shape.block_params]
         outside = sum(1 for p in shape.params if p[2] >= 2) - sum(matrices)
-        comm += n_micro * (sum(matrices) / d.pp + outside) * (ct("all_reduce", act) or 0.0)
-        # DTensor dispatch for the split layers: their forward and backward (about 4 operators per
-        # matrix and micro-batch) and the optimizer's operators on them
-        split = sum(matrices) / max(sum(len(b) for b in shape.block_params), 1) * 2  # a matrix and its bias
-        comm += profile.parallel_overheads.get("dtensor_op_s", 0.0) * (
-            4 * n_micro * sum(matrices) / d.pp + min(split, 1.0) * len(opt_ops.items) / d.pp)
+        over = profile.parallel_overheads
+        message = max(0.0, (ct("all_reduce", act) or 0.0) - (ct("all_reduce", OVERHEAD_MESSAGE_BYTES["tp"]) or 0.0))
+        per_layer = over["tp_layer_s"] + message if "tp_layer_s" in over else (ct("all_reduce", act) or 0.0)
+        comm += n_micro * (sum(matrices) / d.pp + outside) * per_layer
+        split = min(1.0, 2 * sum(matrices) / max(sum(len(b) for b in shape.block_params), 1))  # matrices, biases
+        comm += over.get("dtensor_op_s", 0.0) * split * len(opt_ops.items) / d.pp
     if d.pp > 1:
         act = cost.block_input[0] if cost.block_input else 0
         hops = 2 * (n_micro + d.pp - 1) * stages_per_rank
