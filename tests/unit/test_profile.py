@@ -36,3 +36,15 @@ def test_straggler_named_against_the_other_ranks():
     p = Profiler(("dp",), 0.0, 2, 1e9, 1e10, 1.5, logged_step=10)
     assert p.stragglers([0.1, 0.2], 20) == {"compute_s_per_rank": [0.1, 0.2], "straggler_rank": 1,
                                             "straggler_ratio": pytest.approx(2.0), "straggler_steps": [11, 20]}
+
+
+def test_compute_is_compared_per_even_share_of_the_batch():
+    """Under parallel.balance a rank given twice the samples computes twice as long without being slow."""
+    phases = {"forward_backward_s": 0.2, "optimizer_s": 0.0}
+    fast_with_more = Profiler(("dp",), 0.0, 2, None, None, 1.2)
+    fast_with_more.step(phases, {}, 0.2, share=4 / 3)  # 8 of 12 samples: an even share is 6
+    slow_with_less = Profiler(("dp",), 0.0, 2, None, None, 1.2)
+    slow_with_less.step(phases, {}, 0.2, share=2 / 3)  # 4 of 12, as long: twice as slow per sample
+    compute = [fast_with_more.take_compute(), slow_with_less.take_compute()]
+    assert compute == [pytest.approx(0.15), pytest.approx(0.3)]
+    assert fast_with_more.stragglers(compute, 1)["straggler_rank"] == 1

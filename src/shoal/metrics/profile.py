@@ -13,7 +13,8 @@ and the world's peak (a hardware profile: a preset, a `shoal probe` file, or mea
 
 A straggler: a rank whose compute is slow makes the others wait in the next synchronisation, so plain
 per-rank step times come out equal; compute time before the synchronisation is not equalised. Each
-rank sums its compute between logged steps; the ranks gather these sums at logged steps only (riding
+rank sums its compute between logged steps, per even share of the global batch (under parallel.balance a
+rank computes more or fewer samples on purpose); the ranks gather these sums at logged steps only (riding
 on the memory accounting's all-gather), and a rank at least metrics.straggler_ratio times the median
 of the others is named.
 """
@@ -47,17 +48,21 @@ class Profiler:
     steps_since_log: int = 0
     logged_step: int = 0  # the step the ranks last gathered their compute at
 
-    def step(self, phases: dict[str, float], exposed: dict[str, dict[str, float]], step_time_s: float) -> dict:
-        """A step's profile metrics (clock arithmetic only)."""
+    def step(self, phases: dict[str, float], exposed: dict[str, dict[str, float]], step_time_s: float,
+             share: float = 1.0) -> dict:
+        """A step's profile metrics (clock arithmetic only). `share`: this rank's samples in the step
+        against an even share of the global batch (parallel.balance gives uneven ones on purpose): the
+        compute the ranks compare is per even share, so a straggler is slow per sample, not per step."""
         m = step_breakdown(phases, exposed, self.axes, self.bubble_fraction)
-        self.compute_since_log += m["time_compute_s"]
+        self.compute_since_log += m["time_compute_s"] / share if share > 0 else m["time_compute_s"]
         self.steps_since_log += 1
         if self.flops_per_step and self.peak_flops and step_time_s > 0:
             m.update(mfu(self.flops_per_step, step_time_s, self.world_size, self.peak_flops))
         return m
 
     def take_compute(self) -> float:
-        """Mean compute seconds per step since the last logged step (then starts over)."""
+        """Mean compute seconds per step (of an even share of the batch) since the last logged step (then
+        starts over)."""
         mean = self.compute_since_log / max(1, self.steps_since_log)
         self.compute_since_log, self.steps_since_log = 0.0, 0
         return mean

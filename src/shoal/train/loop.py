@@ -204,12 +204,7 @@ def after_step(t: Trainer, hooks: Hooks, done: int, lr: float, out: dict, timer:
     if out["held"] is not None:
         record.memory_per_rank = gather_memory(t, out["held"], t.profile.take_compute() if t.profile else None)
         if t.profile:
-            compute = [r.pop("compute_s") for r in record.memory_per_rank]
-            if t.balance:  # uneven shares on purpose: a straggler is slow per sample, not per step
-                share = t.balance.split_for(done - 1)
-                mean = t.train.global_batch_size / len(share)
-                compute = [c * mean / n for c, n in zip(compute, share, strict=True)]
-            m.update(t.profile.stragglers(compute, done))
+            m.update(t.profile.stragglers([r.pop("compute_s") for r in record.memory_per_rank], done))
             if "straggler_rank" in m:
                 sinks.print(f"rank {m['straggler_rank']}: compute {m['straggler_ratio']:.1f}x the median of the "
                             f"other ranks (steps {m['straggler_steps'][0]}-{done})")
@@ -233,7 +228,15 @@ def step_metrics(t: Trainer, done: int, lr: float, out: dict, timer: StepTimer) 
             f"{t.items_name}_per_s": out["items"] / timer.total, "step_time_s": timer.total, **timer.phases,
             # bytes this rank sent to keep the replicas in sync: this step, and since this attempt started
             "comm_bytes": out["comm_bytes"], "comm_bytes_total": t.comm.sync_bytes, **t.par.step_metrics(),
-            **(t.profile.step(timer.phases, timer.exposed, timer.total) if t.profile else {})}
+            **(t.profile.step(timer.phases, timer.exposed, timer.total, share_of_batch(t, done)) if t.profile else {})}
+
+
+def share_of_batch(t: Trainer, done: int) -> float:
+    """This rank's share of step `done`'s samples against an even share (1.0 without parallel.balance)."""
+    if not t.balance:
+        return 1.0
+    split = t.balance.split_for(done - 1)
+    return split[t.balance.dp_rank] * len(split) / sum(split)
 
 
 def validate(t: Trainer, sinks: MetricsSinks, done: int) -> dict:
