@@ -125,6 +125,28 @@ def test_sigkill_with_restarts_recovers_exactly(tmp_path, reference):
         parts = rec["breakdown_s"]  # the parts are consecutive spans of the seconds lost
         assert set(parts) == {"respawn", "startup", "restore", "first_step"} and min(parts.values()) >= 0, rec
         assert sum(parts.values()) == pytest.approx(rec["seconds_lost"], abs=1e-3), rec
+        assert_report_draws_the_recovery(run_dir, tmp_path / f"report{attempt}.html")
+
+
+def assert_report_draws_the_recovery(run_dir, out):
+    """`shoal report` on a run that really recovered: the timeline shades the seconds lost and names the
+    restart, the page's table lists it, and the checkpoints sit on the progress line."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    from shoal.report import figures
+    from shoal.report.data import load_run
+    from shoal.report.page import render
+
+    run = load_run(run_dir)
+    fig = figures.timeline([run])
+    ax = fig.axes[0]
+    labels = [t.get_text() for t in ax.texts]
+    assert any(t.startswith("restart 1: ") and t.endswith(" s lost") for t in labels), labels
+    assert ax.patches, "the recovery's span is not drawn"
+    assert ax.get_legend_handles_labels()[1][-2:] == ["checkpoint", "recovery (seconds lost)"]
+    written = render([run_dir], out)
+    assert out.with_name(f"{out.stem}-timeline.png") in written and "restart" in out.read_text()
 
 
 def test_truncated_newest_checkpoint_falls_back_to_the_previous(tmp_path, reference):
