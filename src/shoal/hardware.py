@@ -54,6 +54,8 @@ class HardwareProfile(BaseModel):
     matmul_curve: dict[str, list[tuple[float, float]]] = {}  # per dtype: [[n, FLOP/s of n x n x n], ...]
     op_overhead_s: float | None = None  # what a training step pays per operator besides its arithmetic
     fresh_memory_s_per_byte: float | None = None  # CPU, ZeRO 2/3's mmap threshold: faulting in new pages
+    heap_fixed_bytes: float | None = None  # CPU: a worker's resident set grows by this fixed amount in training
+    heap_ratio: float | None = None  # ... and by this many bytes per byte of tensors the planner counts
     parallel_overheads: dict[str, float] = {}  # DTensor per operator, FSDP2 per call and parameter (probe.py)
     op_rates: dict[str, list[tuple[float, float]]] = {}  # per aten operator without FLOPs: [[bytes, bytes/s]]
     op_flop_rates: dict[str, list[tuple[float, float]]] = {}  # per aten operator with FLOPs: [[FLOPs, FLOP/s]]

@@ -18,6 +18,7 @@ repetitions of the slowest rank's time (a collective ends when its last rank doe
 from __future__ import annotations
 
 import contextlib
+import os
 import statistics
 import time
 from collections import defaultdict
@@ -77,6 +78,8 @@ class StepCosts:
     op_flop_rates: dict[str, list[tuple[float, float]]]
     op_overhead_s: float
     fresh_memory_s_per_byte: float | None
+    heap_fixed_bytes: float | None  # CPU: the resident set's growth in training = fixed + ratio x tensors
+    heap_ratio: float | None
 
 
 def _reference_bundle(width: int, device: torch.device):
@@ -121,14 +124,45 @@ def reference_walls(repeats: int, widths=REFERENCE_WIDTHS) -> list[float]:
     return [_wall(_reference_step(w, torch.device("cpu"), repeats), repeats, lambda: None) for w in widths]
 
 
-def _walls_in_new_process(repeats: int, widths, env: dict) -> list[float]:
+def reference_heap(repeats: int, width: int) -> int:
+    """Bytes the resident set grows by (its high-water mark) from before building the reference GPT at
+    `width` through its training steps, in this process: what the model state and activations cost on
+    CPU with the C library's heap as a worker has it. From after importing the training stack, where
+    the profile's process_bytes is measured."""
+    import shoal.train.run  # noqa: F401 - as measure() imports it before reading process_bytes
+
+    before = _resident_bytes()
+    _wall(_reference_step(width, torch.device("cpu"), repeats), repeats, lambda: None)
+    return peak_memory_bytes(torch.device("cpu")) - before
+
+
+def reference_live_bytes(width: int) -> int:
+    """What the planner counts of the reference GPT at `width` in training (plan/predict.py): parameters,
+    gradients and AdamW's two moments in fp32, the activations autograd saves for a batch of 4 x 128 and
+    the largest tensor, traced on the meta device."""
+    from shoal.models.meta import on_meta
+    from shoal.plan.cost import trace_micro_batch
+
+    with on_meta():
+        bundle = _reference_bundle(width, torch.device("meta"))
+    x = torch.zeros(4, 128, dtype=torch.long, device="meta")
+    cost = trace_micro_batch(bundle, {"input": x, "target": x}, bundle.block_types)
+    return 4 * 4 * sum(p.numel() for p in bundle.model.parameters()) + cost.activation_bytes(False) + cost.largest
+
+
+def _resident_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def _in_new_process(call: str, env: dict):
+    """`call` (an expression over shoal.probe) evaluated in a new Python process with `env` added."""
     import json
-    import os
     import subprocess
     import sys
 
     code = f"import json, torch; torch.set_num_threads({torch.get_num_threads()}); " \
-           f"from shoal.probe import reference_walls; print(json.dumps(reference_walls({repeats}, {tuple(widths)})))"
+           f"from shoal.probe import *; print(json.dumps({call}))"
     out = subprocess.run([sys.executable, "-c", code], env={**os.environ, **env}, check=True, capture_output=True,
                          text=True).stdout
     return json.loads(out.splitlines()[-1])
@@ -137,7 +171,7 @@ def _walls_in_new_process(repeats: int, widths, env: dict) -> list[float]:
 def reference_steps(device: torch.device, repeats: int, sync, widths=REFERENCE_WIDTHS,
                     together=lambda: None) -> StepCosts:
     """Training steps of the built-in GPT (2 blocks, 4 sequences of 128 tokens, a new batch each step:
-    forward, backward, gradient clipping, AdamW, zero_grad) at each of REFERENCE_WIDTHS, measured three
+    forward, backward, gradient clipping, AdamW, zero_grad) at each of REFERENCE_WIDTHS, measured four
     ways:
       - every operator timed one call at a time: those with FLOPs (matmuls) as {aten name: [[FLOPs,
         FLOP/s], ...]}: the model's rectangular and transposed matmuls run ~10% below the square ones of
@@ -147,6 +181,8 @@ def reference_steps(device: torch.device, repeats: int, sync, widths=REFERENCE_W
         a copy of its bytes here) while the updates of tensors that fit in cache run faster.
       - the whole step's wall time against the sum of its operators' times: what a step pays per
         operator besides its arithmetic (Python, modules, the autograd engine, allocation, launches);
+      - on CPU, how far the resident set grows in a new process training each width, against the bytes
+        the planner counts for it (reference_live_bytes): a fixed part and a ratio;
       - on CPU, the step in a new process with glibc's mmap threshold fixed from its start, as ZeRO 2/3
         workers fix it (allocator.py), against a new process without: every tensor over 64 KiB is then
         freshly mapped and its pages faulted in; the extra seconds per byte so allocated. (Set in a
@@ -200,17 +236,26 @@ def reference_steps(device: torch.device, repeats: int, sync, widths=REFERENCE_W
                 (by_flops if flops else by_op)[name].append((amount, amount / max(statistics.median(times) - floor,
                                                                                    1e-9)))
         kernel.clear()
-    fresh = None
+    fresh, heap_fit = None, (None, None)
     if device.type == "cpu":
         together()
-        plain = _walls_in_new_process(repeats, widths, {})
+        plain = _in_new_process(f"reference_walls({repeats}, {tuple(widths)})", {})
         together()
-        mapped = _walls_in_new_process(repeats, widths, {"MALLOC_MMAP_THRESHOLD_": str(THRESHOLD)})
+        mapped = _in_new_process(f"reference_walls({repeats}, {tuple(widths)})",
+                                 {"MALLOC_MMAP_THRESHOLD_": str(THRESHOLD)})
+        together()
+        heap = [(_in_new_process(f"reference_heap({repeats}, {w})", {}), reference_live_bytes(w)) for w in widths]
         fresh = max(statistics.median((m - p) / max(a, 1) for m, p, a in zip(mapped, plain, allocs, strict=True)),
                     0.0)
+        # the resident set grows by a fixed amount (the first step's one-time allocations) and by more
+        # than the tensors themselves (the heap keeps what it freed in pieces): fitted over the widths
+        (g0, l0), (g1, l1) = heap[0], heap[-1]
+        ratio = min(max((g1 - g0) / (l1 - l0), 0.5), 3.0) if l1 != l0 else 1.0  # measured ~0.9 here
+        heap_fit = (max(g0 - ratio * l0, 0.0), ratio)
     # the narrowest reference's: its operators are too small for cache misses to add to their time
     return StepCosts({name: _merge(points) for name, points in sorted(by_op.items())},
-                     {name: _merge(points) for name, points in sorted(by_flops.items())}, overheads[0], fresh)
+                     {name: _merge(points) for name, points in sorted(by_flops.items())}, overheads[0], fresh,
+                     *heap_fit)
 
 
 def _merge(points: list[tuple[float, float]]) -> list[tuple[float, float]]:
@@ -405,6 +450,8 @@ def measure(env: DistEnv, sizes=DEFAULT_SIZES, repeats: int = 3, matmul_sizes=MA
         op_rates=steps.op_rates,
         op_flop_rates=steps.op_flop_rates,
         fresh_memory_s_per_byte=steps.fresh_memory_s_per_byte,
+        heap_fixed_bytes=steps.heap_fixed_bytes,
+        heap_ratio=steps.heap_ratio,
         parallel_overheads=overheads,
         process_bytes=base,
         threads=torch.get_num_threads(),

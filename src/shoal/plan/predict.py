@@ -13,8 +13,9 @@ Memory, the quantities metrics/memory.py measures (STATE_KINDS), each parameter 
   buffers     ZeRO 2 keeps every block's gathered parameters from forward to backward, ZeRO 3 two
               blocks (one prefetched); the largest tensor's gradient in backward
   data        the data source's tensors each worker holds (CPU: counted in its resident memory)
-  peak        the worker's resident memory before a model (profile's process_bytes; 0 on a GPU)
-              + all of the above
+  peak        the worker's resident memory before a model (profile's process_bytes; 0 on a GPU) + data
+              + all of the above; on CPU the tensors' part as the probe measured the resident set grow
+              in training (a fixed part and a ratio: the heap keeps what it frees in pieces)
 Time, per optimizer step of the slowest rank:
   compute     every traced operator at the rate the probe measured for it in reference training steps:
               with FLOPs, FLOPs / its FLOP/s at that many FLOPs (the matmul curve for one never measured);
@@ -124,10 +125,14 @@ def predict_memory(shape: ModelShape, params: list, cost: MicroBatchCost, layout
     full_block = max((_bytes(b, 1, False, d.tp, es, "params") for b in shape.block_params), default=0)
     gathered = {0: 0, 1: 0, 2: _bytes(params, 1, False, d.tp, es, "params") - p_bytes, 3: 2 * full_block}[zero]
     buffers = gathered + cost.largest // d.tp
-    base = (profile.process_bytes or 0) if profile is not None and profile.device == "cpu" else 0
+    cpu = profile is not None and profile.device == "cpu"
+    base = (profile.process_bytes or 0) if cpu else 0
     mem = {"params": p_bytes, "grads": g_bytes, "optimizer": opt, "activations": act, "buffers": buffers,
            "data": data_bytes}
-    mem["peak"] = base + sum(mem.values())
+    tensors = sum(v for k, v in mem.items() if k != "data")
+    if cpu and profile.heap_ratio:  # the heap keeps freed pieces: resident memory grows by more (probe.py)
+        tensors = (profile.heap_fixed_bytes or 0) + profile.heap_ratio * tensors
+    mem["peak"] = int(base + data_bytes + tensors)
     return mem
 
 
