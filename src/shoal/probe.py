@@ -131,9 +131,19 @@ def reference_heap(repeats: int, width: int) -> int:
     the profile's process_bytes is measured."""
     import shoal.train.run  # noqa: F401 - as measure() imports it before reading process_bytes
 
-    before = _resident_bytes()
+    before = _status_bytes("VmRSS")
     _wall(_reference_step(width, torch.device("cpu"), repeats), repeats, lambda: None)
-    return peak_memory_bytes(torch.device("cpu")) - before
+    return _status_bytes("VmHWM") - before
+
+
+def _status_bytes(key: str) -> int:
+    """VmRSS or VmHWM of this process. (Not getrusage's maxrss: Linux carries that over from the parent
+    across exec, so a new process started by a large one reports the parent's peak.)"""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(key + ":"):
+                return int(line.split()[1]) * 1024
+    raise OSError(f"/proc/self/status has no {key}")
 
 
 def reference_live_bytes(width: int) -> int:
@@ -148,11 +158,6 @@ def reference_live_bytes(width: int) -> int:
     x = torch.zeros(4, 128, dtype=torch.long, device="meta")
     cost = trace_micro_batch(bundle, {"input": x, "target": x}, bundle.block_types)
     return 4 * 4 * sum(p.numel() for p in bundle.model.parameters()) + cost.activation_bytes(False) + cost.largest
-
-
-def _resident_bytes() -> int:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
 def _in_new_process(call: str, env: dict):
