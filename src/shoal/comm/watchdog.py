@@ -7,11 +7,12 @@ step it is at (phase.py), and torch's flight-recorder counters per process group
 collective fails, report.py reads every rank's status from the store.
 
 Whether the main thread waits in a collective is read off its stack: blocked in one of shoal's own
-(the collective log says so), inside torch.distributed code (FSDP2's all-gather, DTensor's
-all-reduce, a pipeline's send/recv wait, a ZeRO 1 broadcast), or inside torch's autograd engine
-while a DDP gradient bucket has been in flight for over a second (DDP waits for its buckets in C++
-at the end of backward). A main thread running its own code (a model's forward, a data step) is not
-in a collective, whatever async work it has in flight: that is the rank the others wait for.
+(the collective log says so; FSDP2's parameter all-gathers are among them, comm/model_waits.py),
+inside torch.distributed code (DTensor's all-reduce, a pipeline's send/recv wait, a ZeRO 1
+broadcast), or inside torch's autograd engine while a DDP gradient bucket has been in flight for over
+a second (DDP waits for its buckets in C++ at the end of backward). A main thread running its own
+code (a model's forward, a data step) is not in a collective, whatever async work it has in flight:
+that is the rank the others wait for.
 """
 
 from __future__ import annotations
@@ -33,7 +34,8 @@ STATUS_KEY = "shoal/status/{rank}"
 _TORCH = str(Path(torch.__file__).parent) + "/"
 _STDLIB = str(Path(threading.__file__).parent) + "/"
 _DIST = _TORCH + "distributed/"
-_COMM = str(Path(__file__).with_name("collectives.py"))
+# shoal's own collectives: Comm's, and FSDP2's all-gathers it issues (model_waits.py LoggedAllGather)
+_COMM = (str(Path(__file__).with_name("collectives.py")), str(Path(__file__).with_name("model_waits.py")))
 _WRAPPERS = {"wrapper", "inner", "_fn", "decorate_context", "__call__"}
 
 
@@ -55,9 +57,11 @@ def blocked_in(stack: list[traceback.FrameSummary], log: CollectiveLog) -> str |
     inner = []
     for f in reversed(stack):  # the innermost run of library frames
         if not _library(f.filename):
-            if f.filename.endswith(_COMM) and log.in_flight() is not None:  # one of shoal's own collectives
+            if f.filename in _COMM and log.in_flight() is not None:  # one of shoal's own collectives
                 return describe(log.in_flight())
-            break
+            if f.filename != _COMM[1]:  # model_waits.py's timing wrappers stand between torch's frames
+                break
+            continue
         inner.append(f)
     # torch.distributed's own frames, without the decorators around them
     dist_frames = [f for f in inner if f.filename.startswith(_DIST) and f.name not in _WRAPPERS]
