@@ -44,8 +44,10 @@ def _library(filename: str) -> bool:
 
 
 def where(stack: list[traceback.FrameSummary], frames: int = 2) -> str:
-    """The innermost frames that are in the project or the user's code (not in libraries)."""
-    ours = [f for f in stack if "site-packages" not in f.filename and not f.filename.startswith(_STDLIB)] or stack
+    """The innermost frames that are in the project or the user's code (not in libraries, nor
+    model_waits.py's plumbing around torch's collectives)."""
+    ours = [f for f in stack if "site-packages" not in f.filename and not f.filename.startswith(_STDLIB)
+            and f.filename != _COMM[1]] or stack
     return " <- ".join(f"{Path(f.filename).name}:{f.lineno} in {f.name}" for f in reversed(ours[-frames:]))
 
 
