@@ -75,6 +75,40 @@ def test_model_state_bytes_are_the_known_counts(tiny):
     assert abs(zero3["optimizer"] - (8 * n / 2 + 4 * n_tensors)) / (8 * n / 2) < 0.01
 
 
+def test_measured_costs_enter_the_prediction(tiny):
+    """The probe's per-call costs of FSDP2, a tp layer and DDP, its freshly-mapped-memory cost and heap
+    growth each change the prediction by what their formulas say."""
+    from shoal.layout import resolve_layout
+    from shoal.plan.planner import Model, predict
+
+    cfg, _, _, _ = tiny
+    model = Model.build(cfg)
+
+    def prediction(profile, *keys):
+        c = load_config(None, [*TINY, *keys])
+        return predict(model, c, resolve_layout(c, 2, False), profile)
+
+    calls = {"fsdp_call_s": 1e-3, "fsdp_byte_s": 0.0, "tp_layer_s": 2e-3, "ddp_sync_s": 3e-3, "ddp_local_s": 0.0,
+             "ddp_param_s": 0.0}
+    measured = PROFILE.model_copy(update={"parallel_overheads": calls})
+    # ZeRO 3, 2 blocks, 2 micro-batches of 2 per rank: 2 x 2 x 2 - 2 = 6 block gathers, 4 root gathers,
+    # 3 reduce-scatters: 13 calls (the curves' collectives give way to the measured cost)
+    z3 = prediction(measured, "parallel.zero=3").time["comm"]
+    assert z3 == pytest.approx(13e-3, rel=0.05)
+    # tp 2 (dp 1: 4 micro-batches): 6 split matrices per block x 2 blocks + the 2 embeddings, each
+    tp = prediction(measured, "parallel.tp=2").time["comm"] - prediction(PROFILE, "parallel.tp=2").time["comm"]
+    assert tp > 0.9 * 4 * 14 * 2e-3
+    ddp = prediction(measured).time["comm"] - prediction(PROFILE).time["comm"]
+    assert ddp == pytest.approx(3e-3 - PROFILE.collective_time("all_reduce", 1152), rel=1e-6)
+    fresh = PROFILE.model_copy(update={"fresh_memory_s_per_byte": 1e-9})
+    assert prediction(fresh, "parallel.zero=2").step_time > prediction(PROFILE, "parallel.zero=2").step_time
+    assert prediction(fresh).time == prediction(PROFILE).time  # ZeRO 0 keeps glibc's own threshold
+    base = prediction(PROFILE).memory
+    heap = prediction(PROFILE.model_copy(update={"heap_fixed_bytes": 2 ** 20, "heap_ratio": 2.0})).memory
+    tensors = sum(base[k] for k in ("params", "grads", "optimizer", "activations", "buffers"))
+    assert heap["peak"] - base["peak"] == pytest.approx(2 ** 20 + tensors, abs=2)
+
+
 def test_apply_writes_a_config_that_loads(tiny, tmp_path):
     cfg, path, _, planned = tiny
     best = apply(path, planned, tmp_path / "best.toml")
@@ -112,7 +146,9 @@ def test_probe_writes_a_profile(tmp_path):
     assert got.collective_time("all_reduce", 4096) > 0
     # the reference step's operators: element-wise ones rated by size, matmuls left to the curve
     assert got.op_rate("gelu_backward", 1e5) > 0 and "mm" not in got.op_rates and got.op_overhead_s > 0
-    assert got.fresh_memory_s_per_byte is not None
+    assert got.fresh_memory_s_per_byte is not None and got.heap_ratio > 0 and got.heap_fixed_bytes >= 0
+    over = got.parallel_overheads  # one process: no DDP; DTensor, a tp layer and FSDP2 still measured
+    assert {"dtensor_op_s", "tp_layer_s", "fsdp_call_s", "fsdp_byte_s"} <= set(over) and "ddp_sync_s" not in over
 
 
 @pytest.mark.parametrize("argv, message", [
