@@ -8,7 +8,8 @@ one node per host of the one-machine cluster, cluster/run.py). Each worker measu
   - reference training steps of the built-in GPT (reference_steps): each operator timed by operator
     and size, what a step pays per operator besides its arithmetic, and (CPU) what freshly mapped
     memory costs per byte under ZeRO 2/3's allocator setting,
-  - what DTensor and FSDP2 add per operator, call and parameter tensor (parallel_overheads),
+  - what DTensor, DDP, a tensor-parallel layer and FSDP2 cost per operator, call, parameter tensor,
+    layer or byte (parallel_overheads),
   - its resident memory after importing the training stack (what every worker holds before a model),
 and the group measures all-reduce, all-gather, reduce-scatter and point-to-point (rank pairs 2i <->
 2i+1) over message sizes, issued through comm/ (each one recorded). A time is the median over the
@@ -302,10 +303,10 @@ def parallel_overheads(comm: Comm, device: torch.device, repeats: int, sync) -> 
                - _timed(lambda: [plain.mul_(1.0) for _ in range(n)], repeats, sync)) / n
     x = torch.ones(2, 8, device=device)
 
-    def extra(wrap, quiet: bool = False) -> dict[int, float]:
-        """{layers: seconds a wrapped stack's forward and backward takes beyond the bare stack's}
-        (`quiet`: inside DDP's no_sync)."""
-        out = {}
+    def stacks(wrap, quiet: bool = False) -> list[float]:
+        """Per PROBE_LAYERS: seconds a wrapped stack's forward and backward takes beyond the bare
+        stack's (`quiet`: inside DDP's no_sync)."""
+        out = []
         for layers in PROBE_LAYERS:
             torch.manual_seed(0)
             unit, bare = (torch.nn.Sequential(*[torch.nn.Linear(8, 8) for _ in range(layers)]).to(device)
@@ -315,70 +316,68 @@ def parallel_overheads(comm: Comm, device: torch.device, repeats: int, sync) -> 
             def step(u=unit):
                 with u.no_sync() if quiet else contextlib.nullcontext():
                     u(x).sum().backward()
-            comm.barrier(label="probe")
-            # wrapped and bare in turn, the median of the differences: the machine's drift cancels
-            diffs = [_timed(step, 1, sync) - _timed(lambda b=bare: b(x).sum().backward(), 1, sync)
-                     for _ in range(max(repeats, 40))]
-            out[layers] = statistics.median(diffs)
+            out.append(_extra(step, lambda b=bare: b(x).sum().backward(), comm, max(repeats, 40), sync))
         return out
 
-    def fit(cost: dict) -> tuple[float, float]:
-        """(per call, per parameter tensor) from the two stacks."""
-        small, large = PROBE_LAYERS
-        per_param = max((cost[large] - cost[small]) / (2 * (large - small)), 0.0)
-        return max(cost[small] - 2 * small * per_param, 0.0), per_param
-
+    tensors = [2 * layers for layers in PROBE_LAYERS]  # a weight and a bias per layer
     out = {"dtensor_op_s": max(dtensor, 0.0)}
     if comm.world_size > 1:
-        (sync_s, per_param), (local_s, _) = (fit(extra(DistributedDataParallel, quiet)) for quiet in (False, True))
+        (sync_s, per_param), (local_s, _) = (_fit(stacks(DistributedDataParallel, quiet), tensors)
+                                             for quiet in (False, True))
         out.update(ddp_sync_s=sync_s, ddp_local_s=local_s, ddp_param_s=per_param)
-    split = extra(lambda m: parallelize_module(m, mesh, {str(i): ColwiseParallel() if i % 2 == 0
-                                                         else RowwiseParallel() for i in range(len(m))}))
-    out["tp_layer_s"] = max((split[PROBE_LAYERS[1]] - split[PROBE_LAYERS[0]]) / (PROBE_LAYERS[1] - PROBE_LAYERS[0]),
-                            0.0)
+    split = stacks(lambda m: parallelize_module(m, mesh, {str(i): ColwiseParallel() if i % 2 == 0
+                                                          else RowwiseParallel() for i in range(len(m))}))
+    out["tp_layer_s"] = _fit(split, list(PROBE_LAYERS))[1]
     out.update(fsdp_costs(comm, device, repeats, sync, mesh))
     return out
 
 
+def _extra(wrapped, bare, comm: Comm, repeats: int, sync) -> float:
+    """Seconds `wrapped()` takes beyond `bare()`: the two in turn, the median of the differences (the
+    machine's drift cancels), started together on every rank."""
+    comm.barrier(label="probe")
+    return statistics.median(_timed(wrapped, 1, sync) - _timed(bare, 1, sync) for _ in range(repeats))
+
+
+def _fit(costs: list[float], amounts: list[float], calls: int = 1) -> tuple[float, float]:
+    """(seconds per call, per unit of `amount`) of a cost measured at two amounts, the first of them
+    made of `calls` calls."""
+    per_unit = max((costs[1] - costs[0]) / (amounts[1] - amounts[0]), 0.0)
+    return max(costs[0] - per_unit * amounts[0], 0.0) / calls, per_unit
+
+
 def fsdp_costs(comm: Comm, device: torch.device, repeats: int, sync, mesh) -> dict[str, float]:
     """FSDP2 (ZeRO 3: every block and the root sharded, resharded after forward) on the reference GPT of
-    each REFERENCE_WIDTHS, forward and backward against the same model unsharded, in turn: the extra
-    seconds fitted as a cost per collective call (the same calls at both widths: 5 all-gathers, 3
+    each REFERENCE_WIDTHS, forward and backward against the same model unsharded: the extra seconds
+    fitted as a cost per collective call (the same calls at both widths: 5 all-gathers, 3
     reduce-scatters) and per byte gathered or reduced (copy-in, copy-out, the network). The tiny stacks
     of parallel_overheads put FSDP2's cost per call at 0.5-2 ms, a tenth of what a GPT's blocks pay."""
     from torch.distributed.fsdp import fully_shard
 
     from shoal.models.gpt import Block
 
+    x = torch.randint(0, 256, (4, 128), device=device)
+
+    def fwd_bwd(bundle):
+        bundle.loss_fn(bundle.model, {"input": x, "target": x}).sum().backward()
+        bundle.model.zero_grad(set_to_none=True)
     extra, moved = [], []
     for width in REFERENCE_WIDTHS:
-        models = []
-        for shard in (False, True):
-            torch.manual_seed(0)
-            bundle = _reference_bundle(width, device)
-            blocks = [m for m in bundle.model.modules() if isinstance(m, Block)]
-            if shard:
-                for i, block in enumerate(blocks):
-                    fully_shard(block, mesh=mesh, reshard_after_forward=i < len(blocks) - 1)
-                fully_shard(bundle.model, mesh=mesh)
-            models.append(bundle)
-        x = torch.randint(0, 256, (4, 128), device=device)
-
-        def fwd_bwd(bundle, x=x):
-            bundle.loss_fn(bundle.model, {"input": x, "target": x}).sum().backward()
-            bundle.model.zero_grad(set_to_none=True)
-        plain, sharded = models
-        comm.barrier(label="probe")
-        diffs = [_timed(lambda s=sharded: fwd_bwd(s), 1, sync) - _timed(lambda p=plain: fwd_bwd(p), 1, sync)
-                 for _ in range(max(repeats, 8))]
-        extra.append(statistics.median(diffs))
-        block = sum(p.numel() * p.element_size() for p in blocks[0].parameters())
-        rest = sum(p.numel() * p.element_size() for p in models[0].model.parameters()) - len(blocks) * block
+        torch.manual_seed(0)
+        plain = _reference_bundle(width, device)
+        torch.manual_seed(0)
+        sharded = _reference_bundle(width, device)
+        blocks = [m for m in sharded.model.modules() if isinstance(m, Block)]
+        for i, block in enumerate(blocks):
+            fully_shard(block, mesh=mesh, reshard_after_forward=i < len(blocks) - 1)
+        fully_shard(sharded.model, mesh=mesh)
+        extra.append(_extra(lambda s=sharded: fwd_bwd(s), lambda p=plain: fwd_bwd(p), comm, max(repeats, 8), sync))
+        block = sum(p.numel() * p.element_size() for p in plain.model.blocks[0].parameters())
+        rest = sum(p.numel() * p.element_size() for p in plain.model.parameters()) - len(blocks) * block
         # gathered: each block in forward, again in backward but the last; the root twice; reduced once each
         moved.append(block * (2 * len(blocks) - 1) + 2 * rest + block * len(blocks) + rest)
-    per_byte = max((extra[1] - extra[0]) / (moved[1] - moved[0]), 0.0)
-    calls = FSDP_PROBE_CALLS
-    return {"fsdp_call_s": max(extra[0] - per_byte * moved[0], 0.0) / calls, "fsdp_byte_s": per_byte}
+    call, per_byte = _fit(extra, moved, FSDP_PROBE_CALLS)
+    return {"fsdp_call_s": call, "fsdp_byte_s": per_byte}
 
 
 def collective_curves(comm: Comm, device: torch.device, sizes, repeats: int, sync) -> dict:

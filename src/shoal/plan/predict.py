@@ -179,74 +179,92 @@ def predict_time(shape: ModelShape, cost: MicroBatchCost, opt_ops: Ops, layout: 
         bubble = per_micro * n_micro * bubble_fraction(d.pp, n_micro, stages_per_rank) / (
             1 - bubble_fraction(d.pp, n_micro, stages_per_rank))
     t = {"compute": compute, "bubble": bubble}
-    ct = profile.collective_time
     if d.world_size > 1 and not profile.collectives:
         t.update(comm=None, step=None)
         return t
-    comm, cuda = 0.0, profile.device == "cuda"
-    backward = per_micro * (1 - fwd_share)
-    n_blocks = max(len(shape.block_params), 1)
-    block_compute = per_micro / n_blocks
-    if d.dp > 1:
-        if zero <= 1:
-            buckets = max(1, math.ceil(grad_bytes / DDP_BUCKET_BYTES))
-            each = ct("all_reduce", grad_bytes / buckets) or 0.0
-            comm += each + _hidden(each * (buckets - 1), backward, cuda)
-            # DDP's own work (measured): per micro-batch, the last one's with a small all-reduce in place
-            # of the first bucket's latency; and its division of the reduced gradients by the world size
-            # (one pass over them: they are the buckets' views, nothing is copied)
-            over = profile.parallel_overheads
-            if "ddp_sync_s" in over:
-                comm += (over["ddp_sync_s"] - (ct("all_reduce", OVERHEAD_MESSAGE_BYTES["stack"]) or 0.0)
-                         + (n_micro - 1) * over["ddp_local_s"] + n_micro * len(shape.params) * over["ddp_param_s"])
-            comm += 2 * grad_bytes / (profile.memory_bandwidth or 1e11)
-            if zero == 1:  # ZeroRedundancyOptimizer broadcasts each parameter from the rank that updated it
-                comm += sum(ct("send_recv", n * shape.element_size / (d.tp if nd >= 2 else 1))
-                            or ct("all_gather", n * shape.element_size / d.dp) or 0.0
-                            for n, _, nd, trainable in shape.params if trainable)
-        else:
-            in_blocks = sum(n for b in shape.block_params for n, *_ in b) * shape.element_size / d.tp
-            block_bytes = (in_blocks or param_bytes_full) / n_blocks
-            rest_bytes = max(param_bytes_full - n_blocks * block_bytes, 0.0)  # the root's: embeddings, head
-            # per micro-batch each block is gathered for its forward (ZeRO 2 keeps it through backward,
-            # then frees it), ZeRO 3 again for its backward but the last block's; the root (the layers
-            # outside blocks) likewise; gradients are reduced once per step (the last micro-batch)
-            gathers = n_blocks * n_micro * (2 if zero == 3 else 1) - (n_micro if zero == 3 else 0)
-            root_gathers = n_micro * (2 if zero == 3 else 1)
-            over = profile.parallel_overheads
-            if "fsdp_call_s" in over:  # FSDP2 as the probe measured it on a GPT: per call and per byte moved
-                moved = (gathers + n_blocks) * block_bytes + (root_gathers + 1) * rest_bytes
-                comm += (gathers + root_gathers + n_blocks + 1) * over["fsdp_call_s"] + moved * over["fsdp_byte_s"]
-            else:  # the collectives alone, from the curves
-                gather = ct("all_gather", block_bytes / d.dp) or 0.0
-                scatter = ct("reduce_scatter", block_bytes) or 0.0
-                comm += gather + (gathers - 1) * _hidden(gather, block_compute, cuda)
-                comm += scatter + (n_blocks - 1) * _hidden(scatter, block_compute, cuda)
-            comm += len(opt_ops.items) * over.get("dtensor_op_s", 0.0)
-            if profile.fresh_memory_s_per_byte:
-                # FSDP2's buffers, each freshly mapped on CPU (allocator.py): per all-gather the block's
-                # gathered flat buffer and its parameters copied out of it, per reduce-scatter its flat
-                # input and output, and each micro-batch's unsharded gradients
-                fresh = (2 * gathers + 2 * n_blocks) * block_bytes + n_micro * param_bytes_full
-                comm += profile.fresh_memory_s_per_byte * fresh
+    comm = 0.0
+    if d.dp > 1 and zero <= 1:
+        comm += _ddp_comm(shape, profile, layout, n_micro, grad_bytes, per_micro * (1 - fwd_share))
+    elif d.dp > 1:
+        seconds, fresh = _fsdp_comm(shape, profile, layout, n_micro, param_bytes_full, per_micro, len(opt_ops.items))
+        comm += seconds
+        t["compute"] = compute = compute + (profile.fresh_memory_s_per_byte or 0.0) * fresh
     if d.tp > 1:
-        # one all-reduce of a block's activations per split matrix and micro-batch (a row-wise layer's
-        # output in forward, a column-wise layer's input gradient in backward): the probe's measured cost
-        # of a split layer (DTensor's work and a tiny all-reduce between layers) and what a message of
-        # the activations' size costs more; DTensor's cost per optimizer operator on split parameters
-        act = cost.block_input[0] if cost.block_input else 0
-        matrices = [sum(1 for p in b if p[2] >= 2) for b in shape.block_params]
-        outside = sum(1 for p in shape.params if p[2] >= 2) - sum(matrices)
-        over = profile.parallel_overheads
-        message = max(0.0, (ct("all_reduce", act) or 0.0) - (ct("all_reduce", OVERHEAD_MESSAGE_BYTES["tp"]) or 0.0))
-        per_layer = over["tp_layer_s"] + message if "tp_layer_s" in over else (ct("all_reduce", act) or 0.0)
-        comm += n_micro * (sum(matrices) / d.pp + outside) * per_layer
-        split = min(1.0, 2 * sum(matrices) / max(sum(len(b) for b in shape.block_params), 1))  # matrices, biases
-        comm += over.get("dtensor_op_s", 0.0) * split * len(opt_ops.items) / d.pp
+        comm += _tp_comm(shape, cost, profile, layout, n_micro, len(opt_ops.items))
     if d.pp > 1:
         act = cost.block_input[0] if cost.block_input else 0
         hops = 2 * (n_micro + d.pp - 1) * stages_per_rank
-        comm += hops * (ct("send_recv", act) or 0.0)
+        comm += hops * (profile.collective_time("send_recv", act) or 0.0)
     t["comm"] = comm
     t["step"] = compute + bubble + comm
     return t
+
+
+def _ddp_comm(shape: ModelShape, profile: HardwareProfile, layout: Layout, n_micro: int, grad_bytes: int,
+              backward: float) -> float:
+    """dp with ZeRO 0/1: DDP's bucketed all-reduce from the curves (hidden under backward on a GPU but its
+    last bucket), DDP's own measured work per micro-batch, the last one's with a small all-reduce in
+    place of the first bucket's latency; its division of the reduced gradients by the world size (one
+    pass over them: they are the buckets' views, nothing is copied); ZeRO 1's broadcast of each
+    parameter from the rank that updated it (ZeroRedundancyOptimizer)."""
+    d, ct, over = layout.dims, profile.collective_time, profile.parallel_overheads
+    buckets = max(1, math.ceil(grad_bytes / DDP_BUCKET_BYTES))
+    each = ct("all_reduce", grad_bytes / buckets) or 0.0
+    comm = each + _hidden(each * (buckets - 1), backward, profile.device == "cuda")
+    if "ddp_sync_s" in over:
+        comm += (over["ddp_sync_s"] - (ct("all_reduce", OVERHEAD_MESSAGE_BYTES["stack"]) or 0.0)
+                 + (n_micro - 1) * over["ddp_local_s"] + n_micro * len(shape.params) * over["ddp_param_s"])
+    comm += 2 * grad_bytes / (profile.memory_bandwidth or 1e11)
+    if layout.zero == 1:
+        comm += sum(ct("send_recv", n * shape.element_size / (d.tp if nd >= 2 else 1))
+                    or ct("all_gather", n * shape.element_size / d.dp) or 0.0
+                    for n, _, nd, trainable in shape.params if trainable)
+    return comm
+
+
+def _fsdp_comm(shape: ModelShape, profile: HardwareProfile, layout: Layout, n_micro: int, param_bytes_full: int,
+               per_micro: float, optimizer_ops: int) -> tuple[float, float]:
+    """ZeRO 2/3 (FSDP2): (seconds, bytes of FSDP2's buffers that are freshly mapped on CPU). Per
+    micro-batch each block is gathered for its forward (ZeRO 2 keeps it through backward, then frees
+    it), ZeRO 3 again for its backward but the last block's; the root (the layers outside blocks)
+    likewise; gradients are reduced once per step (the last micro-batch). Priced as the probe measured
+    FSDP2 on a GPT (per call and per byte moved), else the collectives alone from the curves; DTensor's
+    cost per optimizer operator (the shards are DTensors)."""
+    d, zero, ct, over = layout.dims, layout.zero, profile.collective_time, profile.parallel_overheads
+    n_blocks = max(len(shape.block_params), 1)
+    in_blocks = sum(n for b in shape.block_params for n, *_ in b) * shape.element_size / d.tp
+    block_bytes = (in_blocks or param_bytes_full) / n_blocks
+    rest_bytes = max(param_bytes_full - n_blocks * block_bytes, 0.0)  # the root's: embeddings, head
+    gathers = n_blocks * n_micro * (2 if zero == 3 else 1) - (n_micro if zero == 3 else 0)
+    root_gathers = n_micro * (2 if zero == 3 else 1)
+    if "fsdp_call_s" in over:
+        moved = (gathers + n_blocks) * block_bytes + (root_gathers + 1) * rest_bytes
+        comm = (gathers + root_gathers + n_blocks + 1) * over["fsdp_call_s"] + moved * over["fsdp_byte_s"]
+    else:
+        cuda, block_compute = profile.device == "cuda", per_micro / n_blocks
+        gather, scatter = ct("all_gather", block_bytes / d.dp) or 0.0, ct("reduce_scatter", block_bytes) or 0.0
+        comm = (gather + (gathers - 1) * _hidden(gather, block_compute, cuda)
+                + scatter + (n_blocks - 1) * _hidden(scatter, block_compute, cuda))
+    comm += optimizer_ops * over.get("dtensor_op_s", 0.0)
+    # per all-gather the block's gathered flat buffer and its parameters copied out of it, per
+    # reduce-scatter its flat input and output, and each micro-batch's unsharded gradients
+    fresh = (2 * gathers + 2 * n_blocks) * block_bytes + n_micro * param_bytes_full
+    return comm, fresh
+
+
+def _tp_comm(shape: ModelShape, cost: MicroBatchCost, profile: HardwareProfile, layout: Layout, n_micro: int,
+             optimizer_ops: int) -> float:
+    """Tensor parallelism: one all-reduce of a block's activations per split matrix and micro-batch (a
+    row-wise layer's output in forward, a column-wise layer's input gradient in backward), at the probe's
+    measured cost of a split layer (DTensor's work and a tiny all-reduce between layers) plus what a
+    message of the activations' size costs more; DTensor's cost per optimizer operator on split
+    parameters."""
+    d, ct, over = layout.dims, profile.collective_time, profile.parallel_overheads
+    act = cost.block_input[0] if cost.block_input else 0
+    matrices = sum(sum(1 for p in b if p[2] >= 2) for b in shape.block_params)
+    outside = sum(1 for p in shape.params if p[2] >= 2) - matrices
+    message = max(0.0, (ct("all_reduce", act) or 0.0) - (ct("all_reduce", OVERHEAD_MESSAGE_BYTES["tp"]) or 0.0))
+    per_layer = over["tp_layer_s"] + message if "tp_layer_s" in over else (ct("all_reduce", act) or 0.0)
+    split = min(1.0, 2 * matrices / max(sum(len(b) for b in shape.block_params), 1))  # the matrices and biases
+    layers = n_micro * (matrices / d.pp + outside) * per_layer
+    return layers + over.get("dtensor_op_s", 0.0) * split * optimizer_ops / d.pp
