@@ -38,7 +38,6 @@ PRESETS = {
 # the smaller stack's parameters (DDP, FSDP2) or a layer's activations of 2 x 8 (tensor parallelism)
 PROBE_LAYERS = (4, 32)
 OVERHEAD_MESSAGE_BYTES = {"stack": PROBE_LAYERS[0] * 8 * 9 * 4, "tp": 2 * 8 * 4}
-FSDP_PROBE_CALLS = 8  # the probe's ZeRO 3 reference (2 blocks and the root): 5 all-gathers, 3 reduce-scatters
 
 
 class HardwareProfile(BaseModel):
