@@ -18,7 +18,7 @@ rank_samples_per_s; printed, so that r1 / r0 shows how close to half rank 1 ran)
 that does not split (the optimizer step and data wait, the balanced run's median). Exposed
 communication is overhead the ideal does not pay: the gradient all-reduce with a half-speed rank in it
 (~4 ms for this model's 1.8 MB on the cluster, `shoal probe --cluster`) and the wait for rank 1 when
-its quota runs out mid-step (the cgroup gives it 5 ms of every 10).
+its quota runs out mid-step (the cgroup gives it 2.5 ms of every 5).
 
     python benchmarks/load_balance.py [--slow cpu|inject] [--steps 60]
 

@@ -203,8 +203,8 @@ def test_the_limits_are_in_tc_and_the_cgroups(cluster):
         assert "tbf" in inside and "rate 20Mbit" in inside, inside
         assert "tbf" in bridge_side and "rate 20Mbit" in bridge_side, bridge_side
     groups = Path("/sys/fs/cgroup/cpu/shoal-cluster")
-    for host, quota in (("h0", "10000"), ("h1", "5000")):  # a 10 ms period: a slower host, not a stop-go one
-        assert (groups / host / "cpu.cfs_period_us").read_text().strip() == "10000"
+    for host, quota in (("h0", "5000"), ("h1", "2500")):  # a 5 ms period: a slower host, not a stop-go one
+        assert (groups / host / "cpu.cfs_period_us").read_text().strip() == "5000"
         assert (groups / host / "cpu.cfs_quota_us").read_text().strip() == quota
 
 

@@ -23,8 +23,11 @@ CPU_ROOT = Path("/sys/fs/cgroup/cpu")  # the cgroup v1 cpu controller
 CPU_GROUP = "shoal-cluster"  # the parent group of every host's group
 # a host with half a core should be a slower host, not one that stops: under the kernel's default
 # 100 ms period a half-core host runs at full speed for 50 ms and then stops for 50, longer than a
-# training step, so a step's compute reads anywhere from full to a third of the speed
-CFS_PERIOD_US = 10_000
+# training step, so a step's compute reads anywhere from full to a third of the speed. Over 10 ms it
+# runs 5 and stops 5, and a step's end still moves by up to 5 ms (dp 2 balanced across a full and a
+# half-core host: 1.11-1.18 of the ideal step; over 5 ms, 1.08-1.09, the full-core host ~5% slower
+# for its own quota accounting; over 2 ms that host lost ~18%)
+CFS_PERIOD_US = 5_000
 MIN_QUOTA_US = 1_000  # the kernel refuses a smaller quota (EINVAL): a small share gets a longer period
 PROBE_NETNS = "shoal-probe"
 
