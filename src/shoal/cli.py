@@ -103,6 +103,9 @@ def build_parser() -> argparse.ArgumentParser:
     pr.add_argument("--out", default="profile.json", help="the profile to write (default profile.json)")
     pr.add_argument("--max-size", default="64MiB", help="largest collective message (from 4 KiB, x4; default 64MiB)")
     pr.add_argument("--repeats", type=int, default=3, help="timed repetitions per measurement (default 3)")
+    pr.add_argument("--no-calibrate", action="store_true", help="skip training the reference GPT in each "
+                                                                "strategy to calibrate the planner (~80 s for 2 "
+                                                                "processes; not done with --cluster)")
     pr.add_argument("--nnodes-measured", type=int, default=1, help=argparse.SUPPRESS)
     pl = sub.add_parser("plan", help="predict per-rank memory and step time of every valid layout of a config "
                                      "and rank them; --check compares a finished run with its prediction")
@@ -136,7 +139,10 @@ def probe(args: argparse.Namespace) -> int:
         from shoal.cluster.run import run
 
         return run(["shoal", *[a for a in args.argv if a != "--cluster"]])
-    return probing.launch_probe([a for a in args.argv[1:] if a != "--cluster"], args.nproc)
+    code = probing.launch_probe([a for a in args.argv[1:] if a not in ("--cluster", "--no-calibrate")], args.nproc)
+    if code == 0 and not args.no_calibrate:
+        probing.calibrate_profile(args.out, args.nproc)
+    return code
 
 
 def plan(args: argparse.Namespace) -> int:

@@ -58,6 +58,9 @@ class HardwareProfile(BaseModel):
     parallel_overheads: dict[str, float] = {}  # DTensor per operator, FSDP2 per call and parameter (probe.py)
     op_rates: dict[str, list[tuple[float, float]]] = {}  # per aten operator without FLOPs: [[bytes, bytes/s]]
     op_flop_rates: dict[str, list[tuple[float, float]]] = {}  # per aten operator with FLOPs: [[FLOPs, FLOP/s]]
+    # per strategy (dp, zero1..3, tp, pp): [a, b] of measured step = a x predicted + b, the reference GPT
+    # trained by shoal against the formulas' prediction for it (plan/calibrate.py)
+    calibration: dict[str, tuple[float, float]] = {}
     process_bytes: int | None = None  # resident memory of a worker after importing the training stack (CPU)
     threads: int | None = None  # compute threads of one worker when measured
 

@@ -68,7 +68,7 @@ def memory_bandwidth(device: torch.device, nbytes: int, repeats: int, sync) -> f
     return 2 * nbytes / _timed(lambda: dst.copy_(src), repeats, sync)  # read + write
 
 
-REFERENCE_WIDTHS = (128, 512)  # d_model of the reference GPT: tensors from ~64 KiB to ~4 MiB
+REFERENCE_WIDTHS = (128, 256, 512)  # d_model of the reference GPT: tensors from ~64 KiB to ~4 MiB
 
 
 @dataclass
@@ -229,7 +229,9 @@ def reference_steps(device: torch.device, repeats: int, sync, widths=REFERENCE_W
             Timed.call, allocated[0] = 0, 0
             with Timed():
                 step(i + 1)
-        n_ops = Timed.call
+        # per operator the planner counts: views run no kernel and are not in its trace, so what their
+        # dispatch costs is spread over the rest (here ~540 of ~750 calls a step)
+        n_ops = len(kernel)
         allocs.append(allocated[0])
         wall = _wall(step, repeats, sync)
         sum_kernels = sum(statistics.median(t) for t in kernel.values())
@@ -250,7 +252,8 @@ def reference_steps(device: torch.device, repeats: int, sync, widths=REFERENCE_W
         mapped = _in_new_process(f"reference_walls({repeats}, {tuple(widths)})",
                                  {"MALLOC_MMAP_THRESHOLD_": str(THRESHOLD)})
         together()
-        heap = [(_in_new_process(f"reference_heap({repeats}, {w})", {}), reference_live_bytes(w)) for w in widths]
+        heap = [(_in_new_process(f"reference_heap({repeats}, {w})", {}), reference_live_bytes(w))
+                for w in (widths[0], widths[-1])]
         fresh = max(statistics.median((m - p) / max(a, 1) for m, p, a in zip(mapped, plain, allocs, strict=True)),
                     0.0)
         # the resident set grows by a fixed amount (the first step's one-time allocations) and by more
@@ -265,11 +268,14 @@ def reference_steps(device: torch.device, repeats: int, sync, widths=REFERENCE_W
 
 
 def _merge(points: list[tuple[float, float]]) -> list[tuple[float, float]]:
-    """One point per size: the median rate of the calls of that size."""
+    """One point per size: the calls of that size together (their harmonic mean rate, the amount over the
+    summed time), since the planner adds up every call's time. Calls of one size differ: a matmul's
+    forward and its two backward products have the same FLOPs and different layouts; a median rate
+    would price all three as the middle one."""
     sizes: dict[float, list[float]] = {}
     for nbytes, rate in points:
         sizes.setdefault(nbytes, []).append(rate)
-    return [(b, statistics.median(r)) for b, r in sorted(sizes.items())]
+    return [(b, len(r) / sum(1 / x for x in r)) for b, r in sorted(sizes.items())]
 
 
 def parallel_overheads(comm: Comm, device: torch.device, repeats: int, sync) -> dict[str, float]:
@@ -347,8 +353,8 @@ def _fit(costs: list[float], amounts: list[float], calls: int = 1) -> tuple[floa
 
 
 def fsdp_costs(comm: Comm, device: torch.device, repeats: int, sync, mesh) -> dict[str, float]:
-    """FSDP2 (ZeRO 3: every block and the root sharded, resharded after forward) on the reference GPT of
-    each REFERENCE_WIDTHS, forward and backward against the same model unsharded: the extra seconds
+    """FSDP2 (ZeRO 3: every block and the root sharded, resharded after forward) on the reference GPT at
+    the narrowest and widest REFERENCE_WIDTHS, forward and backward against the same model unsharded: the extra seconds
     fitted as a cost per collective call (2 blocks and the root: 5 all-gathers, 3 reduce-scatters) and
     per byte gathered or reduced (copy-in, copy-out, the network). Stacks of tiny layers cannot show
     the second: on a GPT's blocks most of FSDP2's cost is per byte (~1.4 ns per byte here, 4-5 ms for
@@ -363,7 +369,7 @@ def fsdp_costs(comm: Comm, device: torch.device, repeats: int, sync, mesh) -> di
         bundle.loss_fn(bundle.model, {"input": x, "target": x}).sum().backward()
         bundle.model.zero_grad(set_to_none=True)
     extra, moved = [], []
-    for width in REFERENCE_WIDTHS:
+    for width in (REFERENCE_WIDTHS[0], REFERENCE_WIDTHS[-1]):
         torch.manual_seed(0)
         plain = _reference_bundle(width, device)
         torch.manual_seed(0)
@@ -504,6 +510,23 @@ def summary_line(profile: HardwareProfile, out: str) -> str:
     return (f"wrote {out}: {profile.nproc * profile.nnodes} process(es) on {profile.device_name}: {flops}; copy "
             f"{(profile.memory_bandwidth or 0) / 1e9:.1f} GB/s; {(profile.op_overhead_s or 0) * 1e6:.1f} us per "
             f"operator{big}")
+
+
+def calibrate_profile(out: str, nproc: int) -> None:
+    """Add the planner's calibration to the profile at `out` (plan/calibrate.py), on this node alone: a
+    probe over a cluster's nodes (SHOAL_NNODES > 1) is not calibrated."""
+    import os
+
+    from shoal.hardware import load_profile, save_profile
+    from shoal.plan.calibrate import calibrate
+
+    if int(os.environ.get("SHOAL_NNODES", "1")) > 1:
+        return
+    profile = load_profile(out)
+    widths = (REFERENCE_WIDTHS[0], REFERENCE_WIDTHS[-1])
+    calibration = calibrate(profile, nproc, profile.threads or 1, widths)
+    save_profile(profile.model_copy(update={"calibration": calibration}), out)
+    print(f"wrote {out}: the planner's calibration for {', '.join(calibration)}", flush=True)
 
 
 def launch_probe(argv: list[str], nproc: int) -> int:

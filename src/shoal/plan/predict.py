@@ -34,6 +34,8 @@ Time, per optimizer step of the slowest rank:
               what the activations' all-reduce costs beyond its tiny one; pp sends
               activations and gradients between stages
   bubble      pipeline idle time: (p-1)/(v m + p-1) of the stage's busy time (v stages per rank)
+  calibration what the formulas miss, as the probe measured it for the layout's strategy on its reference
+              GPT trained by shoal (plan/calibrate.py): step = a x (compute + comm + bubble) + b
 """
 
 from __future__ import annotations
@@ -44,6 +46,7 @@ from dataclasses import dataclass, field
 from shoal.hardware import OVERHEAD_MESSAGE_BYTES, HardwareProfile
 from shoal.layout import Layout
 from shoal.parallel.pipeline import bubble_fraction
+from shoal.plan.calibrate import strategy
 from shoal.plan.cost import MicroBatchCost, Ops
 
 DDP_BUCKET_BYTES = 25 * 2 ** 20  # torch DDP's bucket_cap_mb
@@ -197,6 +200,17 @@ def predict_time(shape: ModelShape, cost: MicroBatchCost, opt_ops: Ops, layout: 
         comm += hops * (profile.collective_time("send_recv", act) or 0.0)
     t["comm"] = comm
     t["step"] = compute + bubble + comm
+    return calibrated(t, layout, profile)
+
+
+def calibrated(t: dict[str, float | None], layout: Layout, profile: HardwareProfile) -> dict[str, float | None]:
+    """The step as the probe's calibration of this layout's strategy corrects it (plan/calibrate.py);
+    `calibration` is the correction, so that compute + bubble + comm + calibration = step. Never below
+    half the formulas' step."""
+    a, b = profile.calibration.get(strategy(layout), (1.0, 0.0))
+    step = max(a * t["step"] + b, 0.5 * t["step"])
+    t["calibration"] = step - t["step"]
+    t["step"] = step
     return t
 
 

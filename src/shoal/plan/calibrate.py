@@ -1,0 +1,104 @@
+"""What the planner's formulas miss, measured: the probe's reference GPT trained by shoal itself in each
+strategy, its measured step time against the prediction for it, fitted per strategy as a line
+
+    measured = a x predicted + b
+
+over two widths of the model (REFERENCE_WIDTHS' ends). The formulas add up operators measured one at
+a time, with side-by-side processes; a real run also pays what they do not count: the training loop
+(loss scaling, the flags all-reduce, metrics), the communication library's threads taking cycles
+from the compute on shared cores, and per strategy the wrappers' work around each layer (DTensor's
+dispatch under tensor parallelism is the largest: here a = 1.65 where dp's is 1.1). On this machine
+the formulas alone under-predict every layout of the planner benchmark by 10-30%.
+
+The strategies are keyed as `strategy()` names a layout: pp, else tp, else the ZeRO stage (dp for
+none); a layout whose strategy was not measured is predicted by the formulas alone. `shoal probe`
+calibrates on one node (not with --cluster): 12 short runs, about 80 s for 2 processes."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+
+from shoal.hardware import HardwareProfile
+from shoal.layout import Layout
+
+STEPS = 10  # the run's median step: the first (warm-up) and the noisiest fall out
+
+
+def strategy(layout: Layout) -> str:
+    d = layout.dims
+    if d.pp > 1:
+        return "pp"
+    if d.tp > 1:
+        return "tp"
+    return f"zero{layout.zero}" if layout.zero else "dp"
+
+
+def reference_layouts(nproc: int) -> dict[str, list[str]]:
+    """Per strategy the layout keys of its reference run over `nproc` processes: dp strategies over all
+    of them; tp and pp 2 (the reference GPT has 2 blocks and 4 heads) where nproc is even."""
+    runs = {"dp": ["parallel.zero=0"]}
+    if nproc > 1:
+        runs.update({f"zero{z}": [f"parallel.zero={z}"] for z in (1, 2, 3)})
+    if nproc % 2 == 0:
+        runs.update(tp=["parallel.tp=2"], pp=["parallel.pp=2", 'parallel.pp_schedule="1f1b"'])
+    return runs
+
+
+def reference_config(width: int, layout: list[str], nproc: int, threads: int) -> list[str]:
+    """`--set` values for the probe's reference GPT (probe.py: 2 blocks of `width`, 4 heads, 128 byte
+    tokens, 4 sequences per replica a step) in `layout`, in micro-batches of 2."""
+    split = 2 if any(k.startswith(("parallel.tp=", "parallel.pp=")) for k in layout) else 1
+    return ["model.name=\"gpt\"", "model.n_layer=2", f"model.d_model={width}", "model.n_head=4", "model.seq_len=128",
+            'data.source="stdlib-text"', "data.max_bytes=400000", f"train.global_batch_size={4 * nproc // split}",
+            "train.micro_batch_size=2", f"train.steps={STEPS}", "train.val_interval=0", "train.val_batches=1",
+            "metrics.log_interval=1", "metrics.tensorboard=false", "metrics.progress=false",
+            "checkpoint.enabled=false", "checkpoint.final_weights=false", f"parallel.threads_per_worker={threads}",
+            *layout]
+
+
+def fit(points: list[tuple[float, float]]) -> tuple[float, float]:
+    """(a, b) of measured = a x predicted + b through the first and last (predicted, measured) points; a
+    ratio alone (b = 0) where the predictions coincide. a stays >= 0.5 and the line's value at the
+    first point is kept, so one noisy run cannot turn the correction over."""
+    (p0, m0), (p1, m1) = points[0], points[-1]
+    if abs(p1 - p0) < 1e-9 * max(p0, 1e-9):
+        return m1 / p1, 0.0
+    a = max((m1 - m0) / (p1 - p0), 0.5)
+    return a, m0 - a * p0
+
+
+def calibrate(profile: HardwareProfile, nproc: int, threads: int, widths: tuple[int, ...],
+              strategies: list[str] | None = None, log: Callable[[str], None] = print) -> dict[str, tuple[float, float]]:
+    """{strategy: [a, b]}: the reference GPT at each of `widths` trained by `shoal train --nproc nproc`
+    in each strategy, against the planner's prediction for the same run from `profile` (uncalibrated)."""
+    from shoal.config import load_config
+    from shoal.plan.planner import predict_config
+
+    bare = profile.model_copy(update={"calibration": {}})
+    out = {}
+    with tempfile.TemporaryDirectory(prefix="shoal-calibrate-") as tmp:
+        for name, layout in reference_layouts(nproc).items():
+            if strategies is not None and name not in strategies:
+                continue
+            points = []
+            for width in widths:
+                run_dir = Path(tmp) / f"{name}-{width}"
+                sets = reference_config(width, layout, nproc, threads)
+                r = subprocess.run([sys.executable, "-m", "shoal", "train", "--nproc", str(nproc), "--run-dir",
+                                    str(run_dir), *[a for s in sets for a in ("--set", s)]],
+                                   capture_output=True, text=True)
+                if r.returncode:
+                    raise RuntimeError(f"the calibration run {name} at width {width} failed ({r.returncode}):\n"
+                                       f"{r.stdout[-1500:]}\n{r.stderr[-3000:]}")
+                measured = json.loads((run_dir / "summary.json").read_text())["median_step_time_s"]
+                predicted = predict_config(load_config(run_dir / "config.toml"), nproc, bare).step_time
+                points.append((predicted, measured))
+            out[name] = fit(points)
+            log(f"calibrated {name}: measured = {out[name][0]:.2f} x predicted + {out[name][1] * 1e3:.1f} ms "
+                f"({', '.join(f'{p * 1e3:.1f} -> {m * 1e3:.1f} ms' for p, m in points)})")
+    return out
