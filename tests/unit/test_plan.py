@@ -109,6 +109,38 @@ def test_measured_costs_enter_the_prediction(tiny):
     assert heap["peak"] - base["peak"] == pytest.approx(2 ** 20 + tensors, abs=2)
 
 
+def test_calibration_corrects_the_step_of_its_strategy(tiny):
+    """The probe's calibration (plan/calibrate.py): a line through the reference runs' (predicted,
+    measured) points, applied to the layouts of its strategy and only to them."""
+    from shoal.layout import resolve_layout
+    from shoal.plan.calibrate import fit
+    from shoal.plan.planner import Model, predict
+    from shoal.plan.predict import strategy
+
+    a, b = fit([(0.010, 0.020), (0.100, 0.130)])
+    assert a * 0.010 + b == pytest.approx(0.020) and a * 0.100 + b == pytest.approx(0.130)
+    assert fit([(0.010, 0.020), (0.100, 0.010)])[0] == 0.5  # a noisy run cannot turn the line over
+    assert fit([(0.05, 0.06), (0.05, 0.07)]) == (pytest.approx(1.4), 0.0)
+
+    cfg, _, _, _ = tiny
+    model = Model.build(cfg)
+
+    def time(profile, *keys):
+        c = load_config(None, [*TINY, *keys])
+        layout = resolve_layout(c, 2, False)
+        return strategy(layout), predict(model, c, layout, profile).time
+
+    calibrated = PROFILE.model_copy(update={"calibration": {"zero2": (1.5, 0.004), "tp": (0.1, 0.0)}})
+    assert time(PROFILE, "parallel.zero=2")[0] == "zero2"
+    raw, cal = time(PROFILE, "parallel.zero=2")[1], time(calibrated, "parallel.zero=2")[1]
+    assert cal["step"] == pytest.approx(1.5 * raw["step"] + 0.004)
+    assert cal["compute"] + cal["comm"] + cal["bubble"] + cal["calibration"] == pytest.approx(cal["step"])
+    assert time(calibrated)[1] == time(PROFILE)[1]  # dp: not calibrated, the formulas alone
+    assert time(calibrated, "parallel.tp=2")[1]["step"] == pytest.approx(0.5 * time(PROFILE, "parallel.tp=2")[1]["step"])
+    assert [time(PROFILE, *k)[0] for k in (["parallel.pp=2"], ["parallel.tp=2", "parallel.zero=0"], [])] == [
+        "pp", "tp", "dp"]
+
+
 def test_apply_writes_a_config_that_loads(tiny, tmp_path):
     cfg, path, _, planned = tiny
     best = apply(path, planned, tmp_path / "best.toml")

@@ -8,9 +8,9 @@ a time, with side-by-side processes; a real run also pays what they do not count
 (loss scaling, the flags all-reduce, metrics), the communication library's threads taking cycles
 from the compute on shared cores, and per strategy the wrappers' work around each layer (DTensor's
 dispatch under tensor parallelism is the largest: here a = 1.65 where dp's is 1.1). On this machine
-the formulas alone under-predict every layout of the planner benchmark by 10-30%.
+the formulas alone under-predict every layout of the planner benchmark, by 5-30%.
 
-The strategies are keyed as `strategy()` names a layout: pp, else tp, else the ZeRO stage (dp for
+The strategies are keyed as predict.strategy() names a layout: pp, else tp, else the ZeRO stage (dp for
 none); a layout whose strategy was not measured is predicted by the formulas alone. `shoal probe`
 calibrates on one node (not with --cluster): 12 short runs, about 80 s for 2 processes."""
 
@@ -24,18 +24,8 @@ from collections.abc import Callable
 from pathlib import Path
 
 from shoal.hardware import HardwareProfile
-from shoal.layout import Layout
 
 STEPS = 10  # the run's median step: the first (warm-up) and the noisiest fall out
-
-
-def strategy(layout: Layout) -> str:
-    d = layout.dims
-    if d.pp > 1:
-        return "pp"
-    if d.tp > 1:
-        return "tp"
-    return f"zero{layout.zero}" if layout.zero else "dp"
 
 
 def reference_layouts(nproc: int) -> dict[str, list[str]]:
@@ -72,33 +62,41 @@ def fit(points: list[tuple[float, float]]) -> tuple[float, float]:
     return a, m0 - a * p0
 
 
-def calibrate(profile: HardwareProfile, nproc: int, threads: int, widths: tuple[int, ...],
-              strategies: list[str] | None = None, log: Callable[[str], None] = print) -> dict[str, tuple[float, float]]:
-    """{strategy: [a, b]}: the reference GPT at each of `widths` trained by `shoal train --nproc nproc`
-    in each strategy, against the planner's prediction for the same run from `profile` (uncalibrated)."""
+def reference_points(profile: HardwareProfile, nproc: int, threads: int, widths: tuple[int, ...], work_dir: Path,
+                     strategies: list[str] | None = None) -> dict[str, list[tuple[float, float]]]:
+    """{strategy: [(predicted, measured) step seconds per width]}: the reference GPT at each of `widths`
+    trained by `shoal train --nproc nproc` in each strategy (run dirs under `work_dir`, named
+    STRATEGY-WIDTH), against the formulas' prediction for the same run from `profile` (uncalibrated)."""
     from shoal.config import load_config
     from shoal.plan.planner import predict_config
 
     bare = profile.model_copy(update={"calibration": {}})
     out = {}
+    for name, layout in reference_layouts(nproc).items():
+        if strategies is not None and name not in strategies:
+            continue
+        out[name] = []
+        for width in widths:
+            run_dir = work_dir / f"{name}-{width}"
+            sets = reference_config(width, layout, nproc, threads)
+            r = subprocess.run([sys.executable, "-m", "shoal", "train", "--nproc", str(nproc), "--run-dir",
+                                str(run_dir), *[a for s in sets for a in ("--set", s)]], capture_output=True, text=True)
+            if r.returncode:
+                raise RuntimeError(f"the calibration run {name} at width {width} failed ({r.returncode}):\n"
+                                   f"{r.stdout[-1500:]}\n{r.stderr[-3000:]}")
+            measured = json.loads((run_dir / "summary.json").read_text())["median_step_time_s"]
+            out[name].append((predict_config(load_config(run_dir / "config.toml"), nproc, bare).step_time, measured))
+    return out
+
+
+def calibrate(profile: HardwareProfile, nproc: int, threads: int, widths: tuple[int, ...],
+              log: Callable[[str], None] = print) -> dict[str, tuple[float, float]]:
+    """{strategy: (a, b)} fitted on reference_points."""
     with tempfile.TemporaryDirectory(prefix="shoal-calibrate-") as tmp:
-        for name, layout in reference_layouts(nproc).items():
-            if strategies is not None and name not in strategies:
-                continue
-            points = []
-            for width in widths:
-                run_dir = Path(tmp) / f"{name}-{width}"
-                sets = reference_config(width, layout, nproc, threads)
-                r = subprocess.run([sys.executable, "-m", "shoal", "train", "--nproc", str(nproc), "--run-dir",
-                                    str(run_dir), *[a for s in sets for a in ("--set", s)]],
-                                   capture_output=True, text=True)
-                if r.returncode:
-                    raise RuntimeError(f"the calibration run {name} at width {width} failed ({r.returncode}):\n"
-                                       f"{r.stdout[-1500:]}\n{r.stderr[-3000:]}")
-                measured = json.loads((run_dir / "summary.json").read_text())["median_step_time_s"]
-                predicted = predict_config(load_config(run_dir / "config.toml"), nproc, bare).step_time
-                points.append((predicted, measured))
-            out[name] = fit(points)
-            log(f"calibrated {name}: measured = {out[name][0]:.2f} x predicted + {out[name][1] * 1e3:.1f} ms "
-                f"({', '.join(f'{p * 1e3:.1f} -> {m * 1e3:.1f} ms' for p, m in points)})")
+        points = reference_points(profile, nproc, threads, widths, Path(tmp))
+    out = {}
+    for name, pts in points.items():
+        out[name] = fit(pts)
+        log(f"calibrated {name}: measured = {out[name][0]:.2f} x predicted + {out[name][1] * 1e3:.1f} ms "
+            f"({', '.join(f'{p * 1e3:.1f} -> {m * 1e3:.1f} ms' for p, m in pts)})")
     return out

@@ -46,7 +46,6 @@ from dataclasses import dataclass, field
 from shoal.hardware import OVERHEAD_MESSAGE_BYTES, HardwareProfile
 from shoal.layout import Layout
 from shoal.parallel.pipeline import bubble_fraction
-from shoal.plan.calibrate import strategy
 from shoal.plan.cost import MicroBatchCost, Ops
 
 DDP_BUCKET_BYTES = 25 * 2 ** 20  # torch DDP's bucket_cap_mb
@@ -201,6 +200,16 @@ def predict_time(shape: ModelShape, cost: MicroBatchCost, opt_ops: Ops, layout: 
     t["comm"] = comm
     t["step"] = compute + bubble + comm
     return calibrated(t, layout, profile)
+
+
+def strategy(layout: Layout) -> str:
+    """What the probe's calibration keys a layout by: pp, else tp, else its ZeRO stage (dp for none)."""
+    d = layout.dims
+    if d.pp > 1:
+        return "pp"
+    if d.tp > 1:
+        return "tp"
+    return f"zero{layout.zero}" if layout.zero else "dp"
 
 
 def calibrated(t: dict[str, float | None], layout: Layout, profile: HardwareProfile) -> dict[str, float | None]:

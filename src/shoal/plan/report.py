@@ -24,11 +24,12 @@ def render(planned: list[Planned], top: int, console: Console | None = None) -> 
     if not console.is_terminal:
         console.width = 200  # a pipe or a log file: do not wrap the reasons
     ok = [p for p in planned if p.ok]
-    t = Table("#", "layout", "step", "compute", "comm", "bubble", "params", "grads", "optimizer", "activations",
-              "peak / rank", title=f"{len(ok)} valid layouts, fastest first (top {min(top, len(ok))})")
+    t = Table("#", "layout", "step", "compute", "comm", "bubble", "calibration", "params", "grads", "optimizer",
+              "activations", "peak / rank", title=f"{len(ok)} valid layouts, fastest first (top {min(top, len(ok))})")
     for i, p in enumerate(ok[:top], 1):
         m, tm = p.prediction.memory, p.prediction.time
         t.add_row(str(i), p.candidate.label(), _s(tm["step"]), _s(tm["compute"]), _s(tm["comm"]), _s(tm["bubble"]),
+                  _s(tm.get("calibration")),
                   *(human_bytes(m[k]) for k in ("params", "grads", "optimizer", "activations", "peak")))
     console.print(t)
     if ok and ok[0].prediction.time["comm"] is None and ok[0].prediction.time["compute"] is not None:

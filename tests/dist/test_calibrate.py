@@ -1,0 +1,27 @@
+"""The planner's calibration runs (plan/calibrate.py): the probe's reference GPT trained by `shoal train`
+on 2 processes at two widths, each run's measured median step paired with the formulas' prediction for
+that run, and the line through them."""
+
+import json
+
+from shoal.hardware import HardwareProfile
+from shoal.plan.calibrate import fit, reference_points
+
+PROFILE = HardwareProfile(matmul_flops={"fp32": 1e10, "bf16": 1e10}, memory_bandwidth=1e10, op_overhead_s=5e-6,
+                          collectives={op: [(4096.0, 1e-4 + 4096e-9), (2 ** 26, 1e-4 + 2 ** 26 * 1e-9)]
+                                       for op in ("all_reduce", "all_gather", "reduce_scatter", "send_recv")},
+                          calibration={"dp": (9.0, 1.0)})  # ignored: the points are the formulas'
+
+
+def test_reference_runs_pair_prediction_and_measurement(tmp_path):
+    points = reference_points(PROFILE, 2, 1, (32, 128), tmp_path, strategies=["dp"])
+    assert list(points) == ["dp"]
+    (p0, m0), (p1, m1) = points["dp"]
+    for width, measured in ((32, m0), (128, m1)):
+        run = tmp_path / f"dp-{width}"
+        summary = json.loads((run / "summary.json").read_text())
+        assert summary["world_size"] == 2 and summary["median_step_time_s"] == measured
+        assert f"d_model = {width}" in (run / "config.toml").read_text()
+    assert 0 < p0 < p1 < 1.0  # the formulas' own step, not the profile's calibration of dp (x 9 + 1 s)
+    a, b = fit(points["dp"])
+    assert abs(a * p0 + b - m0) < 1e-9  # the line keeps the first point
