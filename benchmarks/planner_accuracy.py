@@ -3,15 +3,17 @@
 A GPT (4 layers, d_model 256, 4 heads, 128-byte context; fp32, 2 processes x 1 thread, gloo, CPU) in
 at least 8 layouts: dp 2 with ZeRO 0, 1, 2, 3, dp 2 with activation checkpointing, tp 2, pp 2 with
 the 1F1B and GPipe schedules. The machine is measured first (`shoal probe --nproc 2`, the profile
-plan reads); each layout is then trained for --steps steps (`shoal train --nproc 2`) and its finished
+plan reads, with its calibration: the probe's own reference GPT, 2 blocks of 128 and 512, trained in
+each strategy); each layout is then trained for --steps steps (`shoal train --nproc 2`) and its finished
 run dir given to `shoal plan --check`'s comparison (plan/check.py): predicted against measured median
-step time, per-rank model state (params + grads + optimizer, the largest rank) and peak memory.
+step time, per-rank model state (params + grads + optimizer, the largest rank) and peak memory. The
+"formulas" columns are the same profile's prediction without the calibration.
 
     python benchmarks/planner_accuracy.py [--steps 12] [--max-size 16MiB]
 
 Targets: median relative time error <= 0.10, median memory error (model state and peak, all layouts)
 <= 0.05. Last line:
-    RESULT time_median_err=<x> memory_median_err=<y> worst_time_err=<z>
+    RESULT time_median_err=<x> memory_median_err=<y> worst_time_err=<z> formulas_time_median_err=<w>
 """
 
 from __future__ import annotations

@@ -97,6 +97,6 @@ def calibrate(profile: HardwareProfile, nproc: int, threads: int, widths: tuple[
     out = {}
     for name, pts in points.items():
         out[name] = fit(pts)
-        log(f"calibrated {name}: measured = {out[name][0]:.2f} x predicted + {out[name][1] * 1e3:.1f} ms "
+        log(f"calibrated {name}: measured = {out[name][0]:.2f} x predicted {out[name][1] * 1e3:+.1f} ms "
             f"({', '.join(f'{p * 1e3:.1f} -> {m * 1e3:.1f} ms' for p, m in pts)})")
     return out
