@@ -354,8 +354,8 @@ def _fit(costs: list[float], amounts: list[float], calls: int = 1) -> tuple[floa
 
 def fsdp_costs(comm: Comm, device: torch.device, repeats: int, sync, mesh) -> dict[str, float]:
     """FSDP2 (ZeRO 3: every block and the root sharded, resharded after forward) on the reference GPT at
-    the narrowest and widest REFERENCE_WIDTHS, forward and backward against the same model unsharded: the extra seconds
-    fitted as a cost per collective call (2 blocks and the root: 5 all-gathers, 3 reduce-scatters) and
+    the narrowest and widest REFERENCE_WIDTHS, forward and backward against the same model unsharded:
+    the extra seconds fitted as a cost per collective call (2 blocks and the root: 5 all-gathers, 3 reduce-scatters) and
     per byte gathered or reduced (copy-in, copy-out, the network). Stacks of tiny layers cannot show
     the second: on a GPT's blocks most of FSDP2's cost is per byte (~1.4 ns per byte here, 4-5 ms for
     a 3 MiB block, against ~1 ms per call)."""

@@ -7,7 +7,7 @@ over two widths of the model (REFERENCE_WIDTHS' ends). The formulas add up opera
 a time, with side-by-side processes; a real run also pays what they do not count: the training loop
 (loss scaling, the flags all-reduce, metrics), the communication library's threads taking cycles
 from the compute on shared cores, and per strategy the wrappers' work around each layer (DTensor's
-dispatch under tensor parallelism is the largest: here a = 1.65 where dp's is 1.1). On this machine
+dispatch under tensor parallelism is the largest: here a = 1.57-1.79 for tp, 1.05-1.27 for the rest). On this machine
 the formulas alone under-predict every layout of the planner benchmark, by 5-30%.
 
 The strategies are keyed as predict.strategy() names a layout: pp, else tp, else the ZeRO stage (dp for
