@@ -14,7 +14,7 @@ PROFILE = HardwareProfile(matmul_flops={"fp32": 1e10, "bf16": 1e10}, memory_band
 
 
 def test_reference_runs_pair_prediction_and_measurement(tmp_path):
-    points = reference_points(PROFILE, 2, 1, (32, 128), tmp_path, strategies=["dp"])
+    points = reference_points(PROFILE, 2, 1, (32, 128), tmp_path, strategies=["dp"], timeout=180)
     assert list(points) == ["dp"]
     (p0, m0), (p1, m1) = points["dp"]
     for width, measured in ((32, m0), (128, m1)):

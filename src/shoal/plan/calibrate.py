@@ -63,10 +63,12 @@ def fit(points: list[tuple[float, float]]) -> tuple[float, float]:
 
 
 def reference_points(profile: HardwareProfile, nproc: int, threads: int, widths: tuple[int, ...], work_dir: Path,
-                     strategies: list[str] | None = None) -> dict[str, list[tuple[float, float]]]:
+                     strategies: list[str] | None = None, timeout: float = 600.0
+                     ) -> dict[str, list[tuple[float, float]]]:
     """{strategy: [(predicted, measured) step seconds per width]}: the reference GPT at each of `widths`
     trained by `shoal train --nproc nproc` in each strategy (run dirs under `work_dir`, named
-    STRATEGY-WIDTH), against the formulas' prediction for the same run from `profile` (uncalibrated)."""
+    STRATEGY-WIDTH), against the formulas' prediction for the same run from `profile` (uncalibrated).
+    A run that has not ended in `timeout` seconds is killed and fails the calibration."""
     from shoal.config import load_config
     from shoal.plan.planner import predict_config
 
@@ -79,8 +81,13 @@ def reference_points(profile: HardwareProfile, nproc: int, threads: int, widths:
         for width in widths:
             run_dir = work_dir / f"{name}-{width}"
             sets = reference_config(width, layout, nproc, threads)
-            r = subprocess.run([sys.executable, "-m", "shoal", "train", "--nproc", str(nproc), "--run-dir",
-                                str(run_dir), *[a for s in sets for a in ("--set", s)]], capture_output=True, text=True)
+            cmd = [sys.executable, "-m", "shoal", "train", "--nproc", str(nproc), "--run-dir", str(run_dir),
+                   *[a for s in sets for a in ("--set", s)]]
+            try:
+                r = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+            except subprocess.TimeoutExpired as e:
+                raise RuntimeError(f"the calibration run {name} at width {width} did not end in {timeout:.0f} s; "
+                                   f"killed (run dir {run_dir})") from e
             if r.returncode:
                 raise RuntimeError(f"the calibration run {name} at width {width} failed ({r.returncode}):\n"
                                    f"{r.stdout[-1500:]}\n{r.stderr[-3000:]}")
