@@ -172,6 +172,46 @@ def test_async_stalled_worker_is_dropped_and_the_others_finish(tmp_path):
     assert "Timed out" in ps["workers_left"][0]["why"], ps
 
 
+def test_async_a_late_worker_does_not_time_out_the_others(tmp_path):
+    """Worker slot 2's agent is held stopped for 8 s at launch, longer than parallel.timeout_s = 5: server
+    0 starts dealing to the workers there within half the timeout, so none of them gives up waiting for
+    its first unit (with the whole timeout, the first one timed out at the moment dealing began, left,
+    and joined again); nobody leaves."""
+    import threading
+
+    from test_checkpoint import CONFIG, train
+
+    run_dir = tmp_path / "run"
+    held = []
+
+    def hold_slot_2():
+        deadline = time.monotonic() + 60
+        while not held and time.monotonic() < deadline:
+            for environ in Path("/proc").glob("[0-9]*/environ"):
+                with contextlib.suppress(OSError):
+                    if b"SHOAL_PS_SLOT=2" in environ.read_bytes().split(b"\0") and str(run_dir).encode() in \
+                            (environ.parent / "cmdline").read_bytes():
+                        os.kill(int(environ.parent.name), signal.SIGSTOP)
+                        held.append(int(environ.parent.name))
+                        break
+            time.sleep(0.01)
+        time.sleep(8)
+        for pid in held:
+            os.kill(pid, signal.SIGCONT)
+
+    watcher = threading.Thread(target=hold_slot_2, daemon=True)
+    watcher.start()
+    mode = ['parallel.sync="parameter-server"', 'parallel.ps_mode="async"', "checkpoint.enabled=false",
+            "train.global_batch_size=6", "train.micro_batch_size=2", "train.steps=12", "model.delay_s=0.2",
+            "parallel.timeout_s=5"]
+    train("train", "--nproc", "4", "--run-dir", run_dir, *[a for o in [*CONFIG, *mode] for a in ("--set", o)])
+    watcher.join()
+    assert held, "worker slot 2's agent was not found to hold"
+    ps = json.loads((run_dir / "summary.json").read_text())["parameter_server"]
+    assert ps["workers_left"] == [], ps
+    assert {0, 1} <= {x["slot"] for x in ps["workers_joined"]} and ps["updates_applied"] == 3 * 12, ps
+
+
 def test_async_servers_killed_resume_from_their_checkpoint_bitwise(tmp_path, ranks):
     """One worker, checkpoints every 5 steps. Two servers, and server 1 SIGKILLed once they have saved
     step 10: its agent restarts both, they resume from their newest checkpoint, the worker joins them

@@ -6,7 +6,7 @@ rebuilt dense, a join, a skip, a goodbye, or the link failing); the main thread 
 order, so the shard, the optimizer and the bookkeeping have one owner.
 
 Units of data (parallel/ps_async.py) are dealt by server 0 with each reply, once the launched workers
-have all joined (or parallel.timeout_s after the first did: the run starts with those there). A unit
+have all joined (or half of parallel.timeout_s after the first did: the run starts with those there). A unit
 whose worker leaves (its link fails: SIGKILL, a crash, or no message for parallel.timeout_s seconds, a
 stall) before server 0 applied it is dealt again, first; a worker asking for work while every unit is
 dealt but some are not applied waits (the unit may come back). Every server applies a unit once (a
@@ -61,11 +61,17 @@ def serve_async(shard, cfg: Config, index: int, workers: int, comm: Comm, store,
         known = 0
         while not stop.is_set():
             for w in range(known, registered(store)):
+                known = w + 1
                 slot = slot_of(store, w)
-                link = Link(store, index, w, SERVER, timeout, comm)  # waits for the worker's end
+                try:
+                    link = Link(store, index, w, SERVER, timeout, comm)  # waits for the worker's end
+                except Exception as e:  # it registered and never linked (died, or gave up and registers anew):
+                    # the workers after it must still be heard, so this thread goes on
+                    say(f"parameter server {index}: worker {w} (slot {slot}) registered but did not link: "
+                        f"{str(e).strip().splitlines()[0][:200]}")
+                    continue
                 events.put(("join", w, slot, link))
                 threading.Thread(target=receive, args=(w, link), daemon=True, name=f"shoal-ps-recv-{w}").start()
-                known = w + 1
             stop.wait(0.05)
 
     links: dict[int, Link] = {}
@@ -120,8 +126,11 @@ def serve_async(shard, cfg: Config, index: int, workers: int, comm: Comm, store,
 
     def release() -> None:
         nonlocal dealing
-        if index == 0 and not dealing:  # the start: the launched workers, or whoever came within the timeout
-            dealing = len(live) >= workers or bool(first_join) and time.monotonic() - first_join > timeout
+        if index == 0 and not dealing:  # the start: the launched workers, or whoever came within half the
+            # timeout. Not the whole timeout: a joined worker waits for its first unit with that timeout, so
+            # when the launched workers start further apart than it (a loaded machine), the first would give
+            # up at the moment dealing began, and rejoin
+            dealing = len(live) >= workers or bool(first_join) and time.monotonic() - first_join > timeout / 2
             if not dealing:
                 return
         slowest = min((clock[u] for u in live), default=0)
