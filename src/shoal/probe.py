@@ -278,7 +278,8 @@ def _merge(points: list[tuple[float, float]]) -> list[tuple[float, float]]:
     return [(b, len(r) / sum(1 / x for x in r)) for b, r in sorted(sizes.items())]
 
 
-def parallel_overheads(comm: Comm, device: torch.device, repeats: int, sync) -> dict[str, float]:
+def parallel_overheads(comm: Comm, device: torch.device, repeats: int, sync,
+                       widths=REFERENCE_WIDTHS) -> dict[str, float]:
     """What torch's parallel wrappers cost on top of their arithmetic, over the probe's group: stacks of 4
     and 32 tiny linear layers (8 and 64 parameter tensors, messages of ~1 KiB), forward and backward,
     wrapped against bare, fitted as a cost per call and per parameter tensor. A call's cost includes its
@@ -334,7 +335,7 @@ def parallel_overheads(comm: Comm, device: torch.device, repeats: int, sync) -> 
     split = stacks(lambda m: parallelize_module(m, mesh, {str(i): ColwiseParallel() if i % 2 == 0
                                                           else RowwiseParallel() for i in range(len(m))}))
     out["tp_layer_s"] = _fit(split, list(PROBE_LAYERS))[1]
-    out.update(fsdp_costs(comm, device, repeats, sync, mesh))
+    out.update(fsdp_costs(comm, device, repeats, sync, mesh, (widths[0], widths[-1])))
     return out
 
 
@@ -352,9 +353,10 @@ def _fit(costs: list[float], amounts: list[float], calls: int = 1) -> tuple[floa
     return max(costs[0] - per_unit * amounts[0], 0.0) / calls, per_unit
 
 
-def fsdp_costs(comm: Comm, device: torch.device, repeats: int, sync, mesh) -> dict[str, float]:
+def fsdp_costs(comm: Comm, device: torch.device, repeats: int, sync, mesh,
+               widths=(REFERENCE_WIDTHS[0], REFERENCE_WIDTHS[-1])) -> dict[str, float]:
     """FSDP2 (ZeRO 3: every block and the root sharded, resharded after forward) on the reference GPT at
-    the narrowest and widest REFERENCE_WIDTHS, forward and backward against the same model unsharded:
+    two `widths` (the narrowest and widest REFERENCE_WIDTHS), forward and backward against the same model unsharded:
     the extra seconds fitted as a cost per collective call (2 blocks and the root: 5 all-gathers, 3 reduce-scatters) and
     per byte gathered or reduced (copy-in, copy-out, the network). Stacks of tiny layers cannot show
     the second: on a GPT's blocks most of FSDP2's cost is per byte (~1.4 ns per byte here, 4-5 ms for
@@ -369,7 +371,7 @@ def fsdp_costs(comm: Comm, device: torch.device, repeats: int, sync, mesh) -> di
         bundle.loss_fn(bundle.model, {"input": x, "target": x}).sum().backward()
         bundle.model.zero_grad(set_to_none=True)
     extra, moved = [], []
-    for width in (REFERENCE_WIDTHS[0], REFERENCE_WIDTHS[-1]):
+    for width in widths:
         torch.manual_seed(0)
         plain = _reference_bundle(width, device)
         torch.manual_seed(0)
@@ -450,7 +452,7 @@ def measure(env: DistEnv, sizes=DEFAULT_SIZES, repeats: int = 3, matmul_sizes=MA
     # every worker measures at once, as every worker trains at once: side by side, two processes on two
     # cores ran the reference operators 5-15% slower than one alone (memory bandwidth, caches)
     steps = reference_steps(device, repeats, sync, widths, together=lambda: comm.barrier(label="probe"))
-    overheads = parallel_overheads(comm, device, repeats, sync)
+    overheads = parallel_overheads(comm, device, repeats, sync, widths)
     return HardwareProfile(
         name="probe", device=device.type,
         device_name=torch.cuda.get_device_name(device) if cuda else _cpu_name(),

@@ -202,14 +202,14 @@ def test_async_a_late_worker_does_not_time_out_the_others(tmp_path):
     watcher = threading.Thread(target=hold_slot_2, daemon=True)
     watcher.start()
     mode = ['parallel.sync="parameter-server"', 'parallel.ps_mode="async"', "checkpoint.enabled=false",
-            "train.global_batch_size=6", "train.micro_batch_size=2", "train.steps=12", "model.delay_s=0.2",
+            "train.global_batch_size=6", "train.micro_batch_size=2", "train.steps=6", "model.delay_s=0.1",
             "parallel.timeout_s=5"]
     train("train", "--nproc", "4", "--run-dir", run_dir, *[a for o in [*CONFIG, *mode] for a in ("--set", o)])
     watcher.join()
     assert held, "worker slot 2's agent was not found to hold"
     ps = json.loads((run_dir / "summary.json").read_text())["parameter_server"]
     assert ps["workers_left"] == [], ps
-    assert {0, 1} <= {x["slot"] for x in ps["workers_joined"]} and ps["updates_applied"] == 3 * 12, ps
+    assert {0, 1} <= {x["slot"] for x in ps["workers_joined"]} and ps["updates_applied"] == 3 * 6, ps
 
 
 def test_async_servers_killed_resume_from_their_checkpoint_bitwise(tmp_path, ranks):

@@ -168,7 +168,7 @@ def test_probe_writes_a_profile(tmp_path):
 
     env = dist.init("gloo", 60)
     try:
-        profile = measure(env, sizes=(4096,), repeats=1, matmul_sizes=(32,), copy_bytes=2 ** 20, widths=(32,))
+        profile = measure(env, sizes=(4096,), repeats=1, matmul_sizes=(32,), copy_bytes=2 ** 20, widths=(32, 64))
     finally:
         dist.shutdown()
     save_profile(profile, tmp_path / "p.json")
