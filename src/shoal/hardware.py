@@ -97,6 +97,17 @@ class HardwareProfile(BaseModel):
                         f"{', '.join(self.matmul_flops)} (run `shoal probe` on this machine)")
 
 
+def line_through(first: tuple[float, float], last: tuple[float, float], min_slope: float = -math.inf,
+                 max_slope: float = math.inf) -> tuple[float, float]:
+    """(slope, intercept) of the line through two measured (x, y) points, its slope kept within
+    [min_slope, max_slope] (one noisy point must not turn a cost over) and the line through `first`
+    either way; x equal at both: the slope of y / x at `last`, clamped likewise."""
+    (x0, y0), (x1, y1) = first, last
+    slope = (y1 - y0) / (x1 - x0) if x1 != x0 else y1 / x1
+    slope = min(max(slope, min_slope), max_slope)
+    return slope, y0 - slope * x0
+
+
 def interpolate(points, x: float, extrapolate_linear: bool) -> float | None:
     """y at x on a log-log polyline through (x, y) points; beyond the largest x: proportional to x
     (`extrapolate_linear`, a message's time grows with its bytes) or the last y; below the smallest: its y."""

@@ -31,7 +31,7 @@ from torch.utils._pytree import tree_flatten
 from shoal.allocator import THRESHOLD
 from shoal.comm.collectives import Comm
 from shoal.dist import DistEnv
-from shoal.hardware import PROBE_LAYERS, HardwareProfile
+from shoal.hardware import PROBE_LAYERS, HardwareProfile, line_through
 from shoal.metrics.memory import peak_memory_bytes
 
 KIB = 1024
@@ -258,9 +258,8 @@ def reference_steps(device: torch.device, repeats: int, sync, widths=REFERENCE_W
                     0.0)
         # the resident set grows by a fixed amount (the first step's one-time allocations) and by more
         # than the tensors themselves (the heap keeps what it freed in pieces): fitted over the widths
-        (g0, l0), (g1, l1) = heap[0], heap[-1]
-        ratio = min(max((g1 - g0) / (l1 - l0), 0.5), 3.0) if l1 != l0 else 1.0  # measured ~0.9 here
-        heap_fit = (max(g0 - ratio * l0, 0.0), ratio)
+        ratio, fixed = line_through(heap[0][::-1], heap[-1][::-1], 0.5, 3.0)  # ratio measured ~0.9 here
+        heap_fit = (max(fixed, 0.0), ratio)
     # the narrowest reference's: its operators are too small for cache misses to add to their time
     return StepCosts({name: _merge(points) for name, points in sorted(by_op.items())},
                      {name: _merge(points) for name, points in sorted(by_flops.items())}, overheads[0], fresh,
@@ -349,18 +348,18 @@ def _extra(wrapped, bare, comm: Comm, repeats: int, sync) -> float:
 def _fit(costs: list[float], amounts: list[float], calls: int = 1) -> tuple[float, float]:
     """(seconds per call, per unit of `amount`) of a cost measured at two amounts, the first of them
     made of `calls` calls."""
-    per_unit = max((costs[1] - costs[0]) / (amounts[1] - amounts[0]), 0.0)
-    return max(costs[0] - per_unit * amounts[0], 0.0) / calls, per_unit
+    per_unit, fixed = line_through((amounts[0], costs[0]), (amounts[1], costs[1]), min_slope=0.0)
+    return max(fixed, 0.0) / calls, per_unit
 
 
 def fsdp_costs(comm: Comm, device: torch.device, repeats: int, sync, mesh,
                widths=(REFERENCE_WIDTHS[0], REFERENCE_WIDTHS[-1])) -> dict[str, float]:
     """FSDP2 (ZeRO 3: every block and the root sharded, resharded after forward) on the reference GPT at
-    two `widths` (the narrowest and widest REFERENCE_WIDTHS), forward and backward against the same model unsharded:
-    the extra seconds fitted as a cost per collective call (2 blocks and the root: 5 all-gathers, 3 reduce-scatters) and
-    per byte gathered or reduced (copy-in, copy-out, the network). Stacks of tiny layers cannot show
-    the second: on a GPT's blocks most of FSDP2's cost is per byte (~1.4 ns per byte here, 4-5 ms for
-    a 3 MiB block, against ~1 ms per call)."""
+    two `widths` (the narrowest and widest REFERENCE_WIDTHS), forward and backward against the same model
+    unsharded: the extra seconds fitted as a cost per collective call (2 blocks and the root: 5
+    all-gathers, 3 reduce-scatters) and per byte gathered or reduced (copy-in, copy-out, the network).
+    Stacks of tiny layers cannot show the second: on a GPT's blocks most of FSDP2's cost is per byte
+    (~1.4 ns per byte here, 4-5 ms for a 3 MiB block, against ~1 ms per call)."""
     from torch.distributed.fsdp import fully_shard
 
     from shoal.models.gpt import Block

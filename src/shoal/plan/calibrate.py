@@ -23,7 +23,7 @@ import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
-from shoal.hardware import HardwareProfile
+from shoal.hardware import HardwareProfile, line_through
 
 STEPS = 10  # the run's median step: the first (warm-up) and the noisiest fall out
 
@@ -53,13 +53,11 @@ def reference_config(width: int, layout: list[str], nproc: int, threads: int) ->
 
 def fit(points: list[tuple[float, float]]) -> tuple[float, float]:
     """(a, b) of measured = a x predicted + b through the first and last (predicted, measured) points; a
-    ratio alone (b = 0) where the predictions coincide. a stays >= 0.5 and the line's value at the
-    first point is kept, so one noisy run cannot turn the correction over."""
-    (p0, m0), (p1, m1) = points[0], points[-1]
-    if abs(p1 - p0) < 1e-9 * max(p0, 1e-9):
-        return m1 / p1, 0.0
-    a = max((m1 - m0) / (p1 - p0), 0.5)
-    return a, m0 - a * p0
+    ratio alone (b = 0) where the predictions coincide. a stays >= 0.5 and the line keeps the first
+    point, so one noisy run cannot turn the correction over."""
+    if points[0][0] == points[-1][0]:
+        return points[-1][1] / points[-1][0], 0.0
+    return line_through(points[0], points[-1], min_slope=0.5)
 
 
 def reference_points(profile: HardwareProfile, nproc: int, threads: int, widths: tuple[int, ...], work_dir: Path,
