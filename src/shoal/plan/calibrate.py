@@ -5,9 +5,9 @@ strategy, its measured step time against the prediction for it, fitted per strat
 
 over two widths of the model (REFERENCE_WIDTHS' ends). The formulas add up operators measured one at
 a time, with side-by-side processes; a real run also pays what they do not count: the training loop
-(loss scaling, the flags all-reduce, metrics), the communication library's threads taking cycles
-from the compute on shared cores, and per strategy the wrappers' work around each layer (DTensor's
-dispatch under tensor parallelism is the largest: here a = 1.57-1.79 for tp, 1.05-1.27 for the rest). On this machine
+(in one process a step ~4-6% longer than the bare model's), the communication library's threads
+taking cycles from the compute on shared cores, and the rest of each strategy's own work (largest
+under tensor parallelism: here a = 1.57-1.79 for tp, 1.05-1.27 for the rest). On this machine
 the formulas alone under-predict every layout of the planner benchmark, by 5-30%.
 
 The strategies are keyed as predict.strategy() names a layout: pp, else tp, else the ZeRO stage (dp for
