@@ -1,6 +1,10 @@
-"""Checkpoints written by an earlier format still resume, exactly; unknown formats are refused in one
-line. tests/fixtures/format2/ holds step 2 of a 4-step run written in checkpoint format 2 (the format
-before the step synchronisation had state), with that run's metrics and final weights."""
+"""Checkpoints written by an earlier format still resume into the run that wrote them; unknown formats
+are refused in one line. tests/fixtures/format2/ holds step 2 of a 4-step run written in checkpoint
+format 2 (the format before the step synchronisation had state), with that run's metrics and final
+weights, computed on the machine that wrote the fixture. CPU kernels take other SIMD paths on other
+CPUs, so the resumed run is compared with them within a stated tolerance, not bitwise: on an AMD EPYC
+the final weights of a fixture written elsewhere differ by at most 4.4e-8 (weights up to 1.0); losing
+the optimizer's moments or the schedule on resume moves them by ~1e-4 after one step."""
 
 import json
 import shutil
@@ -30,12 +34,15 @@ def test_a_format_2_checkpoint_resumes_into_the_run_that_wrote_it(tmp_path, rank
     assert "(step 2)" in out
     theirs = {m["step"]: m["loss"] for m in (json.loads(x) for x in (FORMAT2 / "metrics.jsonl").read_text().splitlines())}
     ours = {m["step"]: m["loss"] for m in read_metrics(tmp_path / "run")}
-    assert ours == {3: theirs[3], 4: theirs[4]}
+    assert sorted(ours) == [3, 4]
+    torch.testing.assert_close(torch.tensor([ours[3], ours[4]]), torch.tensor([theirs[3], theirs[4]]), rtol=1e-6, atol=0)
     from safetensors.torch import load_file
 
     final = load_file(str(FORMAT2 / "final.safetensors"))
     weights = read_weights(tmp_path / "run")
-    assert weights.keys() == final.keys() and all(torch.equal(weights[k], final[k]) for k in final)
+    assert weights.keys() == final.keys()
+    for k in final:
+        torch.testing.assert_close(weights[k], final[k], rtol=0, atol=1e-6, msg=k)
     # and it saves in the current format, which reads back the same parts
     state = read_train_state(tmp_path / "run" / "checkpoints" / "step_00000004")
     assert state["format"] == 3 and set(state["parts"]) == {"sampler", "scheduler", "scaler", "bad_steps", "sync"}
