@@ -44,8 +44,8 @@ def build_parser() -> argparse.ArgumentParser:
     rp = sub.add_parser("report", help="one self-contained HTML page of runs (loss, throughput, step time breakdown, "
                                        "memory, bytes sent, checkpoints, recoveries); several run dirs overlay")
     rp.add_argument("run_dirs", nargs="+", metavar="RUN_DIR")
-    rp.add_argument("--out", default="report.html", help="the page to write (default report.html); each figure is "
-                                                         "also written beside it as <name>-<figure>.png")
+    rp.add_argument("--out", help="the page to write (default: RUN_DIR/report.html for one run, ./report.html for "
+                                  "several); each figure is also written beside it as <name>-<figure>.png")
     c.add_argument("run_dir")
     e = sub.add_parser("export", help="write a checkpoint's model weights as one safetensors file, or (hf models) "
                                       "a Hugging Face directory")
@@ -192,9 +192,19 @@ def checkpoints(args: argparse.Namespace) -> int:
 def report(args: argparse.Namespace) -> int:
     from shoal.report.page import render
 
-    written = render([Path(p) for p in args.run_dirs], Path(args.out))
+    runs = [Path(p) for p in args.run_dirs]
+    out = Path(args.out) if args.out else report_path(runs)
+    written = render(runs, out)
+    if not args.out and len(runs) > 1:
+        print(f"several runs: the page goes to the current directory ({out}); --out chooses another place")
     print(f"wrote {written[0]} ({len(written) - 1} figures, also as PNG files beside it)")
     return 0
+
+
+def report_path(runs: list[Path]) -> Path:
+    """Where `shoal report` writes without --out: into the run dir of one run (a report is part of that
+    run's results); for several, which belong to no one run, the current directory."""
+    return runs[0] / "report.html" if len(runs) == 1 else Path("report.html")
 
 
 def export(args: argparse.Namespace) -> int:

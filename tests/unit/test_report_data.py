@@ -79,3 +79,21 @@ def test_without_matplotlib_the_report_names_its_extra(tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # `import matplotlib` now fails
     with pytest.raises(UserError, match=r"pip install 'shoal\[report\]'"):
         render([done], tmp_path / "report.html")
+
+
+def test_the_page_goes_into_the_run_dir_of_one_run_and_here_for_several(tmp_path, monkeypatch, capsys):
+    from shoal.cli import main
+
+    done, running = write_runs(tmp_path / "runs")
+    here = tmp_path / "here"
+    here.mkdir()
+    monkeypatch.chdir(here)
+    assert main(["report", str(done)]) == 0
+    assert (done / "report.html").is_file() and (done / "report-loss.png").is_file()
+    assert f"wrote {done / 'report.html'}" in capsys.readouterr().out
+    assert list(here.iterdir()) == []  # nothing left in the current directory
+    assert main(["report", str(done), str(running)]) == 0
+    out = capsys.readouterr().out
+    assert (here / "report.html").is_file() and "several runs: the page goes to the current directory" in out
+    assert main(["report", str(done), "--out", str(tmp_path / "x" / "page.html")]) == 0  # --out still wins
+    assert (tmp_path / "x" / "page.html").is_file()
