@@ -1,4 +1,4 @@
-"""Uneven workers: how close does parallel.balance = "throughput" come to the ideal step time?
+"""Uneven workers: how close does balance.mode = "throughput" come to the ideal step time?
 
 dp = 2, one rank at half the speed of the other:
   --slow cpu (default)  two hosts of a cluster on this machine (`shoal cluster up --hosts 2 --cpu 1,0.5`:
@@ -46,7 +46,7 @@ COMMON = [f"train.global_batch_size={BATCH}", "train.micro_batch_size=8", "train
 GPT = ["model.n_layer=2", "model.d_model=128", "model.n_head=4", "model.seq_len=64"]
 UNEVEN = ['model.name="uneven:build"', "model.n_layer=2", "model.d_model=128", "model.n_head=4", "model.seq_len=64",
           "model.rank=1"]  # the same GPT
-SPLITS = {"uniform": [], "throughput": ['parallel.balance="throughput"', "parallel.balance_interval=5"]}
+SPLITS = {"uniform": [], "throughput": ['balance.mode="throughput"', "balance.interval=5"]}
 
 
 def shoal(*args: str) -> subprocess.CompletedProcess:

@@ -49,15 +49,15 @@ GPT = ['model.name="parameter_server:slow_gpt"', "model.n_layer=2", "model.d_mod
 TRAIN = ["train.global_batch_size=24", "train.micro_batch_size=8", "train.lr=2e-3", "train.warmup_steps=10",
          f"train.val_interval={VAL_EVERY}", "train.val_batches=2", "parallel.threads_per_worker=1",
          "checkpoint.enabled=false", "metrics.log_interval=1", "metrics.tensorboard=false", "metrics.progress=false"]
-PS = ['parallel.sync="parameter-server"', "parallel.servers=1"]
+PS = ['sync.mode="parameter-server"', "ps.servers=1"]
 # asynchronous: AdamW's beta1 = 0, since staleness already acts as momentum (measured at k = 16 on this
 # model: beta1 0.9 ends at val 2.77-2.91, 0.5 at 2.60-2.61, 0 at 2.62-2.64; all-reduce 2.645)
-ASYNC = [*PS, 'parallel.ps_mode="async"', "train.beta1=0"]
+ASYNC = [*PS, 'ps.mode="async"', "train.beta1=0"]
 MODES = {
     "all-reduce": [],
     "ps-sync": PS,
-    "ps-async-4": [*ASYNC, "parallel.max_staleness=4"],
-    "ps-async-64": [*ASYNC, "parallel.max_staleness=64"],
+    "ps-async-4": [*ASYNC, "ps.max_staleness=4"],
+    "ps-async-64": [*ASYNC, "ps.max_staleness=64"],
 }
 # the same math as all-reduce with another order of additions (FSDP2's reduce-scatter): how far two
 # exact layouts drift apart by rounding alone, next to the synchronous server's drift
@@ -141,7 +141,7 @@ def main() -> int:
             cluster(WORKERS)
             runs["zero-2", False] = train("zero-2", [*base, *FLOOR], Path(tmp))
             cluster(WORKERS + 1)
-            ncf = {kind: train(f"ncf-{kind}", [*NCF, f"parallel.ps_sparse={str(kind == 'sparse').lower()}"], Path(tmp))
+            ncf = {kind: train(f"ncf-{kind}", [*NCF, f"ps.sparse={str(kind == 'sparse').lower()}"], Path(tmp))
                    for kind in ("dense", "sparse")}
     finally:
         shoal("cluster", "down", capture_output=True)

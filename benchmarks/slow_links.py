@@ -50,10 +50,10 @@ MODES = {
     "int8": ['comm.compression="int8"'],
     "topk": ['comm.compression="topk"', "comm.topk_ratio=0.1"],
     "powersgd": ['comm.compression="powersgd"', "comm.powersgd_rank=32"],
-    "local-sgd-8": ['parallel.sync="local-sgd"', "parallel.sync_every=8"],
-    "local-sgd-32": ['parallel.sync="local-sgd"', "parallel.sync_every=32"],
-    "diloco-8": ['parallel.sync="diloco"', "parallel.sync_every=8"],
-    "diloco-32": ['parallel.sync="diloco"', "parallel.sync_every=32"],
+    "local-sgd-8": ['sync.mode="local-sgd"', "sync.every=8"],
+    "local-sgd-32": ['sync.mode="local-sgd"', "sync.every=32"],
+    "diloco-8": ['sync.mode="diloco"', "sync.every=8"],
+    "diloco-32": ['sync.mode="diloco"', "sync.every=32"],
 }
 
 

@@ -263,7 +263,7 @@ def train(args: argparse.Namespace) -> int:
 
     if NODE_ENV not in os.environ:  # on a cluster's host, the cluster run set the command that continues it
         os.environ[RESUME_COMMAND] = resume_command(args.argv)
-    if job.layout.servers and cfg.parallel.ps_mode == "async" and nodes == (1, 1) and not ps_launch.role():
+    if job.layout.servers and cfg.ps.mode == "async" and nodes == (1, 1) and not ps_launch.role():
         # workers that come and go: each role under an agent of its own (ps_launch.py)
         role_argv = ["train", *([args.config] if args.config else []), *[a for s in args.set for a in ("--set", s)],
                      "--run-dir", str(run_dir), "--resume", "auto", "--nnodes", "1"]

@@ -36,14 +36,14 @@ class Layout:
         else:
             split = f"micro {t.micro_batch_size} x dp {d.dp} x accumulation {self.grad_accum}"
         zero = f", ZeRO {self.zero}" if self.zero else ""
-        p = cfg.parallel
-        sync = (f"; {self.replicas} replicas of {d.dp // self.replicas} dp rank(s), {p.sync} every {p.sync_every} steps"
-                if p.sync != "every-step" else "")
+        mode = cfg.sync.mode
+        sync = (f"; {self.replicas} replicas of {d.dp // self.replicas} dp rank(s), {mode} every {cfg.sync.every} "
+                f"steps" if mode != "every-step" else "")
         compressed = f"; {cfg.comm.compression} compression" if cfg.comm.compression != "none" else ""
         if self.servers:
             sync = (f"; ranks {d.world_size}-{d.world_size + self.servers - 1} serve the parameters "
-                    f"(parameter server, {p.ps_mode}"
-                    f"{f', max staleness {p.max_staleness}' if p.ps_mode == 'async' else ''}), "
+                    f"(parameter server, {cfg.ps.mode}"
+                    f"{f', max staleness {cfg.ps.max_staleness}' if cfg.ps.mode == 'async' else ''}), "
                     f"ranks 0-{d.world_size - 1} train")
         return (f"world {d.world_size} = dp {d.dp} x tp {d.tp} x pp {d.pp}{zero} ({self.backend}); global batch "
                 f"{t.global_batch_size} = {split}; {t.global_batch_size * items_per_sample:,} {items_name} per step"
@@ -60,9 +60,9 @@ def choose_backend(requested: str, cuda: bool) -> str:
 
 def resolve_layout(cfg: Config, world_size: int, cuda: bool) -> Layout:
     p, t = cfg.parallel, cfg.train
-    servers = p.servers if p.sync == "parameter-server" else 0
+    servers = cfg.ps.servers if cfg.sync.mode == "parameter-server" else 0
     if servers and world_size <= servers:
-        raise UserError(f"parallel.servers = {servers} leaves no process to train in a world of {world_size}; start "
+        raise UserError(f"ps.servers = {servers} leaves no process to train in a world of {world_size}; start "
                         f"more processes (--nproc {servers + 1} or more) or use fewer servers")
     dims = ParallelDims.resolve(p.dp, p.tp, p.pp, world_size - servers)
     backend = choose_backend(p.backend, cuda)
@@ -77,23 +77,23 @@ def resolve_layout(cfg: Config, world_size: int, cuda: bool) -> Layout:
     _check_precision(cfg, backend, cuda)
     per_rank = t.global_batch_size // dims.dp
     microbatches = _pipeline_microbatches(cfg, dims, per_rank) if dims.pp > 1 else 0
-    replicas = _replicas(cfg, dims) if p.sync in ("local-sgd", "diloco") else 1
+    replicas = _replicas(cfg, dims) if cfg.sync.mode in ("local-sgd", "diloco") else 1
     return Layout(dims, backend, p.zero, t.global_batch_size // step, per_rank, microbatches, replicas, servers)
 
 
 def _replicas(cfg: Config, dims: ParallelDims) -> int:
     """local-sgd / diloco: how many replicas train apart between syncs."""
     p = cfg.parallel
-    replicas = p.replicas or dims.dp
+    replicas = cfg.sync.replicas or dims.dp
     if dims.dp % replicas:
-        raise UserError(f"parallel.replicas ({replicas}) must divide dp ({dims.dp}); set it to a divisor of {dims.dp}")
+        raise UserError(f"sync.replicas ({replicas}) must divide dp ({dims.dp}); set it to a divisor of {dims.dp}")
     if replicas < dims.dp and (dims.tp > 1 or dims.pp > 1):
-        raise UserError(f"parallel.replicas = {replicas} < dp ({dims.dp}) with tp {dims.tp} x pp {dims.pp} is not "
+        raise UserError(f"sync.replicas = {replicas} < dp ({dims.dp}) with tp {dims.tp} x pp {dims.pp} is not "
                         f"supported: replicas spanning several dp ranks are built for data parallelism alone; set "
-                        f"parallel.replicas = 0 (each dp rank's tp x pp ranks are one replica)")
+                        f"sync.replicas = 0 (each dp rank's tp x pp ranks are one replica)")
     if p.zero and replicas == dims.dp:
-        raise UserError(f"parallel.zero = {p.zero} shards a replica over its dp ranks, but parallel.replicas = "
-                        f"{replicas} leaves one rank per replica; set parallel.replicas to at most {dims.dp // 2}, "
+        raise UserError(f"parallel.zero = {p.zero} shards a replica over its dp ranks, but sync.replicas = "
+                        f"{replicas} leaves one rank per replica; set sync.replicas to at most {dims.dp // 2}, "
                         f"or parallel.zero = 0")
     return replicas
 

@@ -60,7 +60,7 @@ def check_job(cfg: Config, world_sizes: list[int], cuda: bool, run_dir: Path | N
     n_params = count_parameters(bundle.model)
     resume_from, resume_step = None, 0
     if run_dir is not None:
-        check_writable(run_dir, checkpoint_bytes(cfg, n_params),
+        check_writable(run_dir, checkpoint_bytes(cfg.checkpoint, n_params),
                        f"{cfg.checkpoint.keep} checkpoints kept + 1 being written, {n_params:,} parameters "
                        f"with AdamW state")
         resume_from = find_resume_point(RunDir(run_dir).checkpoints, resume, quiet=quiet)

@@ -3,10 +3,10 @@
 torch elastic treats the processes of a job as one: when one fails, the agent stops and restarts them
 all. That is right for collectives (a world with a hole cannot all-reduce) and wrong for an
 asynchronous parameter server, whose point is that a worker's death does not stop the others. So
-`shoal train` with `parallel.ps_mode = "async"` (on one machine) starts the roles apart, each under an
+`shoal train` with `ps.mode = "async"` (on one machine) starts the roles apart, each under an
 elastic agent of its own (the same `shoal train` command with SHOAL_PS_ROLE set):
 
-  the servers: one job of parallel.servers processes, `--max-restarts` as given: when one dies its
+  the servers: one job of ps.servers processes, `--max-restarts` as given: when one dies its
                agent restarts them all, and they resume from their newest checkpoint (the servers
                save alone: train/serve_checkpoint.py); their workers' links break, and each worker
                joins the restarted servers (retrying for parallel.timeout_s) and is dealt what the

@@ -1,4 +1,4 @@
-"""parallel.balance = "throughput" trains what one process trains: dp 2 with rank 1 slowed by an injected
+"""balance.mode = "throughput" trains what one process trains: dp 2 with rank 1 slowed by an injected
 per-sample cost (tests/fixtures/uneven.py) takes an uneven split of the global batch (recorded per step
 as batch_share), yet its losses and final weights match the one-process run within 1e-5 (fp32); so
 does dp 2 on equal ranks. Layouts it cannot split refuse in one line."""
@@ -13,7 +13,7 @@ UNEVEN = ['model.name="uneven:build"', "model.seq_len=32", "model.rank=1", "data
           "train.val_batches=2", "metrics.tensorboard=false", "metrics.progress=false", f"train.steps={STEPS}",
           "train.warmup_steps=2", "train.global_batch_size=16", "train.micro_batch_size=4", "train.val_interval=0",
           "metrics.log_interval=1", "checkpoint.enabled=false", "metrics.profile=false"]
-BALANCED = ['parallel.balance="throughput"', "parallel.balance_interval=1"]
+BALANCED = ['balance.mode="throughput"', "balance.interval=1"]
 
 
 @pytest.fixture(scope="module")
@@ -39,12 +39,12 @@ def test_balanced_dp2_trains_what_one_process_trains(tmp_path, ranks, one_proces
 
 
 @pytest.mark.parametrize("extra", [["parallel.zero=2"], ["parallel.tp=2"], ["parallel.pp=2"],
-                                   ['parallel.sync="local-sgd"']])
+                                   ['sync.mode="local-sgd"']])
 def test_layouts_it_cannot_split_are_refused(extra):
     from shoal.config import load_config
     from shoal.errors import UserError
 
-    with pytest.raises(UserError, match='parallel.balance = "throughput"') as e:
+    with pytest.raises(UserError, match='balance.mode = "throughput"') as e:
         load_config(None, [*BALANCED, *extra])
     assert "\n" not in str(e.value)
 

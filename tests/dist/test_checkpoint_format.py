@@ -15,7 +15,7 @@ import torch
 
 from conftest import FIXTURES, read_metrics, read_weights
 from harness import train
-from shoal.checkpoint.train_state import read_train_state
+from shoal.checkpoint.train_state import read_train_state, saved_config
 from shoal.errors import UserError
 
 FORMAT2 = FIXTURES / "format2"
@@ -59,3 +59,44 @@ def test_other_formats_are_refused_in_one_line(tmp_path, fmt):
         read_train_state(Path(folder))
     assert str(e.value).count("\n") == 0
     assert f"checkpoint format {fmt}" in str(e.value) and "--resume never" in str(e.value)
+
+
+OLD_KEYS = FIXTURES / "old_keys"
+# the run that wrote tests/fixtures/old_keys (see its README), with today's keys
+DILOCO = [*CONFIG, 'sync.mode="diloco"', "sync.every=2"]
+
+
+def test_a_checkpoint_written_with_keys_that_moved_resumes(tmp_path, ranks):
+    """A format-3 checkpoint of a DiLoCo run on 2 ranks whose stored config says parallel.sync and
+    parallel.sync_every (the keys before [sync] existed): resumed with today's keys, it continues into
+    the run that wrote it (losses within 1e-6 and weights within 1e-6 of that run, computed on another
+    machine), and into bitwise the same run as the same checkpoint with its config rewritten in today's
+    keys (computed here)."""
+    from shoal.checkpoint import manifest as mf
+
+    old = tmp_path / "old" / "step_00000002"
+    shutil.copytree(OLD_KEYS / "step_00000002", old)
+    assert "sync_every = 2" in json.loads((old / "train_state.json").read_text())["config"]
+    new = tmp_path / "new" / "step_00000002"  # the same checkpoint, its config in today's keys, sealed again
+    shutil.copytree(old, new)
+    state = json.loads((new / "train_state.json").read_text())
+    state["config"] = saved_config(state, "fixture").to_toml()
+    (new / "train_state.json").write_text(json.dumps(state))
+    info = {k: v for k, v in mf.read_manifest(new).items() if k not in ("format", "files")}
+    mf.write_manifest(new, info)
+    runs = {}
+    for name, saved in (("old", old), ("new", new)):
+        runs[name] = tmp_path / f"run-{name}"
+        out = ranks(2).run(train, DILOCO, str(runs[name]), str(saved))
+        assert "(step 2)" in out[0][1]
+    theirs = {m["step"]: m["loss"] for m in read_metrics(OLD_KEYS)}
+    ours = {m["step"]: m["loss"] for m in read_metrics(runs["old"])}
+    assert sorted(ours) == [3, 4] and ours == {m["step"]: m["loss"] for m in read_metrics(runs["new"])}
+    torch.testing.assert_close(torch.tensor([ours[3], ours[4]]), torch.tensor([theirs[3], theirs[4]]), rtol=1e-6, atol=0)
+    from safetensors.torch import load_file
+
+    final, weights, here = load_file(str(OLD_KEYS / "final.safetensors")), read_weights(runs["old"]), read_weights(runs["new"])
+    assert weights.keys() == final.keys() == here.keys()
+    for k in final:
+        assert torch.equal(weights[k], here[k]), k
+        torch.testing.assert_close(weights[k], final[k], rtol=0, atol=1e-6, msg=k)

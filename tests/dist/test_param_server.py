@@ -37,8 +37,8 @@ def every_step(tmp_path_factory, ranks):
 @pytest.mark.parametrize("servers", [1, 2])
 def test_sync_parameter_server_equals_data_parallelism(tmp_path, ranks, every_step, servers):
     run_dir = tmp_path / "run"
-    out = ranks(2 + servers).run(train_on_ranks, [*BASE, 'parallel.sync="parameter-server"',
-                                                  f"parallel.servers={servers}"], str(run_dir))
+    out = ranks(2 + servers).run(train_on_ranks, [*BASE, 'sync.mode="parameter-server"',
+                                                  f"ps.servers={servers}"], str(run_dir))
     assert "serve the parameters" in out[0][1]
     served = [summary for summary, _ in out[2:]]
     assert [s["applied"] for s in served] == [20] * servers
@@ -59,7 +59,7 @@ def test_sync_parameter_server_killed_and_resumed_equals_uninterrupted(tmp_path,
     workers' parameters) and ends bitwise where the uninterrupted run does."""
     from test_checkpoint import CONFIG, FORWARDS_PER_STEP, args, assert_bitwise, fault, losses_by_step, train
 
-    mode = ['parallel.sync="parameter-server"']
+    mode = ['sync.mode="parameter-server"']
     ref_dir, run_dir = tmp_path / "ref", tmp_path / "run"
     ranks(3).run(train_on_ranks, [*CONFIG, *mode], str(ref_dir))
     sets = [a for o in mode for a in ("--set", o)]
@@ -80,9 +80,9 @@ def test_async_parameter_server_trains_every_unit_once_within_the_staleness_boun
     of a global batch applied at a third of the learning rate). With max_staleness 0 and the updates of all
     three workers aggregated, the workers move in lockstep: nothing is stale."""
     run_dir = tmp_path / "run"
-    out = ranks(3 + servers).run(train_on_ranks, [*BASE, 'parallel.sync="parameter-server"', 'parallel.ps_mode="async"',
-                                                  f"parallel.servers={servers}", f"parallel.max_staleness={max_staleness}",
-                                                  f"parallel.ps_aggregate={aggregate}", "train.global_batch_size=6"],
+    out = ranks(3 + servers).run(train_on_ranks, [*BASE, 'sync.mode="parameter-server"', 'ps.mode="async"',
+                                                  f"ps.servers={servers}", f"ps.max_staleness={max_staleness}",
+                                                  f"ps.aggregate={aggregate}", "train.global_batch_size=6"],
                        str(run_dir))
     summary = out[0][0]
     ps = summary["parameter_server"]
@@ -102,7 +102,7 @@ NCF = ["model.name=ncf", "data.source=interactions", "data.num_users=500", "data
        "train.global_batch_size=64", "train.micro_batch_size=32", "train.steps=12", "train.warmup_steps=2",
        "train.val_interval=0", "train.val_batches=1", 'train.optimizer="sgd"', "train.momentum=0",
        "train.weight_decay=0", "train.lr=0.5", "metrics.log_interval=1", "metrics.tensorboard=false",
-       "metrics.progress=false", "checkpoint.enabled=false", 'parallel.sync="parameter-server"']
+       "metrics.progress=false", "checkpoint.enabled=false", 'sync.mode="parameter-server"']
 
 
 def test_sparse_embedding_pushes_and_pulls_train_what_dense_ones_do(tmp_path, ranks):
@@ -110,7 +110,7 @@ def test_sparse_embedding_pushes_and_pulls_train_what_dense_ones_do(tmp_path, ra
     dense pushes and pulls, bitwise, with far fewer bytes each way."""
     dense, sparse = tmp_path / "dense", tmp_path / "sparse"
     ranks(3).run(train_on_ranks, NCF, str(dense))
-    ranks(3).run(train_on_ranks, [*NCF, "parallel.ps_sparse=true"], str(sparse))
+    ranks(3).run(train_on_ranks, [*NCF, "ps.sparse=true"], str(sparse))
     ref = read_weights(dense)
     for k, w in read_weights(sparse).items():
         assert torch.equal(w, ref[k]), k
@@ -123,11 +123,11 @@ def test_sparse_embedding_pushes_and_pulls_train_what_dense_ones_do(tmp_path, ra
 def test_async_with_one_worker_is_the_synchronous_server(tmp_path, ranks):
     """One worker: async's units are whole global batches and nothing is stale, so it must train
     bitwise what the synchronous server trains (the same arithmetic on another path)."""
-    mode = ['parallel.sync="parameter-server"', "train.steps=8"]
+    mode = ['sync.mode="parameter-server"', "train.steps=8"]
     runs = {}
     for ps_mode in ("sync", "async"):
         runs[ps_mode] = tmp_path / ps_mode
-        ranks(2).run(train_on_ranks, [*BASE, *mode, f'parallel.ps_mode="{ps_mode}"'], str(runs[ps_mode]))
+        ranks(2).run(train_on_ranks, [*BASE, *mode, f'ps.mode="{ps_mode}"'], str(runs[ps_mode]))
     assert losses(runs["async"]) == losses(runs["sync"])
     ref = read_weights(runs["sync"])
     for k, w in read_weights(runs["async"]).items():
@@ -143,7 +143,7 @@ def test_async_workers_come_and_go(tmp_path):
 
     run_dir = tmp_path / "run"
     # the run must outlast the restart: 48 units of 0.4 s
-    mode = ['parallel.sync="parameter-server"', 'parallel.ps_mode="async"', "checkpoint.enabled=false",
+    mode = ['sync.mode="parameter-server"', 'ps.mode="async"', "checkpoint.enabled=false",
             "train.global_batch_size=6", "train.micro_batch_size=2", "train.steps=16", "model.delay_s=0.4"]
     sets = [a for o in [*CONFIG, *mode] for a in ("--set", o)]
     r = train("train", "--nproc", "4", "--run-dir", run_dir, *sets, *fault(1, 3, tmp_path / "fired"),
@@ -161,7 +161,7 @@ def test_async_stalled_worker_is_dropped_and_the_others_finish(tmp_path):
     from test_checkpoint import CONFIG, fault, train
 
     run_dir = tmp_path / "run"
-    mode = ['parallel.sync="parameter-server"', 'parallel.ps_mode="async"', "checkpoint.enabled=false",
+    mode = ['sync.mode="parameter-server"', 'ps.mode="async"', "checkpoint.enabled=false",
             "train.global_batch_size=6", "train.micro_batch_size=2", "train.steps=12", "model.delay_s=0.2",
             "parallel.timeout_s=5"]
     sets = [a for o in [*CONFIG, *mode] for a in ("--set", o)]
@@ -201,7 +201,7 @@ def test_async_a_late_worker_does_not_time_out_the_others(tmp_path):
 
     watcher = threading.Thread(target=hold_slot_2, daemon=True)
     watcher.start()
-    mode = ['parallel.sync="parameter-server"', 'parallel.ps_mode="async"', "checkpoint.enabled=false",
+    mode = ['sync.mode="parameter-server"', 'ps.mode="async"', "checkpoint.enabled=false",
             "train.global_batch_size=6", "train.micro_batch_size=2", "train.steps=6", "model.delay_s=0.1",
             "parallel.timeout_s=5"]
     train("train", "--nproc", "4", "--run-dir", run_dir, *[a for o in [*CONFIG, *mode] for a in ("--set", o)])
@@ -224,11 +224,11 @@ def test_async_servers_killed_resume_from_their_checkpoint_bitwise(tmp_path, ran
 
     from test_checkpoint import CONFIG, train
 
-    mode = ['parallel.sync="parameter-server"', 'parallel.ps_mode="async"', "checkpoint.interval=5", "train.steps=20"]
+    mode = ['sync.mode="parameter-server"', 'ps.mode="async"', "checkpoint.interval=5", "train.steps=20"]
     ref_dir, run_dir, resharded = tmp_path / "ref", tmp_path / "run", tmp_path / "resharded"
     ranks(2).run(train_on_ranks, [*CONFIG, *mode], str(ref_dir))
     shutil.copytree(ref_dir / "checkpoints" / "step_00000010", resharded / "checkpoints" / "step_00000010")
-    ranks(3).run(train_on_ranks, [*CONFIG, *mode, "parallel.servers=2"], str(resharded))
+    ranks(3).run(train_on_ranks, [*CONFIG, *mode, "ps.servers=2"], str(resharded))
     killed = []
 
     def kill_server_1():  # once step 10 is saved: the server process of index 1 (not its agent)
@@ -245,7 +245,7 @@ def test_async_servers_killed_resume_from_their_checkpoint_bitwise(tmp_path, ran
 
     watcher = threading.Thread(target=kill_server_1, daemon=True)
     watcher.start()
-    sets = [a for o in [*CONFIG, *mode, "parallel.servers=2", "model.delay_s=0.05"] for a in ("--set", o)]
+    sets = [a for o in [*CONFIG, *mode, "ps.servers=2", "model.delay_s=0.05"] for a in ("--set", o)]
     r = train("train", "--nproc", "3", "--run-dir", run_dir, *sets, "--max-restarts", "1")
     watcher.join()
     assert killed, "server 1 was not found to kill"

@@ -140,9 +140,9 @@ def test_lossy_compression_with_error_feedback_reaches_the_uncompressed_loss(tra
 SGD = ["train.steps=12", 'train.optimizer="sgd"', "train.momentum=0.9", "train.lr=0.05", "train.grad_clip=0"]
 
 
-@pytest.mark.parametrize("mode", [["parallel.sync=\"local-sgd\"", "parallel.sync_every=1"],
-                                  ["parallel.sync=\"diloco\"", "parallel.sync_every=1", "parallel.outer_lr=1.0",
-                                   "parallel.outer_momentum=0"]])
+@pytest.mark.parametrize("mode", [["sync.mode=\"local-sgd\"", "sync.every=1"],
+                                  ["sync.mode=\"diloco\"", "sync.every=1", "sync.outer_lr=1.0",
+                                   "sync.outer_momentum=0"]])
 def test_sync_every_step_equals_data_parallelism(trained, mode):
     ref_dir, ours_dir = trained(*SGD), trained(*SGD, *mode)
     torch.testing.assert_close(torch.tensor(losses(ours_dir)), torch.tensor(losses(ref_dir)), rtol=1e-5, atol=0)
@@ -152,7 +152,7 @@ def test_sync_every_step_equals_data_parallelism(trained, mode):
 
 
 def test_diloco_sends_only_every_h_steps(trained):
-    run = read_metrics(trained("train.steps=12", 'parallel.sync="diloco"', "parallel.sync_every=4"))
+    run = read_metrics(trained("train.steps=12", 'sync.mode="diloco"', "sync.every=4"))
     sent = [m["comm_bytes"] for m in run if "loss" in m]
     assert [s > 0 for s in sent] == [(i + 1) % 4 == 0 for i in range(12)]
     every = read_metrics(trained("train.steps=12"))
@@ -163,7 +163,7 @@ def test_diloco_sends_only_every_h_steps(trained):
 
 @pytest.mark.parametrize("mode", [['comm.compression="topk"', "comm.topk_ratio=0.05"],
                                   ['comm.compression="int8"', "parallel.zero=2"],
-                                  ['parallel.sync="diloco"', "parallel.sync_every=3"]])
+                                  ['sync.mode="diloco"', "sync.every=3"]])
 def test_resumed_from_a_mid_run_checkpoint_equals_uninterrupted(trained, mode):
     """Checkpoint at step 5 (mid-way through DiLoCo's second round of 3), resumed to step 10: bitwise."""
     whole = trained("train.steps=10", *mode)
@@ -180,7 +180,7 @@ def test_periodic_sync_over_replicas_split_by_tp_or_pp(tmp_path, ranks, inside):
     periodic sync runs over the dp axis of the mesh. H = 1 equals every-step data parallelism of the
     same layout (SGD, as above)."""
     out = {}
-    for name, mode in (("every", []), ("local", ['parallel.sync="local-sgd"', "parallel.sync_every=1"])):
+    for name, mode in (("every", []), ("local", ['sync.mode="local-sgd"', "sync.every=1"])):
         out[name] = tmp_path / name
         ranks(4).run(train_on_ranks, [*BASE, *SGD, "train.steps=6", *inside, *mode], str(out[name]))
     torch.testing.assert_close(torch.tensor(losses(out["local"])), torch.tensor(losses(out["every"])), rtol=1e-5,
@@ -195,8 +195,8 @@ def test_replicas_sharded_inside_equal_data_parallelism(tmp_path, ranks, zero):
     over all four (SGD, as above)."""
     every, local = tmp_path / "every", tmp_path / "local"
     ranks(4).run(train_on_ranks, [*BASE, *SGD, "train.steps=6"], str(every))
-    ranks(4).run(train_on_ranks, [*BASE, *SGD, "train.steps=6", 'parallel.sync="local-sgd"', "parallel.sync_every=1",
-                                  "parallel.replicas=2", f"parallel.zero={zero}"], str(local))
+    ranks(4).run(train_on_ranks, [*BASE, *SGD, "train.steps=6", 'sync.mode="local-sgd"', "sync.every=1",
+                                  "sync.replicas=2", f"parallel.zero={zero}"], str(local))
     torch.testing.assert_close(torch.tensor(losses(local)), torch.tensor(losses(every)), rtol=1e-5, atol=0)
     ref_w = read_weights(every)
     for k, w in read_weights(local).items():
@@ -206,7 +206,7 @@ def test_replicas_sharded_inside_equal_data_parallelism(tmp_path, ranks, zero):
 def test_diloco_of_sharded_replicas_resumes_bitwise(tmp_path, ranks):
     """DiLoCo between two replicas of two ranks each, ZeRO 2 inside: resumed from the step-5 checkpoint
     (mid-way through a round of 3) it ends bitwise where the uninterrupted run does."""
-    mode = ["train.steps=10", 'parallel.sync="diloco"', "parallel.sync_every=3", "parallel.replicas=2",
+    mode = ["train.steps=10", 'sync.mode="diloco"', "sync.every=3", "sync.replicas=2",
             "parallel.zero=2"]
     whole, resumed = tmp_path / "whole", tmp_path / "resumed"
     ranks(4).run(train_on_ranks, [*BASE, *mode], str(whole))

@@ -55,7 +55,7 @@ def test_parity_refuses_configs_of_different_runs(tmp_path):
     r = run_cli(["parity", a, b], timeout=60)
     assert r.returncode == 2
     assert r.stderr.strip() == (f"shoal: error: {a} and {b} describe different training runs: model.n_layer (2 vs 3); "
-                                "parity compares layouts of one run (they may differ in [parallel], [comm], [precision], "
+                                "parity compares layouts of one run (they may differ in [parallel], [sync], [ps], [balance], [comm], [precision], "
                                 "[checkpoint], [metrics], data.cache_dir, train.compile, train.micro_batch_size)")
     r = run_cli(["parity", a, b, "--nproc", "x"], timeout=60)
     assert r.returncode == 2 and "--nproc 'x': expected two numbers A,B" in r.stderr

@@ -1,4 +1,4 @@
-"""The batch split of parallel.balance = "throughput": proportional to the ranks' throughputs, summing
+"""The batch split of balance.mode = "throughput": proportional to the ranks' throughputs, summing
 to the global batch, at least one sample each, a pure function of its inputs; and the sampler's cut
 of the global batch by those shares covers the same samples as the uniform split."""
 

@@ -126,13 +126,13 @@ def test_section_must_be_table():
     (['comm.compression="int8"', "parallel.tp=2"], ["parallel.tp = 2", 'comm.compression = "int8"', '"none"', "diloco"]),
     (['comm.compression="topk"', "parallel.pp=2"], ["pp = 2", "comm.compression"]),
     (['comm.compression="powersgd"', "parallel.zero=3"], ["parallel.zero = 3", "powersgd", "zero <= 1"]),
-    (['parallel.sync="diloco"', "parallel.zero=2"], ['parallel.sync = "diloco"', "parallel.replicas", "zero = 0"]),
-    (['parallel.replicas=2'], ["parallel.replicas = 2", "every-step"]),
-    (['parallel.sync="parameter-server"', 'train.on_bad_step="rollback"'], ['"skip"', "train.on_bad_step"]),
-    (['parallel.sync="parameter-server"', "parallel.tp=2"], ["parallel.tp = 1"]),
+    (['sync.mode="diloco"', "parallel.zero=2"], ['sync.mode = "diloco"', "sync.replicas", "zero = 0"]),
+    (['sync.replicas=2'], ["sync.replicas = 2", "every-step"]),
+    (['sync.mode="parameter-server"', 'train.on_bad_step="rollback"'], ['"skip"', "train.on_bad_step"]),
+    (['sync.mode="parameter-server"', "parallel.tp=2"], ["parallel.tp = 1"]),
     (['comm.compression="gzip"'], ["comm.compression", "'none'", "'powersgd'"]),
     (["comm.topk_ratio=0"], ["comm.topk_ratio", "greater than 0"]),
-    (["parallel.sync_every=0"], ["parallel.sync_every", "greater than or equal to 1"]),
+    (["sync.every=0"], ["sync.every", "greater than or equal to 1"]),
 ])
 def test_compression_and_sync_combinations_refused_in_one_line(overrides, words):
     msg = error_of(load_config, None, overrides)
@@ -143,6 +143,29 @@ def test_compression_and_sync_combinations_refused_in_one_line(overrides, words)
 
 def test_compression_and_sync_combinations_accepted():
     for overrides in (['comm.compression="powersgd"', "parallel.zero=1"], ['comm.compression="int8"', "parallel.zero=3"],
-                      ['parallel.sync="diloco"', "parallel.tp=2", 'comm.compression="int8"'],
-                      ['parallel.sync="local-sgd"', "parallel.pp=2"], ['train.optimizer="sgd"', "train.momentum=0.9"]):
+                      ['sync.mode="diloco"', "parallel.tp=2", 'comm.compression="int8"'],
+                      ['sync.mode="local-sgd"', "parallel.pp=2"], ['train.optimizer="sgd"', "train.momentum=0.9"]):
         load_config(None, overrides)
+
+
+def test_a_key_that_moved_is_refused_naming_its_new_place(tmp_path):
+    """[parallel] once held the step synchronisation, the parameter server and the batch balancing; a file
+    or --set with the old key gets one line naming the new key and how to write it."""
+    msg = error_of(load_config, write(tmp_path, '[parallel]\ntp = 1\nsync = "diloco"\n'))
+    assert msg == f'{tmp_path / "cfg.toml"}: parallel.sync is now sync.mode; write it as mode = "diloco" under [sync]'
+    msg = error_of(load_config, None, ["parallel.ps_mode=async"])
+    assert msg == '--set: parallel.ps_mode is now ps.mode; use --set ps.mode="async"'
+    assert error_of(load_config, None, ["parallel.balance_interval=5"]).endswith("use --set balance.interval=5")
+
+
+def test_a_stored_config_with_moved_keys_is_migrated_on_read(tmp_path):
+    """What shoal itself wrote before the move (a run dir's config.toml) loads with every old key in its
+    new place, and equals the config written with the new keys."""
+    from conftest import FIXTURES
+
+    old = load_config(FIXTURES / "old_keys" / "config.toml", stored=True)
+    assert (old.sync.mode, old.sync.every, old.ps.mode, old.balance.mode) == ("diloco", 2, "sync", "uniform")
+    new = load_config(write(tmp_path, old.to_toml()))
+    assert new == old and "sync_every" not in old.to_toml()
+    with pytest.raises(UserError, match="parallel.sync is now sync.mode"):  # the same file, given by a user
+        load_config(FIXTURES / "old_keys" / "config.toml")

@@ -87,22 +87,22 @@ def test_measured_layer_times_find_the_layer_flops_miss():
 
 
 def test_replicas_of_periodic_sync():
-    diloco = ['parallel.sync="diloco"', "train.global_batch_size=16", "train.micro_batch_size=2"]
+    diloco = ['sync.mode="diloco"', "train.global_batch_size=16", "train.micro_batch_size=2"]
     assert resolve_layout(load_config(None, diloco), 4, cuda=False).replicas == 4  # each dp rank one replica
-    assert resolve_layout(load_config(None, [*diloco, "parallel.replicas=2", "parallel.zero=3"]), 4,
+    assert resolve_layout(load_config(None, [*diloco, "sync.replicas=2", "parallel.zero=3"]), 4,
                           cuda=False).replicas == 2
     assert resolve_layout(load_config(None, ["train.global_batch_size=16", "train.micro_batch_size=2"]), 4,
                           cuda=False).replicas == 1
-    for extra, world, words in ((["parallel.replicas=3"], 4, "must divide dp (4)"),
-                                (["parallel.replicas=1", "parallel.tp=2"], 4, "parallel.replicas = 0"),
-                                (["parallel.replicas=4", "parallel.zero=2"], 4, "at most 2")):
+    for extra, world, words in ((["sync.replicas=3"], 4, "must divide dp (4)"),
+                                (["sync.replicas=1", "parallel.tp=2"], 4, "sync.replicas = 0"),
+                                (["sync.replicas=4", "parallel.zero=2"], 4, "at most 2")):
         with pytest.raises(UserError, match=words.replace("(", r"\(").replace(")", r"\)")) as e:
             resolve_layout(load_config(None, [*diloco, *extra]), world, cuda=False)
         assert "\n" not in str(e.value)
 
 
 def test_parameter_server_ranks_are_outside_the_rank_grid():
-    ps = ['parallel.sync="parameter-server"', "parallel.servers=2", "checkpoint.enabled=false",
+    ps = ['sync.mode="parameter-server"', "ps.servers=2", "checkpoint.enabled=false",
           "train.global_batch_size=16", "train.micro_batch_size=2"]
     layout = resolve_layout(load_config(None, ps), 4, cuda=False)
     assert (layout.servers, layout.dims.dp, layout.dims.world_size) == (2, 2, 2)

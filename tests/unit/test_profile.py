@@ -39,7 +39,7 @@ def test_straggler_named_against_the_other_ranks():
 
 
 def test_compute_is_compared_per_even_share_of_the_batch():
-    """Under parallel.balance a rank given twice the samples computes twice as long without being slow."""
+    """Under balance.mode a rank given twice the samples computes twice as long without being slow."""
     phases = {"forward_backward_s": 0.2, "optimizer_s": 0.0}
     fast_with_more = Profiler(("dp",), 0.0, 2, None, None, 1.2)
     fast_with_more.step(phases, {}, 0.2, share=4 / 3)  # 8 of 12 samples: an even share is 6

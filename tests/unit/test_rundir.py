@@ -43,11 +43,11 @@ def test_only_an_asynchronous_parameter_server_resumes_its_servers_checkpoint(tm
     from shoal.checkpoint.resume import check_compatible
     from shoal.errors import UserError
 
-    served = load_config(None, ['parallel.sync="parameter-server"', 'parallel.ps_mode="async"'])
+    served = load_config(None, ['sync.mode="parameter-server"', 'ps.mode="async"'])
     (tmp_path / "train_state.json").write_text(json.dumps({
         "format": 3, "step": 10, "config": served.to_toml(), "data_spec": {},
         "parts": {"parameter_server": {"mode": "async", "units": 20, "workers": 2}}}))
     assert check_compatible(served, tmp_path)["parts"]["parameter_server"]["units"] == 20
-    for other in ([], ['parallel.sync="parameter-server"']):
-        with pytest.raises(UserError, match='resume it with parallel.ps_mode = "async"'):
+    for other in ([], ['sync.mode="parameter-server"']):
+        with pytest.raises(UserError, match='resume it with ps.mode = "async"'):
             check_compatible(load_config(None, other), tmp_path)

@@ -11,7 +11,7 @@ from pathlib import Path
 
 from shoal.checkpoint import manifest as mf
 from shoal.checkpoint.train_state import TRAIN_STATE, read_train_state, saved_config
-from shoal.config import Config
+from shoal.config import CheckpointConfig, Config
 from shoal.errors import UserError
 
 # keys that must match for the checkpoint to be this run: the model's shape, and what decides the data
@@ -46,9 +46,9 @@ def check_compatible(cfg: Config, path: Path) -> dict:
     """The checkpoint's train state, after checking that its config describes this model and data."""
     state = read_train_state(path)
     served = state["parts"].get("parameter_server", {}).get("mode") == "async"
-    if served and not (cfg.parallel.sync == "parameter-server" and cfg.parallel.ps_mode == "async"):
+    if served and not (cfg.sync.mode == "parameter-server" and cfg.ps.mode == "async"):
         raise UserError(f"checkpoint {path.name} was written by asynchronous parameter servers (it has no data "
-                        f'position of the workers\' kind); resume it with parallel.ps_mode = "async", or start fresh '
+                        f'position of the workers\' kind); resume it with ps.mode = "async", or start fresh '
                         f"with --resume never or another --run-dir")
     saved = saved_config(state, f"{path}/{TRAIN_STATE}")
     for key in [f"model.{k}" for k in type(cfg.model).model_fields] + list(MUST_MATCH):
@@ -62,8 +62,8 @@ def check_compatible(cfg: Config, path: Path) -> dict:
     return state
 
 
-def checkpoint_bytes(cfg: Config, n_params: int) -> int:
+def checkpoint_bytes(cfg: CheckpointConfig, n_params: int) -> int:
     """Disk a run needs: weights + two AdamW moments in fp32, for each kept checkpoint and the one
     being written, and the final weights."""
-    ckpt = n_params * 4 * 3 * (cfg.checkpoint.keep + 1) if cfg.checkpoint.enabled else 0
-    return ckpt + n_params * 4 * cfg.checkpoint.final_weights
+    ckpt = n_params * 4 * 3 * (cfg.keep + 1) if cfg.enabled else 0
+    return ckpt + n_params * 4 * cfg.final_weights

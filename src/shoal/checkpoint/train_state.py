@@ -182,4 +182,4 @@ def read_train_state(path: Path) -> dict:
 
 def saved_config(train_state: dict, where: str) -> Config:
     """The validated config a checkpoint was written with."""
-    return validate_config(tomllib.loads(train_state["config"]), origin=where)
+    return validate_config(tomllib.loads(train_state["config"]), origin=where, stored=True)

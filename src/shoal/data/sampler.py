@@ -4,7 +4,7 @@ The data is an endless stream of epochs; epoch e visits every training index onc
 seeded by (seed, e). The global batch at step k is stream positions [k*B, (k+1)*B), so it is a pure
 function of (seed, k): the same samples train whatever the dp degree or the accumulation, and a
 resumed run sees exactly the data the uninterrupted one would have. Rank r of dp takes the r-th
-contiguous slice of B/dp samples (or of its share, under parallel.balance = "throughput") and splits
+contiguous slice of B/dp samples (or of its share, under balance.mode = "throughput") and splits
 it into micro-batches.
 
 Training step s normally trains on data step s; batches dropped by a rollback (`skip_data_step`) are
@@ -56,7 +56,7 @@ class GlobalBatchSampler:
     def local_micro_batches(self, step: int, dp_rank: int, dp: int, micro: int,
                             shares: list[int] | None = None) -> list[torch.Tensor]:
         """This rank's slice of the global batch of training step `step`, split into micro-batches.
-        `shares`: samples per dp rank (parallel.balance = "throughput"), rank r taking the r-th
+        `shares`: samples per dp rank (balance.mode = "throughput"), rank r taking the r-th
         contiguous cut; the last micro-batch may then be smaller. None: B/dp each."""
         shares = shares or [self.batch // dp] * dp
         if len(shares) != dp or sum(shares) > self.batch:

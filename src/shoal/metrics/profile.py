@@ -13,7 +13,7 @@ and the world's peak (a hardware profile: a preset, a `shoal probe` file, or mea
 
 A straggler: a rank whose compute is slow makes the others wait in the next synchronisation, so plain
 per-rank step times come out equal; compute time before the synchronisation is not equalised. Each
-rank sums its compute between logged steps, per even share of the global batch (under parallel.balance a
+rank sums its compute between logged steps, per even share of the global batch (under balance.mode a
 rank computes more or fewer samples on purpose); the ranks gather these sums at logged steps only (riding
 on the memory accounting's all-gather), and a rank at least metrics.straggler_ratio times the median
 of the others is named.
@@ -51,7 +51,7 @@ class Profiler:
     def step(self, phases: dict[str, float], exposed: dict[str, dict[str, float]], step_time_s: float,
              share: float = 1.0) -> dict:
         """A step's profile metrics (clock arithmetic only). `share`: this rank's samples in the step
-        against an even share of the global batch (parallel.balance gives uneven ones on purpose): the
+        against an even share of the global batch (balance.mode gives uneven ones on purpose): the
         compute the ranks compare is per even share, so a straggler is slow per sample, not per step."""
         m = step_breakdown(phases, exposed, self.axes, self.bubble_fraction)
         self.compute_since_log += m["time_compute_s"] / share if share > 0 else m["time_compute_s"]

@@ -18,7 +18,7 @@ from torch.distributed.fsdp import FSDPModule
 
 from shoal.comm.codecs import make_codec
 from shoal.comm.collectives import Comm
-from shoal.config import CommConfig, ParallelConfig, PrecisionConfig
+from shoal.config import CommConfig, ParallelConfig, PrecisionConfig, PSConfig, SyncConfig
 from shoal.layout import Layout
 from shoal.models.spec import ModelBundle
 from shoal.parallel.data import replicate_ddp, replicate_dtensor
@@ -34,16 +34,16 @@ from shoal.parallel.zero import shard_parameters
 from shoal.topology import ParallelDims
 
 
-def make_sync(parallel: ParallelConfig, comm_cfg: CommConfig, comm: Comm, last_step: int = 0) -> StepSync:
-    """The step synchronisation parallel.sync names, with comm.compression's codec; `last_step`: the
-    run's last step (periodic syncs also sync there)."""
+def make_sync(sync: SyncConfig, comm_cfg: CommConfig, comm: Comm, last_step: int = 0) -> StepSync:
+    """The step synchronisation sync.mode names, with comm.compression's codec; `last_step`: the run's
+    last step (periodic syncs also sync there)."""
     codec = make_codec(comm_cfg.compression, comm, comm_cfg.topk_ratio, comm_cfg.powersgd_rank,
                        comm_cfg.error_feedback)
-    if parallel.sync == "every-step":
+    if sync.mode == "every-step":
         return EveryStep(codec)
     inner = EveryStep(make_codec("none", comm))  # within a replica of several ranks: every step, uncompressed
-    outer = (parallel.outer_lr, parallel.outer_momentum) if parallel.sync == "diloco" else (1.0, 0.0)
-    return PeriodicSync(parallel.sync, parallel.sync_every, codec, *outer, last_step=last_step, inner=inner)
+    outer = (sync.outer_lr, sync.outer_momentum) if sync.mode == "diloco" else (1.0, 0.0)
+    return PeriodicSync(sync.mode, sync.every, codec, *outer, last_step=last_step, inner=inner)
 
 
 def replica_meshes(layout: Layout, dp_group):
@@ -67,23 +67,22 @@ def replica_meshes(layout: Layout, dp_group):
 
 def parallelize(bundle: ModelBundle, layout: Layout, parallel: ParallelConfig, precision: PrecisionConfig,
                 compile: bool, device: torch.device, rank: int, comm: Comm, sync: StepSync | None = None,
-                sample: dict | None = None, ps_store=None, ps_reopen=None) -> Parallelized:
+                sample: dict | None = None, ps: PSConfig | None = None, ps_store=None, ps_reopen=None) -> Parallelized:
     """This rank's share of `bundle.model`, wrapped for `layout`. `sample`: one pipeline micro-batch,
-    to time the layers with (parallel.pp_balance = "time"). `sync`: by default the one `parallel.sync`
-    names, uncompressed."""
+    to time the layers with (parallel.pp_balance = "time"). `sync`: by default every step, uncompressed."""
     dims = layout.dims
     if layout.servers:  # a parameter-server worker: the model whole and unwrapped
         server_ranks = list(range(dims.world_size, dims.world_size + layout.servers))
         model = bundle.model.to(device)
-        if parallel.ps_mode == "async":  # each update is one worker's: its batch is its whole world
+        if ps.mode == "async":  # each update is one worker's: its batch is its whole world
             push_pull = AsyncPushPull(comm, ps_store or comm.store, layout.servers, rank, dims.dp,
-                                      parallel.max_staleness, parallel.timeout_s, parallel.ps_sparse, ps_reopen)
+                                      ps.max_staleness, parallel.timeout_s, ps.sparse, ps_reopen)
             push_pull.attach(model, None, 1)  # joins the servers when the loop starts (async_train_loop)
             return ServedModel(model, bundle, push_pull, comm=comm, device=device, dp_rank=0, dp=1)
-        push_pull = PushPull(comm, server_ranks, rank == 0, parallel.ps_sparse)
+        push_pull = PushPull(comm, server_ranks, rank == 0, ps.sparse)
         push_pull.attach(model, None, dims.dp)
         return ServedModel(model, bundle, push_pull, comm=comm, device=device, dp_rank=rank, dp=dims.dp)
-    sync = sync or make_sync(parallel, CommConfig(), comm)
+    sync = sync or make_sync(SyncConfig(), CommConfig(), comm)
     model = bundle.model.to(device)
     loss_context = contextlib.nullcontext
     if dims.tp > 1:

@@ -1,4 +1,4 @@
-"""Load balancing across uneven workers (parallel.balance = "throughput"): each dp rank takes a share of
+"""Load balancing across uneven workers (balance.mode = "throughput"): each dp rank takes a share of
 the global batch proportional to its measured throughput, so a rank with half the speed gets half the
 samples and nobody waits at the gradient all-reduce.
 

@@ -1,6 +1,6 @@
 """A central parameter server, synchronous: the worker's side and the wire both sides speak.
 
-The last `parallel.servers` ranks serve (train/serve.py), the others train. Parameters and their
+The last `ps.servers` ranks serve (train/serve.py), the others train. Parameters and their
 optimizer state are sharded over the servers by whole tensors, balanced by bytes (`shard_names`:
 largest first, each to the server holding the fewest bytes so far), so a server steps ordinary
 AdamW on ordinary tensors. One step, on every worker:

@@ -1,4 +1,4 @@
-"""A parameter-server worker, asynchronous (parallel.ps_mode = "async"): its side of the wire.
+"""A parameter-server worker, asynchronous (ps.mode = "async"): its side of the wire.
 
 Workers talk to each server over a link of their own (ps_links.py), so they can come and go: a new
 or restarted worker registers, joins (header [4, ...]: the reply is the current parameters and a unit),

@@ -1,5 +1,5 @@
 """How one server's tensors travel between it and a worker: dense tensors whole, in one flat fp32
-message; embedding tables (parallel.ps_sparse) by rows.
+message; embedding tables (ps.sparse) by rows.
 
 A push sends the rows of each table whose gradient is not zero (the rows the batch touched; an
 untouched row's gradient is exactly zero, so leaving it out changes nothing). A pull sends the rows

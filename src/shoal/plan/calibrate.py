@@ -90,7 +90,8 @@ def reference_points(profile: HardwareProfile, nproc: int, threads: int, widths:
                 raise RuntimeError(f"the calibration run {name} at width {width} failed ({r.returncode}):\n"
                                    f"{r.stdout[-1500:]}\n{r.stderr[-3000:]}")
             measured = json.loads((run_dir / "summary.json").read_text())["median_step_time_s"]
-            out[name].append((predict_config(load_config(run_dir / "config.toml"), nproc, bare).step_time, measured))
+            cfg = load_config(run_dir / "config.toml", stored=True)
+            out[name].append((predict_config(cfg, nproc, bare).step_time, measured))
     return out
 
 

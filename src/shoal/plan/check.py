@@ -31,7 +31,7 @@ def check_run(run_dir: str | Path, profile: HardwareProfile | None) -> list[tupl
         raise UserError(f"{run_dir} is not a finished run dir (it needs summary.json and config.toml); give the "
                         f"--run-dir of a run that ended")
     summary = json.loads(run.summary.read_text())
-    cfg = load_config(config)
+    cfg = load_config(config, stored=True)  # written by the run: keys that moved since are moved
     pred = predict_config(cfg, summary["world_size"], profile, cuda=False)
     per_rank = summary.get("memory_per_rank") or []
     rows = []

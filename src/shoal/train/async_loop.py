@@ -1,4 +1,4 @@
-"""The training loop of an asynchronous parameter-server worker (parallel.ps_mode = "async"): units of
+"""The training loop of an asynchronous parameter-server worker (ps.mode = "async"): units of
 data as server 0 deals them (parallel/ps_async.py), until none is left.
 
 A worker's step is the synchronous loop's step on its own world: forward/backward of the unit, the bad

@@ -52,7 +52,7 @@ class Trainer:
     items_name: str
     device: torch.device
     phase: Phase = field(default_factory=Phase)
-    balance: ThroughputBalance | None = None  # parallel.balance = "throughput": the batch split over dp
+    balance: ThroughputBalance | None = None  # balance.mode = "throughput": the batch split over dp
     profile: Profiler | None = None  # metrics.profile: the step profile (metrics/profile.py)
     trace: StepTrace | None = None  # metrics.trace_steps
 
@@ -232,7 +232,7 @@ def step_metrics(t: Trainer, done: int, lr: float, out: dict, timer: StepTimer) 
 
 
 def share_of_batch(t: Trainer, done: int) -> float:
-    """This rank's share of step `done`'s samples against an even share (1.0 without parallel.balance)."""
+    """This rank's share of step `done`'s samples against an even share (1.0 without balance.mode)."""
     if not t.balance:
         return 1.0
     split = t.balance.split_for(done - 1)

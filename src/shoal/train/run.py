@@ -52,7 +52,7 @@ from shoal.train.summary import failure_info, fresh_start, summarize
 
 def run_job(cfg: Config, layout: Layout, source, run_dir: Path, env: DistEnv, comm: Comm, resume: str = "auto",
             phase: Phase | None = None) -> dict:
-    """This rank's part of the job: training, or, under parallel.sync = "parameter-server", serving
+    """This rank's part of the job: training, or, under sync.mode = "parameter-server", serving
     (the last layout.servers ranks). Training ranks then see a world of their own: their collectives
     run on a group without the servers. Returns the summary (servers: what they served)."""
     if not layout.servers:
@@ -71,7 +71,7 @@ def run_job(cfg: Config, layout: Layout, source, run_dir: Path, env: DistEnv, co
     workers = comm.new_group(list(range(n)))  # collective: every rank creates every group
     servers = comm.new_group(list(range(n, n + layout.servers)))
     # asynchronous: each worker's collectives (its step's flags, its validation) are its own
-    alone = [comm.new_group([w]) for w in range(n)] if cfg.parallel.ps_mode == "async" else None
+    alone = [comm.new_group([w]) for w in range(n)] if cfg.ps.mode == "async" else None
     if env.rank >= n:
         from shoal.train.serve import serve
 
@@ -91,7 +91,7 @@ def run_training(cfg: Config, layout: Layout, source, run_dir: Path, env: DistEn
     resume_path = comm.agree("resume_from", lambda: str(find_resume_point(run.checkpoints, resume) or ""))
     # an asynchronous server's workers hold nothing worth saving: the servers resume and save alone
     # (train/serve_checkpoint.py), and a worker pulls what they hold
-    async_worker = bool(layout.servers) and cfg.parallel.ps_mode == "async"
+    async_worker = bool(layout.servers) and cfg.ps.mode == "async"
     resume_path = Path(resume_path) if resume_path and not async_worker else None
     torch.manual_seed(cfg.train.seed)  # identical initial weights on every rank
     bundle = build_on(cfg.model, source.spec, init=resume_path is None)
@@ -99,9 +99,9 @@ def run_training(cfg: Config, layout: Layout, source, run_dir: Path, env: DistEn
     n_params = count_parameters(bundle.model)
     # one pipeline micro-batch, for timing the layers (parallel.pp_balance = "time")
     sample = source.train_batch(torch.arange(layout.per_rank_batch // layout.pp_microbatches)) if dims.pp > 1 else None
-    sync = None if layout.servers else make_sync(cfg.parallel, cfg.comm, comm, last_step=cfg.train.steps)
+    sync = None if layout.servers else make_sync(cfg.sync, cfg.comm, comm, last_step=cfg.train.steps)
     par = parallelize(bundle, layout, cfg.parallel, cfg.precision, cfg.train.compile, env.device, env.rank, comm,
-                      sync=sync, sample=sample, ps_store=ps_store, ps_reopen=ps_reopen)
+                      sync=sync, sample=sample, ps=cfg.ps, ps_store=ps_store, ps_reopen=ps_reopen)
     if not cfg.train.compile:  # a compiled model runs its layers as one graph
         phase.track(par.model, bundle.block_types)
     torch.manual_seed(cfg.train.seed + 1 + env.rank)  # dropout etc. differ per rank, reproducibly
@@ -112,8 +112,8 @@ def run_training(cfg: Config, layout: Layout, source, run_dir: Path, env: DistEn
     bad_steps = BadStepPolicy(cfg.train.on_bad_step, cfg.train.max_bad_steps, scaled=precision.scaler is not None)
     sampler = GlobalBatchSampler(source.num_train, cfg.train.global_batch_size, cfg.train.seed)
     balance = None
-    if cfg.parallel.balance == "throughput":  # a new split waits until the batches prefetched before it are used
-        balance = ThroughputBalance(cfg.train.global_batch_size, dims.dp, par.dp_rank, cfg.parallel.balance_interval,
+    if cfg.balance.mode == "throughput":  # a new split waits until the batches prefetched before it are used
+        balance = ThroughputBalance(cfg.train.global_batch_size, dims.dp, par.dp_rank, cfg.balance.interval,
                                     cfg.data.prefetch + 1, comm, par.dp_group, ComputeClock(par.model, env.device),
                                     env.device)
     # a parameter server's worker holds no optimizer state: the servers save it

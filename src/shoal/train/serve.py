@@ -1,4 +1,4 @@
-"""A parameter server's loop (parallel.sync = "parameter-server"): the tensors this server owns, their
+"""A parameter server's loop (sync.mode = "parameter-server"): the tensors this server owns, their
 optimizer state, and the workers' messages (the protocols: parallel/param_server.py for ps_mode =
 "sync", parallel/ps_async.py for "async"). A server starts from the run's newest checkpoint, as its
 workers do, and writes its optimizer state into every checkpoint they write."""
@@ -37,9 +37,9 @@ class Shard:
         self.model = build_on(cfg.model, spec, init=init).model
         named = [(n, p) for n, p in self.model.named_parameters() if p.requires_grad]
         params = dict(named)
-        names = shard_names(named, cfg.parallel.servers)[index]
+        names = shard_names(named, cfg.ps.servers)[index]
         self.params = [params[n] for n in names]
-        tables = sparse_tables(self.model) if cfg.parallel.ps_sparse else set()
+        tables = sparse_tables(self.model) if cfg.ps.sparse else set()
         self.wire = Wire(self.params, [n in tables for n in names])
         # per worker, per table: the rows that changed since that worker's last pull
         self.stale_rows: dict[int, list[torch.Tensor]] = {}
@@ -129,16 +129,16 @@ def serve(cfg: Config, spec, index: int, workers: list[int], server_group, comm:
     resume_path = comm.agree("resume_from", lambda: str(find_resume_point(run.checkpoints, resume) or ""))
     shard = Shard(cfg, spec, index, init=not resume_path)
     say = lambda text: print(text, file=sys.stderr, flush=True)  # noqa: E731
-    if cfg.parallel.ps_mode == "sync":
+    if cfg.ps.mode == "sync":
         shard.track(workers)
         if resume_path:  # collective with the workers' load: they take the parameters, this server its state
             load_checkpoint(Path(resume_path), shard.model, shard.optimizer, comm)
         with torch.no_grad():
-            done = serve_sync(shard, run, index, workers, server_group if cfg.parallel.servers > 1 else None, comm)
+            done = serve_sync(shard, run, index, workers, server_group if cfg.ps.servers > 1 else None, comm)
     else:  # the servers alone load and save (serve_checkpoint.py)
-        mine = comm if server_group is None else Comm(comm.store, index, cfg.parallel.servers, comm.log,
+        mine = comm if server_group is None else Comm(comm.store, index, cfg.ps.servers, comm.log,
                                                       group=server_group)
-        state = ServerState(len(workers), staleness_bins(len(workers), cfg.parallel.max_staleness))
+        state = ServerState(len(workers), staleness_bins(len(workers), cfg.ps.max_staleness))
         saver = ServerCheckpoints(shard, index, cfg, mine, run, len(workers), state)
         if resume_path:
             units = saver.resume(Path(resume_path), server_group)

@@ -1,4 +1,4 @@
-"""An asynchronous parameter server (parallel.ps_mode = "async"): workers that come and go.
+"""An asynchronous parameter server (ps.mode = "async"): workers that come and go.
 
 Threads: a listener makes this server's end of a link (parallel/ps_links.py) for every worker that
 registers; one receiver per link turns its messages into events (a push with its gradient already
@@ -39,8 +39,8 @@ def serve_async(shard, cfg: Config, index: int, workers: int, comm: Comm, store,
                 say=print) -> dict:
     """Serve until the run is complete and every worker left; returns what this server did. `saver`: the
     checkpoints (train/serve_checkpoint.py), holding the state resumed from, if any."""
-    k, aggregate, groups = cfg.parallel.max_staleness, cfg.parallel.ps_aggregate, len(shard.optimizer.param_groups)
-    shard_count = cfg.parallel.servers
+    k, aggregate, groups = cfg.ps.max_staleness, cfg.ps.aggregate, len(shard.optimizer.param_groups)
+    shard_count = cfg.ps.servers
     total_units, timeout = workers * cfg.train.steps, cfg.parallel.timeout_s
     events: queue.Queue = queue.Queue()
     stop = threading.Event()
@@ -229,7 +229,7 @@ def serve_async(shard, cfg: Config, index: int, workers: int, comm: Comm, store,
             if kind == HEADER_DONE:
                 live.discard(w)
                 if slots[w] == 0 and complete():  # the final parameters and this server's account
-                    if waiting:  # the last few updates, fewer than parallel.ps_aggregate
+                    if waiting:  # the last few updates, fewer than ps.aggregate
                         step()
                     reply(w, -1)
                     fresh = int(hist.sum().item()) - resumed_updates

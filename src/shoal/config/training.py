@@ -1,0 +1,119 @@
+"""[train], [precision], [checkpoint], [metrics]: the optimisation, the number format, what is saved and
+what is measured."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import ConfigDict, Field, model_validator
+
+from shoal.config.base import Section
+
+
+class TrainConfig(Section):
+    steps: int = Field(1000, ge=1)
+    """Optimizer steps to run."""
+    global_batch_size: int = Field(32, ge=1)
+    """Samples per optimizer step, summed over all data-parallel ranks and accumulation steps."""
+    micro_batch_size: int = Field(8, ge=1)
+    """Samples per forward/backward on one rank; accumulation = global / (micro x dp)."""
+    lr: float = Field(1e-3, gt=0.0, le=10.0)
+    """Peak learning rate (AdamW)."""
+    min_lr_ratio: float = Field(0.1, ge=0.0, le=1.0)
+    """The cosine schedule decays to lr x min_lr_ratio at the last step."""
+    warmup_steps: int = Field(100, ge=0)
+    """Linear warmup from 0 to lr."""
+    weight_decay: float = Field(0.1, ge=0.0)
+    """Decoupled weight decay, applied to matrices only (not biases, norms)."""
+    beta1: float = Field(0.9, ge=0.0, lt=1.0)
+    """AdamW first-moment decay."""
+    beta2: float = Field(0.95, ge=0.0, lt=1.0)
+    """AdamW second-moment decay (0.95 as in GPT-3, steadier than 0.999 for transformers)."""
+    grad_clip: float = Field(1.0, ge=0.0)
+    """Clip the global gradient norm to this value (0 disables clipping; the norm is still logged)."""
+    seed: int = Field(1337, ge=0)
+    """Seeds model init and the data order; the global batch at step k depends only on (seed, k)."""
+    val_interval: int = Field(100, ge=0)
+    """Validate every this many steps (0: only at the end)."""
+    val_batches: int = Field(8, ge=1)
+    """Validation batches (each of global_batch_size samples) per evaluation."""
+    on_bad_step: Literal["skip", "rollback", "abort"] = "skip"
+    """A NaN/inf loss or gradient norm: skip the update, roll back to the last checkpoint and skip the
+    batch, or abort the run."""
+    max_bad_steps: int = Field(5, ge=1)
+    """skip: abort after this many bad steps in a row; rollback: abort after this many rollbacks."""
+    compile: bool = False
+    """torch.compile the model (first step is slow; measured no speedup for small models on CPU)."""
+    optimizer: Literal["adamw", "sgd"] = "adamw"
+    """The (inner) optimizer: AdamW, or SGD with `momentum` (weight decay as for AdamW, added to the
+    gradient). Under sync.mode = "local-sgd" / "diloco" it is what each replica steps with."""
+    momentum: float = Field(0.0, ge=0.0, lt=1.0)
+    """optimizer = "sgd": momentum (0: plain SGD)."""
+    freeze: list[str] = []
+    """Parameters left untouched: glob patterns over the model's parameter names (e.g.
+    ["model.embed_tokens.*", "model.layers.0.*"]); they get no gradient and no optimizer state."""
+    eval_on_start: bool = False
+    """Validate once before the first step of a fresh start (summary.json: initial_val_*), e.g. to see
+    what pretrained weights (model.init_from) score before fine-tuning."""
+
+
+
+class PrecisionConfig(Section):
+    dtype: Literal["fp32", "bf16", "fp16"] = "fp32"
+    """Compute dtype under autocast; parameters and optimizer state stay fp32. fp16 needs CUDA."""
+    reduce_dtype: Literal["fp32", "bf16"] = "fp32"
+    """ZeRO 2/3 with dtype bf16: parameters are gathered in bf16 and gradients reduced in this dtype
+    (fp32: exact sums, twice the traffic)."""
+    activation_checkpointing: bool = False
+    """Recompute each block's activations in backward instead of storing them."""
+
+
+class CheckpointConfig(Section):
+    model_config = ConfigDict(populate_by_name=True)
+    enabled: bool = True
+    """Save checkpoints to run_dir/checkpoints: at the end, every `interval` steps and every
+    `interval_minutes`."""
+    interval: int = Field(0, ge=0)
+    """Save every this many steps (0: by time only, see interval_minutes)."""
+    interval_minutes: float = Field(10.0, ge=0.0)
+    """Also save when this many minutes have passed since the last save (or the start), so a crash
+    never costs more; 0: by steps only. All ranks agree on the step through the step's flags."""
+    keep: int = Field(3, ge=1)
+    """Newest complete checkpoints kept; older ones are deleted once a newer one is complete."""
+    async_save: bool = Field(False, alias="async")
+    """`async = true`: training continues while the checkpoint is written (its own process group). Under
+    sync.mode = "parameter-server" saves block (the servers write their state inside the workers' save)."""
+    final_weights: bool = True
+    """Write the trained model as run_dir/model.safetensors at the end."""
+
+
+class MetricsConfig(Section):
+    log_interval: int = Field(10, ge=1)
+    """Write metrics.jsonl / TensorBoard every this many steps (and at the last step)."""
+    tensorboard: bool = True
+    """Write TensorBoard event files to run_dir/tensorboard."""
+    progress: bool = True
+    """Show the progress bar on rank 0."""
+    profile: bool = True
+    """The step profile in every step's metrics: compute, communication this rank waited for per mesh
+    axis, data wait, optimizer, pipeline bubble, achieved FLOP/s and MFU; at logged steps the ranks'
+    compute times, naming a straggler (README, "What the run shows")."""
+    peak: str = "auto"
+    """Peak FLOP/s of one worker, for MFU: "auto" (a CUDA device's data-sheet preset found by its name,
+    otherwise a short matmul in the run's dtype measured at start), a preset ("h100", "h200", "a100"),
+    or the path of a `shoal probe` JSON."""
+    straggler_ratio: float = Field(1.2, gt=1)
+    """A rank whose compute time since the last logged step is at least this many times the median of
+    the other ranks' is named a straggler."""
+    trace_steps: list[int] = []
+    """[first, last]: write a torch.profiler trace of these steps (1-based, inclusive) to
+    run_dir/traces, one file per rank (TensorBoard's profiler plugin or ui.perfetto.dev open it)."""
+
+    @model_validator(mode="after")
+    def _trace_steps(self) -> MetricsConfig:
+        t = self.trace_steps
+        if t and (len(t) != 2 or not 1 <= t[0] <= t[1]):
+            raise ValueError(f"metrics.trace_steps = {t} must be [first, last] with 1 <= first <= last, "
+                             f"e.g. [5, 7]")
+        return self
+
