@@ -149,7 +149,7 @@ def train(env, overrides: list[str], run_dir, resume: str = "auto") -> tuple[dic
     from shoal.comm.collectives import Comm
     from shoal.config import load_config
     from shoal.preflight import check_job
-    from shoal.train.run import run_job
+    from shoal.training.run import run_job
 
     cfg = load_config(None, overrides)
     job = check_job(cfg, [env.world_size], cuda=False, quiet=True)

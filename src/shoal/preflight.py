@@ -26,7 +26,7 @@ from shoal.models.registry import build_model
 from shoal.models.spec import ModelBundle, count_parameters
 from shoal.parallel.fit import check_model_fits
 from shoal.rundir import RunDir, check_writable
-from shoal.train.build import freeze
+from shoal.training.build import freeze
 
 
 @dataclass(frozen=True)

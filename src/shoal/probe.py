@@ -130,7 +130,7 @@ def reference_heap(repeats: int, width: int) -> int:
     `width` through its training steps, in this process: what the model state and activations cost on
     CPU with the C library's heap as a worker has it. From after importing the training stack, where
     the profile's process_bytes is measured."""
-    import shoal.train.run  # noqa: F401 - as measure() imports it before reading process_bytes
+    import shoal.training.run  # noqa: F401 - as measure() imports it before reading process_bytes
 
     before = _status_bytes("VmRSS")
     _wall(_reference_step(width, torch.device("cpu"), repeats), repeats, lambda: None)
@@ -438,7 +438,7 @@ def _group_time(comm: Comm, fn, sync, device) -> float:
 def measure(env: DistEnv, sizes=DEFAULT_SIZES, repeats: int = 3, matmul_sizes=MATMUL_SIZES,
             copy_bytes: int = 64 * 1024 * KIB, nnodes: int = 1, widths=REFERENCE_WIDTHS) -> HardwareProfile:
     """Collective over the default group: every rank calls it; every rank gets the profile."""
-    import shoal.train.run  # noqa: F401 - the training stack, imported as a worker imports it (resident memory)
+    import shoal.training.run  # noqa: F401 - the training stack, imported as a worker imports it (resident memory)
 
     device = env.device
     cuda = device.type == "cuda"

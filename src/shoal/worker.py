@@ -93,7 +93,7 @@ def main(cfg: Config, run_dir: str | None, config_path: str | None, resume: str 
         # every rank must write to the same place: rank 0 names it
         path = Path(comm.agree("run_dir", lambda: str(choose_run_dir(run_dir, config_path, cfg, resume,
                                                                         first_attempt))))
-        from shoal.train.run import run_job  # after set_num_threads: heavy imports come here
+        from shoal.training.run import run_job  # after set_num_threads: heavy imports come here
 
         # a restarted attempt continues from the newest checkpoint of the attempt before it
         summary = run_job(cfg, job.layout, job.source, path, env, comm, resume if first_attempt else "auto", phase)

@@ -219,7 +219,7 @@ def test_every_step_sync_gives_the_mean_gradient(ranks):
 
 def comm_basics(env):
     from shoal.comm.collectives import Comm
-    from shoal.train.flags import StepFlags
+    from shoal.training.flags import StepFlags
 
     comm = Comm(env.store, env.rank, env.world_size)
     agreed = comm.agree("choice", lambda: f"decided by rank {env.rank}")

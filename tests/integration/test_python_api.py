@@ -28,9 +28,9 @@ def test_train_from_python_with_a_builder_passed_as_a_callable(tmp_path, monkeyp
     assert (tmp_path / "run" / "model.safetensors").exists()
     assert "faulty:build" in (tmp_path / "run" / "config.toml").read_text()
     assert dict(os.environ) == env  # the launch's variables were for the workers
-    from shoal.train import loop  # importing below the package leaves it callable
+    from shoal.training import loop  # the loop's package has a name of its own: shoal.train stays the function
 
-    assert callable(shoal.train) and shoal.train.loop is loop
+    assert callable(shoal.train) and shoal.train is shoal.api.train and shoal.training.loop is loop
 
 
 def test_train_from_python_raises_the_commands_one_line_errors(tmp_path):

@@ -12,7 +12,7 @@ from shoal.errors import UserError
 from shoal.models.pretrained import check_pretrained, load_pretrained
 from shoal.models.registry import build_model
 from shoal.models.spec import DataSpec
-from shoal.train.build import freeze
+from shoal.training.build import freeze
 
 TOKENS = DataSpec(kind="tokens", vocab_size=256)
 LLAMA = ['model.name="hf"', "model.seq_len=16",

@@ -20,7 +20,7 @@ from shoal.parallel.pipeline import split_stages
 from shoal.plan.cost import MicroBatchCost, trace_micro_batch, trace_optimizer_step
 from shoal.plan.enumerate import Candidate, candidates
 from shoal.plan.predict import ModelShape, Prediction, predict_memory, predict_time, rank_params
-from shoal.train.build import freeze
+from shoal.training.build import freeze
 
 _UNITS = {"": 1, "b": 1, "kb": 1e3, "mb": 1e6, "gb": 1e9, "tb": 1e12, "kib": 2 ** 10, "mib": 2 ** 20,
           "gib": 2 ** 30, "tib": 2 ** 40}

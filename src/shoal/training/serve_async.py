@@ -32,7 +32,7 @@ from shoal.config import Config
 from shoal.parallel.param_server import HEADER_DONE, HEADER_STEP
 from shoal.parallel.ps_async import HEADER_JOIN, account_tensors, header_size
 from shoal.parallel.ps_links import PREFIX, SERVER, Link, registered, slot_of
-from shoal.train.serve_checkpoint import ServerCheckpoints
+from shoal.training.serve_checkpoint import ServerCheckpoints
 
 
 def serve_async(shard, cfg: Config, index: int, workers: int, comm: Comm, store, saver: ServerCheckpoints,

@@ -28,10 +28,10 @@ from shoal.parallel.balance import ThroughputBalance
 from shoal.parallel.parallelized import Parallelized
 from shoal.parallel.precision import Precision
 from shoal.parallel.zero import local_optimizer
-from shoal.train.bad_steps import BadStepPolicy
-from shoal.train.evaluate import evaluate
-from shoal.train.flags import StepFlags
-from shoal.train.optim import Schedule
+from shoal.training.bad_steps import BadStepPolicy
+from shoal.training.evaluate import evaluate
+from shoal.training.flags import StepFlags
+from shoal.training.optim import Schedule
 
 
 @dataclass

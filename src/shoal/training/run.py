@@ -42,12 +42,12 @@ from shoal.parallel.balance import ComputeClock, ThroughputBalance
 from shoal.parallel.precision import Precision
 from shoal.parallel.zero import local_optimizer
 from shoal.rundir import RunDir, read_json, write_json
-from shoal.train.async_loop import async_train_loop, make_unit
-from shoal.train.bad_steps import BadStepPolicy
-from shoal.train.build import build_on, freeze, plain_model
-from shoal.train.loop import Hooks, Record, Trainer, train_loop
-from shoal.train.optim import Schedule, optimizer_groups
-from shoal.train.summary import failure_info, fresh_start, summarize
+from shoal.training.async_loop import async_train_loop, make_unit
+from shoal.training.bad_steps import BadStepPolicy
+from shoal.training.build import build_on, freeze, plain_model
+from shoal.training.loop import Hooks, Record, Trainer, train_loop
+from shoal.training.optim import Schedule, optimizer_groups
+from shoal.training.summary import failure_info, fresh_start, summarize
 
 
 def run_job(cfg: Config, layout: Layout, source, run_dir: Path, env: DistEnv, comm: Comm, resume: str = "auto",
@@ -62,7 +62,7 @@ def run_job(cfg: Config, layout: Layout, source, run_dir: Path, env: DistEnv, co
     if role:  # asynchronous, each role a job of its own (ps_launch.py): they meet in server 0's store
         store = ps_launch.open_store(role == "server" and env.rank == 0, cfg.parallel.timeout_s)
         if role == "server":
-            from shoal.train.serve import serve
+            from shoal.training.serve import serve
 
             return serve(cfg, source.spec, env.rank, list(range(n)), None, comm, run_dir, resume, store=store)
         slot = int(os.environ[ps_launch.SLOT])  # the slot is the worker's rank in the run
@@ -73,7 +73,7 @@ def run_job(cfg: Config, layout: Layout, source, run_dir: Path, env: DistEnv, co
     # asynchronous: each worker's collectives (its step's flags, its validation) are its own
     alone = [comm.new_group([w]) for w in range(n)] if cfg.ps.mode == "async" else None
     if env.rank >= n:
-        from shoal.train.serve import serve
+        from shoal.training.serve import serve
 
         return serve(cfg, source.spec, env.rank - n, list(range(n)), servers, comm, run_dir, resume)
     world = comm.within(alone[env.rank], 1) if alone else comm.within(workers, n)

@@ -23,10 +23,10 @@ from shoal.parallel.param_server import HEADER_DONE, HEADER_SAVE, shard_names
 from shoal.parallel.ps_async import staleness_bins
 from shoal.parallel.ps_wire import Wire, sparse_tables
 from shoal.rundir import RunDir
-from shoal.train.build import build_on
-from shoal.train.optim import optimizer_groups
-from shoal.train.serve_async import serve_async
-from shoal.train.serve_checkpoint import ServerCheckpoints, ServerState
+from shoal.training.build import build_on
+from shoal.training.optim import optimizer_groups
+from shoal.training.serve_async import serve_async
+from shoal.training.serve_checkpoint import ServerCheckpoints, ServerState
 
 
 class Shard:

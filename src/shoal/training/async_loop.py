@@ -18,8 +18,8 @@ from shoal.metrics.sinks import MetricsSinks
 from shoal.metrics.timers import StepTimer
 from shoal.models.spec import Batch
 from shoal.parallel.ps_async import LinkLost
-from shoal.train.loop import Hooks, Record, Trainer, step_metrics, train_step, validate
-from shoal.train.optim import lr_factor
+from shoal.training.loop import Hooks, Record, Trainer, step_metrics, train_step, validate
+from shoal.training.optim import lr_factor
 
 
 def async_train_loop(t: Trainer, hooks: Hooks, unit_batches: Callable[[int], list[Batch]], sinks: MetricsSinks,
