@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from shoal.ps_launch import descendants
+from shoal.ps.roles import descendants
 
 ROOT = Path(__file__).resolve().parents[1]
 FIXTURES = Path(__file__).parent / "fixtures"

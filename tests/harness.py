@@ -149,12 +149,11 @@ def train(env, overrides: list[str], run_dir, resume: str = "auto") -> tuple[dic
     from shoal.comm.collectives import Comm
     from shoal.config import load_config
     from shoal.preflight import check_job
-    from shoal.training.run import run_job
+    from shoal.worker import run_rank
 
     cfg = load_config(None, overrides)
     job = check_job(cfg, [env.world_size], cuda=False, quiet=True)
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
-        summary = run_job(cfg, job.layout, job.source, Path(run_dir), env, Comm(env.store, env.rank, env.world_size),
-                          resume)
+        summary = run_rank(cfg, job, Path(run_dir), env, Comm(env.store, env.rank, env.world_size), resume)
     return summary, out.getvalue()

@@ -239,9 +239,9 @@ def train(args: argparse.Namespace) -> int:
     args.nnodes, args.node_rank, args.rdzv_endpoint, args.nproc = (node.nnodes, node.node_rank, node.rdzv_endpoint,
                                                                    node.nproc)
 
-    from shoal import ps_launch
     from shoal.launch import check_launch_args, launch, parse_nnodes
     from shoal.preflight import check_job
+    from shoal.ps import roles
     from shoal.rundir import RunDir, default_run_dir
     from shoal.worker import RESUME_COMMAND, choose_run_dir, finished_message, threads_per_worker
 
@@ -250,7 +250,7 @@ def train(args: argparse.Namespace) -> int:
     run_dir = Path(args.run_dir) if args.run_dir else default_run_dir(args.config, cfg)
     # every world size the job may take must be a valid layout; everything that can be checked is,
     # before any worker starts (a parameter server's role: the whole run's world)
-    worlds = [ps_launch.total_world(args.nproc * n) for n in range(nodes[0], nodes[1] + 1)]
+    worlds = [roles.total_world(args.nproc * n) for n in range(nodes[0], nodes[1] + 1)]
     job = check_job(cfg, worlds, cuda=torch.cuda.is_available(), run_dir=run_dir, resume=args.resume, quiet=True)
     if job.finished and RunDir(run_dir).summary.exists():
         print(finished_message(run_dir, job.resume_step, cfg.train.steps))
@@ -263,11 +263,11 @@ def train(args: argparse.Namespace) -> int:
 
     if NODE_ENV not in os.environ:  # on a cluster's host, the cluster run set the command that continues it
         os.environ[RESUME_COMMAND] = resume_command(args.argv)
-    if job.layout.servers and cfg.ps.mode == "async" and nodes == (1, 1) and not ps_launch.role():
-        # workers that come and go: each role under an agent of its own (ps_launch.py)
+    if job.layout.servers and cfg.ps.mode == "async" and nodes == (1, 1) and not roles.role():
+        # workers that come and go: each role under an agent of its own (ps/roles.py)
         role_argv = ["train", *([args.config] if args.config else []), *[a for s in args.set for a in ("--set", s)],
                      "--run-dir", str(run_dir), "--resume", "auto", "--nnodes", "1"]
-        return ps_launch.launch_roles(role_argv, args.nproc, job.layout.servers, args.max_restarts)
+        return roles.launch_roles(role_argv, args.nproc, job.layout.servers, args.max_restarts)
     return launch(worker_argv, args.nproc, nodes, args.node_rank, args.rdzv_endpoint,
                   threads=threads_per_worker(cfg, args.nproc), max_restarts=args.max_restarts,
                   rdzv_timeout=args.rdzv_timeout)

@@ -25,7 +25,7 @@ from shoal.comm.report import collective_report
 from shoal.comm.watchdog import Watchdog
 from shoal.config import Config
 from shoal.errors import TrainingError, UserError
-from shoal.preflight import check_job
+from shoal.preflight import Job, check_job
 from shoal.rundir import default_run_dir, holds_a_run, move_aside
 
 FAILED_KEY = "shoal/failed"
@@ -69,6 +69,19 @@ def _quiet(fn, default):
         return default
 
 
+def run_rank(cfg: Config, job: Job, run_dir: Path, env, comm: Comm, resume: str = "auto",
+             phase: Phase | None = None) -> dict:
+    """This rank's part of the job: training, or, under sync.mode = "parameter-server", serving or
+    training as the parameter server's ranks do (ps/run.py). Returns the run's summary."""
+    if job.layout.servers:
+        from shoal.ps.run import run_job  # heavy imports come here, after set_num_threads
+
+        return run_job(cfg, job.layout, job.source, run_dir, env, comm, resume, phase)
+    from shoal.training.run import run_training
+
+    return run_training(cfg, job.layout, job.source, run_dir, env, comm, resume, phase)
+
+
 def main(cfg: Config, run_dir: str | None, config_path: str | None, resume: str = "auto") -> None:
     """Entry point of a launched worker; never returns."""
     faulthandler.register(signal.SIGUSR1, all_threads=True)  # `kill -USR1 PID`: where is this rank?
@@ -81,7 +94,7 @@ def main(cfg: Config, run_dir: str | None, config_path: str | None, resume: str 
         if cfg.parallel.zero >= 2 and not torch.cuda.is_available():  # so that sharding shows in peak RSS
             release_freed_memory()
         # a torchrun launch reaches here unchecked; under `shoal train` this repeats the launcher's checks
-        from shoal.ps_launch import reports, total_world
+        from shoal.ps.roles import reports, total_world
 
         job = check_job(cfg, [total_world(world)], cuda=torch.cuda.is_available(), quiet=True)
         env = dist.init(job.layout.backend, cfg.parallel.timeout_s)
@@ -93,10 +106,8 @@ def main(cfg: Config, run_dir: str | None, config_path: str | None, resume: str 
         # every rank must write to the same place: rank 0 names it
         path = Path(comm.agree("run_dir", lambda: str(choose_run_dir(run_dir, config_path, cfg, resume,
                                                                         first_attempt))))
-        from shoal.training.run import run_job  # after set_num_threads: heavy imports come here
-
         # a restarted attempt continues from the newest checkpoint of the attempt before it
-        summary = run_job(cfg, job.layout, job.source, path, env, comm, resume if first_attempt else "auto", phase)
+        summary = run_rank(cfg, job, path, env, comm, resume if first_attempt else "auto", phase)
         if reports(env.rank) and summary.get("already_finished"):
             print(finished_message(path, summary["steps"], cfg.train.steps), flush=True)
         elif reports(env.rank):
@@ -109,7 +120,7 @@ def main(cfg: Config, run_dir: str | None, config_path: str | None, resume: str 
         dist.shutdown()
     except signals.Interrupted as e:
         handler.record_exception(e)
-        from shoal.ps_launch import reports  # (an asynchronous parameter server's: worker slot 0)
+        from shoal.ps.roles import reports  # (an asynchronous parameter server's: worker slot 0)
 
         if reports(int(os.environ.get("RANK", "-1"))):
             print(f"shoal: {e}; {resume_hint(resume)}", file=sys.stderr, flush=True)

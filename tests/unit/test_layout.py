@@ -111,7 +111,7 @@ def test_parameter_server_ranks_are_outside_the_rank_grid():
 
 
 def test_parameter_server_shards_whole_tensors_balanced_by_bytes():
-    from shoal.parallel.param_server import shard_names
+    from shoal.ps.shards import shard_names
 
     named = [(n, torch.zeros(k)) for n, k in [("a", 10), ("b", 40), ("c", 30), ("d", 20), ("e", 5)]]
     # largest first to the lighter server: b, c, then d (to 1), a (to 0: 40 vs 50), e (a tie: to 0)

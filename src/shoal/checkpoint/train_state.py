@@ -103,9 +103,10 @@ class TrainState:
             out.update(replica_tensors(self.model, self.optimizer))
         return {k: v.detach().contiguous() for k, v in out.items()}
 
-    def capture(self, step: int, cfg: Config, data_spec: dict) -> dict:
-        """The shared JSON of a checkpoint at `step` (rank 0 writes it)."""
-        return {"format": CHECKPOINT_FORMAT, "step": step, "config": cfg.to_toml(), "data_spec": data_spec,
+    def capture(self, step: int, config_toml: str, data_spec: dict) -> dict:
+        """The shared JSON of a checkpoint at `step` (rank 0 writes it): the run's config (Config.to_toml),
+        its data's spec, and every part's state."""
+        return {"format": CHECKPOINT_FORMAT, "step": step, "config": config_toml, "data_spec": data_spec,
                 "parts": {name: part.state_dict() for name, part in self.parts.items()}}
 
     def restore(self, path: Path, saved: dict, rank: int, world_size: int, seed: int,

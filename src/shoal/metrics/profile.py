@@ -24,10 +24,12 @@ from __future__ import annotations
 import functools
 import statistics
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
+from shoal.config import MetricsConfig
 from shoal.hardware import PRESETS, HardwareProfile, profile_or_preset
 
 AXES = ("dp", "tp", "pp", "world")
@@ -207,18 +209,30 @@ def summarize_profile(history: list[dict]) -> dict:
     return {**out, "stragglers": sorted(named.values(), key=lambda e: -e["times_named"])} if out else {}
 
 
-def start_profiler(peak: str, straggler_ratio: float, dtype: str, device: torch.device, axes: tuple[str, ...],
-                   bubble: float, world_size: int, global_batch: int, start_step: int, bundle_flops: float | None,
-                   build, batch: dict[str, torch.Tensor]) -> tuple[Profiler, str]:
-    """The profiler of a run and the line that says what its MFU is measured against."""
+@dataclass(frozen=True)
+class FlopSource:
+    """Where a sample's training FLOPs come from: the model's own count, else torch's FLOP counter over
+    `build()` (a meta-device (model, loss_fn)) on `batch` (count_flops_per_sample)."""
+
+    per_sample: float | None
+    build: Callable[[], tuple]
+    batch: dict[str, torch.Tensor]
+
+
+def start_profiler(metrics: MetricsConfig, dtype: str, device: torch.device, flops: FlopSource, *,
+                   axes: tuple[str, ...], bubble: float, world_size: int, global_batch: int,
+                   start_step: int) -> tuple[Profiler, str]:
+    """The profiler of a run and the line that says what its MFU is measured against. `axes`: the mesh
+    axes the layout communicates over; `bubble`: the pipeline's idle share; `start_step`: the steps done."""
     try:
-        per_sample, source = count_flops_per_sample(bundle_flops, build, batch)
+        per_sample, source = count_flops_per_sample(flops.per_sample, flops.build, flops.batch)
     except Exception as e:  # noqa: BLE001 - an op the counter cannot run on meta tensors: no MFU, said why
         per_sample, what = None, f"MFU off: the model's FLOPs could not be counted ({str(e).splitlines()[0][:120]})"
-    peak_flops, peak_name = resolve_peak(peak, device, dtype)
+    peak_flops, peak_name = resolve_peak(metrics.peak, device, dtype)
     if per_sample is not None:
         how = "the model's own count" if source == "model" else "torch's FLOP counter"
         what = (f"MFU against {peak_flops / 1e9:,.1f} GFLOP/s per worker ({peak_name}); "
                 f"{per_sample / 1e9:,.3f} GFLOP per sample ({how})")
-    flops = per_sample * global_batch if per_sample is not None else None
-    return Profiler(axes, bubble, world_size, flops, peak_flops, straggler_ratio, logged_step=start_step), what
+    total = per_sample * global_batch if per_sample is not None else None
+    return Profiler(axes, bubble, world_size, total, peak_flops, metrics.straggler_ratio,
+                    logged_step=start_step), what

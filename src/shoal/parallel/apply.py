@@ -18,17 +18,15 @@ from torch.distributed.fsdp import FSDPModule
 
 from shoal.comm.codecs import make_codec
 from shoal.comm.collectives import Comm
-from shoal.config import CommConfig, ParallelConfig, PrecisionConfig, PSConfig, SyncConfig
+from shoal.config import CommConfig, ParallelConfig, PrecisionConfig, SyncConfig
 from shoal.layout import Layout
 from shoal.models.spec import ModelBundle
 from shoal.parallel.data import replicate_ddp, replicate_dtensor
 from shoal.parallel.local_sgd import PeriodicSync
 from shoal.parallel.parallelized import Parallelized
-from shoal.parallel.param_server import PushPull, ServedModel
 from shoal.parallel.pipeline import Pipeline, StageUnion, measure_layer_times, split_stages
 from shoal.parallel.pipelined import PipelinedModel
 from shoal.parallel.precision import sharded_mixed_precision
-from shoal.parallel.ps_async import AsyncPushPull
 from shoal.parallel.sync import EveryStep, StepSync
 from shoal.parallel.zero import shard_parameters
 from shoal.topology import ParallelDims
@@ -67,21 +65,10 @@ def replica_meshes(layout: Layout, dp_group):
 
 def parallelize(bundle: ModelBundle, layout: Layout, parallel: ParallelConfig, precision: PrecisionConfig,
                 compile: bool, device: torch.device, rank: int, comm: Comm, sync: StepSync | None = None,
-                sample: dict | None = None, ps: PSConfig | None = None, ps_store=None, ps_reopen=None) -> Parallelized:
+                sample: dict | None = None) -> Parallelized:
     """This rank's share of `bundle.model`, wrapped for `layout`. `sample`: one pipeline micro-batch,
     to time the layers with (parallel.pp_balance = "time"). `sync`: by default every step, uncompressed."""
     dims = layout.dims
-    if layout.servers:  # a parameter-server worker: the model whole and unwrapped
-        server_ranks = list(range(dims.world_size, dims.world_size + layout.servers))
-        model = bundle.model.to(device)
-        if ps.mode == "async":  # each update is one worker's: its batch is its whole world
-            push_pull = AsyncPushPull(comm, ps_store or comm.store, layout.servers, rank, dims.dp,
-                                      ps.max_staleness, parallel.timeout_s, ps.sparse, ps_reopen)
-            push_pull.attach(model, None, 1)  # joins the servers when the loop starts (async_train_loop)
-            return ServedModel(model, bundle, push_pull, comm=comm, device=device, dp_rank=0, dp=1)
-        push_pull = PushPull(comm, server_ranks, rank == 0, ps.sparse)
-        push_pull.attach(model, None, dims.dp)
-        return ServedModel(model, bundle, push_pull, comm=comm, device=device, dp_rank=rank, dp=dims.dp)
     sync = sync or make_sync(SyncConfig(), CommConfig(), comm)
     model = bundle.model.to(device)
     loss_context = contextlib.nullcontext

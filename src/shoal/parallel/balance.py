@@ -21,6 +21,7 @@ changes its split. The decided splits and the agreed throughputs are checkpointe
 
 from __future__ import annotations
 
+import contextlib
 import math
 import time
 
@@ -113,6 +114,13 @@ class ThroughputBalance:
         """Samples per dp rank in training step `step` (0-based); read by the prefetch thread."""
         splits = self.splits  # replaced, never mutated in place: the prefetch thread reads a whole list
         return next(counts for first, counts in reversed(splits) if first <= step)
+
+    @contextlib.contextmanager
+    def measuring(self, step: int):
+        """Around step `step`'s forward/backward on this rank: its compute time is measured."""
+        self.start()
+        yield
+        self.measured(step)
 
     def start(self) -> None:
         if self.clock:

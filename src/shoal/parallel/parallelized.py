@@ -70,35 +70,17 @@ class Parallelized:
         """The optimizer stepped; `step` steps are done."""
         self.sync.after_step(step)
 
-    def finish(self) -> None:
-        """Training is over on this rank (a parameter server's workers tell the servers)."""
-
-    def step_metrics(self) -> dict:
-        """What this layout adds to a step's metrics (a parameter server's staleness)."""
-        return {}
-
-    def report(self) -> dict:
-        """What this layout adds to summary.json (what the parameter servers did)."""
-        return {}
-
-    def before_save(self, step: int) -> None:
-        """A checkpoint of `step` is about to be written (a parameter server's workers call the servers
-        into it: they hold the optimizer state)."""
-
     def norm_params(self) -> list[tuple[torch.Tensor, bool]]:
         """Parameters with gradients, and whether each counts in the gradient norm."""
         return [(p, True) for p in self.model.parameters() if p.grad is not None]
 
-    def clip_grad_norm(self, max_norm: float, before_clip: Callable[[torch.Tensor], None] = lambda norm: None
-                       ) -> torch.Tensor:
-        """Clip the gradients to `max_norm` by their total norm (every rank's share combined where the
-        model is split) and return that norm; `before_clip(norm)` runs in between (the loop starts the
-        step's flags all-reduce there, so that it overlaps the clipping)."""
-        params = self.norm_params()
-        norm = self._grad_norm(params)
-        before_clip(norm)
-        clip_grads(params, max_norm, norm)
-        return norm
+    def grad_norm(self) -> torch.Tensor:
+        """The total norm of the gradients (every rank's share combined where the model is split)."""
+        return self._grad_norm(self.norm_params())
+
+    def clip_grads(self, max_norm: float, norm: torch.Tensor) -> None:
+        """Scale the gradients so that their total norm, `norm` (grad_norm()), is at most `max_norm`."""
+        clip_grads(self.norm_params(), max_norm, norm)
 
     def _grad_norm(self, params: list[tuple[torch.Tensor, bool]]) -> torch.Tensor:
         return grad_norm(params, self.comm)

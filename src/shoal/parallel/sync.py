@@ -12,8 +12,8 @@ without touching the training loop (docs/design.md, "The seams"):
   local SGD /    PeriodicSync (local_sgd.py): no gradient traffic between replicas (no data-parallel wrapper,
   DiLoCo         or one within a replica's ranks); after_step() averages every H steps, DiLoCo through an outer
                  optimizer
-  parameter      PushPull (param_server.py): no wrapper; after_backward() pushes gradients to the server
-  server         ranks, the worker's optimizer pulls the new parameters; server ranks run train/serve.py
+  parameter      PushPull (ps/worker.py): no wrapper; after_backward() pushes gradients to the server
+  server         ranks, the worker's optimizer pulls the new parameters; server ranks run ps/sync_server.py
 State comes in two kinds: state_dict() is JSON shared by every rank (train_state.json); rank_state() is
 tensors that differ per rank (residuals, a replica's own parameters), saved in each rank's own file.
 Whatever the mode, decisions every rank must share (stop, bad step, checkpoint due) ride on the one

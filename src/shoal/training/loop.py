@@ -1,12 +1,12 @@
-"""The training loop: batch -> forward/backward -> sync -> clip -> step -> metrics.
+"""The training loop: while the feed has a step, its micro-batches -> the step (step.py) -> metrics,
+validation, checkpoint hooks.
 
-How the model is laid out and how gradients are synchronised is the Parallelized object's business
-(parallel/); the loop reads the same for every layout.
+The loop reads the same for every layout and way of training: what differs is the Parallelized
+object inside the step (parallel/) and the Feed it draws from (feed.py).
 """
 
 from __future__ import annotations
 
-import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -16,57 +16,34 @@ import torch
 from shoal.comm.collectives import Comm
 from shoal.comm.phase import Phase
 from shoal.config import MetricsConfig, TrainConfig
-from shoal.data.loader import Prefetcher
 from shoal.data.sampler import GlobalBatchSampler
-from shoal.metrics.memory import STATE_KINDS, model_state_bytes, peak_memory_bytes
+from shoal.metrics.memory import STATE_KINDS, peak_memory_bytes
 from shoal.metrics.profile import Profiler
 from shoal.metrics.sinks import MetricsSinks
 from shoal.metrics.timers import StepTimer
 from shoal.metrics.trace import StepTrace
-from shoal.models.spec import Batch
-from shoal.parallel.balance import ThroughputBalance
-from shoal.parallel.parallelized import Parallelized
-from shoal.parallel.precision import Precision
-from shoal.parallel.zero import local_optimizer
-from shoal.training.bad_steps import BadStepPolicy
 from shoal.training.evaluate import evaluate
-from shoal.training.flags import StepFlags
-from shoal.training.optim import Schedule
+from shoal.training.feed import Feed
+from shoal.training.step import Stepper, StepResult
 
 
 @dataclass
-class Trainer:
-    """What the loop trains with (assembled by train/run.py)."""
+class Watch:
+    """What measures the steps as they run: the phase a hang report names, the step profile, traces."""
 
-    train: TrainConfig
-    metrics: MetricsConfig
-    par: Parallelized
-    optimizer: torch.optim.Optimizer
-    schedule: Schedule
-    precision: Precision
-    sampler: GlobalBatchSampler
-    source: object  # data/sources.py: train_batch, val_batch, num_val
-    comm: Comm
-    bad_steps: BadStepPolicy
-    count_fn: Callable[[Batch], torch.Tensor]
-    items_name: str
-    device: torch.device
     phase: Phase = field(default_factory=Phase)
-    balance: ThroughputBalance | None = None  # balance.mode = "throughput": the batch split over dp
     profile: Profiler | None = None  # metrics.profile: the step profile (metrics/profile.py)
     trace: StepTrace | None = None  # metrics.trace_steps
 
 
 @dataclass
 class Hooks:
-    """What the run around the loop adds to it (train/run.py): checkpoints, signals, heartbeats."""
+    """What the run around the loop adds to it (run.py): checkpoints, rollbacks, heartbeats."""
 
-    stop_requested: Callable[[], int] = lambda: 0  # nonzero when this process was asked to stop
-    save_wanted: Callable[[], bool] = lambda: False  # this rank's clock says a checkpoint is due
-    before_update: Callable[[], None] = lambda: None  # runs before the optimizer changes the weights
     rollback: Callable[[int], None] | None = None  # reload the newest checkpoint, skipping a data step
     # after every step, with (metrics, is_last_step, checkpoint agreed due by time)
     after_step: list[Callable[[dict, bool, bool], None]] = field(default_factory=list)
+    step_metrics: Callable[[], dict] = dict  # what the way of training adds to a step's metrics
 
 
 @dataclass
@@ -78,69 +55,140 @@ class Record:
     initial_val: dict = field(default_factory=dict)  # train.eval_on_start: validation before step 1
 
 
-def to_device(batch: Batch, device: torch.device) -> Batch:
-    return {k: v.to(device, non_blocking=True) for k, v in batch.items()}
+@dataclass(kw_only=True)
+class Trainer:
+    """One rank's loop (assembled by run.py)."""
+
+    train: TrainConfig
+    metrics: MetricsConfig
+    step: Stepper
+    sampler: GlobalBatchSampler  # its position is the run's step count
+    source: object  # data/sources.py: the validation batches
+    items_name: str  # "tokens" or "samples"
+    hooks: Hooks
+    watch: Watch
+    sinks: MetricsSinks
+    validates: bool = True  # this rank runs validation (Strategy.validates)
+    record: Record = field(default_factory=Record)
+
+    @property
+    def comm(self) -> Comm:
+        return self.step.comm
+
+    @property
+    def device(self) -> torch.device:
+        return self.step.device
+
+    def run(self, feed: Feed) -> bool:
+        """Train until the feed ends; returns False when the ranks agreed to stop early (a signal)."""
+        watch = self.watch
+        # with the profile on, the timer also reads the collective log's waits at each mark
+        timer = StepTimer(self.device, self.comm.log if watch.profile else None)
+        if self.train.eval_on_start and self.sampler.step == 0 and self.validates:
+            self.record.initial_val = self.validate(0)
+        try:
+            while feed.more():
+                step = self.sampler.step
+                watch.phase.begin_step(step + 1)
+                if watch.trace:
+                    watch.trace.before(step + 1)
+                timer.start()
+                micro_batches = feed.next()
+                timer.mark("data_wait_s")
+                lr = self.step.optimizer.param_groups[0]["lr"]
+                logged = (step + 1) % self.metrics.log_interval == 0 or step + 1 == self.train.steps
+                out = self.step(micro_batches, step, timer, measure_memory=logged)
+                if out.bad and self.step.bad_steps.record_bad(step + 1, out.loss, out.grad_norm) == "rollback":
+                    feed.close()  # nothing is prepared from the sampler while it is read back
+                    self.hooks.rollback(self.sampler.data_step(step))  # back to the checkpoint, minus this batch
+                    self.sinks.print(f"step {step + 1}: loss {out.loss}; rolled back to step {self.sampler.step}")
+                    feed.restart(self.sampler.step)
+                    continue
+                if not out.bad:
+                    self.step.bad_steps.record_good()
+                self.sampler.step = step + 1
+                if watch.trace:
+                    watch.trace.after(step + 1)
+                self.after_step(step + 1, lr, out, timer, last=feed.last())
+                if out.stop:
+                    return False
+        finally:
+            feed.close()
+            if watch.trace:
+                watch.trace.close()
+        return True
+
+    def after_step(self, done: int, lr: float, out: StepResult, timer: StepTimer, last: bool) -> None:
+        """Metrics, validation and hooks of step `done` (1-based: steps completed)."""
+        m = self.step_metrics(done, lr, out, timer)
+        if self.step.balance:  # before the checkpoint hooks: a split agreed now is saved with this step
+            m.update(self.step.balance.after_step(done))
+        if out.bad:
+            m["skipped"] = True
+            self.sinks.print(f"step {done}: loss {out.loss}, gradient norm {out.grad_norm}: update skipped")
+        if out.held is not None:
+            m.update(self.memory(out.held, done))
+        if self.validates and (last or (self.train.val_interval and done % self.train.val_interval == 0)):
+            m.update(self.validate(done))
+        self.record.history.append(m)
+        self.sinks.step(m)
+        if last or "peak_memory_bytes" in m or "skipped" in m or any(k.startswith("val_") for k in m):
+            self.sinks.log(m)
+        self.watch.phase.outside("checkpoint and hooks")
+        for hook in self.hooks.after_step:
+            hook(m, last, out.save)
+
+    def step_metrics(self, done: int, lr: float, out: StepResult, timer: StepTimer) -> dict:
+        """What metrics.jsonl records of step `done` (memory and validation aside)."""
+        profile = self.watch.profile
+        return {"step": done, "time": time.time(), "loss": out.loss, "lr": lr, "grad_norm": out.grad_norm,
+                f"{self.items_name}_per_s": out.items / timer.total, "step_time_s": timer.total, **timer.phases,
+                # bytes this rank sent to keep the replicas in sync: this step, and since this attempt started
+                "comm_bytes": out.comm_bytes, "comm_bytes_total": self.comm.sync_bytes, **self.hooks.step_metrics(),
+                **(profile.step(timer.phases, timer.exposed, timer.total, self.share_of_batch(done))
+                   if profile else {})}
+
+    def memory(self, held: dict[str, int], done: int) -> dict:
+        """Collective: every rank's memory (and, with the profile on, compute since the last measured step):
+        the record's per-rank rows, and what the step's metrics say of them (the largest rank's: the one that
+        runs out first; a straggler)."""
+        profile = self.watch.profile
+        rows = self.record.memory_per_rank = gather_memory(self.comm, self.device, held,
+                                                           profile.take_compute() if profile else None)
+        m = {"peak_memory_bytes": max(r["peak"] for r in rows),
+             **{f"{k}_bytes": max(r[k] for r in rows) for k in STATE_KINDS}}
+        if profile:
+            m.update(profile.stragglers([r.pop("compute_s") for r in rows], done))
+            if "straggler_rank" in m:
+                self.sinks.print(f"rank {m['straggler_rank']}: compute {m['straggler_ratio']:.1f}x the median of the "
+                                 f"other ranks (steps {m['straggler_steps'][0]}-{done})")
+        return m
+
+    def share_of_batch(self, done: int) -> float:
+        """This rank's share of step `done`'s samples against an even share (1.0 without balancing)."""
+        balance = self.step.balance
+        if not balance:
+            return 1.0
+        split = balance.split_for(done - 1)
+        return split[balance.dp_rank] * len(split) / sum(split)
+
+    def validate(self, done: int) -> dict:
+        """Collective: the validation metrics after step `done`, printed."""
+        self.watch.phase.outside("validation")
+        s = self.step
+        val = evaluate(s.par, self.source, self.train, s.precision, self.comm, self.device)
+        self.sinks.print(f"step {done}: " + ", ".join(f"{k} {v:.4f}" for k, v in val.items()))
+        return val
 
 
-def train_step(t: Trainer, hooks: Hooks, micro_batches: list[Batch], timer: StepTimer, measure_memory: bool) -> dict:
-    """One optimizer step over this rank's micro-batches. Returns the global loss, gradient norm, item
-    count and the ranks' shared decisions. See [Note: loss contract] in models/spec.py for the scaling."""
-    par = t.par
-    sent = t.comm.sync_bytes
-    batches = [to_device(mb, t.device) for mb in micro_batches]
-    # items (tokens or samples) in the whole global batch: summed over dp while the first forward runs
-    n_items = torch.stack([t.count_fn(b) for b in batches]).sum().double().to(t.device)
-    counted = t.comm.all_reduce(n_items, group=par.dp_group, label="dp", async_op=True)
-    scale = []
-
-    def grad_scale() -> torch.Tensor:  # gradient averaging divides by dp: multiply it back, divide by the count
-        if not scale:
-            scale.append(par.dp / counted.wait().float())
-        return scale[0]
-
-    t.phase.outside("forward/backward")  # the model's layers refine it (comm/phase.py)
-    if t.balance:
-        t.balance.start()
-    loss_sum = par.forward_backward(batches, grad_scale, t.precision)
-    if t.balance:
-        t.balance.measured(t.sampler.step)
-    par.after_backward()
-    timer.mark("forward_backward_s")
-
-    t.phase.outside("optimizer step")
-    t.precision.unscale(t.optimizer)
-    flags = StepFlags(t.comm, t.device)
-
-    def agree(norm: torch.Tensor) -> None:  # one all-reduce for every shared decision, overlapping the clip
-        flags.start(loss_sum if par.owns_loss else torch.zeros_like(loss_sum), stop=hooks.stop_requested() > 0,
-                    bad_norm=not math.isfinite(norm.item()), save=hooks.save_wanted())
-
-    norm = par.clip_grad_norm(t.train.grad_clip or math.inf, before_clip=agree)
-    agreed = flags.result()
-    loss = agreed.loss_sum / n_items.item()
-    # the same verdict on every rank: both inputs are global
-    bad = t.bad_steps.is_bad(loss, math.nan if agreed.bad_norm else norm.item())
-    if bad:
-        t.precision.skip(t.optimizer)
-    else:
-        hooks.before_update()  # e.g. an async checkpoint still copying the weights
-        t.precision.step(t.optimizer)
-        t.schedule.step()
-        par.after_step(t.sampler.step + 1)
-    held = model_state_bytes(par.model, local_optimizer(t.optimizer)) if measure_memory else None
-    t.optimizer.zero_grad(set_to_none=True)
-    timer.mark("optimizer_s")
-    return {"loss": loss, "grad_norm": norm.item(), "items": int(n_items.item()), "bad": bad, "stop": agreed.stop,
-            "save": agreed.save, "held": held, "comm_bytes": t.comm.sync_bytes - sent}
-
-
-def gather_memory(t: Trainer, held: dict[str, int], compute_s: float | None = None) -> list[dict]:
+def gather_memory(comm: Comm, device: torch.device, held: dict[str, int], compute_s: float | None = None
+                  ) -> list[dict]:
     """Every rank's model-state bytes and peak memory (one small all-gather over the world), and with
-    `compute_s` every rank's mean compute per step since the last logged step (the step profile)."""
+    `compute_s` every rank's mean compute per step since the last measured step (the step profile)."""
     extra = [compute_s] if compute_s is not None else []
-    mine = torch.tensor([float(held[k]) for k in STATE_KINDS] + [float(peak_memory_bytes(t.device))] + extra,
-                        dtype=torch.float64, device=t.device)
-    out = t.comm.all_gather(mine, label="world, memory accounting")
+    mine = torch.tensor([float(held[k]) for k in STATE_KINDS] + [float(peak_memory_bytes(device))] + extra,
+                        dtype=torch.float64, device=device)
+    out = comm.all_gather(mine, label="world, memory accounting")
     kinds = (*STATE_KINDS, "peak")
     rows = [{"rank": r, **{k: int(v) for k, v in zip(kinds, x.tolist()[:len(kinds)], strict=True)}}
             for r, x in enumerate(out)]
@@ -148,100 +196,3 @@ def gather_memory(t: Trainer, held: dict[str, int], compute_s: float | None = No
         for row, x in zip(rows, out, strict=True):
             row["compute_s"] = x[-1].item()
     return rows
-
-
-def train_loop(t: Trainer, hooks: Hooks, make_loader: Callable[[int], Prefetcher], sinks: MetricsSinks,
-               record: Record) -> bool:
-    """Train until train.steps; returns False when the ranks agreed to stop early (a signal)."""
-    # with the profile on, the timer also reads the collective log's waits at each mark
-    timer = StepTimer(t.device, t.comm.log if t.profile else None)
-    if t.train.eval_on_start and t.sampler.step == 0:
-        record.initial_val = validate(t, sinks, 0)
-    loader = make_loader(t.sampler.step)
-    try:
-        while t.sampler.step < t.train.steps:
-            step = t.sampler.step
-            t.phase.begin_step(step + 1)
-            if t.trace:
-                t.trace.before(step + 1)
-            timer.start()
-            micro_batches = loader.next()
-            timer.mark("data_wait_s")
-            lr = t.optimizer.param_groups[0]["lr"]
-            logged = (step + 1) % t.metrics.log_interval == 0 or step + 1 == t.train.steps
-            out = train_step(t, hooks, micro_batches, timer, measure_memory=logged)
-            if out["bad"] and t.bad_steps.record_bad(step + 1, out["loss"], out["grad_norm"]) == "rollback":
-                loader.close()
-                hooks.rollback(t.sampler.data_step(step))  # back to the checkpoint, minus this batch
-                sinks.print(f"step {step + 1}: loss {out['loss']}; rolled back to step {t.sampler.step}")
-                loader = make_loader(t.sampler.step)
-                continue
-            if not out["bad"]:
-                t.bad_steps.record_good()
-            t.sampler.step = step + 1
-            if t.trace:
-                t.trace.after(step + 1)
-            after_step(t, hooks, step + 1, lr, out, timer, sinks, record)
-            if out["stop"]:
-                return False
-    finally:
-        loader.close()
-        if t.trace:
-            t.trace.close()
-    return True
-
-
-def after_step(t: Trainer, hooks: Hooks, done: int, lr: float, out: dict, timer: StepTimer, sinks: MetricsSinks,
-               record: Record) -> None:
-    """Metrics, validation and hooks of step `done` (1-based: steps completed)."""
-    m = step_metrics(t, done, lr, out, timer)
-    if t.balance:  # before the checkpoint hooks: a split agreed now is saved with this step
-        m.update(t.balance.after_step(done))
-    if out["bad"]:
-        m["skipped"] = True
-        sinks.print(f"step {done}: loss {out['loss']}, gradient norm {out['grad_norm']}: update skipped")
-    last = done == t.train.steps
-    if out["held"] is not None:
-        record.memory_per_rank = gather_memory(t, out["held"], t.profile.take_compute() if t.profile else None)
-        if t.profile:
-            m.update(t.profile.stragglers([r.pop("compute_s") for r in record.memory_per_rank], done))
-            if "straggler_rank" in m:
-                sinks.print(f"rank {m['straggler_rank']}: compute {m['straggler_ratio']:.1f}x the median of the "
-                            f"other ranks (steps {m['straggler_steps'][0]}-{done})")
-        m["peak_memory_bytes"] = max(r["peak"] for r in record.memory_per_rank)
-        # the largest rank's: the one that runs out first
-        m.update({f"{k}_bytes": max(r[k] for r in record.memory_per_rank) for k in STATE_KINDS})
-    if last or (t.train.val_interval and done % t.train.val_interval == 0):
-        m.update(validate(t, sinks, done))
-    record.history.append(m)
-    sinks.step(m)
-    if "peak_memory_bytes" in m or "skipped" in m or any(k.startswith("val_") for k in m):
-        sinks.log(m)
-    t.phase.outside("checkpoint and hooks")
-    for hook in hooks.after_step:
-        hook(m, last, out["save"])
-
-
-def step_metrics(t: Trainer, done: int, lr: float, out: dict, timer: StepTimer) -> dict:
-    """What metrics.jsonl records of step `done` (validation aside)."""
-    return {"step": done, "time": time.time(), "loss": out["loss"], "lr": lr, "grad_norm": out["grad_norm"],
-            f"{t.items_name}_per_s": out["items"] / timer.total, "step_time_s": timer.total, **timer.phases,
-            # bytes this rank sent to keep the replicas in sync: this step, and since this attempt started
-            "comm_bytes": out["comm_bytes"], "comm_bytes_total": t.comm.sync_bytes, **t.par.step_metrics(),
-            **(t.profile.step(timer.phases, timer.exposed, timer.total, share_of_batch(t, done)) if t.profile else {})}
-
-
-def share_of_batch(t: Trainer, done: int) -> float:
-    """This rank's share of step `done`'s samples against an even share (1.0 without balance.mode)."""
-    if not t.balance:
-        return 1.0
-    split = t.balance.split_for(done - 1)
-    return split[t.balance.dp_rank] * len(split) / sum(split)
-
-
-def validate(t: Trainer, sinks: MetricsSinks, done: int) -> dict:
-    """The validation metrics after step `done`, printed."""
-    t.phase.outside("validation")
-    val = evaluate(t.par, t.source, t.train, t.precision, t.comm, t.device)
-    sinks.print(f"step {done}: " + ", ".join(f"{k} {v:.4f}" for k, v in val.items()))
-    return val

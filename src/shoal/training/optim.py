@@ -41,6 +41,14 @@ class Schedule:
     def step(self) -> None:
         self.scheduler.step()
 
+    def set_step(self, step: int) -> None:
+        """The learning rate of step `step` (0-based), for a run whose schedule follows something other than
+        its own count of optimizer steps (an asynchronous parameter server's worker: the data it is dealt)."""
+        self.scheduler.last_epoch = step
+        for group, base, factor in zip(self.optimizer.param_groups, self.scheduler.base_lrs,
+                                       self.scheduler.lr_lambdas, strict=True):
+            group["lr"] = base * factor(step)
+
     def state_dict(self) -> dict:
         return self.scheduler.state_dict()
 

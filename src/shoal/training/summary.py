@@ -25,9 +25,12 @@ def fresh_start(run: RunDir, restart_count: int) -> dict | None:
             **failure_info(run, restart_count)}
 
 
-def summarize(history: list[dict], items: str, model_name: str, n_params: int, dims: ParallelDims,
-              total_s: float, restart_count: int, recovery: dict | None, run: RunDir, is_main: bool,
-              bad_steps: dict, memory_per_rank: list[dict], start_step: int) -> dict:
+def summarize(record, items: str, *, model_name: str, n_params: int, dims: ParallelDims, total_s: float,
+              restart_count: int, recovery: dict | None, run: RunDir, is_main: bool, bad_steps: dict,
+              start_step: int) -> dict:
+    """summary.json from the loop's record (loop.py: per-step metrics, memory per rank, the validation
+    before step 1). `items`: "tokens" or "samples"; `recovery`: what restore() said (None: a fresh start)."""
+    history = record.history
     speeds = [m[f"{items}_per_s"] for m in history[1:]] or [m[f"{items}_per_s"] for m in history]  # 1st warms up
     vals = [m for m in history if "val_loss" in m]
     recoveries = read_json(run.recoveries, [])
@@ -60,7 +63,8 @@ def summarize(history: list[dict], items: str, model_name: str, n_params: int, d
         "rollbacks": bad_steps["rollbacks"],
         "restarts": restart_count,
         "recoveries": recoveries,
-        "memory_per_rank": memory_per_rank,
+        "memory_per_rank": record.memory_per_rank,
+        **{f"initial_{k}": v for k, v in record.initial_val.items()},
     }
 
 

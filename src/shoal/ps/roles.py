@@ -8,14 +8,14 @@ elastic agent of its own (the same `shoal train` command with SHOAL_PS_ROLE set)
 
   the servers: one job of ps.servers processes, `--max-restarts` as given: when one dies its
                agent restarts them all, and they resume from their newest checkpoint (the servers
-               save alone: train/serve_checkpoint.py); their workers' links break, and each worker
+               save alone: checkpoints.py); their workers' links break, and each worker
                joins the restarted servers (retrying for parallel.timeout_s) and is dealt what the
                checkpoint lacks
   each worker: a job of one process, `--max-restarts` as given: its agent restarts only it, and the
                restarted worker registers again, pulls the current parameters and is dealt units
 
 They meet through a TCPStore that server 0 hosts on a free port (loopback), named in SHOAL_PS_STORE;
-the links between servers and workers are made from it (parallel/ps_links.py). The run succeeds when
+the links between servers and workers are made from it (links.py). The run succeeds when
 the servers and the worker of slot 0 (which writes the results) do; a worker that failed for good is
 named, one line each, and does not fail the run: its units were dealt to the others.
 """

@@ -29,8 +29,8 @@ from shoal.checkpoint.resume import check_compatible
 from shoal.checkpoint.train_state import TrainState
 from shoal.comm.collectives import Comm
 from shoal.config import Config
-from shoal.parallel.ps_async import json_tensor, tensor_json
-from shoal.parallel.ps_links import PREFIX
+from shoal.ps.links import PREFIX
+from shoal.ps.messages import json_tensor, tensor_json
 from shoal.rundir import RunDir
 
 PART = "parameter_server"
@@ -128,7 +128,7 @@ class ServerCheckpoints:
             return False
         self.state.units, self.state.version = self.cut, flush()
         step = self.cut // self.workers
-        self.manager.save(step, self.train_state, self.train_state.capture(step, self.cfg, {}))
+        self.manager.save(step, self.train_state, self.train_state.capture(step, self.cfg.to_toml(), {}))
         self.saved, self.cut = self.cut, None
         return True
 

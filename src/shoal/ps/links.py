@@ -7,7 +7,7 @@ job's world: a worker that dies breaks only its own links (the server's receive 
 in the store (`shoal-ps/workers` counts them: each gets a new id, a restarted one too); each server
 listens for registrations and makes its end of the link when one appears.
 
-A link offers `send` / `recv` as `Comm` does (ps_wire.Wire speaks through either), each message in the
+A link offers `send` / `recv` as `Comm` does (wire.py's Wire speaks through either), each message in the
 collective log for the hang report.
 """
 
@@ -21,6 +21,7 @@ from torch.distributed import PrefixStore, ProcessGroupGloo
 from shoal.comm.collectives import Comm, Pending
 
 PREFIX = "shoal-ps"
+COMPLETE = f"{PREFIX}/complete"  # set by server 0 once every unit is applied
 SERVER, WORKER = 0, 1  # ranks within a link
 
 

@@ -1,0 +1,62 @@
+"""Where each step's micro-batches come from, and when training ends.
+
+The loop (loop.py) asks a Feed, before each step, whether one follows (`more`), then for its
+micro-batches (`next`: the wait for them is the step's data wait), and after it whether it was the
+last (`last`: the step that validates, saves and ends the run). `Steps` is the usual feed: the
+sampler's global batch of each step up to train.steps, this rank's share cut into micro-batches and
+prepared ahead by a thread. A way of training that is fed otherwise brings its own (an asynchronous
+parameter server's workers train the units of data its servers deal: ps/strategies.py).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Protocol
+
+from shoal.data.loader import Prefetcher
+from shoal.data.sampler import GlobalBatchSampler
+from shoal.models.spec import Batch
+
+
+class Feed(Protocol):
+    def more(self) -> bool:
+        """Whether another step follows."""
+
+    def next(self) -> list[Batch]:
+        """That step's micro-batches (this rank's share)."""
+
+    def last(self) -> bool:
+        """Asked after a step: whether it was the last one."""
+
+    def restart(self, step: int) -> None:
+        """Go on from step `step` (a rollback moved the sampler back)."""
+
+    def close(self) -> None: ...
+
+
+class Steps:
+    """The sampler's steps from its position up to `steps`; `make(step)` builds a step's micro-batches,
+    `depth` steps ahead on a thread (data.prefetch)."""
+
+    def __init__(self, sampler: GlobalBatchSampler, steps: int, make: Callable[[int], list[Batch]], depth: int):
+        self.sampler, self.steps, self.make, self.depth = sampler, steps, make, depth
+        self.loader: Prefetcher | None = None  # started by the first next()
+
+    def more(self) -> bool:
+        return self.sampler.step < self.steps
+
+    def next(self) -> list[Batch]:
+        if self.loader is None:
+            self.loader = Prefetcher(self.make, self.sampler.step, self.depth)
+        return self.loader.next()
+
+    def last(self) -> bool:
+        return self.sampler.step == self.steps
+
+    def restart(self, step: int) -> None:
+        self.close()
+        self.loader = Prefetcher(self.make, step, self.depth)
+
+    def close(self) -> None:
+        if self.loader is not None:
+            self.loader.close()

@@ -1,0 +1,126 @@
+"""One optimizer step over this rank's micro-batches:
+
+    forward/backward (the StepSync's gradient communication inside) -> after_backward -> gradient norm
+    -> the step's flags all-reduce started (loss, stop, bad norm, checkpoint due) -> clip, while it runs
+    -> the verdict (a bad step is skipped) -> optimizer step -> zero_grad
+
+How the model is laid out and how gradients are synchronised is the Parallelized object's business
+(parallel/); the step reads the same for every layout. See [Note: loss contract] in models/spec.py
+for the loss scaling.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from shoal.comm.collectives import Comm, Pending
+from shoal.comm.phase import Phase
+from shoal.metrics.memory import model_state_bytes
+from shoal.metrics.timers import StepTimer
+from shoal.models.spec import Batch
+from shoal.parallel.balance import ThroughputBalance
+from shoal.parallel.parallelized import Parallelized
+from shoal.parallel.precision import Precision
+from shoal.parallel.zero import local_optimizer
+from shoal.training.bad_steps import BadStepPolicy
+from shoal.training.flags import StepFlags
+from shoal.training.optim import Schedule
+
+
+@dataclass(frozen=True)
+class StepResult:
+    """What a step leaves, the same on every rank but `held` and `comm_bytes`."""
+
+    loss: float  # the global batch's mean loss
+    grad_norm: float
+    items: int  # tokens (or samples) in the global batch
+    bad: bool  # the loss or gradient norm was not finite: the update was skipped
+    stop: bool  # some rank was asked to stop
+    save: bool  # some rank's clock says a checkpoint is due
+    held: dict[str, int] | None  # this rank's model-state bytes (on steps that measure memory)
+    comm_bytes: int  # bytes this rank sent to keep the replicas in sync
+
+
+@dataclass(kw_only=True)
+class Stepper:
+    """Everything a step changes or asks (assembled by run.py)."""
+
+    par: Parallelized
+    optimizer: torch.optim.Optimizer
+    schedule: Schedule
+    precision: Precision
+    bad_steps: BadStepPolicy
+    comm: Comm
+    device: torch.device
+    count_fn: Callable[[Batch], torch.Tensor]  # tokens or samples in a batch
+    grad_clip: float  # 0: no clipping (the norm is still taken)
+    phase: Phase
+    balance: ThroughputBalance | None = None  # balance.mode = "throughput": this rank's compute is timed
+    stop_requested: Callable[[], int] = lambda: 0  # nonzero when this process was asked to stop
+    save_wanted: Callable[[], bool] = lambda: False  # this rank's clock says a checkpoint is due
+    before_update: Callable[[], None] = lambda: None  # runs before the optimizer changes the weights
+
+    def __call__(self, micro_batches: list[Batch], step: int, timer: StepTimer, measure_memory: bool) -> StepResult:
+        """Step `step` (0-based: the steps done before it)."""
+        par, optimizer, precision = self.par, self.optimizer, self.precision
+        sent = self.comm.sync_bytes
+        batches = [{k: v.to(self.device, non_blocking=True) for k, v in b.items()} for b in micro_batches]
+        count = ItemCount(batches, self.count_fn, self.comm, par, self.device)  # runs during the first forward
+        self.phase.outside("forward/backward")  # the model's layers refine it (comm/phase.py)
+        with self.balance.measuring(step) if self.balance else contextlib.nullcontext():
+            loss_sum = par.forward_backward(batches, count.scale, precision)
+        par.after_backward()
+        timer.mark("forward_backward_s")
+
+        self.phase.outside("optimizer step")
+        precision.unscale(optimizer)
+        norm = par.grad_norm()
+        flags = StepFlags(self.comm, self.device)  # one all-reduce for every shared decision
+        flags.start(loss_sum if par.owns_loss else torch.zeros_like(loss_sum), stop=self.stop_requested() > 0,
+                    bad_norm=not math.isfinite(norm.item()), save=self.save_wanted())
+        par.clip_grads(self.grad_clip or math.inf, norm)  # while the flags travel
+        agreed = flags.result()
+        loss = agreed.loss_sum / count.total()
+        bad = self.bad_steps.is_bad(loss, math.nan if agreed.bad_norm else norm.item())  # both inputs are global
+        if bad:
+            precision.skip(optimizer)
+        else:
+            self.before_update()  # e.g. an async checkpoint still copying the weights
+            precision.step(optimizer)
+            self.schedule.step()
+            par.after_step(step + 1)
+        held = model_state_bytes(par.model, local_optimizer(optimizer)) if measure_memory else None
+        optimizer.zero_grad(set_to_none=True)
+        timer.mark("optimizer_s")
+        return StepResult(loss=loss, grad_norm=norm.item(), items=int(count.total()), bad=bad, stop=agreed.stop,
+                          save=agreed.save, held=held, comm_bytes=self.comm.sync_bytes - sent)
+
+
+class ItemCount:
+    """The items (tokens or samples) of the whole global batch: this rank's, summed over dp by an
+    all-reduce that runs while the first forward does."""
+
+    def __init__(self, batches: list[Batch], count_fn, comm: Comm, par: Parallelized, device: torch.device):
+        self.local = torch.stack([count_fn(b) for b in batches]).sum().double().to(device)
+        self.dp = par.dp
+        self._pending: Pending | None = comm.all_reduce(self.local, group=par.dp_group, label="dp", async_op=True)
+        self._scale: torch.Tensor | None = None
+
+    def total(self) -> float:
+        if self._pending is not None:
+            self._pending.wait()
+            self._pending = None
+        return self.local.item()
+
+    def scale(self) -> torch.Tensor:
+        """What each backward is scaled by: gradient averaging divides by dp, so multiply it back and
+        divide by the global count."""
+        if self._scale is None:
+            self.total()
+            self._scale = self.dp / self.local.float()
+        return self._scale
