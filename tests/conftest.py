@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from shoal.ps.roles import descendants
+from shoal.launch.supervisor import descendants
 
 ROOT = Path(__file__).resolve().parents[1]
 FIXTURES = Path(__file__).parent / "fixtures"

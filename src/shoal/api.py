@@ -21,9 +21,10 @@ def train(config: str | Path | None = None, overrides: Mapping[str, object] | No
           run_dir: str | Path | None = None, resume: str = "auto", max_restarts: int = 0) -> dict:
     """Train as `shoal train CONFIG --nproc N --set KEY=VALUE ...` would; returns the run's summary
     (summary.json). `nproc` None: as the command without --nproc (1, or what a scheduler's environment
-    says: cluster/environment.py). Raises UserError for a bad config or arguments, TrainingError if the
+    says: launch/environment.py). Raises UserError for a bad config or arguments, TrainingError if the
     run fails."""
-    from shoal import cli
+    from shoal.cli import build_parser
+    from shoal.cli.train import train as train_command
     from shoal.config import load_config
     from shoal.rundir import default_run_dir
 
@@ -34,11 +35,11 @@ def train(config: str | Path | None = None, overrides: Mapping[str, object] | No
     cfg = load_config(config, sets)  # raises the command's UserError
     where = Path(run_dir) if run_dir is not None else default_run_dir(str(config) if config else None, cfg)
     argv += ["--run-dir", str(where)]
-    args = cli.build_parser().parse_args(argv)
+    args = build_parser().parse_args(argv)
     args.argv = argv
     saved = dict(os.environ)  # the launch sets variables for its workers; leave the caller's as they were
     try:
-        code = cli.train(args)
+        code = train_command(args)
     finally:
         os.environ.clear()
         os.environ.update(saved)

@@ -27,7 +27,7 @@ from shoal.comm import flight
 def is_launched() -> bool:
     """True inside a worker started by torch elastic (shoal --nproc, torchrun) or a similar per-process
     launcher. LOCAL_RANK tells a worker from a Kubeflow PyTorchJob pod, which gets the other four for the
-    node ([Note: pod or worker] in cluster/environment.py)."""
+    node ([Note: pod or worker] in launch/environment.py)."""
     return all(k in os.environ for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK"))
 
 

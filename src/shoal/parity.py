@@ -52,7 +52,7 @@ def run_one(config: str, nproc: int, steps: int, overrides: list[str], run_dir: 
     fixed = [f"train.steps={steps}", "metrics.log_interval=1", "checkpoint.enabled=false",
              "checkpoint.final_weights=false", "metrics.tensorboard=false", "metrics.progress=false",
              "train.val_interval=0"]
-    # --nnodes 1: both runs are local, even inside a scheduler's multi-node job (cluster/environment.py)
+    # --nnodes 1: both runs are local, even inside a scheduler's multi-node job (launch/environment.py)
     cmd = [sys.executable, "-m", "shoal", "train", config, "--nproc", str(nproc), "--nnodes", "1",
            "--run-dir", str(run_dir), "--resume", "never", *[a for o in [*overrides, *fixed] for a in ("--set", o)]]
     r = subprocess.run(cmd, capture_output=True, text=True)

@@ -25,12 +25,12 @@ from shoal.comm.report import collective_report
 from shoal.comm.watchdog import Watchdog
 from shoal.config import Config
 from shoal.errors import TrainingError, UserError
+from shoal.launch.elastic import RESUME_COMMAND
 from shoal.preflight import Job, check_job
+from shoal.ps.roles import reports, total_world
 from shoal.rundir import default_run_dir, holds_a_run, move_aside
 
 FAILED_KEY = "shoal/failed"
-# set by `shoal train` for its workers: the command that continues this run (see resume_hint)
-RESUME_COMMAND = "SHOAL_RESUME_COMMAND"
 
 
 def threads_per_worker(cfg: Config, local_world_size: int) -> int:
@@ -87,42 +87,13 @@ def main(cfg: Config, run_dir: str | None, config_path: str | None, resume: str 
     faulthandler.register(signal.SIGUSR1, all_threads=True)  # `kill -USR1 PID`: where is this rank?
     handler = get_error_handler()
     handler.initialize()
-    code, watchdog = 0, None
-    world = int(os.environ["WORLD_SIZE"])
+    joined: list[Watchdog] = []  # once the rank is in the group: its watchdog, for the hang report
     try:
-        torch.set_num_threads(threads_per_worker(cfg, int(os.environ.get("LOCAL_WORLD_SIZE", 1))))
-        if cfg.parallel.zero >= 2 and not torch.cuda.is_available():  # so that sharding shows in peak RSS
-            release_freed_memory()
-        # a torchrun launch reaches here unchecked; under `shoal train` this repeats the launcher's checks
-        from shoal.ps.roles import reports, total_world
-
-        job = check_job(cfg, [total_world(world)], cuda=torch.cuda.is_available(), quiet=True)
-        env = dist.init(job.layout.backend, cfg.parallel.timeout_s)
-        comm, phase = Comm(env.store, env.rank, env.world_size), Phase()
-        watchdog = Watchdog(comm.log, env.status_store, env.rank, phase)
-        # SIGTERM / Ctrl-C: finish the step, save, exit; but at once when another rank failed (signals.py)
-        signals.install(lambda: _quiet(lambda: env.status_store.check([FAILED_KEY]), False))
-        first_attempt = env.restart_count == 0
-        # every rank must write to the same place: rank 0 names it
-        path = Path(comm.agree("run_dir", lambda: str(choose_run_dir(run_dir, config_path, cfg, resume,
-                                                                        first_attempt))))
-        # a restarted attempt continues from the newest checkpoint of the attempt before it
-        summary = run_rank(cfg, job, path, env, comm, resume if first_attempt else "auto", phase)
-        if reports(env.rank) and summary.get("already_finished"):
-            print(finished_message(path, summary["steps"], cfg.train.steps), flush=True)
-        elif reports(env.rank):
-            val = f", val loss {summary['val_loss']:.4f}" if summary.get("val_loss") is not None else ""
-            loss = f"{summary['final_loss']:.4f}" if summary.get("final_loss") is not None else "-"
-            print(f"done: {summary['steps']} steps in {summary['total_time_s']:.1f} s; final loss "
-                  f"{loss}{val}\nresults in {path}/ (summary.json, metrics.jsonl, "
-                  f"config.toml, checkpoints/, tensorboard/)", flush=True)
-        watchdog.stop()
-        dist.shutdown()
+        train(cfg, run_dir, config_path, resume, joined)
+        code = 0
     except signals.Interrupted as e:
         handler.record_exception(e)
-        from shoal.ps.roles import reports  # (an asynchronous parameter server's: worker slot 0)
-
-        if reports(int(os.environ.get("RANK", "-1"))):
+        if reports(int(os.environ.get("RANK", "-1"))):  # (an asynchronous parameter server's: worker slot 0)
             print(f"shoal: {e}; {resume_hint(resume)}", file=sys.stderr, flush=True)
         code = 128 + e.signum
     except (UserError, TrainingError) as e:  # one line, no traceback: the message says what to do
@@ -130,18 +101,54 @@ def main(cfg: Config, run_dir: str | None, config_path: str | None, resume: str 
         print(f"shoal: error: {e}", file=sys.stderr)
         code = 2 if isinstance(e, UserError) else 1
     except BaseException as e:  # noqa: BLE001 - any failure must end this rank with its traceback shown
-        rank = os.environ.get("RANK", "?")
-        print(f"[rank {rank}] " + "".join(traceback.format_exception(e)), file=sys.stderr)
-        report = None
-        if watchdog:  # tell the other ranks: the agent's coming SIGTERM means "leave now"
-            _quiet(lambda: watchdog.store.set(FAILED_KEY, rank), None)
-            mine = watchdog.failure_status(e)
-            watchdog.stop()
-            statuses = {r: watchdog.read(r) for r in range(world)}
-            report = collective_report(mine, watchdog.rank, statuses, e, cfg.parallel.timeout_s)
-        if report:  # a collective failed: say who did not arrive and where everyone was
-            print(f"shoal: {report}", file=sys.stderr, flush=True)
-            e = RuntimeError(report.splitlines()[0])
-        handler.record_exception(e)
+        handler.record_exception(failed(e, joined[0] if joined else None, cfg.parallel.timeout_s))
         code = 1
     dist.exit_process(code)
+
+
+def train(cfg: Config, run_dir: str | None, config_path: str | None, resume: str, joined: list) -> None:
+    """Check, join the group, agree the run dir, train, say the result; `joined` gets the watchdog."""
+    torch.set_num_threads(threads_per_worker(cfg, int(os.environ.get("LOCAL_WORLD_SIZE", 1))))
+    if cfg.parallel.zero >= 2 and not torch.cuda.is_available():  # so that sharding shows in peak RSS
+        release_freed_memory()
+    # a torchrun launch reaches here unchecked; under `shoal train` this repeats the launcher's checks
+    job = check_job(cfg, [total_world(int(os.environ["WORLD_SIZE"]))], cuda=torch.cuda.is_available(), quiet=True)
+    env = dist.init(job.layout.backend, cfg.parallel.timeout_s)
+    comm, phase = Comm(env.store, env.rank, env.world_size), Phase()
+    watchdog = Watchdog(comm.log, env.status_store, env.rank, phase)
+    joined.append(watchdog)
+    # SIGTERM / Ctrl-C: finish the step, save, exit; but at once when another rank failed (signals.py)
+    signals.install(lambda: _quiet(lambda: env.status_store.check([FAILED_KEY]), False))
+    first_attempt = env.restart_count == 0
+    # every rank must write to the same place: rank 0 names it
+    path = Path(comm.agree("run_dir", lambda: str(choose_run_dir(run_dir, config_path, cfg, resume, first_attempt))))
+    # a restarted attempt continues from the newest checkpoint of the attempt before it
+    summary = run_rank(cfg, job, path, env, comm, resume if first_attempt else "auto", phase)
+    if reports(env.rank) and summary.get("already_finished"):
+        print(finished_message(path, summary["steps"], cfg.train.steps), flush=True)
+    elif reports(env.rank):
+        val = f", val loss {summary['val_loss']:.4f}" if summary.get("val_loss") is not None else ""
+        loss = f"{summary['final_loss']:.4f}" if summary.get("final_loss") is not None else "-"
+        print(f"done: {summary['steps']} steps in {summary['total_time_s']:.1f} s; final loss {loss}{val}\n"
+              f"results in {path}/ (summary.json, metrics.jsonl, config.toml, checkpoints/, tensorboard/)", flush=True)
+    watchdog.stop()
+    dist.shutdown()
+
+
+def failed(e: BaseException, watchdog: Watchdog | None, timeout_s: float) -> BaseException:
+    """A rank that failed: its traceback, and when a collective failed, the report of who did not arrive and
+    where everyone was; the other ranks are told (the agent's coming SIGTERM means "leave now"). Returns
+    what the elastic error file records."""
+    rank = os.environ.get("RANK", "?")
+    print(f"[rank {rank}] " + "".join(traceback.format_exception(e)), file=sys.stderr)
+    if watchdog is None:
+        return e
+    _quiet(lambda: watchdog.store.set(FAILED_KEY, rank), None)
+    mine = watchdog.failure_status(e)
+    watchdog.stop()
+    statuses = {r: watchdog.read(r) for r in range(int(os.environ["WORLD_SIZE"]))}
+    report = collective_report(mine, watchdog.rank, statuses, e, timeout_s)
+    if not report:
+        return e
+    print(f"shoal: {report}", file=sys.stderr, flush=True)
+    return RuntimeError(report.splitlines()[0])

@@ -116,7 +116,7 @@ def test_not_root_or_no_tc_is_one_line(monkeypatch, capsys):
     (["train", "--cluster"], "no cluster is up"),
 ])
 def test_refusals_are_one_line_and_exit_2(args, expected, capsys):
-    from shoal.cluster import hosts
+    from shoal.testbed import hosts
 
     if "--delay" in args and _kernel_has_netem():
         pytest.skip("this kernel has netem, so --delay is not refused")
@@ -238,7 +238,7 @@ def test_run_places_nodes_in_their_cgroups_and_passes_sigterm_on(cluster, tmp_pa
 
 @pytest.mark.timeout(60)
 def test_a_failed_node_stops_the_others(cluster, monkeypatch, capsys):
-    from shoal.cluster import run
+    from shoal.testbed import run
 
     monkeypatch.setattr(run, "FAIL_GRACE_S", 1.0)
     start = time.monotonic()

@@ -1,13 +1,20 @@
 """The architecture as the code must keep it: import layers and no cycles (import-linter, also run by
-`make test` on its own), comm/ as the only place that issues collectives, and no comment citing a
-document that is not in the repository."""
+`make test` on its own) over every module, the picture of the layers and the list of the longest
+functions in docs/design.md as the code is, comm/ as the only place that issues collectives, and no
+comment citing a document that is not in the repository."""
 
 import ast
+import re
 import subprocess
 import sys
 from pathlib import Path
 
-SRC = Path(__file__).resolve().parents[2] / "src" / "shoal"
+from shoal.config import tomllib
+
+ROOT = Path(__file__).resolve().parents[2]
+SRC = ROOT / "src" / "shoal"
+DESIGN = ROOT / "docs" / "design.md"
+SCREEN = 60  # lines: no function is longer, unless docs/design.md says why
 COLLECTIVES = {"all_reduce", "all_gather", "all_gather_object", "all_gather_into_tensor", "reduce_scatter",
                "reduce_scatter_tensor", "broadcast", "broadcast_object_list", "barrier", "send", "recv",
                "isend", "irecv", "batch_isend_irecv", "all_to_all", "gather", "scatter", "reduce", "new_group"}
@@ -51,3 +58,56 @@ def test_built_ins_need_no_extra():
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr
     assert r.stdout.strip() == "[]", r.stdout
+
+
+def contract_layers() -> list[list[str]]:
+    """The import-linter layers, top first, each a list of module names without the `shoal.` prefix."""
+    config = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    [layers] = [c for c in config["tool"]["importlinter"]["contracts"] if c["type"] == "layers"]
+    return [[name.strip().removeprefix("shoal.") for name in layer.split("|")] for layer in layers["layers"]]
+
+
+def test_every_module_is_in_a_layer():
+    """A module outside the layers is never checked: each top-level module and package of src/shoal is
+    named by the contract, and the contract names nothing that does not exist."""
+    here = {p.stem for p in SRC.glob("*.py") if p.stem not in ("__init__", "__main__")}
+    here |= {p.parent.name for p in SRC.glob("*/__init__.py")}
+    assert {name for layer in contract_layers() for name in layer} == here
+
+
+def test_the_design_page_draws_the_contract_exactly():
+    """docs/design.md's picture of the layers (the block under "## Layers": names before the first run
+    of two spaces) is the contract, layer by layer."""
+    text = DESIGN.read_text()
+    block = text.split("## Layers", 1)[1].split("```", 2)[1]
+    drawn = [[n.strip() for n in re.split(r"\s{2,}", line.strip())[0].split("|")]
+             for line in block.strip().splitlines()]
+    assert drawn == contract_layers()
+
+
+def function_lengths() -> list[tuple[int, str]]:
+    """(lines, "path:Class.function") of every function in src/shoal, decorators included."""
+    rows = []
+
+    def walk(node, where: str) -> None:
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                start = min([d.lineno for d in child.decorator_list] + [child.lineno])
+                rows.append((child.end_lineno - start + 1, f"{where}{child.name}"))
+                walk(child, f"{where}{child.name}.")
+            elif isinstance(child, ast.ClassDef):
+                walk(child, f"{where}{child.name}.")
+
+    for path in sorted(SRC.rglob("*.py")):
+        walk(ast.parse(path.read_text()), f"{path.relative_to(SRC)}:")
+    return sorted(rows, key=lambda r: (-r[0], r[1]))
+
+
+def test_the_longest_functions_are_listed_with_why():
+    """No function longer than a screen; docs/design.md's table of the ten longest is the code's."""
+    rows = function_lengths()
+    assert rows[0][0] <= SCREEN, f"{rows[0][1]} is {rows[0][0]} lines; split it (or say in docs/design.md why not)"
+    table = DESIGN.read_text().split("## The longest functions", 1)[1].split("\n## ", 1)[0]
+    listed = [(int(n), name) for name, n in re.findall(r"^\| `([^`]+)` \| (\d+) \|", table, re.M)]
+    want = rows[:10]
+    assert listed == want, "docs/design.md's table should list:\n" + "\n".join(f"| `{f}` | {n} |" for n, f in want)

@@ -1,5 +1,5 @@
 """A scheduler's environment gives `shoal train` its nodes, node rank and rendezvous (flags win), and a
-PyTorchJob pod's RANK / WORLD_SIZE never make shoal think it is a worker (cluster/environment.py)."""
+PyTorchJob pod's RANK / WORLD_SIZE never make shoal think it is a worker (launch/environment.py)."""
 
 import os
 import stat
@@ -7,9 +7,9 @@ import stat
 import pytest
 
 from shoal import dist
-from shoal.cluster import environment
-from shoal.cluster.environment import NodeArgs, detect, expand_nodelist, node_args
 from shoal.errors import UserError
+from shoal.launch import environment
+from shoal.launch.environment import NodeArgs, detect, expand_nodelist, node_args
 
 NO_FLAGS = (None, None, None, None)
 

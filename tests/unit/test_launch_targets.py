@@ -1,5 +1,5 @@
 """`shoal launch --target slurm | kubernetes | sagemaker`: each file holds what its system requires and
-starts `shoal train` with the config; bad input is one line and exit code 2 (cluster/jobs.py)."""
+starts `shoal train` with the config; bad input is one line and exit code 2 (launch/jobs.py)."""
 
 import ast
 import os

@@ -164,7 +164,7 @@ def test_check_compares_a_finished_run(tmp_path, ranks):
 def test_probe_writes_a_profile(tmp_path):
     from shoal import dist
     from shoal.hardware import save_profile
-    from shoal.probe import measure
+    from shoal.plan.probe import measure
 
     env = dist.init("gloo", 60)
     try:

@@ -22,15 +22,12 @@ named, one line each, and does not fail the run: its units were dealt to the oth
 
 from __future__ import annotations
 
-import contextlib
 import datetime
 import os
-import signal
 import socket
-import subprocess
 import sys
-import time
-from pathlib import Path
+
+from shoal.launch.supervisor import Child, Supervisor
 
 ROLE, STORE, SLOT, WORKERS = "SHOAL_PS_ROLE", "SHOAL_PS_STORE", "SHOAL_PS_SLOT", "SHOAL_PS_WORKERS"
 
@@ -61,21 +58,6 @@ def open_store(host_it: bool, timeout_s: float):
                     timeout=datetime.timedelta(seconds=timeout_s))
 
 
-def descendants(pid: int) -> list[int]:
-    """Every process below `pid` (children first found through /proc)."""
-    children: dict[int, list[int]] = {}
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        with contextlib.suppress(OSError):
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-            children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
-    out, todo = [], [pid]
-    while todo:
-        for child in children.get(todo.pop(), []):
-            out.append(child)
-            todo.append(child)
-    return out
-
-
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -83,48 +65,14 @@ def free_port() -> int:
 
 
 def launch_roles(train_argv: list[str], nproc: int, servers: int, max_restarts: int) -> int:
-    """Run `shoal <train_argv>` as the servers' job and one job per worker; returns the exit code."""
+    """Run `shoal <train_argv>` as the servers' job and one job per worker, under the launcher's
+    supervisor; returns the exit code. The servers and worker slot 0 (which writes the results) are
+    required: the run fails, and the rest are stopped at once, when one of them fails, and is done when
+    both end well (a worker still starting, or stalled, is then not needed)."""
     workers = nproc - servers
     env = {**os.environ, STORE: f"127.0.0.1:{free_port()}", WORKERS: str(workers), "SHOAL_PS_WORLD": str(nproc)}
-    jobs = {"servers": subprocess.Popen([sys.executable, "-m", "shoal", *train_argv, "--nproc", str(servers),
-                                         "--max-restarts", str(max_restarts)], env={**env, ROLE: "server"},
-                                        start_new_session=True)}
-    for slot in range(workers):
-        jobs[f"worker {slot}"] = subprocess.Popen(
-            [sys.executable, "-m", "shoal", *train_argv, "--nproc", "1", "--max-restarts", str(max_restarts)],
-            env={**env, ROLE: "worker", SLOT: str(slot)}, start_new_session=True)
-
-    def forward(signum, _frame):
-        for p in jobs.values():
-            if p.poll() is None:
-                os.killpg(p.pid, signum)
-
-    old = {s: signal.signal(s, forward) for s in (signal.SIGINT, signal.SIGTERM)}
-    try:
-        codes = {}
-        while len(codes) < len(jobs):
-            for name, p in jobs.items():
-                if name not in codes and p.poll() is not None:
-                    codes[name] = p.returncode
-                    if codes[name] and name not in ("servers", "worker 0"):
-                        print(f"shoal: {name} failed for good (exit code {codes[name]}); the run goes on without it",
-                              file=sys.stderr, flush=True)
-            if codes.get("servers") or codes.get("worker 0"):  # the run cannot finish: stop the rest
-                forward(signal.SIGTERM, None)
-            if codes.get("servers") == 0 and codes.get("worker 0") == 0 and len(codes) < len(jobs):
-                # the run is complete: a worker still starting, or stalled, is not needed. Killed with its
-                # agent's processes (the agent starts each worker in a session of its own)
-                for name, p in jobs.items():
-                    if name not in codes:
-                        with contextlib.suppress(ProcessLookupError):
-                            os.kill(p.pid, signal.SIGSTOP)  # no new worker while its tree is read
-                        for pid in [p.pid, *descendants(p.pid)]:
-                            with contextlib.suppress(ProcessLookupError):
-                                os.kill(pid, signal.SIGKILL)
-                for name, p in jobs.items():
-                    codes.setdefault(name, p.wait())
-            time.sleep(0.1)
-    finally:
-        for s, h in old.items():
-            signal.signal(s, h)
-    return max(codes["servers"], codes["worker 0"])
+    shoal = [sys.executable, "-m", "shoal", *train_argv, "--max-restarts", str(max_restarts)]
+    jobs = [Child("servers", [*shoal, "--nproc", str(servers)], env={**env, ROLE: "server"})]
+    jobs += [Child(f"worker {slot}", [*shoal, "--nproc", "1"], env={**env, ROLE: "worker", SLOT: str(slot)},
+                   required=slot == 0) for slot in range(workers)]
+    return Supervisor("shoal", grace_s=0.0).run(jobs)

@@ -37,6 +37,9 @@ from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 from shoal.errors import UserError
 
 RDZV_TIMEOUT_S = 600  # torch elastic's default join timeout
+# set by `shoal train` (and the testbed's `run`) for the workers: the command that continues this run,
+# which a worker names when it stops on a signal (worker.py, resume_hint)
+RESUME_COMMAND = "SHOAL_RESUME_COMMAND"
 
 
 def launch(worker_argv: list[str], nproc: int, nnodes: tuple[int, int] = (1, 1), node_rank: int = 0,

@@ -1,7 +1,7 @@
 """`shoal launch`: the job file that runs a config on a scheduler, for N nodes of M workers each.
 
   slurm       an sbatch script: N nodes, one task per node, `srun shoal train CONFIG --nproc M`; each
-              task reads its node rank and node 0's address from Slurm (cluster/environment.py). The
+              task reads its node rank and node 0's address from Slurm (launch/environment.py). The
               config is read where the job is submitted from (a filesystem every node sees), and the
               stable default run dir there is where a requeued job finds its checkpoints
   kubernetes  a Kubeflow PyTorchJob (Master 1 + Worker N-1, containers named "pytorch" as the operator

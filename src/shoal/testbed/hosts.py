@@ -21,9 +21,9 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from shoal.cluster import shape
-from shoal.cluster.system import netns_exec, sh
 from shoal.errors import UserError
+from shoal.testbed import shape
+from shoal.testbed.system import netns_exec, sh
 
 STATE_FILE = Path("/run/shoal-cluster/state.json")
 BRIDGE = "shoal-br0"

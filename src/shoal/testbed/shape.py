@@ -16,8 +16,8 @@ import os
 import re
 from pathlib import Path
 
-from shoal.cluster.system import sh
 from shoal.errors import UserError
+from shoal.testbed.system import sh
 
 CPU_ROOT = Path("/sys/fs/cgroup/cpu")  # the cgroup v1 cpu controller
 CPU_GROUP = "shoal-cluster"  # the parent group of every host's group

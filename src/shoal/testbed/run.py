@@ -3,28 +3,28 @@
 `shoal train ...` gets `--nnodes N --node-rank i --rdzv-endpoint <h0's address>:<port>` (node 0, on
 host h0, hosts the rendezvous); any other command learns the same from SHOAL_NNODES, SHOAL_NODE_RANK
 and SHOAL_RDZV_ENDPOINT. Each runs in its host's namespace with GLOO_SOCKET_IFNAME set to the host's
-interface, inside its cpu group when it has one. SIGINT and SIGTERM are passed on to every node; when
-one node fails, the others have FAIL_GRACE_S seconds to end on their own (their agents usually see the
-lost peers) before they are stopped. The exit code is the worst of the nodes' (of those not stopped).
+interface, inside its cpu group when it has one. The nodes run under the launcher's supervisor
+(launch/supervisor.py): SIGINT and SIGTERM are passed on to every node; when one node fails, the others
+have FAIL_GRACE_S seconds to end on their own (their agents usually see the lost peers) before they are
+stopped. The exit code is the worst of the nodes' (of those not stopped).
 """
 
 from __future__ import annotations
 
 import os
-import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
-from shoal.cluster import hosts, shape
-from shoal.cluster.system import netns_exec, require_root
 from shoal.errors import UserError
+from shoal.launch.elastic import RESUME_COMMAND
+from shoal.launch.supervisor import Child, Supervisor
+from shoal.testbed import hosts, shape
+from shoal.testbed.system import netns_exec, require_root
 
 FAIL_GRACE_S = 30.0
 KILL_AFTER_S = 15.0
 SET_BY_CLUSTER = ("--nnodes", "--node-rank", "--rdzv-endpoint")
-RESUME_COMMAND = "SHOAL_RESUME_COMMAND"  # read by shoal's workers: the command that continues the run
 NODE_ENV = "SHOAL_CLUSTER_HOST"  # set on every node: the host it runs on
 
 
@@ -45,7 +45,7 @@ def run(command: list[str], resume_command: str | None = None) -> int:
                             f"host (and --cluster is implied); leave them out")
     endpoint = f"{cluster.hosts[0].addr}:{free_port(cluster.hosts[0])}"
     n = len(cluster.hosts)
-    procs = []
+    nodes = []
     for rank, host in enumerate(cluster.hosts):
         argv = [*command, *(["--nnodes", str(n), "--node-rank", str(rank), "--rdzv-endpoint", endpoint]
                             if is_train else [])]
@@ -54,9 +54,8 @@ def run(command: list[str], resume_command: str | None = None) -> int:
         if resume_command:
             env[RESUME_COMMAND] = resume_command
         join = (lambda g=host.cgroup: shape.join_cpu_group(g)) if host.cgroup else None
-        procs.append(subprocess.Popen([*netns_exec(host.netns), *argv], env=env, start_new_session=True,
-                                      preexec_fn=join))
-    return wait_all(procs, [h.name for h in cluster.hosts])
+        nodes.append(Child(host.name, [*netns_exec(host.netns), *argv], env=env, preexec_fn=join))
+    return Supervisor("shoal cluster", grace_s=FAIL_GRACE_S, kill_after_s=KILL_AFTER_S).run(nodes)
 
 
 def free_port(host: hosts.Host) -> int:
@@ -67,41 +66,3 @@ def free_port(host: hosts.Host) -> int:
     if out.returncode != 0:
         raise UserError(f"cannot run in {host.netns}: {(out.stderr.strip().splitlines() or ['?'])[-1]}")
     return int(out.stdout)
-
-
-def wait_all(procs: list[subprocess.Popen], names: list[str]) -> int:
-    def forward(sig, _frame):
-        for p in procs:
-            if p.poll() is None:
-                _signal(p.pid, sig)
-
-    old = {s: signal.signal(s, forward) for s in (signal.SIGINT, signal.SIGTERM)}
-    failed_at = stopped_at = None
-    stopped: set[int] = set()  # nodes stopped because another failed: their exit codes say nothing new
-    try:
-        while [p.poll() for p in procs].count(None):  # every one polled: a list, not a short-circuit
-            now = time.monotonic()
-            if failed_at is None and any(p.returncode for p in procs):
-                failed_at = now
-            if failed_at is not None and stopped_at is None and now - failed_at > FAIL_GRACE_S:
-                bad = next(i for i, p in enumerate(procs) if p.returncode)
-                left = [names[i] for i, p in enumerate(procs) if p.returncode is None]
-                print(f"shoal cluster: {names[bad]} failed (exit code {procs[bad].returncode}) {FAIL_GRACE_S:g} s "
-                      f"ago; stopping {', '.join(left)}", file=sys.stderr, flush=True)
-                stopped = {i for i, p in enumerate(procs) if p.returncode is None}
-                forward(signal.SIGTERM, None)
-                stopped_at = now
-            if stopped_at is not None and now - stopped_at > KILL_AFTER_S:
-                forward(signal.SIGKILL, None)
-            time.sleep(0.1)
-    finally:
-        for s, h in old.items():
-            signal.signal(s, h)
-    return max(rc if rc >= 0 else 128 - rc for i, rc in enumerate(p.returncode for p in procs) if i not in stopped)
-
-
-def _signal(pid: int, sig: int) -> None:
-    try:
-        os.kill(pid, sig)
-    except ProcessLookupError:
-        pass

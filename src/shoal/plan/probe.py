@@ -1,8 +1,8 @@
 """`shoal probe`: measure what this machine and its network can do, and write the hardware profile
 (hardware.py) that `shoal plan` and MFU read.
 
-One worker per process of the group, started through shoal's own launcher (launch.py; `--cluster`:
-one node per host of the one-machine cluster, cluster/run.py). Each worker measures
+One worker per process of the group, started through shoal's own launcher (launch/elastic.py; `--cluster`:
+one node per host of the one-machine cluster, testbed/run.py). Each worker measures
   - matmul FLOP/s per dtype over square sizes (the curve, and its best as the peak),
   - memory bandwidth (a large copy: bytes read + written per second),
   - reference training steps of the built-in GPT (reference_steps): each operator timed by operator
@@ -162,13 +162,13 @@ def reference_live_bytes(width: int) -> int:
 
 
 def _in_new_process(call: str, env: dict):
-    """`call` (an expression over shoal.probe) evaluated in a new Python process with `env` added."""
+    """`call` (an expression over shoal.plan.probe) evaluated in a new Python process with `env` added."""
     import json
     import subprocess
     import sys
 
     code = f"import json, torch; torch.set_num_threads({torch.get_num_threads()}); " \
-           f"from shoal.probe import *; print(json.dumps({call}))"
+           f"from shoal.plan.probe import *; print(json.dumps({call}))"
     out = subprocess.run([sys.executable, "-c", code], env={**os.environ, **env}, check=True, capture_output=True,
                          text=True).stdout
     return json.loads(out.splitlines()[-1])
@@ -194,76 +194,94 @@ def reference_steps(device: torch.device, repeats: int, sync, widths=REFERENCE_W
         freshly mapped and its pages faulted in; the extra seconds per byte so allocated. (Set in a
         process that has already grown its heap, the threshold changes little: malloc serves requests
         from the freed heap first. Measured here: +3% against +39% from the start.)"""
-    from torch.utils._python_dispatch import TorchDispatchMode
-
-    from shoal.plan.cost import describe_op
-
-    kernel: dict[tuple[str, float, bool, int], list[float]] = defaultdict(list)
-    allocated = [0]  # bytes of operator outputs over the mmap threshold, in one step
-
-    class Timed(TorchDispatchMode):
-        call = 0
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            kwargs = kwargs or {}
-            sync()
-            t0 = time.perf_counter()
-            out = func(*args, **kwargs)
-            sync()
-            took = time.perf_counter() - t0
-            op = describe_op(func, args, kwargs, out)
-            if op is not None:  # by FLOPs (matmuls, attention) or bytes; call i of every step together
-                kernel[(op[0], op[1] or op[2], bool(op[1]), Timed.call)].append(took)
-                allocated[0] += sum(t.numel() * t.element_size() for t in tree_flatten(out)[0]
-                                    if isinstance(t, torch.Tensor) and t.numel() * t.element_size() > THRESHOLD)
-            Timed.call += 1
-            return out
-
     by_op: dict[str, list] = defaultdict(list)
     by_flops: dict[str, list] = defaultdict(list)
     overheads, allocs = [], []
     for width in widths:
         step = _reference_step(width, device, repeats)
         together()
+        timer = OpTimer(sync)
         for i in range(repeats):
-            Timed.call, allocated[0] = 0, 0
-            with Timed():
+            with timer.step():
                 step(i + 1)
-        # per operator the planner counts: views run no kernel and are not in its trace, so what their
-        # dispatch costs is spread over the rest (here ~540 of ~750 calls a step)
-        n_ops = len(kernel)
-        allocs.append(allocated[0])
-        wall = _wall(step, repeats, sync)
-        sum_kernels = sum(statistics.median(t) for t in kernel.values())
-        # the smallest call's time is what any call pays with nothing to move: counted in the overhead,
-        # taken off each rate so that a rate is of the bytes alone
-        floor = min(statistics.median(t) for t in kernel.values())
-        overheads.append(max(wall - sum_kernels, 0.0) / n_ops + floor)
-        for (name, amount, flops, _), times in kernel.items():
+        allocs.append(timer.allocated)
+        overhead, floor = timer.overhead(_wall(step, repeats, sync))
+        overheads.append(overhead)
+        for (name, amount, flops, _), times in timer.kernel.items():
             if amount > 0:
                 (by_flops if flops else by_op)[name].append((amount, amount / max(statistics.median(times) - floor,
                                                                                    1e-9)))
-        kernel.clear()
-    fresh, heap_fit = None, (None, None)
-    if device.type == "cpu":
-        together()
-        plain = _in_new_process(f"reference_walls({repeats}, {tuple(widths)})", {})
-        together()
-        mapped = _in_new_process(f"reference_walls({repeats}, {tuple(widths)})",
-                                 {"MALLOC_MMAP_THRESHOLD_": str(THRESHOLD)})
-        together()
-        heap = [(_in_new_process(f"reference_heap({repeats}, {w})", {}), reference_live_bytes(w))
-                for w in (widths[0], widths[-1])]
-        fresh = max(statistics.median((m - p) / max(a, 1) for m, p, a in zip(mapped, plain, allocs, strict=True)),
-                    0.0)
-        # the resident set grows by a fixed amount (the first step's one-time allocations) and by more
-        # than the tensors themselves (the heap keeps what it freed in pieces): fitted over the widths
-        ratio, fixed = line_through(heap[0][::-1], heap[-1][::-1], 0.5, 3.0)  # ratio measured ~0.9 here
-        heap_fit = (max(fixed, 0.0), ratio)
+    fresh, heap_fit = _memory_costs(repeats, widths, allocs, together) if device.type == "cpu" else (None, (None, None))
     # the narrowest reference's: its operators are too small for cache misses to add to their time
     return StepCosts({name: _merge(points) for name, points in sorted(by_op.items())},
                      {name: _merge(points) for name, points in sorted(by_flops.items())}, overheads[0], fresh,
                      *heap_fit)
+
+
+class OpTimer:
+    """Times every operator of a step one call at a time (a dispatch mode; `sync` waits for the device):
+    call i of every step together, by FLOPs (matmuls, attention) or bytes moved, and the bytes of outputs
+    over the mmap threshold (those ZeRO 2/3's allocator setting maps freshly)."""
+
+    def __init__(self, sync):
+        self.sync = sync
+        self.kernel: dict[tuple[str, float, bool, int], list[float]] = defaultdict(list)
+        self.allocated = 0  # in the last step timed
+
+    @contextlib.contextmanager
+    def step(self):
+        from torch.utils._python_dispatch import TorchDispatchMode
+
+        from shoal.plan.cost import describe_op
+
+        timer, call = self, [0]
+        self.allocated = 0
+
+        class Timed(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                kwargs = kwargs or {}
+                timer.sync()
+                t0 = time.perf_counter()
+                out = func(*args, **kwargs)
+                timer.sync()
+                took = time.perf_counter() - t0
+                op = describe_op(func, args, kwargs, out)
+                if op is not None:
+                    timer.kernel[(op[0], op[1] or op[2], bool(op[1]), call[0])].append(took)
+                    timer.allocated += sum(t.numel() * t.element_size() for t in tree_flatten(out)[0]
+                                           if isinstance(t, torch.Tensor) and t.numel() * t.element_size() > THRESHOLD)
+                call[0] += 1
+                return out
+
+        with Timed():
+            yield
+
+    def overhead(self, wall: float) -> tuple[float, float]:
+        """What a step of `wall` seconds pays per operator besides its arithmetic, and the smallest call's
+        time (what any call pays with nothing to move: counted in the overhead, taken off each rate so that a
+        rate is of the bytes alone). Per operator the planner counts: views run no kernel and are not in its
+        trace, so what their dispatch costs is spread over the rest (here ~540 of ~750 calls a step)."""
+        medians = [statistics.median(t) for t in self.kernel.values()]
+        floor = min(medians)
+        return max(wall - sum(medians), 0.0) / len(self.kernel) + floor, floor
+
+
+def _memory_costs(repeats: int, widths, allocs: list[int], together) -> tuple[float, tuple[float, float]]:
+    """CPU: the seconds per byte freshly mapped under ZeRO 2/3's allocator setting (the reference steps in a
+    new process with the mmap threshold fixed from its start, against one without), and how the resident
+    set grows against the bytes the planner counts (a fixed part and a ratio)."""
+    together()
+    plain = _in_new_process(f"reference_walls({repeats}, {tuple(widths)})", {})
+    together()
+    mapped = _in_new_process(f"reference_walls({repeats}, {tuple(widths)})", {"MALLOC_MMAP_THRESHOLD_": str(THRESHOLD)})
+    together()
+    heap = [(_in_new_process(f"reference_heap({repeats}, {w})", {}), reference_live_bytes(w))
+            for w in (widths[0], widths[-1])]
+    fresh = max(statistics.median((m - p) / max(a, 1) for m, p, a in zip(mapped, plain, allocs, strict=True)), 0.0)
+    # the resident set grows by a fixed amount (the first step's one-time allocations) and by more than the
+    # tensors themselves (the heap keeps what it freed in pieces): fitted over the widths
+    ratio, fixed = line_through(heap[0][::-1], heap[-1][::-1], 0.5, 3.0)  # ratio measured ~0.9 here
+    return fresh, (max(fixed, 0.0), ratio)
 
 
 def _merge(points: list[tuple[float, float]]) -> list[tuple[float, float]]:
@@ -532,10 +550,10 @@ def calibrate_profile(out: str, nproc: int) -> None:
 
 def launch_probe(argv: list[str], nproc: int) -> int:
     """The probe's workers through shoal's launcher: this node alone, or (on a host of the one-machine
-    cluster, cluster/run.py) one node of the cluster's job, as `shoal train` runs there."""
+    cluster, testbed/run.py) one node of the cluster's job, as `shoal train` runs there."""
     import os
 
-    from shoal.launch import launch
+    from shoal.launch.elastic import launch
 
     nnodes = int(os.environ.get("SHOAL_NNODES", "1"))
     node_rank = int(os.environ.get("SHOAL_NODE_RANK", "0"))

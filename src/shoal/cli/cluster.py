@@ -1,0 +1,85 @@
+"""Where a job runs: `shoal launch` (a scheduler's job file) and `shoal cluster` (hosts in network
+namespaces on this machine, the testbed)."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from shoal.cli.options import add_set
+from shoal.cli.train import resume_command
+from shoal.errors import UserError
+
+
+def add_parsers(sub) -> None:
+    j = sub.add_parser("launch", help="write the job file that runs a config on your cluster: an sbatch script, a "
+                                      "Kubeflow PyTorchJob manifest or a SageMaker estimator script")
+    j.add_argument("config", help="TOML config file (shipped with the job; see docs/your-cluster.md)")
+    j.add_argument("--target", required=True, choices=("slurm", "kubernetes", "sagemaker"))
+    j.add_argument("--nodes", type=int, required=True, help="nodes (Slurm nodes, pods, instances)")
+    j.add_argument("--nproc", type=int, default=1, help="worker processes per node (default 1)")
+    j.add_argument("--out", help="the file to write; - for stdout (default: <config name>.sbatch, "
+                                 "<config name>-pytorchjob.yaml or <config name>_sagemaker.py here)")
+    j.add_argument("--image", help="container image with shoal installed (kubernetes, sagemaker)")
+    j.add_argument("--gpus-per-node", type=int, default=0, help="GPUs per node to ask for (slurm, kubernetes)")
+    j.add_argument("--cpus-per-node", type=int, help="CPUs per node to ask for (slurm: default the whole node)")
+    j.add_argument("--instance-type", default="ml.g5.xlarge", help="SageMaker instance type (default ml.g5.xlarge)")
+    j.add_argument("--pvc", help="Kubernetes PersistentVolumeClaim for the run dirs (default: an emptyDir per pod)")
+    add_set(j, "override a config value in the job (repeatable)")
+    k = sub.add_parser("cluster", help="a multi-host cluster on this machine: network namespaces with rate-limited "
+                                       "links and capped CPU (root)")
+    ksub = k.add_subparsers(dest="action", required=True)
+    up = ksub.add_parser("up", help="make N hosts (removing any earlier cluster first)")
+    up.add_argument("--hosts", type=int, required=True, help="number of hosts")
+    up.add_argument("--rate", help="each host's link rate, in each direction, e.g. 100mbit (tc tbf)")
+    up.add_argument("--delay", help="one-way delay between two hosts, e.g. 20ms (tc netem, if the kernel has it)")
+    up.add_argument("--cpu", metavar="SHARES", help="each host's share of one core, e.g. 1,0.5 (or one for all; a "
+                                                    "cgroup cpu quota)")
+    ksub.add_parser("down", help="remove the cluster and everything it made")
+    ksub.add_parser("status", help="list the hosts, their addresses and limits")
+    r = ksub.add_parser("run", help="run a command on every host (shoal train gets --nnodes, --node-rank and "
+                                    "--rdzv-endpoint), e.g. shoal cluster run -- shoal train cfg.toml --nproc 1")
+    r.add_argument("cmd", nargs=argparse.REMAINDER, metavar="-- COMMAND ...")
+
+
+def launch_job(args: argparse.Namespace) -> int:
+    """`shoal launch`: write the job file for a scheduler (launch/jobs.py)."""
+    from shoal.launch import jobs
+
+    config = Path(args.config)
+    if not config.is_file():
+        raise UserError(f"config file {config} does not exist; pass the path of a .toml file")
+    spec = jobs.JobSpec(args.target, args.config, config.read_text(encoding="utf-8"), tuple(args.set), args.nodes,
+                        args.nproc, args.image, args.gpus_per_node, args.cpus_per_node, args.instance_type, args.pvc)
+    jobs.check(spec)
+    text = jobs.render(spec)
+    if args.out == "-":
+        print(text, end="")
+        return 0
+    out = Path(args.out) if args.out else jobs.default_out(spec)
+    out.write_text(text, encoding="utf-8")
+    if args.target == "slurm":
+        out.chmod(0o755)
+    print(f"wrote {out}: {args.nodes} node(s) x {args.nproc} worker(s) of {args.config}; {jobs.how_to_run(spec, out)}")
+    return 0
+
+
+def cluster(args: argparse.Namespace) -> int:
+    from shoal.testbed import hosts
+    from shoal.testbed.system import require_root
+
+    if args.action == "status":
+        print(hosts.status_text(hosts.load()))
+        return 0
+    if args.action == "run":
+        from shoal.testbed.run import run
+
+        command = args.cmd[1:] if args.cmd[:1] == ["--"] else args.cmd
+        return run(command, resume_command=resume_command(args.argv))
+    require_root(args.action)
+    if args.action == "down":
+        removed = hosts.down()
+        print(f"removed {', '.join(removed)}" if removed else "no cluster to remove")
+        return 0
+    print(hosts.status_text(hosts.up(args.hosts, args.rate, args.delay, args.cpu)))
+    return 0

@@ -1,0 +1,84 @@
+"""`shoal probe` (measure this machine) and `shoal plan` (predict every layout of a config)."""
+
+from __future__ import annotations
+
+import argparse
+
+from shoal.cli.options import add_set
+from shoal.errors import UserError
+
+
+def add_parsers(sub) -> None:
+    pr = sub.add_parser("probe", help="measure this machine and network (matmul FLOP/s, memory bandwidth, collective "
+                                      "curves) and write the hardware profile that shoal plan reads")
+    pr.add_argument("--nproc", type=int, default=1, help="processes in the group measured (default 1)")
+    pr.add_argument("--cluster", action="store_true", help="one node per host of the cluster on this machine "
+                                                           "(`shoal cluster up`), --nproc each")
+    pr.add_argument("--out", default="profile.json", help="the profile to write (default profile.json)")
+    pr.add_argument("--max-size", default="64MiB", help="largest collective message (from 4 KiB, x4; default 64MiB)")
+    pr.add_argument("--repeats", type=int, default=3, help="timed repetitions per measurement (default 3)")
+    pr.add_argument("--no-calibrate", action="store_true", help="skip training the reference GPT in each "
+                                                                "strategy to calibrate the planner (~80 s for 2 "
+                                                                "processes; not done with --cluster)")
+    pr.add_argument("--nnodes-measured", type=int, default=1, help=argparse.SUPPRESS)
+    pl = sub.add_parser("plan", help="predict per-rank memory and step time of every valid layout of a config "
+                                     "and rank them; --check compares a finished run with its prediction")
+    pl.add_argument("config", nargs="?", help="TOML config file (defaults for every key if omitted)")
+    pl.add_argument("--nproc", type=int, default=1, help="processes per node (default 1)")
+    pl.add_argument("--nnodes", type=int, default=1, help="nodes (default 1)")
+    pl.add_argument("--memory", help="memory of one worker, e.g. 80GB or 16GiB: layouts above it are rejected")
+    hw = pl.add_mutually_exclusive_group()
+    hw.add_argument("--hardware", metavar="PROFILE.json", help="a profile written by shoal probe")
+    hw.add_argument("--preset", help="a data-sheet profile: h100, h200, a100 (no collective curves)")
+    add_set(pl)
+    pl.add_argument("--top", type=int, default=15, help="valid layouts shown (default 15)")
+    pl.add_argument("--apply", metavar="OUT.toml", help="write the best layout into a copy of the config")
+    pl.add_argument("--check", metavar="RUN_DIR", help="compare a finished run with the prediction for its layout")
+
+
+def probe(args: argparse.Namespace) -> int:
+    from shoal import dist
+    from shoal.plan import probe as probing
+    from shoal.plan.planner import parse_bytes
+
+    sizes = probing.sizes_up_to(parse_bytes(args.max_size, "--max-size"))
+    if args.nproc < 1 or args.repeats < 1:
+        raise UserError("--nproc and --repeats must be >= 1")
+    if dist.is_launched():
+        probing.worker(args.out, sizes, args.repeats, args.nnodes_measured)
+        return 0
+    if args.cluster:
+        from shoal.testbed.run import run
+
+        return run(["shoal", *[a for a in args.argv if a != "--cluster"]])
+    code = probing.launch_probe([a for a in args.argv[1:] if a not in ("--cluster", "--no-calibrate")], args.nproc)
+    if code == 0 and not args.no_calibrate:
+        probing.calibrate_profile(args.out, args.nproc)
+    return code
+
+
+def plan(args: argparse.Namespace) -> int:
+    from shoal.config import load_config
+    from shoal.hardware import load_profile, preset
+    from shoal.plan import check as checking
+    from shoal.plan import planner, report
+
+    profile = load_profile(args.hardware) if args.hardware else preset(args.preset) if args.preset else None
+    memory = planner.parse_bytes(args.memory, "--memory") if args.memory else None
+    if args.check:
+        rows = checking.check_run(args.check, profile)
+        for name, predicted, measured, err in rows:
+            fmt = (lambda v: "?" if v is None else f"{v:.4g}") if "time" in name else (
+                lambda v: "?" if v is None else planner.human_bytes(v))
+            rel = "?" if err is None else f"{err:+.1%}"
+            print(f"{name:22s} predicted {fmt(predicted):>12s}  measured {fmt(measured):>12s}  error {rel}")
+        return 0
+    if args.nproc < 1 or args.nnodes < 1:
+        raise UserError("--nproc and --nnodes must be >= 1")
+    cfg = load_config(args.config, args.set)
+    planned = planner.plan(cfg, args.nproc * args.nnodes, profile, memory)
+    report.render(planned, args.top)
+    if args.apply:
+        best = report.apply(args.config, planned, args.apply)
+        print(f"wrote {args.apply}: {best.candidate.label()}")
+    return 0

@@ -1,0 +1,146 @@
+"""`shoal train`: check the config, take the nodes from the flags or the scheduler, and start the workers
+(or, launched by torchrun or shoal's own launcher, be one)."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shlex
+import sys
+from pathlib import Path
+
+from shoal.cli.options import add_set
+from shoal.errors import UserError
+
+
+def add_parser(sub) -> None:
+    t = sub.add_parser("train", help="train a model from a TOML config")
+    t.add_argument("config", nargs="?", help="TOML config file (defaults for every key if omitted)")
+    add_set(t)
+    t.add_argument("--run-dir", help="where results go (default: runs/<config>-<digest of what the config trains>, "
+                                    "so the same command finds and continues the same run)")
+    t.add_argument("--resume", default="auto", metavar="auto|never|PATH",
+                   help="auto (default): continue from the run dir's newest complete checkpoint; never: start "
+                        "fresh (an earlier run in the run dir is moved aside, not deleted); PATH: that checkpoint "
+                        "folder")
+    t.add_argument("--nproc", type=int, help="worker processes on this node (default 1, or what the scheduler "
+                                             "says: PET_NPROC_PER_NODE, SM_NUM_GPUS, SLURM_GPUS_ON_NODE)")
+    t.add_argument("--max-restarts", type=int, default=0,
+                   help="restart the worker group this many times after a failure; it resumes from the newest "
+                        "checkpoint (default 0)")
+    t.add_argument("--nnodes", metavar="N", help="nodes in the job (default 1, or what Slurm, a PyTorchJob or "
+                                                 "SageMaker says; see docs/your-cluster.md)")
+    t.add_argument("--node-rank", type=int, help="this node's rank; node 0 hosts the rendezvous (default 0, or the "
+                                                 "scheduler's)")
+    t.add_argument("--rdzv-endpoint", help="HOST:PORT of node 0, for multi-node jobs (default: the scheduler's)")
+    t.add_argument("--rdzv-timeout", type=float, metavar="SECONDS",
+                   help="how long a node waits for node 0's endpoint to answer and for the other nodes to "
+                        "join (default 600, as torchrun)")
+    t.add_argument("--cluster", action="store_true",
+                   help="run this command as one node per host of the cluster on this machine (`shoal cluster up`), "
+                        "--nproc workers each")
+
+
+def train(args: argparse.Namespace) -> int:
+    from shoal import dist
+    from shoal.config import load_config
+
+    cfg = load_config(args.config, args.set)
+    if dist.is_launched():  # we are a worker (torchrun, or our own launcher below)
+        from shoal import worker
+
+        worker.main(cfg, args.run_dir, args.config, args.resume)  # does not return
+    if args.cluster:
+        return train_on_cluster(args)
+    nodes = node_flags(args)
+    job, run_dir = preflight(args, cfg, nodes)
+    if job is None:
+        return 0
+    return start(args, cfg, job, run_dir, nodes)
+
+
+def node_flags(args: argparse.Namespace) -> tuple[int, int]:
+    """--nnodes, --node-rank, --rdzv-endpoint and --nproc as given, or as a scheduler's environment says
+    (flags win; the line printed says what was taken), checked; returns the nodes (min, max)."""
+    import torch
+
+    from shoal.launch.elastic import check_launch_args, parse_nnodes
+    from shoal.launch.environment import node_args
+
+    node, taken = node_args(args.nnodes, args.node_rank, args.rdzv_endpoint, args.nproc,
+                            gpus=torch.cuda.device_count() if torch.cuda.is_available() else 0)
+    if taken:
+        print(taken, file=sys.stderr, flush=True)
+    args.nnodes, args.node_rank, args.rdzv_endpoint, args.nproc = (node.nnodes, node.node_rank, node.rdzv_endpoint,
+                                                                   node.nproc)
+    nodes = parse_nnodes(args.nnodes)
+    check_launch_args(args.nproc, nodes, args.node_rank, args.rdzv_endpoint, args.max_restarts, args.rdzv_timeout)
+    return nodes
+
+
+def preflight(args: argparse.Namespace, cfg, nodes: tuple[int, int]):
+    """Everything that can be checked, before any worker starts: every world size the job may take must be
+    a valid layout (an asynchronous parameter server's role: the whole run's world). Returns the checked
+    job and the run dir, or (None, run dir) when the run dir holds this run finished (said in one line)."""
+    import torch
+
+    from shoal.preflight import check_job
+    from shoal.ps import roles
+    from shoal.rundir import RunDir, default_run_dir
+    from shoal.worker import choose_run_dir, finished_message
+
+    run_dir = Path(args.run_dir) if args.run_dir else default_run_dir(args.config, cfg)
+    worlds = [roles.total_world(args.nproc * n) for n in range(nodes[0], nodes[1] + 1)]
+    job = check_job(cfg, worlds, cuda=torch.cuda.is_available(), run_dir=run_dir, resume=args.resume, quiet=True)
+    if job.finished and RunDir(run_dir).summary.exists():
+        print(finished_message(run_dir, job.resume_step, cfg.train.steps))
+        return None, run_dir
+    if args.node_rank == 0:
+        choose_run_dir(str(run_dir), args.config, cfg, args.resume, first_attempt=True)
+    return job, run_dir
+
+
+def start(args: argparse.Namespace, cfg, job, run_dir: Path, nodes: tuple[int, int]) -> int:
+    """The workers, through torch elastic (or an asynchronous parameter server's roles, each under an agent
+    of its own: workers that come and go); returns the exit code."""
+    from shoal.launch.elastic import RESUME_COMMAND, launch
+    from shoal.ps import roles
+    from shoal.testbed.run import NODE_ENV
+    from shoal.worker import threads_per_worker
+
+    sets = [a for s in args.set for a in ("--set", s)]
+    if NODE_ENV not in os.environ:  # on a cluster's host, the cluster run set the command that continues it
+        os.environ[RESUME_COMMAND] = resume_command(args.argv)
+    if job.layout.servers and cfg.ps.mode == "async" and nodes == (1, 1) and not roles.role():
+        role_argv = ["train", *([args.config] if args.config else []), *sets, "--run-dir", str(run_dir),
+                     "--resume", "auto", "--nnodes", "1"]
+        return roles.launch_roles(role_argv, args.nproc, job.layout.servers, args.max_restarts)
+    worker_argv = ["-m", "shoal", "train", *([args.config] if args.config else []), *sets, "--run-dir", str(run_dir),
+                   "--resume", args.resume]
+    return launch(worker_argv, args.nproc, nodes, args.node_rank, args.rdzv_endpoint,
+                  threads=threads_per_worker(cfg, args.nproc), max_restarts=args.max_restarts,
+                  rdzv_timeout=args.rdzv_timeout)
+
+
+def train_on_cluster(args: argparse.Namespace) -> int:
+    """`shoal train ... --cluster`: the same command, as one node per host of the cluster that is up."""
+    from shoal.testbed.run import run
+
+    if args.nnodes is not None or args.node_rank is not None or args.rdzv_endpoint:
+        raise UserError("--cluster sets --nnodes, --node-rank and --rdzv-endpoint for each host; leave them out")
+    node_argv = [a for a in args.argv if not (len(a) > 4 and "--cluster".startswith(a))]
+    return run(["shoal", *node_argv], resume_command=resume_command(args.argv))
+
+
+def resume_command(argv: list[str]) -> str:
+    """The command that continues this run: the one given, without a --resume other than auto (the
+    run dir it names, or the stable default it derives, holds the checkpoints)."""
+    out, skip = [], False
+    for a in argv:
+        if skip:
+            skip = False
+        elif a == "--resume":
+            skip = True
+        elif not a.startswith("--resume="):
+            out.append(a)
+    return shlex.join(["shoal", *out])

@@ -1,0 +1,11 @@
+"""Starting and watching processes, and where a job's nodes come from.
+
+elastic.py      workers through torch elastic's agent (the machinery behind torchrun): one node or
+                several, each node named by its address on the route to the rendezvous
+supervisor.py   the one supervisor of several process trees run as one job (the asynchronous parameter
+                server's roles, the testbed's hosts): signals passed on, a failure stops the rest, the
+                worst exit code wins
+environment.py  the nodes, node rank and rendezvous a scheduler gives (Slurm, a Kubeflow PyTorchJob or
+                torchrun's variables, SageMaker); `shoal train` reads it when a flag does not say
+jobs.py         `shoal launch`: the sbatch script, PyTorchJob manifest or SageMaker script for a config
+"""
