@@ -76,10 +76,10 @@ def run_rank(cfg: Config, job: Job, run_dir: Path, env, comm: Comm, resume: str 
     if job.layout.servers:
         from shoal.ps.run import run_job  # heavy imports come here, after set_num_threads
 
-        return run_job(cfg, job.layout, job.source, run_dir, env, comm, resume, phase)
+        return run_job(cfg, job.layout, job.source, run_dir, env, comm, resume=resume, phase=phase)
     from shoal.training.run import run_training
 
-    return run_training(cfg, job.layout, job.source, run_dir, env, comm, resume, phase)
+    return run_training(cfg, job.layout, job.source, run_dir, env, comm, resume=resume, phase=phase)
 
 
 def main(cfg: Config, run_dir: str | None, config_path: str | None, resume: str = "auto") -> None:

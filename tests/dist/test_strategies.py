@@ -151,8 +151,8 @@ def pipeline_step(env, schedule):
     bundle = tiny_gpt()
     ref = copy.deepcopy(bundle.model)
     layout = resolve_layout(cfg, 2, cuda=False)
-    par = parallelize(bundle, layout, cfg.parallel, cfg.precision, False, torch.device("cpu"), env.rank,
-                      Comm(env.store, env.rank, 2))
+    par = parallelize(bundle, layout, parallel=cfg.parallel, precision=cfg.precision, compile=False,
+                      device=torch.device("cpu"), rank=env.rank, comm=Comm(env.store, env.rank, 2))
     batch = batch_of(4)
     count = batch["target"].numel()
     loss = par.forward_backward([batch], lambda: torch.tensor(1.0 / count), Precision("fp32", torch.device("cpu")))

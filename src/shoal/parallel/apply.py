@@ -63,7 +63,7 @@ def replica_meshes(layout: Layout, dp_group):
     return mesh["shard"], mesh["replica"].get_group()
 
 
-def parallelize(bundle: ModelBundle, layout: Layout, parallel: ParallelConfig, precision: PrecisionConfig,
+def parallelize(bundle: ModelBundle, layout: Layout, *, parallel: ParallelConfig, precision: PrecisionConfig,
                 compile: bool, device: torch.device, rank: int, comm: Comm, sync: StepSync | None = None,
                 sample: dict | None = None) -> Parallelized:
     """This rank's share of `bundle.model`, wrapped for `layout`. `sample`: one pipeline micro-batch,
@@ -81,8 +81,8 @@ def parallelize(bundle: ModelBundle, layout: Layout, parallel: ParallelConfig, p
     inner_group = None if inner_mesh is None or inner_mesh.size() == dims.world_size else inner_mesh.get_group()
 
     def wrapped(m: torch.nn.Module) -> torch.nn.Module:
-        return wrap(m, bundle.block_types, dims, inner_mesh, inner_group, layout.zero, parallel, precision, compile,
-                    device, sync, comm)
+        return wrap(m, bundle.block_types, dims, dp_mesh=inner_mesh, dp_group=inner_group, zero=layout.zero,
+                    parallel=parallel, precision=precision, compile=compile, device=device, sync=sync, comm=comm)
 
     common = {"comm": comm, "sync": sync, "device": device, "dp_rank": coords["dp"], "dp": dims.dp,
               "dp_group": dp_group, "zero_group": inner_group, "loss_context": loss_context, "zero": layout.zero}
@@ -128,7 +128,7 @@ def layer_times(layers, sample: dict, loss_context, device: torch.device, comm: 
     return (total / comm.world_size).tolist()
 
 
-def wrap(model: torch.nn.Module, block_types: tuple[type, ...], dims: ParallelDims, dp_mesh, dp_group, zero: int,
+def wrap(model: torch.nn.Module, block_types: tuple[type, ...], dims: ParallelDims, *, dp_mesh, dp_group, zero: int,
          parallel: ParallelConfig, precision: PrecisionConfig, compile: bool, device: torch.device,
          sync: StepSync, comm: Comm) -> torch.nn.Module:
     """Activation checkpointing, compile, then ZeRO / data parallelism over `dp_mesh` (None: no

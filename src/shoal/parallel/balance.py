@@ -100,7 +100,7 @@ class ComputeClock:
 class ThroughputBalance:
     """The split of every step's global batch over the dp ranks, and the measurements that decide it."""
 
-    def __init__(self, batch: int, dp: int, dp_rank: int, interval: int, lag: int, comm: Comm, dp_group,
+    def __init__(self, batch: int, dp: int, dp_rank: int, *, interval: int, lag: int, comm: Comm, dp_group,
                  clock: ComputeClock | None, device: torch.device | str = "cpu"):
         self.batch, self.dp, self.dp_rank, self.interval, self.lag = batch, dp, dp_rank, interval, lag
         self.comm, self.dp_group, self.clock, self.device = comm, dp_group, clock, device  # nccl: a CUDA tensor

@@ -123,16 +123,18 @@ def predict(model: Model, cfg: Config, layout, profile: HardwareProfile | None) 
     params = rank_params(model.shape, layout, p.pp_schedule, lambda r: model.stage_params(cfg, r))
     total = sum(n for n, *_ in params) or 1
     fraction = total / (sum(n for n, *_ in model.shape.params) or 1) if d.pp > 1 else 1.0
-    mem = predict_memory(model.shape, params, cost, layout, cfg.train.optimizer, cfg.train.momentum,
-                         cfg.precision.activation_checkpointing, p.pp_schedule, profile, fraction,
-                         model.data_bytes if profile is not None and profile.device == "cpu" else 0)
+    mem = predict_memory(model.shape, params, cost, layout, optimizer=cfg.train.optimizer,
+                         momentum=cfg.train.momentum, checkpointing=cfg.precision.activation_checkpointing,
+                         schedule=p.pp_schedule, profile=profile, stage_fraction=fraction,
+                         data_bytes=model.data_bytes if profile is not None and profile.device == "cpu" else 0)
     if profile is None:
         return Prediction(mem, {"compute": None, "comm": None, "bubble": None, "step": None})
     stages = p.pp_stages_per_rank if p.pp_schedule == "interleaved-1f1b" else 1
     grad_bytes = sum(n for n, _, _, t in params if t) * model.shape.element_size // d.tp
     full = sum(n for n, *_ in params) * model.shape.element_size // d.tp
-    t = predict_time(model.shape, cost, model.opt_ops, layout, profile, cfg.precision.dtype,
-                     cfg.precision.activation_checkpointing, p.pp_schedule, stages, grad_bytes, full)
+    t = predict_time(model.shape, cost, model.opt_ops, layout, profile, dtype=cfg.precision.dtype,
+                     checkpointing=cfg.precision.activation_checkpointing, schedule=p.pp_schedule,
+                     stages_per_rank=stages, grad_bytes=grad_bytes, param_bytes_full=full)
     return Prediction(mem, t)
 
 

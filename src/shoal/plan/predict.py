@@ -104,7 +104,7 @@ def rank_params(shape: ModelShape, layout: Layout, schedule: str, stage_of) -> l
     return max((stage_of(r) for r in range(layout.dims.pp)), key=lambda ps: sum(p[0] for p in ps))
 
 
-def predict_memory(shape: ModelShape, params: list, cost: MicroBatchCost, layout: Layout, optimizer: str,
+def predict_memory(shape: ModelShape, params: list, cost: MicroBatchCost, layout: Layout, *, optimizer: str,
                    momentum: float, checkpointing: bool, schedule: str, profile: HardwareProfile | None,
                    stage_fraction: float, data_bytes: int = 0) -> dict[str, int]:
     d, zero, es = layout.dims, layout.zero, shape.element_size
@@ -159,7 +159,7 @@ def _hidden(comm: float, under: float, cuda: bool) -> float:
     return max(0.0, comm - under) if cuda else comm
 
 
-def predict_time(shape: ModelShape, cost: MicroBatchCost, opt_ops: Ops, layout: Layout, profile: HardwareProfile,
+def predict_time(shape: ModelShape, cost: MicroBatchCost, opt_ops: Ops, layout: Layout, profile: HardwareProfile, *,
                  dtype: str, checkpointing: bool, schedule: str, stages_per_rank: int, grad_bytes: int,
                  param_bytes_full: int) -> dict[str, float | None]:
     d, zero = layout.dims, layout.zero

@@ -97,8 +97,8 @@ class Dealer:
 
 
 class AsyncServer:
-    def __init__(self, shard: Shard, ps: PSConfig, index: int, workers: int, steps: int, timeout_s: float,
-                 comm: Comm, store, saver: ServerCheckpoints, say=print):
+    def __init__(self, shard: Shard, ps: PSConfig, index: int, comm: Comm, *, workers: int, steps: int,
+                 timeout_s: float, store, saver: ServerCheckpoints, say=print):
         """`workers`: the launched workers; `steps`: train.steps (a unit is one worker's share of a step);
         `saver`: the checkpoints, holding the state resumed from, if any."""
         self.shard, self.ps, self.index, self.workers = shard, ps, index, workers

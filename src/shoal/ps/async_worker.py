@@ -55,7 +55,7 @@ class LinkLost(RuntimeError):
 class AsyncPushPull(PushPull):
     name = "parameter-server (async)"
 
-    def __init__(self, comm: Comm, store, servers: int, slot: int, workers: int, max_staleness: int,
+    def __init__(self, comm: Comm, store, *, servers: int, slot: int, workers: int, max_staleness: int,
                  timeout_s: float, sparse: bool = False, reopen: Callable[[], object] | None = None):
         super().__init__(comm, list(range(servers)), slot == 0, sparse)
         self.store, self.slot, self.timeout_s = store, slot, timeout_s

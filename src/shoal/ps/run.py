@@ -33,7 +33,7 @@ from shoal.rundir import RunDir
 from shoal.training.run import run_training
 
 
-def run_job(cfg: Config, layout: Layout, source, run_dir: Path, env: DistEnv, comm: Comm, resume: str = "auto",
+def run_job(cfg: Config, layout: Layout, source, run_dir: Path, env: DistEnv, comm: Comm, *, resume: str = "auto",
             phase: Phase | None = None) -> dict:
     """This rank's part: serve (the last layout.servers ranks) or train. Returns the summary (a server:
     what it served)."""
@@ -42,26 +42,30 @@ def run_job(cfg: Config, layout: Layout, source, run_dir: Path, env: DistEnv, co
     if role:  # each role a job of its own (roles.py): they meet in server 0's store
         store = roles.open_store(role == "server" and env.rank == 0, cfg.parallel.timeout_s)
         if role == "server":
-            return serve(cfg, source.spec, env.rank, list(range(n)), None, comm, run_dir, resume, store=store)
+            return serve(cfg, source.spec, env.rank, comm, run_dir, workers=list(range(n)), server_group=None,
+                         resume=resume, store=store)
         slot = int(os.environ[roles.SLOT])  # the slot is the worker's rank in the run
-        strategy = AsyncWorker(cfg, layout, env.device, slot, comm, source, store,
+        strategy = AsyncWorker(cfg, layout, env.device, slot, comm, source=source, store=store,
                                reopen=lambda: roles.open_store(False, cfg.parallel.timeout_s))
-        return run_training(cfg, layout, source, run_dir, dataclasses.replace(env, rank=slot), comm, resume, phase,
-                            strategy)
+        return run_training(cfg, layout, source, run_dir, dataclasses.replace(env, rank=slot), comm, resume=resume,
+                            phase=phase, strategy=strategy)
     workers = comm.new_group(list(range(n)))  # collective: every rank creates every group
     servers = comm.new_group(list(range(n, n + layout.servers)))
     # asynchronous: each worker's collectives (its step's flags, its validation) are its own
     alone = [comm.new_group([w]) for w in range(n)] if asynchronous else None
     if env.rank >= n:
-        return serve(cfg, source.spec, env.rank - n, list(range(n)), servers, comm, run_dir, resume)
+        return serve(cfg, source.spec, env.rank - n, comm, run_dir, workers=list(range(n)), server_group=servers,
+                     resume=resume)
     world = comm.within(alone[env.rank], 1) if alone else comm.within(workers, n)
     env = dataclasses.replace(env, world_size=world.world_size)
-    strategy = (AsyncWorker(cfg, layout, env.device, env.rank, world, source, comm.store) if asynchronous else
-                SyncWorker(cfg, layout, env.device, env.rank, world))
-    return run_training(cfg, layout, source, run_dir, env, world, resume, phase, strategy)
+    if asynchronous:
+        strategy = AsyncWorker(cfg, layout, env.device, env.rank, world, source=source, store=comm.store)
+    else:
+        strategy = SyncWorker(cfg, layout, env.device, env.rank, world)
+    return run_training(cfg, layout, source, run_dir, env, world, resume=resume, phase=phase, strategy=strategy)
 
 
-def serve(cfg: Config, spec, index: int, workers: list[int], server_group, comm: Comm, run_dir: Path,
+def serve(cfg: Config, spec, index: int, comm: Comm, run_dir: Path, *, workers: list[int], server_group,
           resume: str = "auto", store=None) -> dict:
     """Serve shard `index` until every worker is done; returns what this server did. `server_group`: the
     servers' group when they share a job with the workers (None: the servers' job is theirs alone, and
@@ -77,12 +81,13 @@ def serve(cfg: Config, spec, index: int, workers: list[int], server_group, comm:
         with torch.no_grad():
             done = SyncServer(shard, run, index, workers, server_group if cfg.ps.servers > 1 else None, comm).serve()
     else:  # the servers alone load and save (checkpoints.py)
-        done = serve_async(cfg, shard, index, len(workers), server_group, comm, run, resume_path, store or comm.store)
+        done = serve_async(cfg, shard, index, comm, run, workers=len(workers), server_group=server_group,
+                           resume_path=resume_path, store=store or comm.store)
     return {"server": index, "tensors": len(shard.params), "parameters": shard.numel, **done,
             "resumed_from": resume_path or None}
 
 
-def serve_async(cfg: Config, shard: Shard, index: int, workers: int, server_group, comm: Comm, run: RunDir,
+def serve_async(cfg: Config, shard: Shard, index: int, comm: Comm, run: RunDir, *, workers: int, server_group,
                 resume_path: str, store) -> dict:
     def say(text: str) -> None:
         print(text, file=sys.stderr, flush=True)
@@ -96,5 +101,5 @@ def serve_async(cfg: Config, shard: Shard, index: int, workers: int, server_grou
         say(f"parameter server {index}: resumed from {resume_path} (every unit before {units} applied, "
             f"version {state.version})")
     with torch.no_grad():
-        return AsyncServer(shard, cfg.ps, index, workers, cfg.train.steps, cfg.parallel.timeout_s, comm, store,
-                           saver, say).serve()
+        return AsyncServer(shard, cfg.ps, index, comm, workers=workers, steps=cfg.train.steps,
+                           timeout_s=cfg.parallel.timeout_s, store=store, saver=saver, say=say).serve()

@@ -58,7 +58,7 @@ class SyncWorker(Strategy):
 class AsyncWorker(Strategy):
     restores = False
 
-    def __init__(self, cfg: Config, layout: Layout, device: torch.device, slot: int, comm: Comm, source, store,
+    def __init__(self, cfg: Config, layout: Layout, device: torch.device, slot: int, comm: Comm, *, source, store,
                  reopen=None):
         """`comm`: this worker's own world; `slot`: which of the launched workers it is (its rank in the
         run); `source`: the data; `store`: the one it meets the servers in; `reopen()`: a new connection to
@@ -66,8 +66,9 @@ class AsyncWorker(Strategy):
         super().__init__(cfg, layout, device, slot, comm)
         self.source = source
         self.validates = slot == 0
-        self.push_pull = AsyncPushPull(comm, store, layout.servers, slot, layout.dims.dp, cfg.ps.max_staleness,
-                                       cfg.parallel.timeout_s, cfg.ps.sparse, reopen)
+        self.push_pull = AsyncPushPull(comm, store, servers=layout.servers, slot=slot, workers=layout.dims.dp,
+                                       max_staleness=cfg.ps.max_staleness, timeout_s=cfg.parallel.timeout_s,
+                                       sparse=cfg.ps.sparse, reopen=reopen)
         self.units: DealtUnits | None = None
 
     def parallelize(self, bundle: ModelBundle, sample: dict | None) -> ServedModel:

@@ -51,13 +51,14 @@ from shoal.training.strategy import Strategy
 from shoal.training.summary import failure_info, fresh_start, summarize
 
 
-def run_training(cfg: Config, layout: Layout, source, run_dir: Path, env: DistEnv, comm: Comm,
+def run_training(cfg: Config, layout: Layout, source, run_dir: Path, env: DistEnv, comm: Comm, *,
                  resume: str = "auto", phase: Phase | None = None, strategy: Strategy | None = None) -> dict:
     """Train on this rank; returns the run summary (identical on every rank). `source`: the data source
     the preflight built; `strategy`: how this rank trains (default: shoal's layouts)."""
     t_start = time.perf_counter()
     strategy = strategy or Strategy(cfg, layout, env.device, env.rank, comm)
-    parts = build(cfg, layout, source, RunDir(run_dir), env, comm, phase or Phase(), strategy, resume)
+    parts = build(cfg, layout, source, RunDir(run_dir), env, comm, phase=phase or Phase(), strategy=strategy,
+                  resume=resume)
     recovery = restore(parts)
     if parts.sampler.step >= cfg.train.steps and parts.run.summary.exists():  # finished before: leave it be
         strategy.finish()
@@ -76,7 +77,7 @@ def run_training(cfg: Config, layout: Layout, source, run_dir: Path, env: DistEn
     return summary
 
 
-def build(cfg: Config, layout: Layout, source, run: RunDir, env: DistEnv, comm: Comm, phase: Phase,
+def build(cfg: Config, layout: Layout, source, run: RunDir, env: DistEnv, comm: Comm, *, phase: Phase,
           strategy: Strategy, resume: str) -> Parts:
     """Collective: everything this rank's run is built from, before any checkpoint is read."""
     found = comm.agree("resume_from", lambda: str(find_resume_point(run.checkpoints, resume) or ""))
@@ -102,8 +103,9 @@ def build(cfg: Config, layout: Layout, source, run: RunDir, env: DistEnv, comm: 
                    stop_requested=signals.requested)
     if cfg.balance.mode == "throughput":  # a new split waits until the batches prefetched before it are used
         step.balance = ThroughputBalance(cfg.train.global_batch_size, layout.dims.dp, par.dp_rank,
-                                         cfg.balance.interval, cfg.data.prefetch + 1, comm, par.dp_group,
-                                         ComputeClock(par.model, env.device), env.device)
+                                         interval=cfg.balance.interval, lag=cfg.data.prefetch + 1, comm=comm,
+                                         dp_group=par.dp_group, clock=ComputeClock(par.model, env.device),
+                                         device=env.device)
     sampler = GlobalBatchSampler(source.num_train, cfg.train.global_batch_size, cfg.train.seed)
     stateful = {"sampler": sampler, "scheduler": step.schedule, "scaler": precision, "bad_steps": step.bad_steps,
                 "sync": par.sync, **({"balance": step.balance} if step.balance else {})}

@@ -47,8 +47,9 @@ class Strategy:
         """`sample`: one pipeline micro-batch, to time the layers with (parallel.pp_balance = "time")."""
         cfg = self.cfg
         sync = make_sync(cfg.sync, cfg.comm, self.comm, last_step=cfg.train.steps)
-        return parallelize(bundle, self.layout, cfg.parallel, cfg.precision, cfg.train.compile, self.device,
-                           self.rank, self.comm, sync=sync, sample=sample)
+        return parallelize(bundle, self.layout, parallel=cfg.parallel, precision=cfg.precision,
+                           compile=cfg.train.compile, device=self.device, rank=self.rank, comm=self.comm, sync=sync,
+                           sample=sample)
 
     def checkpointing(self, cfg: CheckpointConfig) -> CheckpointConfig:
         return cfg
