@@ -5,7 +5,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: run test install clean
+.PHONY: run test test-fast install clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -19,9 +19,15 @@ install: $(STAMP)
 run: $(STAMP)
 	$(VENV)/bin/shoal train configs/gpt-tiny.toml --nproc 2
 
+# everything; CI runs this (.ci/run)
 test: $(STAMP)
 	$(VENV)/bin/lint-imports
 	$(PY) -m pytest tests
+
+# the everyday tier: the unit tests and the in-process multi-rank harness, no CLI runs (tests/conftest.py)
+test-fast: $(STAMP)
+	$(VENV)/bin/lint-imports
+	$(PY) -m pytest tests -m "not slow"
 
 clean:
 	rm -rf $(VENV) runs

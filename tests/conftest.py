@@ -35,12 +35,22 @@ class Result:
         return self.stdout + self.stderr
 
 
+def pytest_collection_modifyitems(config, items):
+    """The tiers: `make test-fast` (`-m "not slow"`) is the unit tests and the in-process harness; a test
+    that runs the real CLI (integration/, and dist/ tests that do not use the harness) is slow, as is one
+    marked so by hand (a harness test that also runs the CLI, or one that takes many seconds)."""
+    for item in items:
+        folder = Path(str(item.fspath)).parent.name
+        if folder == "integration" or (folder == "dist" and "ranks" not in item.fixturenames):
+            item.add_marker(pytest.mark.slow)
+
+
 def pytest_collection_finish(session):
     """A whole-suite run must collect every test folder: a folder skipped by a collection rule (pytest
     ignores folders named "dist" unless told otherwise) would otherwise pass silently."""
     roots = [Path(a.split("::")[0]).resolve() for a in session.config.args]
     here = Path(__file__).parent.resolve()
-    if here in roots or ROOT in roots:
+    if (here in roots or ROOT in roots) and not session.config.option.markexpr:
         found = {Path(str(item.fspath)).parent.name for item in session.items}
         missing = {"unit", "dist", "integration"} - found
         if missing:

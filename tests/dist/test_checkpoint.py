@@ -65,6 +65,7 @@ def losses_by_step(metrics):
     return {m["step"]: m["loss"] for m in metrics}  # a redone step appears twice; the last one counts
 
 
+@pytest.mark.slow  # runs the CLI
 @pytest.mark.parametrize("mode", ["sync", "async"])
 def test_killed_and_resumed_equals_uninterrupted(tmp_path, reference, mode):
     run_dir = tmp_path / "run"
@@ -106,6 +107,7 @@ def test_one_process_crashed_and_resumed_equals_uninterrupted(tmp_path, ranks, r
     assert losses_by_step(read_metrics(run_dir)) == losses_by_step(reference[1][0])
 
 
+@pytest.mark.slow  # runs the CLI
 def test_sigkill_with_restarts_recovers_exactly(tmp_path, reference):
     """--max-restarts: torch elastic restarts the group, which resumes from the newest checkpoint (killed
     at a forward drawn from a fixed seed: any point of a step must do)."""
@@ -149,6 +151,7 @@ def assert_report_draws_the_recovery(run_dir, out):
     assert out.with_name(f"{out.stem}-timeline.png") in written and "restart" in out.read_text()
 
 
+@pytest.mark.slow  # runs the CLI
 def test_truncated_newest_checkpoint_falls_back_to_the_previous(tmp_path, reference):
     run_dir = tmp_path / "run"
     shutil.copytree(reference[2][2], run_dir)  # a finished run
@@ -165,6 +168,7 @@ def test_truncated_newest_checkpoint_falls_back_to_the_previous(tmp_path, refere
     assert_bitwise(read_weights(run_dir), reference[2][1])
 
 
+@pytest.mark.slow  # runs the CLI
 def test_diloco_with_compressed_pseudo_gradient_killed_and_resumed_equals_uninterrupted(tmp_path, ranks):
     """DiLoCo (a round of 3 steps, int8 pseudo-gradient with error feedback): rank 1 killed at step 10,
     mid-round; the same command resumes from step 8 (mid-round too: each replica's own parameters and

@@ -56,6 +56,7 @@ def test_dp2_equals_dp1_without_accumulation(tmp_path, ranks, dp2):
     assert_same_training(train(ranks, tmp_path / "dp1", nproc=1, micro=16), dp2)
 
 
+@pytest.mark.slow  # runs the CLI
 def test_torchrun_launch_is_detected(tmp_path, dp2):
     """`torchrun -m shoal train` runs the same workers as `shoal train --nproc`."""
     run_dir = tmp_path / "torchrun"
@@ -66,6 +67,7 @@ def test_torchrun_launch_is_detected(tmp_path, dp2):
     assert_same_training((read_metrics(run_dir), read_weights(run_dir)), dp2)
 
 
+@pytest.mark.slow  # runs the CLI
 def test_two_nodes_on_loopback_train_like_one(tmp_path, dp2):
     """--nnodes 2: two launchers (one process each) meet at node 0's rendezvous and train as dp=2."""
     with socket.socket() as s:

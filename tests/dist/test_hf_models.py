@@ -18,6 +18,8 @@ from conftest import read_metrics, read_weights
 from harness import train as train_on_ranks
 from shoal.checkpoint.export import export_hf
 
+pytestmark = pytest.mark.slow  # every worker imports transformers and peft
+
 transformers = pytest.importorskip("transformers")
 
 STEPS = 8

@@ -2,6 +2,7 @@
 running the same command again (as a scheduler's requeue does) continues the run in the same
 directory and gives exactly the uninterrupted run."""
 
+import pytest
 import json
 import os
 import shlex
@@ -28,6 +29,7 @@ def args(run_dir=None):
     return ["train", "--nproc", 2, *(["--run-dir", run_dir] if run_dir else []), *[a for o in CONFIG for a in ("--set", o)]]
 
 
+@pytest.mark.slow  # runs the CLI
 def test_sigterm_saves_and_the_same_command_resumes_exactly(tmp_path, ranks):
     ref = tmp_path / "ref"
     ranks(2).run(train_on_ranks, [*CONFIG, "metrics.progress=false"], str(ref))  # uninterrupted, in the harness

@@ -95,8 +95,13 @@ def test_zero_matches_single_process(trained, reference, zero):
             assert r["params"] == n_bytes and r["grads"] == n_bytes, mem
 
 
-@pytest.mark.parametrize("layout", ["pp2-gpipe", "pp2-1f1b", "pp2-interleaved", "dp2-pp2", "dp2-pp2-zero3",
-                                    "tp2-pp2", "dp2-tp2-pp2-zero3"])
+def slow(*names):
+    """Cases left out of make test-fast (the fast tier keeps one of a kind)."""
+    return [pytest.param(n, marks=pytest.mark.slow) for n in names]
+
+
+@pytest.mark.parametrize("layout", ["pp2-1f1b", *slow("pp2-gpipe", "pp2-interleaved", "dp2-pp2", "dp2-pp2-zero3",
+                                                     "tp2-pp2", "dp2-tp2-pp2-zero3")])
 def test_pipeline_layouts_match_single_process(trained, reference, layout):
     run_dir, out = trained(layout)
     assert_same_training(run_dir, reference["fp32"], rtol=1e-5, atol=1e-5)
@@ -107,7 +112,7 @@ def test_pipeline_layouts_match_single_process(trained, reference, layout):
     assert ("ms forward + backward" in out) == (layout == "pp2-gpipe"), out
 
 
-@pytest.mark.parametrize("layout", ["tp2", "tp2-sp", "dp2-tp2", "dp2-tp2-zero3"])
+@pytest.mark.parametrize("layout", ["tp2", *slow("tp2-sp", "dp2-tp2", "dp2-tp2-zero3")])
 def test_tensor_parallel_layouts_match_single_process(trained, reference, layout):
     run_dir, _ = trained(layout)
     assert_same_training(run_dir, reference["fp32"], rtol=1e-5, atol=1e-5)
@@ -131,10 +136,11 @@ def test_zero3_bf16_matches_single_process_bf16(trained, reference):
 # state dicts). The first three pairs change only the world size (data parallelism, gradient
 # accumulation keeps the global batch): losses within 1e-6 there, 1e-5 across sharding layouts.
 @pytest.mark.parametrize("before,after,rtol", [
-    ("dp2", "dp1", 1e-6), ("dp1", "dp2", 1e-6), ("dp2", "dp4", 1e-6),
-    ("dp2", "dp2-zero3", 1e-5), ("dp2-zero3", "dp1", 1e-5), ("dp2-zero1", "dp2-zero2", 1e-5),
-    ("dp1", "dp2-zero1", 1e-5), ("dp2", "tp2", 1e-5), ("tp2", "dp2-zero3", 1e-5), ("dp2", "dp2-pp2-zero3", 1e-5),
-    ("pp2-interleaved", "dp1", 1e-5)])
+    ("dp2", "dp1", 1e-6), ("dp2", "dp2-zero3", 1e-5), ("dp2", "tp2", 1e-5),
+    *[pytest.param(*case, marks=pytest.mark.slow) for case in [
+        ("dp1", "dp2", 1e-6), ("dp2", "dp4", 1e-6), ("dp2-zero3", "dp1", 1e-5), ("dp2-zero1", "dp2-zero2", 1e-5),
+        ("dp1", "dp2-zero1", 1e-5), ("tp2", "dp2-zero3", 1e-5), ("dp2", "dp2-pp2-zero3", 1e-5),
+        ("pp2-interleaved", "dp1", 1e-5)]]])
 def test_checkpoints_reshard_across_layouts(tmp_path, ranks, trained, reference, before, after, rtol):
     first, second = trained(before)[0], tmp_path / "second"
     nproc, extra = LAYOUTS[after]

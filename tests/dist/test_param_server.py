@@ -34,7 +34,7 @@ def every_step(tmp_path_factory, ranks):
     return run_dir
 
 
-@pytest.mark.parametrize("servers", [1, 2])
+@pytest.mark.parametrize("servers", [1, pytest.param(2, marks=pytest.mark.slow)])
 def test_sync_parameter_server_equals_data_parallelism(tmp_path, ranks, every_step, servers):
     run_dir = tmp_path / "run"
     out = ranks(2 + servers).run(train_on_ranks, [*BASE, 'sync.mode="parameter-server"',
@@ -53,6 +53,7 @@ def test_sync_parameter_server_equals_data_parallelism(tmp_path, ranks, every_st
     assert read_metrics(run_dir)[0]["comm_bytes"] > 0
 
 
+@pytest.mark.slow  # runs the CLI
 def test_sync_parameter_server_killed_and_resumed_equals_uninterrupted(tmp_path, ranks):
     """Two workers and a server, checkpoints every 4 steps: worker 1 killed at step 10; the same command
     resumes from step 8 (the server takes its AdamW state from the checkpoint, as DCP wrote it with the
@@ -71,6 +72,7 @@ def test_sync_parameter_server_killed_and_resumed_equals_uninterrupted(tmp_path,
     assert losses_by_step(read_metrics(run_dir)) == losses_by_step(read_metrics(ref_dir))
 
 
+@pytest.mark.slow  # three workers, long enough for staleness to arise
 @pytest.mark.parametrize("servers,max_staleness,aggregate", [(1, 0, 1), (2, 3, 1), (1, 0, 3)])
 def test_async_parameter_server_trains_every_unit_once_within_the_staleness_bound(tmp_path, ranks, every_step,
                                                                                  servers, max_staleness, aggregate):
@@ -212,6 +214,7 @@ def test_async_a_late_worker_does_not_time_out_the_others(tmp_path):
     assert {0, 1} <= {x["slot"] for x in ps["workers_joined"]} and ps["updates_applied"] == 3 * 6, ps
 
 
+@pytest.mark.slow  # runs the CLI
 def test_async_servers_killed_resume_from_their_checkpoint_bitwise(tmp_path, ranks):
     """One worker, checkpoints every 5 steps. Two servers, and server 1 SIGKILLed once they have saved
     step 10: its agent restarts both, they resume from their newest checkpoint, the worker joins them

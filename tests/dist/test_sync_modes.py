@@ -115,6 +115,7 @@ def test_codec_collectives_on_known_tensors(ranks):
 
 # --- training: compression ---------------------------------------------------------------------------
 
+@pytest.mark.slow
 def test_half_precision_compression_within_1e3_of_uncompressed(trained):
     ref = losses(trained("train.steps=20"))
     for codec in ("fp16", "bf16"):
@@ -122,7 +123,8 @@ def test_half_precision_compression_within_1e3_of_uncompressed(trained):
         torch.testing.assert_close(torch.tensor(ours), torch.tensor(ref), rtol=1e-3, atol=0)
 
 
-@pytest.mark.parametrize("codec", ["topk", "powersgd", "int8"])
+@pytest.mark.parametrize("codec", [pytest.param("topk", marks=pytest.mark.slow),
+                                   pytest.param("powersgd", marks=pytest.mark.slow), "int8"])
 def test_lossy_compression_with_error_feedback_reaches_the_uncompressed_loss(trained, codec):
     """After 40 steps of SGD with momentum the compressed run's loss (mean of the last 5 steps: one
     step's loss is noisy) is within 2% of the uncompressed run's (top-k 10%, PowerSGD rank 2). With
@@ -174,6 +176,7 @@ def test_resumed_from_a_mid_run_checkpoint_equals_uninterrupted(trained, mode):
         assert torch.equal(w, ref_w[k]), k
 
 
+@pytest.mark.slow  # four ranks
 @pytest.mark.parametrize("inside", [["parallel.tp=2"], ["parallel.pp=2", "train.micro_batch_size=1"]])
 def test_periodic_sync_over_replicas_split_by_tp_or_pp(tmp_path, ranks, inside):
     """Four ranks: two replicas, each split over two ranks by tensor or pipeline parallelism; the
@@ -188,7 +191,7 @@ def test_periodic_sync_over_replicas_split_by_tp_or_pp(tmp_path, ranks, inside):
     assert read_metrics(out["local"])[0]["comm_bytes"] > 0  # each rank averages its shard over its dp peer
 
 
-@pytest.mark.parametrize("zero", [1, 3])
+@pytest.mark.parametrize("zero", [1, pytest.param(3, marks=pytest.mark.slow)])
 def test_replicas_sharded_inside_equal_data_parallelism(tmp_path, ranks, zero):
     """Four ranks as two replicas of two, each replica sharded over its two ranks (ZeRO 1 or 3) and
     synchronised every step: local SGD between them with H = 1 equals every-step data parallelism

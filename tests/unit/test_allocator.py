@@ -25,6 +25,7 @@ print(rss() - before)
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's malloc")
+@pytest.mark.slow  # allocates and frees hundreds of MB in a new process
 def test_freed_buffers_go_back_to_the_system_once_released():
     kept = {mode: int(subprocess.run([sys.executable, "-c", CHURN, mode], capture_output=True, text=True,
                                      check=True).stdout) for mode in ("default", "release")}

@@ -1,10 +1,13 @@
 """Each built-in model learns its built-in data well above chance in a short single-process run."""
 
+import pytest
+
 from conftest import read_metrics, train_in_process
 
 QUIET = ["metrics.tensorboard=false", "metrics.progress=false", "checkpoint.final_weights=false"]
 
 
+@pytest.mark.slow
 def test_resnet_learns_synthetic_images(tmp_path):
     s = train_in_process(["model.name=resnet", "data.source=synthetic-images", "data.num_samples=5000",
                           "train.steps=100", "train.global_batch_size=32", "train.micro_batch_size=32",

@@ -161,6 +161,7 @@ def test_check_compares_a_finished_run(tmp_path, ranks):
     assert rows["step time (s)"][1] == json.loads((run_dir / "summary.json").read_text())["median_step_time_s"]
 
 
+@pytest.mark.slow  # measures the machine for many seconds
 def test_probe_writes_a_profile(tmp_path):
     from shoal import dist
     from shoal.hardware import save_profile
