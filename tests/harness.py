@@ -26,6 +26,16 @@ from pathlib import Path
 import pytest
 
 _calls = itertools.count(1)
+# Ranks start by fork from one server process that has imported torch and shoal's training stack once
+# (multiprocessing's forkserver, which forks before any thread or tensor exists): a pool of 8 ranks
+# costs a fork each instead of 8 fresh interpreters importing torch on 2 cores
+PRELOAD = ["torch", "torch.distributed", "harness", "shoal.worker", "shoal.training.run", "shoal.ps.run"]
+
+
+def _context():
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(PRELOAD)
+    return ctx
 
 
 def _serve(rank: int, world_size: int, port: int, conn, stack_file: str) -> None:
@@ -63,7 +73,7 @@ class Ranks:
         self.world_size = world_size
         self.store = dist.TCPStore("127.0.0.1", 0, world_size + 1, is_master=True, wait_for_workers=False)
         self.tmp = Path(tempfile.mkdtemp(prefix="shoal-ranks-"))
-        ctx = mp.get_context("spawn")
+        ctx = _context()
         self.conns, self.procs = [], []
         for rank in range(world_size):
             parent, child = ctx.Pipe()

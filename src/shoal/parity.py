@@ -2,9 +2,10 @@
 
 Both configs run for the same number of steps on the same data and seed (each as an ordinary `shoal
 train`, in a temporary run dir), and their per-step loss and gradient norm are compared. They may
-differ only in how the work is laid out, synchronised and computed ([parallel], [comm], [precision], [checkpoint],
-[metrics], micro-batch size, compile); anything else would make a different training run, and is
-refused naming the key. Exit 0 when every step agrees within the relative tolerance, 1 otherwise.
+differ only in how the work is laid out, synchronised and computed (config.LAYOUT_SECTIONS: [parallel],
+[sync], [ps], [balance], [comm], [precision], [checkpoint], [metrics]; micro-batch size, compile);
+anything else would make a different training run, and is refused naming the key. Exit 0 when every
+step agrees within the relative tolerance, 1 otherwise.
 """
 
 from __future__ import annotations

@@ -9,6 +9,8 @@ from test_layouts import STEPS, assert_same_training
 from conftest import read_metrics
 from harness import train as train_on_ranks
 
+pytestmark = pytest.mark.serial  # the shares follow measured throughput
+
 UNEVEN = ['model.name="uneven:build"', "model.seq_len=32", "model.rank=1", "data.max_bytes=200000",
           "train.val_batches=2", "metrics.tensorboard=false", "metrics.progress=false", f"train.steps={STEPS}",
           "train.warmup_steps=2", "train.global_batch_size=16", "train.micro_batch_size=4", "train.val_interval=0",

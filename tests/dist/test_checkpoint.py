@@ -151,20 +151,30 @@ def assert_report_draws_the_recovery(run_dir, out):
     assert out.with_name(f"{out.stem}-timeline.png") in written and "restart" in out.read_text()
 
 
-@pytest.mark.slow  # runs the CLI
-def test_truncated_newest_checkpoint_falls_back_to_the_previous(tmp_path, reference):
+def train_saying(env, overrides: list[str], run_dir: str) -> tuple[str, str]:
+    """train_on_ranks, and what the rank printed on stderr too."""
+    import contextlib
+    import io
+
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err):
+        _, out = train_on_ranks(env, overrides, run_dir)
+    return out, err.getvalue()
+
+
+def test_truncated_newest_checkpoint_falls_back_to_the_previous(tmp_path, ranks, reference):
     run_dir = tmp_path / "run"
     shutil.copytree(reference[2][2], run_dir)  # a finished run
     newest = run_dir / "checkpoints" / "step_00000012"
     shard = newest / "__0_0.distcp"
     shard.write_bytes(shard.read_bytes()[:100])  # a disk that filled up mid-write
     (run_dir / "model.safetensors").unlink()
-    r = train(*args(run_dir, 2))
-    lines = [line for line in r.stderr.splitlines() if "unusable" in line]
+    [(out, err), _] = ranks(2).run(train_saying, CONFIG, str(run_dir))
+    lines = [line for line in err.splitlines() if "unusable" in line]
     assert lines == [f"shoal: checkpoint {newest} is unusable (__0_0.distcp has 100 bytes, the manifest says "
                      f"{json.loads((newest / 'manifest.json').read_text())['files']['__0_0.distcp']['bytes']}); "
                      f"trying the one before it"]
-    assert "(step 8)" in r.stdout
+    assert "(step 8)" in out
     assert_bitwise(read_weights(run_dir), reference[2][1])
 
 

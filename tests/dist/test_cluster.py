@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 
 from conftest import TINY_GPT, read_metrics, run_cli
+from harness import train as train_on_ranks
 from shoal.cli import main
 
 
@@ -274,15 +275,14 @@ def test_a_node_that_cannot_reach_the_endpoint_says_so_in_one_line(cluster, tmp_
 
 
 @pytest.mark.timeout(180)
-def test_two_hosts_train_exactly_as_two_processes_on_loopback(cluster, tmp_path):
+def test_two_hosts_train_exactly_as_two_processes_on_loopback(cluster, tmp_path, ranks):
     """The proof: `shoal train --cluster` (node 0 on h0, node 1 on h1, across the shaped links) gives the
-    per-step losses and gradient norms of `--nproc 2` on loopback."""
+    per-step losses and gradient norms of two ranks on loopback (the harness: the workers' same code)."""
     common = [*TINY_GPT, "--set", "train.steps=5", "--set", "metrics.log_interval=1",
               "--set", "checkpoint.enabled=false"]
     r = run_cli(["train", "--cluster", "--nproc", 1, "--run-dir", tmp_path / "cluster", *common], timeout=150)
     assert r.returncode == 0, r.output
-    r = run_cli(["train", "--nproc", 2, "--run-dir", tmp_path / "loopback", *common], timeout=150)
-    assert r.returncode == 0, r.output
+    ranks(2).run(train_on_ranks, common[1::2], str(tmp_path / "loopback"))
     on_cluster, on_loopback = read_metrics(tmp_path / "cluster"), read_metrics(tmp_path / "loopback")
     assert [m["step"] for m in on_cluster] == [1, 2, 3, 4, 5]
     assert [(m["loss"], m["grad_norm"]) for m in on_cluster] == [(m["loss"], m["grad_norm"]) for m in on_loopback]

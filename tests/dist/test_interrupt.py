@@ -17,7 +17,7 @@ import torch
 from conftest import FIXTURES, ROOT, read_weights, run_cli
 from harness import train as train_on_ranks
 
-STEPS = 300
+STEPS = 200
 
 
 CONFIG = ['model.name="faulty:build"', "model.seq_len=32", "model.rank=0", 'model.mode="none"', "model.at_call=0",

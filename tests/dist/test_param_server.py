@@ -136,6 +136,7 @@ def test_async_with_one_worker_is_the_synchronous_server(tmp_path, ranks):
         assert torch.equal(w, ref[k]), k
 
 
+@pytest.mark.serial  # the run must outlast the killed worker's restart
 def test_async_workers_come_and_go(tmp_path):
     """Three workers and a server as separate elastic jobs; worker 1 SIGKILLed in its third step. The
     others go on; its unit is dealt again; restarted by its agent, it registers anew, pulls and trains
@@ -157,6 +158,7 @@ def test_async_workers_come_and_go(tmp_path):
     assert sorted(x["slot"] for x in ps["workers_joined"]) == [0, 1, 1, 2], ps
 
 
+@pytest.mark.serial  # a 5 s link timeout
 def test_async_stalled_worker_is_dropped_and_the_others_finish(tmp_path):
     """Worker 1 stalls for good in its third step (parallel.timeout_s = 5): the servers drop it when its
     link times out, deal its unit again, and the others complete the run."""
@@ -174,6 +176,7 @@ def test_async_stalled_worker_is_dropped_and_the_others_finish(tmp_path):
     assert "Timed out" in ps["workers_left"][0]["why"], ps
 
 
+@pytest.mark.serial  # a worker held 8 s against a 5 s timeout
 def test_async_a_late_worker_does_not_time_out_the_others(tmp_path):
     """Worker slot 2's agent is held stopped for 8 s at launch, longer than parallel.timeout_s = 5: server
     0 starts dealing to the workers there within half the timeout, so none of them gives up waiting for

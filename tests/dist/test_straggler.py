@@ -8,6 +8,8 @@ import pytest
 
 from harness import train
 
+pytestmark = pytest.mark.serial  # the straggler is named by measured compute, and waits are measured
+
 CONFIG = ['model.name="faulty:build"', "model.seq_len=32", "model.rank=0", 'model.mode="none"', "model.at_call=0",
           "model.slow_rank=1", "model.sample_delay_s=0.004", "data.max_bytes=100000", "train.steps=6",
           "train.global_batch_size=8", "train.micro_batch_size=4", "train.val_interval=0", "train.val_batches=1",

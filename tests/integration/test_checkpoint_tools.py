@@ -6,7 +6,8 @@ import pytest
 import torch
 from safetensors.torch import load_file, load_model
 
-from conftest import TINY_GPT, read_weights, run_cli
+from conftest import TINY_GPT, read_weights
+from harness import train as train_on_ranks
 from shoal.cli import main
 from shoal.config import load_config
 from shoal.models.registry import build_model
@@ -14,12 +15,11 @@ from shoal.models.spec import DataSpec
 
 
 @pytest.fixture(scope="module")
-def run_dir(tmp_path_factory):
+def run_dir(tmp_path_factory, ranks):
+    """A finished two-rank run (in the harness: the commands under test are the offline ones)."""
     d = tmp_path_factory.mktemp("ckpt") / "run"
-    r = run_cli(["train", "--nproc", 2, "--run-dir", d, *TINY_GPT, "--set", "train.steps=6",
-                 "--set", "train.global_batch_size=4", "--set", "train.micro_batch_size=2",
-                 "--set", "checkpoint.interval=2", "--set", "checkpoint.keep=2"], timeout=120)
-    assert r.returncode == 0, r.output
+    ranks(2).run(train_on_ranks, [*TINY_GPT[1::2], "train.steps=6", "train.global_batch_size=4",
+                                  "train.micro_batch_size=2", "checkpoint.interval=2", "checkpoint.keep=2"], str(d))
     return d
 
 

@@ -1,8 +1,9 @@
-"""`shoal parity`: two layouts of one run compared step by step; a wrong layout is caught."""
+"""`shoal parity`: a wrong layout is caught; two configs of different runs are refused. (That it passes
+one process against ZeRO 3, a row per step, is the README tour's: tests/integration/test_docs_commands.py.)"""
 
-import re
 
-from conftest import run_cli
+from conftest import FIXTURES
+from shoal.cli import main
 
 COMMON = """
 [model]
@@ -29,42 +30,42 @@ def write(path, model=GPT, dp=1, tp=1, zero=0, micro=2):
     return path
 
 
-def test_parity_passes_for_an_equivalent_layout(tmp_path):
-    a = write(tmp_path / "a.toml", dp=1, micro=4)
-    b = write(tmp_path / "b.toml", dp=2, zero=3)
-    r = run_cli(["parity", a, b, "--steps", "4"], timeout=240)
-    assert r.returncode == 0, r.output
-    last = r.stdout.strip().splitlines()[-1]
-    assert last.startswith("PASS: largest relative difference: loss") and last.endswith("tolerance 1e-05"), r.stdout
-    rows = [line for line in r.stdout.splitlines() if re.match(r"\W*[1-4]\W+\d+\.\d{6}\W+\d+\.\d{6}", line)]
-    assert len(rows) == 4, r.stdout  # a row per step: step, both losses, ...
+def parity(argv: list, capsys) -> tuple[int, str, str]:
+    """`shoal parity ...` in this process (each config still trains as its own `shoal train`)."""
+    code = main(["parity", *map(str, argv)])
+    out = capsys.readouterr()
+    return code, out.out, out.err
 
 
-def test_parity_catches_a_missing_all_reduce(tmp_path):
+def test_parity_catches_a_missing_all_reduce(tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("PYTHONPATH", str(FIXTURES))  # the user model, for the trainings parity starts
+    monkeypatch.syspath_prepend(str(FIXTURES))  # and for parity's own preflight here
     model = 'name = "unsynced:build"'
     a = write(tmp_path / "a.toml", model=model, dp=1)
     b = write(tmp_path / "b.toml", model=model, dp=2)
-    r = run_cli(["parity", a, b, "--steps", "4"], timeout=240)
-    assert r.returncode == 1, r.output
-    assert r.stdout.strip().splitlines()[-1].startswith("FAIL: largest relative difference"), r.stdout
+    code, out, err = parity([a, b, "--steps", "4"], capsys)
+    assert code == 1, out + err
+    assert out.strip().splitlines()[-1].startswith("FAIL: largest relative difference"), out
 
 
-def test_parity_refuses_configs_of_different_runs(tmp_path):
+def test_parity_refuses_configs_of_different_runs(tmp_path, capsys):
     a = write(tmp_path / "a.toml")
     b = write(tmp_path / "b.toml", model=GPT.replace("n_layer = 2", "n_layer = 3"))
-    r = run_cli(["parity", a, b], timeout=60)
-    assert r.returncode == 2
-    assert r.stderr.strip() == (f"shoal: error: {a} and {b} describe different training runs: model.n_layer (2 vs 3); "
+    code, _, err = parity([a, b], capsys)
+    assert code == 2
+    assert err.strip() == (f"shoal: error: {a} and {b} describe different training runs: model.n_layer (2 vs 3); "
                                 "parity compares layouts of one run (they may differ in [parallel], [sync], [ps], [balance], [comm], [precision], "
                                 "[checkpoint], [metrics], data.cache_dir, train.compile, train.micro_batch_size)")
-    r = run_cli(["parity", a, b, "--nproc", "x"], timeout=60)
-    assert r.returncode == 2 and "--nproc 'x': expected two numbers A,B" in r.stderr
+    code, _, err = parity([a, b, "--nproc", "x"], capsys)
+    assert code == 2 and "--nproc 'x': expected two numbers A,B" in err
 
 
-def test_parity_catches_a_tensor_parallel_plan_without_its_all_reduce(tmp_path):
+def test_parity_catches_a_tensor_parallel_plan_without_its_all_reduce(tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("PYTHONPATH", str(FIXTURES))
+    monkeypatch.syspath_prepend(str(FIXTURES))  # parity's own preflight builds the model here
     model = 'name = "badplan:build"'
     a = write(tmp_path / "a.toml", model=model, dp=1)
     b = write(tmp_path / "b.toml", model=model, dp=1, tp=2)
-    r = run_cli(["parity", a, b, "--steps", "3"], timeout=240)
-    assert r.returncode == 1, r.output
-    assert r.stdout.strip().splitlines()[-1].startswith("FAIL: largest relative difference"), r.stdout
+    code, out, err = parity([a, b, "--steps", "3"], capsys)
+    assert code == 1, out + err
+    assert out.strip().splitlines()[-1].startswith("FAIL: largest relative difference"), out

@@ -8,6 +8,7 @@ from collections import namedtuple
 import pytest
 
 from conftest import TINY_GPT, run_cli
+from harness import train as train_on_ranks
 from shoal.cli import main
 
 SMALL = [*TINY_GPT, "--set", "train.steps=2", "--set", "train.global_batch_size=4", "--set", "train.micro_batch_size=2"]
@@ -21,10 +22,10 @@ def error_of(argv, capsys) -> str:
 
 
 @pytest.fixture(scope="module")
-def finished_run(tmp_path_factory):
+def finished_run(tmp_path_factory, ranks):
+    """A finished one-process run of SMALL (trained in the harness, as a worker trains it)."""
     run_dir = tmp_path_factory.mktemp("done") / "run"
-    r = run_cli(["train", "--run-dir", run_dir, *SMALL], timeout=120)
-    assert r.returncode == 0, r.output
+    ranks(1).run(train_on_ranks, SMALL[1::2], str(run_dir))
     return run_dir
 
 

@@ -79,7 +79,7 @@ def test_the_design_page_draws_the_contract_exactly():
     """docs/design.md's picture of the layers (the block under "## Layers": names before the first run
     of two spaces) is the contract, layer by layer."""
     text = DESIGN.read_text()
-    block = text.split("## Layers", 1)[1].split("```", 2)[1]
+    block = text.split("## Layers", 1)[1].split("```", 2)[1].split("\n", 1)[1]  # past the info string
     drawn = [[n.strip() for n in re.split(r"\s{2,}", line.strip())[0].split("|")]
              for line in block.strip().splitlines()]
     assert drawn == contract_layers()

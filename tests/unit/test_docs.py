@@ -20,3 +20,35 @@ def test_every_config_key_is_documented():
     for name, cls in SECTIONS.items():
         for key, field in cls.model_fields.items():
             assert field.description, f"[{name}] {key} has no docstring"
+
+
+DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md")), ROOT / "benchmarks" / "README.md"]
+FILE_CONTENTS = {"toml", "python", "yaml"}  # a file's text, shown; not run
+
+
+def code_blocks(path: Path) -> list[tuple[int, str, str]]:
+    """(line, info string, body) of every fenced block in a Markdown file."""
+    out, lines, i = [], path.read_text().splitlines(), 0
+    while i < len(lines):
+        if lines[i].startswith("```"):
+            start, info = i + 1, lines[i][3:].strip()
+            i += 1
+            while not lines[i].startswith("```"):
+                i += 1
+            out.append((start, info, "\n".join(lines[start:i])))
+        i += 1
+    return out
+
+
+def test_every_code_block_is_run_or_marked_as_an_illustration():
+    """A block is one of: `sh` (commands tests/integration/test_docs_commands.py runs as written),
+    `<language> illustration` (not run: it needs root, a cluster, a GPU or minutes, or shows output),
+    or a file's contents (toml, python, yaml). A bare block, or a command in any other, is refused."""
+    wrong = []
+    for path in DOCS:
+        for line, info, _ in code_blocks(path):
+            words = info.split()
+            if not (words == ["sh"] or (len(words) == 2 and words[1] == "illustration")
+                    or (len(words) == 1 and words[0] in FILE_CONTENTS)):
+                wrong.append(f"{path.relative_to(ROOT)}:{line} ```{info}")
+    assert not wrong, "blocks neither run nor marked as illustration:\n" + "\n".join(wrong)
