@@ -10,7 +10,7 @@ other workers keep their share of the 2 cores).
 Modes, each on the same data (seed, global batch of 24 sequences), for the same budget of data
 (--steps global batches): every-step all-reduce (DDP), the synchronous parameter server, and the
 asynchronous one at max_staleness 4 and 64 (each worker's update applied on arrival, at a third of the
-learning rate: 3 updates per global batch; AdamW's beta1 = 0, as the README advises for it). The
+learning rate: 3 updates per global batch; AdamW's beta1 = 0, as docs/parameter-server.md advises for it). The
 target is the validation loss all-reduce reaches at 80% of its budget without the straggler; time to
 target is wall time from the first step to the first validation (every 10 of worker 0's steps) at
 or below it. Per mode: time to target, updates applied per second, the largest and mean staleness,

@@ -7,6 +7,9 @@ that failed and why; the process always ends through dist.exit_process ([Note: e
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
+import ctypes.util
 import faulthandler
 import os
 import signal
@@ -23,7 +26,7 @@ from shoal.comm.collectives import Comm
 from shoal.comm.phase import Phase
 from shoal.comm.report import collective_report
 from shoal.comm.watchdog import Watchdog
-from shoal.config import Config
+from shoal.config import Config, load_config
 from shoal.errors import TrainingError, UserError
 from shoal.launch.elastic import RESUME_COMMAND
 from shoal.preflight import Job, check_job
@@ -82,6 +85,24 @@ def run_rank(cfg: Config, job: Job, run_dir: Path, env, comm: Comm, resume: str 
     return run_training(cfg, job.layout, job.source, run_dir, env, comm, resume=resume, phase=phase)
 
 
+# what a forked worker's server imports once, before it forks ([Note: forked workers] in launch/elastic.py)
+PRELOAD = ("torch", "torch.distributed", "shoal.worker", "shoal.training.run", "shoal.ps.run")
+
+
+def forked(config_path: str | None, sets: list[str], run_dir: str | None, resume: str) -> int:
+    """The entry of a worker forked by `shoal train`: what `python -m shoal train CONFIG --set ...` does in
+    a worker (the config is checked in the launcher first, so a UserError here is rare: one line, exit 2)."""
+    dist.forked_worker()
+    try:
+        cfg = load_config(config_path, sets)
+    except UserError as e:
+        print(f"shoal: error: {e}", file=sys.stderr)
+        dist.exit_process(2)
+    with contextlib.suppress(dist.Finished):  # main ends every process; a forked one's success returns here
+        main(cfg, run_dir, config_path, resume)
+    return 0
+
+
 def main(cfg: Config, run_dir: str | None, config_path: str | None, resume: str = "auto") -> None:
     """Entry point of a launched worker; never returns."""
     faulthandler.register(signal.SIGUSR1, all_threads=True)  # `kill -USR1 PID`: where is this rank?
@@ -114,6 +135,7 @@ def train(cfg: Config, run_dir: str | None, config_path: str | None, resume: str
     # a torchrun launch reaches here unchecked; under `shoal train` this repeats the launcher's checks
     job = check_job(cfg, [total_world(int(os.environ["WORLD_SIZE"]))], cuda=torch.cuda.is_available(), quiet=True)
     env = dist.init(job.layout.backend, cfg.parallel.timeout_s)
+    name_process(f"shoal rank {env.rank}")
     comm, phase = Comm(env.store, env.rank, env.world_size), Phase()
     watchdog = Watchdog(comm.log, env.status_store, env.rank, phase)
     joined.append(watchdog)
@@ -133,6 +155,14 @@ def train(cfg: Config, run_dir: str | None, config_path: str | None, resume: str
               f"results in {path}/ (summary.json, metrics.jsonl, config.toml, checkpoints/, tensorboard/)", flush=True)
     watchdog.stop()
     dist.shutdown()
+
+
+def name_process(name: str) -> None:
+    """This process's name as top and `ps -o comm` show it (Linux; 15 bytes): a forked worker's command
+    line is its server's, so the name says which rank it is."""
+    with contextlib.suppress(OSError, AttributeError):
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+        libc.prctl(15, name.encode()[:15], 0, 0, 0)  # PR_SET_NAME
 
 
 def failed(e: BaseException, watchdog: Watchdog | None, timeout_s: float) -> BaseException:

@@ -16,6 +16,7 @@ import torch
 
 from conftest import read_metrics, read_weights
 from harness import train as train_on_ranks
+from shoal.launch.supervisor import descendants
 
 BASE = ["model.n_layer=2", "model.d_model=32", "model.n_head=2", "model.seq_len=32", "data.max_bytes=200000",
         "train.val_batches=2", "metrics.tensorboard=false", "metrics.progress=false", "train.warmup_steps=2",
@@ -241,13 +242,19 @@ def test_async_servers_killed_resume_from_their_checkpoint_bitwise(tmp_path, ran
         deadline = time.monotonic() + 120
         while not (run_dir / "checkpoints" / "step_00000010").exists() and time.monotonic() < deadline:
             time.sleep(0.02)
-        for environ in Path("/proc").glob("[0-9]*/environ"):
-            with contextlib.suppress(OSError):
-                env = environ.read_bytes().split(b"\0")
-                if b"SHOAL_PS_ROLE=server" in env and b"LOCAL_RANK=1" in env and str(run_dir).encode() in \
-                        (environ.parent / "cmdline").read_bytes():
-                    os.kill(int(environ.parent.name), signal.SIGKILL)
-                    killed.append(environ.parent.name)
+        agents = [int(environ.parent.name) for environ in Path("/proc").glob("[0-9]*/environ")
+                  if is_servers_agent(environ)]
+        for pid in [p for agent in agents for p in descendants(agent)]:
+            with contextlib.suppress(OSError):  # a worker names itself by its rank in its job (worker.py)
+                if Path(f"/proc/{pid}/comm").read_text().strip() == "shoal rank 1":
+                    os.kill(pid, signal.SIGKILL)
+                    killed.append(pid)
+
+    def is_servers_agent(environ: Path) -> bool:
+        with contextlib.suppress(OSError):
+            return (b"SHOAL_PS_ROLE=server" in environ.read_bytes().split(b"\0") and
+                    str(run_dir).encode() in (environ.parent / "cmdline").read_bytes())
+        return False
 
     watcher = threading.Thread(target=kill_server_1, daemon=True)
     watcher.start()

@@ -103,10 +103,10 @@ def preflight(args: argparse.Namespace, cfg, nodes: tuple[int, int]):
 def start(args: argparse.Namespace, cfg, job, run_dir: Path, nodes: tuple[int, int]) -> int:
     """The workers, through torch elastic (or an asynchronous parameter server's roles, each under an agent
     of its own: workers that come and go); returns the exit code."""
-    from shoal.launch.elastic import RESUME_COMMAND, launch
+    from shoal.launch.elastic import RESUME_COMMAND, Forked, launch
     from shoal.ps import roles
     from shoal.testbed.run import NODE_ENV
-    from shoal.worker import threads_per_worker
+    from shoal.worker import PRELOAD, forked, threads_per_worker
 
     sets = [a for s in args.set for a in ("--set", s)]
     if NODE_ENV not in os.environ:  # on a cluster's host, the cluster run set the command that continues it
@@ -115,9 +115,12 @@ def start(args: argparse.Namespace, cfg, job, run_dir: Path, nodes: tuple[int, i
         role_argv = ["train", *([args.config] if args.config else []), *sets, "--run-dir", str(run_dir),
                      "--resume", "auto", "--nnodes", "1"]
         return roles.launch_roles(role_argv, args.nproc, job.layout.servers, args.max_restarts)
-    worker_argv = ["-m", "shoal", "train", *([args.config] if args.config else []), *sets, "--run-dir", str(run_dir),
-                   "--resume", args.resume]
-    return launch(worker_argv, args.nproc, nodes, args.node_rank, args.rdzv_endpoint,
+    if getattr(args, "fresh_workers", False):  # called from Python: fresh interpreters ([Note: forked workers])
+        worker = ["-m", "shoal", "train", *([args.config] if args.config else []), *sets, "--run-dir", str(run_dir),
+                  "--resume", args.resume]
+    else:
+        worker = Forked(forked, (args.config, args.set, str(run_dir), args.resume), PRELOAD)
+    return launch(worker, args.nproc, nodes, args.node_rank, args.rdzv_endpoint,
                   threads=threads_per_worker(cfg, args.nproc), max_restarts=args.max_restarts,
                   rdzv_timeout=args.rdzv_timeout)
 

@@ -97,7 +97,7 @@ class MetricsConfig(Section):
     profile: bool = True
     """The step profile in every step's metrics: compute, communication this rank waited for per mesh
     axis, data wait, optimizer, pipeline bubble, achieved FLOP/s and MFU; at logged steps the ranks'
-    compute times, naming a straggler (README, "What the run shows")."""
+    compute times, naming a straggler (docs/observability.md)."""
     peak: str = "auto"
     """Peak FLOP/s of one worker, for MFU: "auto" (a CUDA device's data-sheet preset found by its name,
     otherwise a short matmul in the run's dtype measured at start), a preset ("h100", "h200", "a100"),

@@ -16,21 +16,33 @@ address on the route to the endpoint as `local_addr` (node 0: the endpoint's own
 one of its addresses), and gloo binds the interface holding that address unless GLOO_SOCKET_IFNAME
 says otherwise. A node other than 0 first waits for the endpoint to accept connections, so one that
 cannot reach it says so in one line when the rendezvous timeout runs out.
+
+[Note: forked workers] `shoal train` starts its workers by fork from one server process that imported
+torch and shoal's training stack once (torch elastic's forkserver start method, a Forked entry), not as
+fresh interpreters that each import it again: measured here, a worker's imports are ~3 s of CPU (torch,
+its distributed packages, the dynamo import the optimizers trigger), so on 2 cores a 2-worker start
+pays for one import instead of two, and an elastic restart forks its workers at once. The server forks
+before any thread or tensor exists. A Python caller's workers (shoal.train() from a script, api.py)
+stay fresh interpreters: a forkserver re-imports the caller's __main__, which in a script without a
+main guard would run it again.
 """
 
 from __future__ import annotations
 
 import errno
 import fcntl
+import logging
 import os
 import signal
 import socket
 import struct
 import sys
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
 
 from torch.distributed.elastic.multiprocessing.api import SignalException
-from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
 from torch.distributed.elastic.rendezvous.api import RendezvousError
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
@@ -42,10 +54,21 @@ RDZV_TIMEOUT_S = 600  # torch elastic's default join timeout
 RESUME_COMMAND = "SHOAL_RESUME_COMMAND"
 
 
-def launch(worker_argv: list[str], nproc: int, nnodes: tuple[int, int] = (1, 1), node_rank: int = 0,
+@dataclass(frozen=True)
+class Forked:
+    """Workers as `entry(*args)` forked from a server process that has imported `preload` once
+    ([Note: forked workers]); `entry` must be importable by name and return normally on success."""
+
+    entry: Callable
+    args: tuple
+    preload: tuple[str, ...]
+
+
+def launch(worker: list[str] | Forked, nproc: int, nnodes: tuple[int, int] = (1, 1), node_rank: int = 0,
            rdzv_endpoint: str | None = None, threads: int | None = None, max_restarts: int = 0,
            rdzv_timeout: float | None = None) -> int:
-    """Run `python <worker_argv>` on nproc local workers; returns the exit code for the CLI."""
+    """Run nproc local workers: `python <worker>` each (a list: the arguments after the interpreter), or
+    forked from one preloaded server (Forked); returns the exit code for the CLI."""
     check_launch_args(nproc, nnodes, node_rank, rdzv_endpoint, max_restarts, rdzv_timeout)
     rdzv_timeout = rdzv_timeout or RDZV_TIMEOUT_S
     if threads:
@@ -67,10 +90,12 @@ def launch(worker_argv: list[str], nproc: int, nnodes: tuple[int, int] = (1, 1),
         rdzv_backend="c10d", rdzv_endpoint=endpoint,
         rdzv_configs={"is_host": node_rank == 0, "join_timeout": max(1, round(rdzv_timeout))},
         local_addr=local_addr,
-        max_restarts=max_restarts, monitor_interval=0.1, start_method="spawn",
+        max_restarts=max_restarts, monitor_interval=0.1,
+        start_method="forkserver" if isinstance(worker, Forked) else "spawn",
     )
+    entrypoint, args = _entrypoint(worker)
     try:
-        elastic_launch(config, entrypoint=sys.executable)(*worker_argv)
+        elastic_launch(config, entrypoint=entrypoint)(*args)
     except ChildFailedError as e:
         return report_failures(e)
     except RendezvousError as e:
@@ -81,6 +106,25 @@ def launch(worker_argv: list[str], nproc: int, nnodes: tuple[int, int] = (1, 1),
         print(f"shoal: interrupted by {signal.Signals(e.sigval).name}", file=sys.stderr)
         return 128 + e.sigval
     return 0
+
+
+def _entrypoint(worker: list[str] | Forked) -> tuple:
+    """What torch elastic starts, and its arguments: the interpreter, or a Forked entry (its server told
+    what to preload)."""
+    if not isinstance(worker, Forked):
+        return sys.executable, worker
+    import torch.multiprocessing
+
+    torch.multiprocessing.get_context("forkserver").set_forkserver_preload(list(worker.preload))
+    # a failed forked worker is logged with torch's own traceback of the join (not the worker's, which the
+    # worker printed itself): the line is kept, as for a worker started as a binary, the traceback not
+    logging.getLogger("torch.distributed.elastic.multiprocessing.api").addFilter(_without_traceback)
+    return worker.entry, worker.args
+
+
+def _without_traceback(record: logging.LogRecord) -> bool:
+    record.exc_info, record.exc_text = None, None
+    return True
 
 
 def parse_nnodes(text: str) -> tuple[int, int]:
@@ -182,11 +226,35 @@ def check_launch_args(nproc: int, nodes: tuple[int, int], node_rank: int, rdzv_e
 
 def report_failures(e: ChildFailedError) -> int:
     """One line per failed rank (its own traceback is already on stderr); exit 2 for user errors."""
+    failures = dict(e.failures)
+    failures.update({r: f for r, f in recorded_failures(e).items() if r not in failures})
     codes = []
-    for rank, failure in sorted(e.failures.items()):
+    for rank, failure in sorted(failures.items()):
         msg = failure.message if isinstance(failure.message, str) else failure.message.get("message", "")
-        codes.append(failure.exitcode)
         why = msg.strip().splitlines()[-1] if msg and msg.strip() else f"signal or exit code {failure.exitcode}"
+        if rank not in e.failures:  # known from its error file only: no pid, no exit code
+            print(f"shoal: rank {rank} failed: {why}", file=sys.stderr)
+            continue
+        codes.append(failure.exitcode)
         print(f"shoal: rank {rank} (pid {failure.pid}) failed with exit code {failure.exitcode}: {why}",
               file=sys.stderr)
     return 2 if codes and all(c == 2 for c in codes) else 1
+
+
+def recorded_failures(e: ChildFailedError) -> dict[int, ProcessFailure]:
+    """Every local rank whose error file records a failure, by global rank. Workers started as binaries
+    are all polled; forked ones (a function entry) run in torch's multiprocessing context, whose join
+    reports only the first failed process it finds, and when a crashed rank's peers fail within the same
+    monitor interval (their collective's connection closed) that may be a peer. The others' error files
+    lie beside its own (`<attempt dir>/<local rank>/error.json`, torch elastic's log layout); a rank the
+    agent stopped wrote none (signals.py)."""
+    found = {}
+    for rank, failure in e.failures.items():
+        if not os.path.isfile(failure.error_file):
+            continue
+        attempt = os.path.dirname(os.path.dirname(failure.error_file))
+        for local in filter(str.isdigit, os.listdir(attempt)):
+            path = os.path.join(attempt, local, "error.json")
+            if os.path.isfile(path):  # pid and exit code unknown: 0 and 1 stand in, never printed
+                found[rank - failure.local_rank + int(local)] = ProcessFailure(int(local), 0, 1, path)
+    return found

@@ -6,7 +6,7 @@ from __future__ import annotations
 import statistics
 import time
 
-from shoal.clock import STARTED_AT
+from shoal.clock import started_at
 from shoal.rundir import RunDir, read_json, write_json
 from shoal.topology import ParallelDims
 
@@ -72,7 +72,8 @@ def recovery_breakdown(recovery: dict, first_step_at: float) -> dict:
     """Where a recovery's seconds went: until this process started (failure detection, stopping the
     old workers, spawning), its start-up (imports, rendezvous, model), the restore, the first step."""
     restored_at = recovery["restore_started_at"] + recovery["restore_s"]
-    return {"respawn": STARTED_AT - recovery["failed_at"] if recovery["failed_at"] else None,
-            "startup": recovery["restore_started_at"] - STARTED_AT,
+    started = started_at()
+    return {"respawn": started - recovery["failed_at"] if recovery["failed_at"] else None,
+            "startup": recovery["restore_started_at"] - started,
             "restore": recovery["restore_s"],
             "first_step": first_step_at - restored_at}
