@@ -7,6 +7,11 @@ STAMP  := $(VENV)/.installed
 
 .PHONY: run test test-fast install clean
 
+# Python caches shoal's compiled modules in __pycache__/ unless PYTHONDONTWRITEBYTECODE is set, as some
+# environments do; then every process compiles them again: measured, 0.3-0.8 s of a 6 s two-process
+# `shoal train`, and the suite starts a few hundred such processes
+unexport PYTHONDONTWRITEBYTECODE
+
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
