@@ -84,25 +84,8 @@ def shutdown() -> None:
         dist.destroy_process_group()
 
 
-class Finished(Exception):
-    """A forked worker ended well: its entry returns (multiprocessing reads its return value, then ends
-    the process with os._exit itself, so no destructor runs either)."""
-
-
-_forked = False
-
-
-def forked_worker() -> None:
-    """This process is a worker forked by torch elastic's multiprocessing ([Note: forked workers] in
-    launch/elastic.py): exit_process(0) raises Finished for the entry to return."""
-    global _forked
-    _forked = True
-
-
 def exit_process(code: int) -> None:
     """End a worker process with `code`, skipping destructors that may abort ([Note: exit])."""
     sys.stdout.flush()
     sys.stderr.flush()
-    if code == 0 and _forked:
-        raise Finished
     os._exit(code)

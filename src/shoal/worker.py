@@ -2,7 +2,9 @@
 
 Runs inside a process started by torch elastic (`shoal train --nproc N`, or torchrun with
 `-m shoal train`). Errors are written to the elastic error file so the launcher can name the rank
-that failed and why; the process always ends through dist.exit_process ([Note: exit] in dist.py).
+that failed and why; the process ends through dist.exit_process ([Note: exit] in dist.py), but for a
+forked worker's success, which returns to torch's multiprocessing ([Note: forked workers] in
+launch/elastic.py).
 """
 
 from __future__ import annotations
@@ -91,40 +93,46 @@ PRELOAD = ("torch", "torch.distributed", "shoal.worker", "shoal.training.run", "
 
 def forked(config_path: str | None, sets: list[str], run_dir: str | None, resume: str) -> int:
     """The entry of a worker forked by `shoal train`: what `python -m shoal train CONFIG --set ...` does in
-    a worker (the config is checked in the launcher first, so a UserError here is rare: one line, exit 2)."""
-    dist.forked_worker()
+    a worker (the config is checked in the launcher first, so a UserError here is rare: one line, exit 2).
+    Success returns (multiprocessing reads the return value, then ends the process with os._exit itself);
+    a failure ends the process with its code."""
     try:
         cfg = load_config(config_path, sets)
     except UserError as e:
         print(f"shoal: error: {e}", file=sys.stderr)
         dist.exit_process(2)
-    with contextlib.suppress(dist.Finished):  # main ends every process; a forked one's success returns here
-        main(cfg, run_dir, config_path, resume)
+    code = run(cfg, run_dir, config_path, resume)
+    if code:
+        dist.exit_process(code)
     return 0
 
 
 def main(cfg: Config, run_dir: str | None, config_path: str | None, resume: str = "auto") -> None:
-    """Entry point of a launched worker; never returns."""
+    """Entry point of a worker started as `python -m shoal train`; never returns."""
+    dist.exit_process(run(cfg, run_dir, config_path, resume))
+
+
+def run(cfg: Config, run_dir: str | None, config_path: str | None, resume: str = "auto") -> int:
+    """Train this rank; returns the process's exit code (a failure's traceback and report already shown)."""
     faulthandler.register(signal.SIGUSR1, all_threads=True)  # `kill -USR1 PID`: where is this rank?
     handler = get_error_handler()
     handler.initialize()
     joined: list[Watchdog] = []  # once the rank is in the group: its watchdog, for the hang report
     try:
         train(cfg, run_dir, config_path, resume, joined)
-        code = 0
+        return 0
     except signals.Interrupted as e:
         handler.record_exception(e)
         if reports(int(os.environ.get("RANK", "-1"))):  # (an asynchronous parameter server's: worker slot 0)
             print(f"shoal: {e}; {resume_hint(resume)}", file=sys.stderr, flush=True)
-        code = 128 + e.signum
+        return 128 + e.signum
     except (UserError, TrainingError) as e:  # one line, no traceback: the message says what to do
         handler.record_exception(e)
         print(f"shoal: error: {e}", file=sys.stderr)
-        code = 2 if isinstance(e, UserError) else 1
+        return 2 if isinstance(e, UserError) else 1
     except BaseException as e:  # noqa: BLE001 - any failure must end this rank with its traceback shown
         handler.record_exception(failed(e, joined[0] if joined else None, cfg.parallel.timeout_s))
-        code = 1
-    dist.exit_process(code)
+        return 1
 
 
 def train(cfg: Config, run_dir: str | None, config_path: str | None, resume: str, joined: list) -> None:

@@ -17,6 +17,7 @@ def add_parser(sub) -> None:
     t = sub.add_parser("train", help="train a model from a TOML config")
     t.add_argument("config", nargs="?", help="TOML config file (defaults for every key if omitted)")
     add_set(t)
+    t.set_defaults(fresh_workers=False)  # shoal.train() from Python sets it (api.py)
     t.add_argument("--run-dir", help="where results go (default: runs/<config>-<digest of what the config trains>, "
                                     "so the same command finds and continues the same run)")
     t.add_argument("--resume", default="auto", metavar="auto|never|PATH",
@@ -115,7 +116,7 @@ def start(args: argparse.Namespace, cfg, job, run_dir: Path, nodes: tuple[int, i
         role_argv = ["train", *([args.config] if args.config else []), *sets, "--run-dir", str(run_dir),
                      "--resume", "auto", "--nnodes", "1"]
         return roles.launch_roles(role_argv, args.nproc, job.layout.servers, args.max_restarts)
-    if getattr(args, "fresh_workers", False):  # called from Python: fresh interpreters ([Note: forked workers])
+    if args.fresh_workers:  # called from Python: fresh interpreters ([Note: forked workers])
         worker = ["-m", "shoal", "train", *([args.config] if args.config else []), *sets, "--run-dir", str(run_dir),
                   "--resume", args.resume]
     else:
