@@ -25,11 +25,14 @@ from pathlib import Path
 
 import pytest
 
+from shoal.worker import PRELOAD as WORKER_PRELOAD
+
 _calls = itertools.count(1)
 # Ranks start by fork from one server process that has imported torch and shoal's training stack once
 # (multiprocessing's forkserver, which forks before any thread or tensor exists): a pool of 8 ranks
-# costs a fork each instead of 8 fresh interpreters importing torch on 2 cores
-PRELOAD = ["torch", "torch.distributed", "harness", "shoal.worker", "shoal.training.run", "shoal.ps.run"]
+# costs a fork each instead of 8 fresh interpreters importing torch on 2 cores; what `shoal train`'s
+# forked workers preload, and this module
+PRELOAD = [*WORKER_PRELOAD, "harness"]
 
 
 def _context():
