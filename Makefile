@@ -7,9 +7,10 @@ STAMP  := $(VENV)/.installed
 
 .PHONY: run test test-fast install clean
 
-# Python caches shoal's compiled modules in __pycache__/ unless PYTHONDONTWRITEBYTECODE is set, as some
-# environments do; then every process compiles them again: measured, 0.3-0.8 s of a 6 s two-process
-# `shoal train`, and the suite starts a few hundred such processes
+# Python caches compiled modules in __pycache__/ unless PYTHONDONTWRITEBYTECODE is set, as some
+# environments do; then every process compiles what it imports again: a one-step two-worker `shoal
+# train` with nothing cached took 11.5 s instead of 4.8 (benchmarks/startup.py), and the suite starts a
+# few hundred such processes
 unexport PYTHONDONTWRITEBYTECODE
 
 # --no-compile: pip otherwise compiles every module it installs to bytecode, one file at a time (measured

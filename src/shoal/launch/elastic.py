@@ -19,9 +19,10 @@ cannot reach it says so in one line when the rendezvous timeout runs out.
 
 [Note: forked workers] `shoal train` starts its workers by fork from one server process that imported
 torch and shoal's training stack once (torch elastic's forkserver start method, a Forked entry), not as
-fresh interpreters that each import it again: measured here, a worker's imports are ~3 s of CPU (torch,
-its distributed packages, the dynamo import the optimizers trigger), so on 2 cores a 2-worker start
-pays for one import instead of two, and an elastic restart forks its workers at once. The server forks
+fresh interpreters that each import it again: a worker's imports are ~3 s of CPU here (torch, its
+distributed packages, the dynamo import the optimizers trigger), so a 2-worker start pays for one import
+instead of two (a one-step run: 5.3 s of CPU in all against 8.2 s with fresh interpreters, medians of
+5, benchmarks/startup.py), and an elastic restart forks its workers at once. The server forks
 before any thread or tensor exists. A Python caller's workers (shoal.train() from a script, api.py)
 stay fresh interpreters: a forkserver re-imports the caller's __main__, which in a script without a
 main guard would run it again.
