@@ -6,18 +6,19 @@ from __future__ import annotations
 import argparse
 import sys
 
-from shoal.cli import cluster, parity, plan, runs, train
+from shoal.cli import cluster, parity, plan, run, runs, train
 from shoal.errors import UserError
 
-COMMANDS = {"train": train.train, "checkpoints": runs.checkpoints, "export": runs.export, "report": runs.report,
-            "parity": parity.parity, "launch": cluster.launch_job, "cluster": cluster.cluster, "probe": plan.probe,
-            "plan": plan.plan}
+COMMANDS = {"train": train.train, "run": run.run, "checkpoints": runs.checkpoints, "export": runs.export,
+            "report": runs.report, "parity": parity.parity, "launch": cluster.launch_job, "cluster": cluster.cluster,
+            "probe": plan.probe, "plan": plan.plan}
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="shoal", description="Distributed training for PyTorch from one config.")
     sub = parser.add_subparsers(dest="command", required=True)
     train.add_parser(sub)
+    run.add_parser(sub)
     runs.add_parsers(sub)
     parity.add_parser(sub)
     cluster.add_parsers(sub)

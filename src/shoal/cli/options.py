@@ -9,3 +9,21 @@ SET_HELP = "override one config value (repeatable), e.g. --set train.steps=50"
 
 def add_set(parser: argparse.ArgumentParser, help: str = SET_HELP) -> None:
     parser.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE", help=help)
+
+
+def add_launch(parser: argparse.ArgumentParser, restarts: str) -> None:
+    """The flags of a command that starts workers through torch elastic (`shoal train`, `shoal run`)."""
+    parser.add_argument("--nproc", type=int, help="worker processes on this node (default 1, or what the scheduler "
+                                                  "says: PET_NPROC_PER_NODE, SM_NUM_GPUS, SLURM_GPUS_ON_NODE)")
+    parser.add_argument("--max-restarts", type=int, default=0, help=restarts)
+    parser.add_argument("--nnodes", metavar="N", help="nodes in the job (default 1, or what Slurm, a PyTorchJob or "
+                                                      "SageMaker says; see docs/your-cluster.md)")
+    parser.add_argument("--node-rank", type=int, help="this node's rank; node 0 hosts the rendezvous (default 0, or "
+                                                      "the scheduler's)")
+    parser.add_argument("--rdzv-endpoint", help="HOST:PORT of node 0, for multi-node jobs (default: the scheduler's)")
+    parser.add_argument("--rdzv-timeout", type=float, metavar="SECONDS",
+                        help="how long a node waits for node 0's endpoint to answer and for the other nodes to "
+                             "join (default 600, as torchrun)")
+    parser.add_argument("--cluster", action="store_true",
+                        help="run this command as one node per host of the cluster on this machine (`shoal cluster "
+                             "up`), --nproc workers each")

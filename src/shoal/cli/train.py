@@ -9,7 +9,7 @@ import shlex
 import sys
 from pathlib import Path
 
-from shoal.cli.options import add_set
+from shoal.cli.options import add_launch, add_set
 from shoal.errors import UserError
 
 
@@ -24,22 +24,8 @@ def add_parser(sub) -> None:
                    help="auto (default): continue from the run dir's newest complete checkpoint; never: start "
                         "fresh (an earlier run in the run dir is moved aside, not deleted); PATH: that checkpoint "
                         "folder")
-    t.add_argument("--nproc", type=int, help="worker processes on this node (default 1, or what the scheduler "
-                                             "says: PET_NPROC_PER_NODE, SM_NUM_GPUS, SLURM_GPUS_ON_NODE)")
-    t.add_argument("--max-restarts", type=int, default=0,
-                   help="restart the worker group this many times after a failure; it resumes from the newest "
-                        "checkpoint (default 0)")
-    t.add_argument("--nnodes", metavar="N", help="nodes in the job (default 1, or what Slurm, a PyTorchJob or "
-                                                 "SageMaker says; see docs/your-cluster.md)")
-    t.add_argument("--node-rank", type=int, help="this node's rank; node 0 hosts the rendezvous (default 0, or the "
-                                                 "scheduler's)")
-    t.add_argument("--rdzv-endpoint", help="HOST:PORT of node 0, for multi-node jobs (default: the scheduler's)")
-    t.add_argument("--rdzv-timeout", type=float, metavar="SECONDS",
-                   help="how long a node waits for node 0's endpoint to answer and for the other nodes to "
-                        "join (default 600, as torchrun)")
-    t.add_argument("--cluster", action="store_true",
-                   help="run this command as one node per host of the cluster on this machine (`shoal cluster up`), "
-                        "--nproc workers each")
+    add_launch(t, restarts="restart the worker group this many times after a failure; it resumes from the newest "
+                           "checkpoint (default 0)")
 
 
 def train(args: argparse.Namespace) -> int:

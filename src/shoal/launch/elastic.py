@@ -67,9 +67,9 @@ class Forked:
 
 def launch(worker: list[str] | Forked, nproc: int, nnodes: tuple[int, int] = (1, 1), node_rank: int = 0,
            rdzv_endpoint: str | None = None, threads: int | None = None, max_restarts: int = 0,
-           rdzv_timeout: float | None = None) -> int:
+           rdzv_timeout: float | None = None, worst_code: bool = False) -> int:
     """Run nproc local workers: `python <worker>` each (a list: the arguments after the interpreter), or
-    forked from one preloaded server (Forked); returns the exit code for the CLI."""
+    forked from one preloaded server (Forked); returns the exit code for the CLI (report_failures)."""
     check_launch_args(nproc, nnodes, node_rank, rdzv_endpoint, max_restarts, rdzv_timeout)
     rdzv_timeout = rdzv_timeout or RDZV_TIMEOUT_S
     if threads:
@@ -98,7 +98,7 @@ def launch(worker: list[str] | Forked, nproc: int, nnodes: tuple[int, int] = (1,
     try:
         elastic_launch(config, entrypoint=entrypoint)(*args)
     except ChildFailedError as e:
-        return report_failures(e)
+        return report_failures(e, worst_code)
     except RendezvousError as e:
         print(f"shoal: could not form the job at the rendezvous {endpoint}: {str(e).splitlines()[0]} "
               f"(is node 0 running, with the same --nnodes?)", file=sys.stderr)
@@ -225,20 +225,28 @@ def check_launch_args(nproc: int, nodes: tuple[int, int], node_rank: int, rdzv_e
         raise UserError(f"--node-rank {node_rank} must be in [0, {nnodes - 1}] for --nnodes {nnodes}")
 
 
-def report_failures(e: ChildFailedError) -> int:
-    """One line per failed rank (its own traceback is already on stderr); exit 2 for user errors."""
+def report_failures(e: ChildFailedError, worst_code: bool = False) -> int:
+    """One line per failed rank (its own traceback is already on stderr); returns the exit code: 2 when
+    every failed worker failed on a user error, else 1; or, with worst_code, the worst of the failed
+    workers' own codes (128 + N for one ended by signal N): a user's script's codes mean what it says."""
     failures = dict(e.failures)
     failures.update({r: f for r, f in recorded_failures(e).items() if r not in failures})
     codes = []
     for rank, failure in sorted(failures.items()):
         msg = failure.message if isinstance(failure.message, str) else failure.message.get("message", "")
-        why = msg.strip().splitlines()[-1] if msg and msg.strip() else f"signal or exit code {failure.exitcode}"
+        if not msg or not msg.strip() or msg.startswith("To enable traceback"):  # torch's text for no error file
+            why = f"exit code {failure.exitcode}" if failure.exitcode >= 0 else \
+                f"ended by {signal.Signals(-failure.exitcode).name}"
+        else:
+            why = msg.strip().splitlines()[-1]
         if rank not in e.failures:  # known from its error file only: no pid, no exit code
             print(f"shoal: rank {rank} failed: {why}", file=sys.stderr)
             continue
         codes.append(failure.exitcode)
         print(f"shoal: rank {rank} (pid {failure.pid}) failed with exit code {failure.exitcode}: {why}",
               file=sys.stderr)
+    if worst_code:
+        return max((128 - c if c < 0 else c for c in codes), default=1)
     return 2 if codes and all(c == 2 for c in codes) else 1
 
 

@@ -1,6 +1,6 @@
 """Run one command per host of the cluster that is up: a node agent each, as on real machines.
 
-`shoal train ...` gets `--nnodes N --node-rank i --rdzv-endpoint <h0's address>:<port>` (node 0, on
+`shoal train ...` and `shoal run ...` get `--nnodes N --node-rank i --rdzv-endpoint <h0's address>:<port>` (node 0, on
 host h0, hosts the rendezvous); any other command learns the same from SHOAL_NNODES, SHOAL_NODE_RANK
 and SHOAL_RDZV_ENDPOINT. Each runs in its host's namespace with GLOO_SOCKET_IFNAME set to the host's
 interface, inside its cpu group when it has one. The nodes run under the launcher's supervisor
@@ -37,8 +37,8 @@ def run(command: list[str], resume_command: str | None = None) -> int:
     cluster = hosts.require_up()
     if Path(command[0]).name == "shoal":  # the same shoal (and its virtualenv) in every namespace
         command = [sys.executable, "-m", "shoal", *command[1:]]
-    is_train = command[1:4] == ["-m", "shoal", "train"]
-    if is_train:
+    launches = command[1:3] == ["-m", "shoal"] and command[3:4] in (["train"], ["run"])  # through torch elastic
+    if launches:
         given = [a for a in command if a.split("=")[0] in (*SET_BY_CLUSTER, "--cluster")]
         if given:
             raise UserError(f"{given[0]}: on the cluster, --nnodes, --node-rank and --rdzv-endpoint are set for each "
@@ -47,8 +47,9 @@ def run(command: list[str], resume_command: str | None = None) -> int:
     n = len(cluster.hosts)
     nodes = []
     for rank, host in enumerate(cluster.hosts):
-        argv = [*command, *(["--nnodes", str(n), "--node-rank", str(rank), "--rdzv-endpoint", endpoint]
-                            if is_train else [])]
+        # right after the command's name: `shoal run` passes what follows its script to the script
+        argv = [*command[:4], *(["--nnodes", str(n), "--node-rank", str(rank), "--rdzv-endpoint", endpoint]
+                                if launches else []), *command[4:]]
         env = {**os.environ, "GLOO_SOCKET_IFNAME": host.ifname, NODE_ENV: host.name, "SHOAL_NNODES": str(n),
                "SHOAL_NODE_RANK": str(rank), "SHOAL_RDZV_ENDPOINT": endpoint}
         if resume_command:

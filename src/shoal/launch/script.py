@@ -1,0 +1,34 @@
+"""One worker of `shoal run`: the user's script (or module) as `python script.py ARGS` would run it.
+
+    python -m shoal.launch.script [--cpu] (PATH | -m MODULE) [ARGS...]
+
+torch elastic has already set the worker's environment (torchrun's contract: RANK, WORLD_SIZE,
+LOCAL_RANK, ...). The script runs as __main__ with sys.argv and sys.path[0] as Python would set them
+(the script's folder; for a module, the working directory), so it cannot tell this from torchrun.
+"""
+
+from __future__ import annotations
+
+import os
+import runpy
+import sys
+
+
+def main(argv: list[str]) -> None:
+    if argv[:1] == ["--cpu"]:
+        from shoal.launch import cpu
+
+        cpu.install()
+        argv = argv[1:]
+    if argv[0] == "-m":
+        sys.argv = [argv[1], *argv[2:]]  # runpy puts the module's file name in sys.argv[0]
+        sys.path[0] = os.getcwd()
+        runpy.run_module(argv[1], run_name="__main__", alter_sys=True)
+    else:
+        sys.argv = list(argv)
+        sys.path[0] = os.path.dirname(os.path.abspath(argv[0]))
+        runpy.run_path(argv[0], run_name="__main__")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

@@ -1,0 +1,65 @@
+"""`shoal run`: a user's own script launched as torchrun launches it, with shoal's launcher around it.
+
+The real client is PyTorch's DDP tutorial script (tests/fixtures/pytorch_examples, unchanged: written
+for CUDA and NCCL, run here with --cpu)."""
+
+import json
+import os
+
+import pytest
+
+from conftest import FIXTURES, run_cli
+
+pytestmark = pytest.mark.slow  # runs the CLI
+
+TUTORIAL = FIXTURES / "pytorch_examples" / "multigpu_torchrun.py"
+
+
+def test_the_ddp_tutorial_runs_unchanged_on_cpu_workers_and_resumes_from_its_snapshot(tmp_path):
+    r = run_cli(["run", "--cpu", "--nproc", "2", TUTORIAL, "2", "1", "--batch_size", "32"], timeout=120,
+                cwd=tmp_path)
+    assert r.returncode == 0, r.output
+    for gpu in (0, 1):  # 2048 samples over 2 ranks in batches of 32: 32 steps per epoch on each
+        for epoch in (0, 1):
+            assert f"[GPU{gpu}] Epoch {epoch} | Batchsize: 32 | Steps: 32" in r.stdout, r.output
+    assert "Epoch 1 | Training snapshot saved at snapshot.pt" in r.stdout and (tmp_path / "snapshot.pt").is_file()
+
+    r = run_cli(["run", "--cpu", "--nproc", "2", TUTORIAL, "3", "1", "--batch_size", "32"], timeout=120,
+                cwd=tmp_path)
+    assert r.returncode == 0, r.output
+    assert r.stdout.count("Resuming training from snapshot at Epoch 1") == 2, r.output
+    assert "[GPU1] Epoch 2 | Batchsize: 32" in r.stdout and "[GPU0] Epoch 0 " not in r.stdout, r.output
+
+
+def test_workers_get_torchruns_environment_and_the_worst_exit_code_is_returned(tmp_path):
+    out = tmp_path / "out"
+    out.mkdir()
+    r = run_cli(["run", "--nproc", "2", FIXTURES / "envdump.py", out], timeout=60, cwd=tmp_path,
+                env={"EXIT_RANK1": "3"})
+    assert r.returncode == 3, r.output
+    assert "shoal: rank 1 (pid " in r.stderr and "failed with exit code 3: exit code 3" in r.stderr, r.stderr
+    ranks = [json.loads((out / f"rank{i}.json").read_text()) for i in (0, 1)]
+    for i, got in enumerate(ranks):
+        env = got["env"]
+        assert (env["RANK"], env["WORLD_SIZE"], env["LOCAL_RANK"], env["LOCAL_WORLD_SIZE"]) == (str(i), "2", str(i), "2")
+        assert env["MASTER_ADDR"] and env["MASTER_PORT"] and env["TORCHELASTIC_RUN_ID"]
+        assert env["TORCHELASTIC_RESTART_COUNT"] == "0" and env["TORCHELASTIC_MAX_RESTARTS"] == "0"
+        assert got["argv"] == [str(FIXTURES / "envdump.py"), str(out)]  # as `python script.py ARGS` sets them
+        assert got["path0"] == str(FIXTURES)
+
+
+def test_a_module_runs_as_python_m_runs_it(tmp_path):
+    out = tmp_path / "out"
+    out.mkdir()
+    r = run_cli(["run", "--nproc", "1", "-m", "envdump", out], timeout=60, cwd=tmp_path)
+    assert r.returncode == 0, r.output
+    got = json.loads((out / "rank0.json").read_text())
+    assert got["argv"][1:] == [str(out)] and got["argv"][0].endswith("envdump.py")
+    assert got["path0"] == os.fspath(tmp_path)  # the working directory, as python -m
+
+
+def test_a_script_that_does_not_exist_is_one_line(tmp_path):
+    r = run_cli(["run", "--nproc", "2", "nope.py"], timeout=60, cwd=tmp_path)
+    assert r.returncode == 2
+    assert r.stderr.strip() == "shoal: error: script 'nope.py' does not exist (a module to run as python -m takes -m: " \
+                               "shoal run -m nope.py)"
