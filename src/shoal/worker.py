@@ -39,8 +39,13 @@ FAILED_KEY = "shoal/failed"
 
 
 def threads_per_worker(cfg: Config, local_world_size: int) -> int:
+    return cfg.parallel.threads_per_worker or share_of_cores(local_world_size)
+
+
+def share_of_cores(local_world_size: int) -> int:
+    """The cores this process may use, shared among the node's workers (at least 1 each)."""
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    return cfg.parallel.threads_per_worker or max(1, cores // local_world_size)
+    return max(1, cores // local_world_size)
 
 
 def choose_run_dir(given: str | None, config_path: str | None, cfg: Config, resume: str, first_attempt: bool) -> Path:

@@ -29,6 +29,7 @@ def add_parser(sub) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from shoal.cli.train import node_flags
+    from shoal.launch.elastic import launch
 
     if not args.module and not Path(args.script).is_file():
         raise UserError(f"script {args.script!r} does not exist (a module to run as python -m takes -m: "
@@ -38,8 +39,6 @@ def run(args: argparse.Namespace) -> int:
     nodes = node_flags(args)
     worker = ["-m", "shoal.launch.script", *(["--cpu"] if args.cpu else []), *(["-m"] if args.module else []),
               args.script, *args.script_args]
-    from shoal.launch.elastic import launch
-
     return launch(worker, args.nproc, nodes, args.node_rank, args.rdzv_endpoint, threads=threads(args.nproc),
                   max_restarts=args.max_restarts, rdzv_timeout=args.rdzv_timeout, worst_code=True)
 
@@ -47,10 +46,9 @@ def run(args: argparse.Namespace) -> int:
 def threads(nproc: int) -> int | None:
     """Intra-op threads per worker: the cores here shared among the node's workers, as `shoal train`
     does (torchrun sets 1 when it starts several); None where OMP_NUM_THREADS is already set."""
-    if "OMP_NUM_THREADS" in os.environ:
-        return None
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    return max(1, cores // nproc)
+    from shoal.worker import share_of_cores
+
+    return None if "OMP_NUM_THREADS" in os.environ else share_of_cores(nproc)
 
 
 def run_on_cluster(args: argparse.Namespace) -> int:

@@ -2,7 +2,7 @@
 
 Most distributed training scripts are written for GPUs (the DDP tutorials: `torch.cuda.set_device(
 LOCAL_RANK)`, `init_process_group("nccl")`, `model.to(local_rank)`, `DDP(model, device_ids=[local_rank])`,
-`torch.load(..., map_location=f"cuda:{local_rank}")`). To try one on a laptop or a CPU cluster before
+a snapshot loaded with `map_location=f"cuda:{local_rank}"`). To try one on a laptop or a CPU cluster before
 paying for GPUs, `--cpu` makes, in each worker before the script starts: the NCCL backend gloo, a CUDA
 device the CPU wherever a tensor or module is moved or made (a torch function mode over the whole
 script), `torch.cuda.set_device` a no-op, DDP's device_ids dropped for a module on the CPU, and CUDA
@@ -75,6 +75,7 @@ def install() -> None:
 
     @functools.wraps(load)
     def load_on_cpu(f, map_location=None, *args, **kwargs):
+        # only the location changes: weights_only stays the script's choice, by default torch's (True)
         if map_location is not None and not callable(map_location) and not isinstance(map_location, dict):
             map_location = on_cpu(map_location)
         return load(f, map_location, *args, **kwargs)

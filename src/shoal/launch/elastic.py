@@ -234,17 +234,16 @@ def report_failures(e: ChildFailedError, worst_code: bool = False) -> int:
     codes = []
     for rank, failure in sorted(failures.items()):
         msg = failure.message if isinstance(failure.message, str) else failure.message.get("message", "")
-        if not msg or not msg.strip() or msg.startswith("To enable traceback"):  # torch's text for no error file
-            why = f"exit code {failure.exitcode}" if failure.exitcode >= 0 else \
-                f"ended by {signal.Signals(-failure.exitcode).name}"
-        else:
-            why = msg.strip().splitlines()[-1]
+        # no error file (a script's worker): torch's text says only how to get one; the output above has it all
+        why = "" if not msg or not msg.strip() or msg.startswith("To enable traceback") else \
+            ": " + msg.strip().splitlines()[-1]
         if rank not in e.failures:  # known from its error file only: no pid, no exit code
-            print(f"shoal: rank {rank} failed: {why}", file=sys.stderr)
+            print(f"shoal: rank {rank} failed{why}", file=sys.stderr)
             continue
         codes.append(failure.exitcode)
-        print(f"shoal: rank {rank} (pid {failure.pid}) failed with exit code {failure.exitcode}: {why}",
-              file=sys.stderr)
+        how = f"exit code {failure.exitcode}" if failure.exitcode >= 0 else \
+            f"signal {signal.Signals(-failure.exitcode).name}"
+        print(f"shoal: rank {rank} (pid {failure.pid}) failed with {how}{why}", file=sys.stderr)
     if worst_code:
         return max((128 - c if c < 0 else c for c in codes), default=1)
     return 2 if codes and all(c == 2 for c in codes) else 1

@@ -1,7 +1,7 @@
 """Run one command per host of the cluster that is up: a node agent each, as on real machines.
 
-`shoal train ...` and `shoal run ...` get `--nnodes N --node-rank i --rdzv-endpoint <h0's address>:<port>` (node 0, on
-host h0, hosts the rendezvous); any other command learns the same from SHOAL_NNODES, SHOAL_NODE_RANK
+`shoal train ...` and `shoal run ...` get `--nnodes N --node-rank i --rdzv-endpoint <h0's address>:<port>`
+(node 0, on host h0, hosts the rendezvous); any other command learns the same from SHOAL_NNODES, SHOAL_NODE_RANK
 and SHOAL_RDZV_ENDPOINT. Each runs in its host's namespace with GLOO_SOCKET_IFNAME set to the host's
 interface, inside its cpu group when it has one. The nodes run under the launcher's supervisor
 (launch/supervisor.py): SIGINT and SIGTERM are passed on to every node; when one node fails, the others
