@@ -228,9 +228,15 @@ def check_launch_args(nproc: int, nodes: tuple[int, int], node_rank: int, rdzv_e
 def report_failures(e: ChildFailedError, worst_code: bool = False) -> int:
     """One line per failed rank (its own traceback is already on stderr); returns the exit code: 2 when
     every failed worker failed on a user error, else 1; or, with worst_code, the worst of the failed
-    workers' own codes (128 + N for one ended by signal N): a user's script's codes mean what it says."""
+    workers' own codes (128 + N for one ended by signal N): a user's script's codes mean what it says.
+
+    When one rank fails, torch elastic sends the others SIGTERM and records them as failed too (its
+    timestamps are whole seconds, so they do not tell which came first): a rank ended by SIGTERM beside
+    one that failed on its own was stopped by the launcher, and neither its line nor its code is the
+    cause (measured: a rank exiting 3 while its peer still ran came back as 143, not 3)."""
     failures = dict(e.failures)
     failures.update({r: f for r, f in recorded_failures(e).items() if r not in failures})
+    own = [f for f in e.failures.values() if f.exitcode != -signal.SIGTERM]
     codes = []
     for rank, failure in sorted(failures.items()):
         msg = failure.message if isinstance(failure.message, str) else failure.message.get("message", "")
@@ -239,6 +245,10 @@ def report_failures(e: ChildFailedError, worst_code: bool = False) -> int:
             ": " + msg.strip().splitlines()[-1]
         if rank not in e.failures:  # known from its error file only: no pid, no exit code
             print(f"shoal: rank {rank} failed{why}", file=sys.stderr)
+            continue
+        if own and failure.exitcode == -signal.SIGTERM:
+            print(f"shoal: rank {rank} (pid {failure.pid}) was stopped (SIGTERM) when another rank failed",
+                  file=sys.stderr)
             continue
         codes.append(failure.exitcode)
         how = f"exit code {failure.exitcode}" if failure.exitcode >= 0 else \
