@@ -26,7 +26,7 @@ from shoal import dist, signals
 from shoal.allocator import release_freed_memory
 from shoal.comm.collectives import Comm
 from shoal.comm.phase import Phase
-from shoal.comm.report import collective_report
+from shoal.comm.report import hang_report
 from shoal.comm.watchdog import Watchdog
 from shoal.config import Config, load_config
 from shoal.errors import TrainingError, UserError
@@ -191,10 +191,7 @@ def failed(e: BaseException, watchdog: Watchdog | None, timeout_s: float) -> Bas
     if watchdog is None:
         return e
     _quiet(lambda: watchdog.store.set(FAILED_KEY, rank), None)
-    mine = watchdog.failure_status(e)
-    watchdog.stop()
-    statuses = {r: watchdog.read(r) for r in range(int(os.environ["WORLD_SIZE"]))}
-    report = collective_report(mine, watchdog.rank, statuses, e, timeout_s)
+    report = hang_report(e, watchdog, int(os.environ["WORLD_SIZE"]), f"{timeout_s:.0f} s (parallel.timeout_s)")
     if not report:
         return e
     print(f"shoal: {report}", file=sys.stderr, flush=True)

@@ -6,6 +6,7 @@ for CUDA and NCCL, run here with --cpu)."""
 import json
 import os
 import re
+import time
 
 import pytest
 
@@ -65,3 +66,29 @@ def test_a_script_that_does_not_exist_is_one_line(tmp_path):
     assert r.returncode == 2
     assert r.stderr.strip() == "shoal: error: script 'nope.py' does not exist (a module to run as python -m takes -m: " \
                                "shoal run -m nope.py)"
+
+
+@pytest.mark.serial  # a 3 s collective timeout, and the run must end within 13 s of the stall
+@pytest.mark.parametrize("before", ["backward", "all_reduce"])
+def test_a_rank_stalled_in_a_plain_ddp_script_is_named(tmp_path, before):
+    """Rank 1 of a plain DDP script (its own init_process_group, DDP, an all_reduce of its loss) stalls at
+    step 3: before backward (rank 0 waits in DDP's gradient all-reduce, inside autograd's C++ engine) or
+    before the loss's all_reduce. The report names rank 1, where it is and the collective, within the
+    group's timeout (3 s) + 10 s of the stall."""
+    mark = tmp_path / "stalled_at"
+    r = run_cli(["run", "--nproc", "2", FIXTURES / "stall_ddp.py"], timeout=120, cwd=tmp_path,
+                env={"STALL_BEFORE": before, "STALL_RANK": "1", "TIMEOUT_S": "3", "STALL_SECONDS": "60",
+                     "STALL_MARK": str(mark)})
+    ended = time.time()
+    assert r.returncode == 1, r.output
+    report = r.stderr[r.stderr.index("shoal: collective "):].splitlines()[:3]
+    waits_in = {"backward": "torch _tensor.py in backward", "all_reduce": "torch.distributed distributed_c10d.py in "
+                "all_reduce"}[before]
+    assert re.match(rf"shoal: collective {waits_in} \[all_reduce \(.*\) on group default_pg, #\d+ there\] during the "
+                    r"script failed on rank 0 after 3\.\d s: Timed out waiting 3000ms", report[0]), report
+    assert report[1].startswith(f"  rank 0: waiting in {waits_in}; was at stall_ddp.py:"), report
+    line = {"backward": 32, "all_reduce": 36}[before]  # the call of stall() in the script
+    assert re.match(r"  rank 1: DID NOT ARRIVE at #\d+ on group default_pg \(entered up to #\d+ there\): outside any "
+                    rf"collective; was at stall_ddp.py:\d+ in stall <- stall_ddp.py:{line} in main", report[2]), report
+    assert "rank 1 (pid " in r.stderr and "was stopped (SIGTERM) when another rank failed" in r.stderr
+    assert ended - float(mark.read_text()) < 3 + 10, "the run must end within timeout + 10 s of the stall"

@@ -30,8 +30,18 @@ def pending_group(status: dict) -> tuple[str, dict] | None:
     return None
 
 
+def hang_report(error: BaseException, watchdog, world_size: int, timeout: str) -> str | None:
+    """The report for `error`, raised on this rank (whose Watchdog is `watchdog`; it is stopped here), from
+    every rank's newest status in the store; None when the error was not raised in a collective.
+    `timeout` says how long a collective waits, for when the wait's start is unknown."""
+    mine = watchdog.failure_status(error)
+    watchdog.stop()
+    statuses = {r: watchdog.read(r) for r in range(world_size)}
+    return collective_report(mine, watchdog.rank, statuses, error, timeout)
+
+
 def collective_report(mine: dict | None, rank: int, statuses: dict[int, dict | None], error: BaseException,
-                      timeout_s: float) -> str | None:
+                      timeout: str) -> str | None:
     """The report, from this rank's status at the failure (`mine`, Watchdog.failure_status) and every
     rank's newest status; None when this rank was not waiting in a collective (not a hang)."""
     if mine is None:
@@ -40,7 +50,7 @@ def collective_report(mine: dict | None, rank: int, statuses: dict[int, dict | N
         seconds = time.time() - mine["blocked_since"]
         waited = f"{seconds:.1f} s" if mine.get("since_exact") else f"at least {int(seconds)} s"
     else:
-        waited = f"about {timeout_s:.0f} s (parallel.timeout_s)"
+        waited = f"about {timeout}"
     group = pending_group(mine)
     what = mine["blocked"]
     seq = None
@@ -69,7 +79,9 @@ def _state(status: dict, group: tuple[str, dict] | None, seq: int | None, rank: 
             behind = f"DID NOT ARRIVE at #{seq} on group {group[1]['desc']} (entered up to #{enqueued} there)"
     blocked, last = status.get("blocked"), describe(status.get("last"))
     if behind:
-        return f"{behind}: {'waiting in ' + blocked if blocked else 'outside any collective'}; last entered {last}"
+        # no collective log (a user's script under `shoal run`): the recorder's count says it all
+        last = f"; last entered {last}" if status.get("last") is not None else ""
+        return f"{behind}: {'waiting in ' + blocked if blocked else 'outside any collective'}{last}"
     if blocked is not None:
         return f"waiting in {blocked}"
     return f"DID NOT ARRIVE: outside any collective; last entered {last}"

@@ -51,9 +51,10 @@ def where(stack: list[traceback.FrameSummary], frames: int = 2) -> str:
     return " <- ".join(f"{Path(f.filename).name}:{f.lineno} in {f.name}" for f in reversed(ours[-frames:]))
 
 
-def blocked_in(stack: list[traceback.FrameSummary], log: CollectiveLog) -> str | None:
+def blocked_in(stack: list[traceback.FrameSummary], log: CollectiveLog, groups: dict | None = None) -> str | None:
     """What the thread with this stack (outermost frame first) waits for, if it waits in a collective
-    (see the module note). Also applied to the stack of an exception, to tell a failed collective."""
+    (see the module note). Also applied to the stack of an exception, to tell a failed collective.
+    `groups` (flight.summary()) covers collectives no log saw: a user's script's own, DDP's among them."""
     if log.waiting is not None:
         return describe(log.waiting)
     inner = []
@@ -74,6 +75,9 @@ def blocked_in(stack: list[traceback.FrameSummary], log: CollectiveLog) -> str |
     flying = log.in_flight()
     if inner and flying is not None and time.time() - flying["entered"] > 1.0:
         return describe(flying)
+    pending = [g for g in (groups or {}).values() if time.time() - g.get("pending_since", time.time()) > 1.0]
+    if inner and flying is None and pending:  # waiting in torch code while the recorder has one pending
+        return f"torch {Path(inner[-1].filename).name} in {inner[-1].name}"
     return None
 
 
@@ -93,10 +97,11 @@ class Watchdog:
         frame = sys._current_frames().get(self.main_thread)
         stack = traceback.extract_stack(frame) if frame is not None else []
         now = time.time()
-        blocked = blocked_in(stack, self.log)
+        groups = flight.summary()
+        blocked = blocked_in(stack, self.log, groups)
         status = {"last": self.log.last(), "in_flight": self.log.in_flight(), "blocked": blocked,
                   "where": where(stack) if stack else "?", "phase": self.phase.describe(),
-                  "groups": flight.summary(), "time": now}
+                  "groups": groups, "time": now}
         status["blocked_since"] = self._since(status) if blocked is not None else None
         if blocked is not None:
             self.last_blocked = status
@@ -134,11 +139,17 @@ class Watchdog:
         """This rank's status at the failure, when `error` was raised in a collective it waited in
         (None otherwise: the failure is not a hang, its traceback says what happened)."""
         stack = traceback.extract_tb(error.__traceback__)
-        blocked = blocked_in(stack, self.log)
+        blocked = blocked_in(stack, self.log, flight.summary())
+        recent = self.last_blocked
+        fresh = recent is not None and time.time() - recent["time"] <= 3 * self.interval
+        if blocked is None and fresh and _library(stack[-1].filename) and recent["where"] == where(stack):
+            # the error came from where this rank was just seen waiting in a collective that no log
+            # saw (a script's DDP all-reduce): gloo counts a collective that timed out as completed,
+            # so the recorder shows nothing pending any more
+            blocked = recent["blocked"]
         if blocked is None:
             return None
-        recent = self.last_blocked
-        if recent is None or time.time() - recent["time"] > 3 * self.interval:
+        if not fresh:
             recent = {**self.status(), "where": where(stack), "blocked_since": None}
         return {**recent, "blocked": recent.get("blocked") or blocked}
 

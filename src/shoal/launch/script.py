@@ -5,6 +5,7 @@
 torch elastic has already set the worker's environment (torchrun's contract: RANK, WORLD_SIZE,
 LOCAL_RANK, ...). The script runs as __main__ with sys.argv and sys.path[0] as Python would set them
 (the script's folder; for a module, the working directory), so it cannot tell this from torchrun.
+Around it: the hang report for the script's own collectives (watch.py).
 """
 
 from __future__ import annotations
@@ -12,6 +13,9 @@ from __future__ import annotations
 import os
 import runpy
 import sys
+import traceback
+
+from shoal.launch.watch import Watch
 
 
 def main(argv: list[str]) -> None:
@@ -20,6 +24,19 @@ def main(argv: list[str]) -> None:
 
         cpu.install()
         argv = argv[1:]
+    watch = Watch()
+    watch.install()
+    try:
+        run(argv)
+    except (SystemExit, KeyboardInterrupt):
+        raise
+    except BaseException as e:  # noqa: BLE001 - as Python ends a script: its traceback, then exit code 1
+        traceback.print_exc()
+        watch.failed(e)
+        sys.exit(1)
+
+
+def run(argv: list[str]) -> None:
     if argv[0] == "-m":
         sys.argv = [argv[1], *argv[2:]]  # runpy puts the module's file name in sys.argv[0]
         sys.path[0] = os.getcwd()
