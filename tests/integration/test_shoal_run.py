@@ -1,7 +1,7 @@
 """`shoal run`: a user's own script launched as torchrun launches it, with shoal's launcher around it.
 
-The real client is PyTorch's DDP tutorial script (tests/fixtures/pytorch_examples, unchanged: written
-for CUDA and NCCL, run here with --cpu)."""
+The real clients, unchanged: PyTorch's DDP tutorial script (tests/fixtures/pytorch_examples: written for
+CUDA and NCCL, run here with --cpu) and accelerate's own multi-process test script (tests/fixtures/accelerate)."""
 
 import json
 import os
@@ -31,6 +31,18 @@ def test_the_ddp_tutorial_runs_unchanged_on_cpu_workers_and_resumes_from_its_sna
     assert r.returncode == 0, r.output
     assert r.stdout.count("Resuming training from snapshot at Epoch 1") == 2, r.output
     assert "[GPU1] Epoch 2 | Batchsize: 32" in r.stdout and "[GPU0] Epoch 0 " not in r.stdout, r.output
+
+
+def test_accelerates_own_multi_process_test_script_passes_unchanged(tmp_path):
+    """accelerate's own test script (tests/fixtures/accelerate): data split between processes, RNG kept in
+    step, the prepared DataLoader, and training on 2 processes checked against one CPU."""
+    r = run_cli(["run", "--cpu", "--nproc", "2", FIXTURES / "accelerate" / "test_script.py"], timeout=120,
+                cwd=tmp_path)
+    assert r.returncode == 0, r.output
+    assert r.stdout.count("Distributed environment: DistributedType.MULTI_CPU  Backend: gloo") == 2, r.output
+    assert "Num processes: 2" in r.stdout, r.output
+    for split in ("no batch split", "batch split"):
+        assert f"Training yielded the same results on one CPU or distributed setup with {split}." in r.stdout
 
 
 def test_workers_get_torchruns_environment_and_the_worst_exit_code_is_returned(tmp_path):

@@ -7,12 +7,14 @@ paying for GPUs, `--cpu` makes, in each worker before the script starts: the NCC
 device the CPU wherever a tensor or module is moved or made (a torch function mode over the whole
 script), `torch.cuda.set_device` a no-op, DDP's device_ids dropped for a module on the CPU, and CUDA
 map locations the CPU. `torch.cuda.is_available()` still says False: a script that checks it takes
-its own CPU path. Nothing else of the script changes; what it computes is the same math on the CPU.
+its own CPU path; Accelerate is told to use the CPU (ACCELERATE_USE_CPU, as `accelerate launch --cpu`
+does). Nothing else of the script changes; what it computes is the same math on the CPU.
 """
 
 from __future__ import annotations
 
 import functools
+import os
 
 import torch
 import torch.distributed as dist
@@ -49,6 +51,10 @@ class CudaOnCpu(TorchFunctionMode):
 
 def install() -> None:
     """Set the stand-ins up in this process (a worker of `shoal run --cpu`, before the script runs)."""
+    # Accelerate runs distributed on CPUs only when told (`accelerate launch --cpu` sets this): without it,
+    # under torchrun or shoal run on a machine without GPUs, each worker trained alone (measured with
+    # accelerate 1.15: "Distributed environment: DistributedType.NO, Num processes: 1" on every worker)
+    os.environ.setdefault("ACCELERATE_USE_CPU", "true")
     torch.cuda.set_device = lambda device: None
 
     init = dist.init_process_group
