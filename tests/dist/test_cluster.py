@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import TINY_GPT, read_metrics, run_cli
+from conftest import FIXTURES, TINY_GPT, read_metrics, run_cli
 from harness import train as train_on_ranks
 from shoal.cli import main
 
@@ -286,3 +286,20 @@ def test_two_hosts_train_exactly_as_two_processes_on_loopback(cluster, tmp_path,
     on_cluster, on_loopback = read_metrics(tmp_path / "cluster"), read_metrics(tmp_path / "loopback")
     assert [m["step"] for m in on_cluster] == [1, 2, 3, 4, 5]
     assert [(m["loss"], m["grad_norm"]) for m in on_cluster] == [(m["loss"], m["grad_norm"]) for m in on_loopback]
+
+
+@pytest.mark.timeout(150)
+@pytest.mark.parametrize("script, args, expected", [
+    # PyTorch's multi-node DDP tutorial script (CUDA + NCCL, unchanged): global ranks 0 and 1 on two hosts
+    ("pytorch_examples/multinode.py", ["1", "1"], ["[GPU0] Epoch 0 | Batchsize: 32 | Steps: 32",
+                                                   "[GPU1] Epoch 0 | Batchsize: 32 | Steps: 32",
+                                                   "Epoch 0 | Training snapshot saved at snapshot.pt"]),
+    # accelerate's own multi-process test script: 2 processes, training checked against one CPU
+    ("accelerate/test_script.py", [], ["Num processes: 2", "Training yielded the same results on one CPU or "
+                                                          "distributed setup with batch split."]),
+])
+def test_real_scripts_run_unchanged_across_two_hosts(cluster, tmp_path, script, args, expected):
+    r = run_cli(["run", "--cluster", "--cpu", "--nproc", 1, FIXTURES / script, *args], timeout=140, cwd=tmp_path)
+    assert r.returncode == 0, r.output
+    for line in expected:
+        assert line in r.stdout, r.output
