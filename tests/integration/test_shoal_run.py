@@ -52,7 +52,8 @@ def test_workers_get_torchruns_environment_and_the_worst_exit_code_is_returned(t
                 env={"EXIT_RANK1": "3"})
     assert r.returncode == 3, r.output
     assert re.search(r"^shoal: rank 1 \(pid \d+\) failed with exit code 3$", r.stderr, re.M), r.stderr
-    assert "shoal: rank 0" not in r.stderr  # torchrun itself would exit 1 (measured), naming no code
+    # torchrun itself would exit 1 (measured), naming no code; rank 0, if still running, was stopped
+    assert not re.search(r"^shoal: rank 0 \(pid \d+\) failed", r.stderr, re.M), r.stderr
     ranks = [json.loads((out / f"rank{i}.json").read_text()) for i in (0, 1)]
     for i, got in enumerate(ranks):
         env = got["env"]
@@ -63,14 +64,16 @@ def test_workers_get_torchruns_environment_and_the_worst_exit_code_is_returned(t
         assert got["path0"] == str(FIXTURES)
 
 
-def test_a_module_runs_as_python_m_runs_it(tmp_path):
+def test_a_module_runs_as_python_m_runs_it_and_a_failed_attempt_is_restarted(tmp_path):
     out = tmp_path / "out"
     out.mkdir()
-    r = run_cli(["run", "--nproc", "1", "-m", "envdump", out], timeout=60, cwd=tmp_path)
+    r = run_cli(["run", "--nproc", "1", "--max-restarts", "1", "-m", "envdump", out], timeout=60, cwd=tmp_path,
+                env={"EXIT_RANK0": "5", "EXIT_ATTEMPT": "0"})  # fails in the first attempt only
     assert r.returncode == 0, r.output
     got = json.loads((out / "rank0.json").read_text())
     assert got["argv"][1:] == [str(out)] and got["argv"][0].endswith("envdump.py")
     assert got["path0"] == os.fspath(tmp_path)  # the working directory, as python -m
+    assert got["env"]["TORCHELASTIC_RESTART_COUNT"] == "1" and got["env"]["TORCHELASTIC_MAX_RESTARTS"] == "1"
 
 
 def test_a_script_that_does_not_exist_is_one_line(tmp_path):
