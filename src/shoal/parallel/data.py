@@ -46,3 +46,12 @@ def grad_sync(module: torch.nn.Module, enabled: bool):
         yield
     else:
         yield
+
+
+def set_grad_sync(module: torch.nn.Module, enabled: bool) -> None:
+    """From now on (set before a micro-batch's forward, where DDP reads it), whether backward reduces
+    gradients over dp: for a loop shoal does not run, where no context can span forward and backward."""
+    if isinstance(module, DDP):
+        module.require_backward_grad_sync = enabled
+    elif isinstance(module, FSDPModule):
+        module.set_requires_gradient_sync(enabled)

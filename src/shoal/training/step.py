@@ -67,7 +67,7 @@ class Stepper:
 
     def __call__(self, micro_batches: list[Batch], step: int, timer: StepTimer, measure_memory: bool) -> StepResult:
         """Step `step` (0-based: the steps done before it)."""
-        par, optimizer, precision = self.par, self.optimizer, self.precision
+        par, precision = self.par, self.precision
         sent = self.comm.sync_bytes
         batches = [{k: v.to(self.device, non_blocking=True) for k, v in b.items()} for b in micro_batches]
         count = ItemCount(batches, self.count_fn, self.comm, par, self.device)  # runs during the first forward
@@ -76,7 +76,15 @@ class Stepper:
             loss_sum = par.forward_backward(batches, count.scale, precision)
         par.after_backward()
         timer.mark("forward_backward_s")
+        return self.finish(loss_sum, count.total, step, timer, measure_memory, sent)
 
+    def finish(self, loss_sum: torch.Tensor, total: Callable[[], float], step: int, timer: StepTimer,
+               measure_memory: bool, sent: int) -> StepResult:
+        """The step after its backward (and the StepSync's after_backward): the norm, the flags, clipping,
+        the verdict, the update. `loss_sum`: this rank's share of the global loss sum; `total()`: the items
+        it is over, on all ranks; `sent`: comm.sync_bytes when the step began. shoal's loop and a Session's
+        step() (session.py) both end their steps here."""
+        par, optimizer, precision = self.par, self.optimizer, self.precision
         self.phase.outside("optimizer step")
         precision.unscale(optimizer)
         norm = par.grad_norm()
@@ -85,7 +93,7 @@ class Stepper:
                     bad_norm=not math.isfinite(norm.item()), save=self.save_wanted())
         par.clip_grads(self.grad_clip or math.inf, norm)  # while the flags travel
         agreed = flags.result()
-        loss = agreed.loss_sum / count.total()
+        loss = agreed.loss_sum / total()
         bad = self.bad_steps.is_bad(loss, math.nan if agreed.bad_norm else norm.item())  # both inputs are global
         if bad:
             precision.skip(optimizer)
@@ -97,7 +105,7 @@ class Stepper:
         held = model_state_bytes(par.model, local_optimizer(optimizer)) if measure_memory else None
         optimizer.zero_grad(set_to_none=True)
         timer.mark("optimizer_s")
-        return StepResult(loss=loss, grad_norm=norm.item(), items=int(count.total()), bad=bad, stop=agreed.stop,
+        return StepResult(loss=loss, grad_norm=norm.item(), items=int(total()), bad=bad, stop=agreed.stop,
                           save=agreed.save, held=held, comm_bytes=self.comm.sync_bytes - sent)
 
 

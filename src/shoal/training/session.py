@@ -1,0 +1,444 @@
+"""`shoal.Session`: shoal inside your own training loop.
+
+    sess = shoal.Session("cfg.toml")                  # or keyword sections: Session(parallel={"zero": 3})
+    model, optimizer = sess.prepare(model, optimizer)  # the config's layout: DDP, ZeRO 1/2/3, precision, sync
+    sess.restore()                                     # the newest checkpoint of the run dir, if any
+    for batch in sess.data(dataset):                   # this rank's micro-batches, up to train.steps
+        loss = my_loss(model, batch)                   # any forward, any loss: the mean over the batch
+        sess.backward(loss)
+        sess.step()                                    # the update, at the end of each global batch
+        sess.log(my_metric=...)
+    sess.close()                                       # summary.json
+
+It is shoal's own loop taken apart, not a second copy: the layout is the Strategy's parallelize(), a
+step ends in the Stepper's finish() (norm, clipping, the non-finite policy, the update, the learning-rate
+schedule, the StepSync), the step's metrics, memory, checkpoints and heartbeat go through the Trainer's
+after_step() and run.py's hooks, data through the GlobalBatchSampler, checkpoints through TrainState and
+CheckpointManager. What differs is only who runs the forward: the user's code, so the loss arrives
+already computed, as the mean over one micro-batch; each backward is scaled by 1 / (micro-batches per
+step) and the data-parallel wrapper averages over dp, which gives the global batch's mean loss when
+micro-batches are the same size (the sampler makes them so).
+
+The process group: joined as `shoal train`'s workers join it (under shoal run, torchrun or a
+scheduler), or, when the script (Ray Train, Accelerate) already made one, that one is used.
+"""
+
+from __future__ import annotations
+
+import inspect
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from shoal import dist as shoal_dist
+from shoal.checkpoint.manager import CheckpointManager
+from shoal.checkpoint.resume import find_resume_point
+from shoal.comm.collectives import Comm
+from shoal.comm.model_waits import time_model_waits
+from shoal.comm.phase import Phase
+from shoal.config import Config, load_config
+from shoal.data.loader import Prefetcher
+from shoal.data.sampler import GlobalBatchSampler
+from shoal.errors import UserError
+from shoal.layout import resolve_layout
+from shoal.metrics.profile import Profiler, resolve_peak
+from shoal.metrics.sinks import MetricsSinks
+from shoal.metrics.timers import StepTimer
+from shoal.models.spec import DataSpec, ModelBundle
+from shoal.parallel.data import set_grad_sync
+from shoal.parallel.fit import check_model_fits
+from shoal.parallel.precision import Precision
+from shoal.parallel.zero import local_optimizer
+from shoal.rundir import RunDir, default_run_dir, write_json
+from shoal.training.bad_steps import BadStepPolicy
+from shoal.training.loop import Trainer, Watch
+from shoal.training.optim import Schedule
+from shoal.training.run import hooks, reload
+from shoal.training.step import Stepper, StepResult
+from shoal.training.strategy import Strategy
+
+
+class Session:
+    def __init__(self, config: str | Path | Config | None = None, *, overrides: dict | None = None,
+                 run_dir: str | Path | None = None, **sections: dict):
+        """`config`: a TOML file, a loaded Config, or None (the defaults); `overrides`: {"train.steps": 100,
+        ...} as --set gives them; `sections`: whole sections as dicts, e.g. parallel={"zero": 3}."""
+        from shoal.api import toml_value
+
+        sets = [f"{k}={toml_value(k, v)}" for k, v in (overrides or {}).items()]
+        for section, values in sections.items():
+            if not isinstance(values, dict):
+                raise UserError(f"Session({section}=...): give a section as a dict of its keys, e.g. "
+                                f"Session(train={{'steps': 100}})")
+            sets += [f"{section}.{k}={toml_value(f'{section}.{k}', v)}" for k, v in values.items()]
+        if isinstance(config, Config):
+            if sets:
+                raise UserError("Session(config): a loaded Config takes no overrides or sections; load it with them "
+                                "(shoal.load_config(path, ['train.steps=100']))")
+            cfg = self.cfg = config
+            config = None
+        else:
+            cfg = self.cfg = load_config(str(config) if config is not None else None, sets)
+        self.env, self.comm = join(cfg)
+        self.layout = resolve_layout(cfg, self.env.world_size, cuda=torch.cuda.is_available())
+        if self.layout.dims.pp > 1 or self.layout.servers:
+            raise UserError("parallel.pp > 1 and the parameter server run the loss inside shoal's own loop; use "
+                            "`shoal train` for them, or parallel.pp = 1 and another sync.mode in a Session")
+        where = Path(run_dir) if run_dir is not None else default_run_dir(str(config) if config else None, cfg)
+        self.run = RunDir(Path(self.comm.agree("run_dir", lambda: str(where))))
+        if cfg.train.on_bad_step == "rollback":
+            raise UserError('train.on_bad_step = "rollback" reruns steps inside shoal\'s own loop; in a Session use '
+                            '"skip" or "abort"')
+        self.phase = Phase()
+        self.source, self.strategy = _UserData(), Strategy(cfg, self.layout, self.env.device, self.env.rank, self.comm)
+        self.pairs: list[Stepper] = []
+        self.sampler = GlobalBatchSampler(1, cfg.train.global_batch_size, cfg.train.seed)  # sess.data() sets it
+        self.micro = 0  # micro-batches backward has seen in this step
+        self.per_step = self.layout.grad_accum  # micro-batches per step (sess.data() may say otherwise)
+        self.loss_sum = torch.zeros((), dtype=torch.float64)
+        self.logged: dict = {}
+        self.trainer: Trainer | None = None
+        self.checkpoints: CheckpointManager | None = None
+        self.timer: StepTimer | None = None  # the step's, from its start
+        self.sent = 0  # comm.sync_bytes when the step began
+        self.lr = 0.0
+        self.flops_per_sample: float | None = None
+        self.started = time.perf_counter()
+
+    # --- the process group --------------------------------------------------------------------------
+
+    @property
+    def rank(self) -> int:
+        return self.env.rank
+
+    @property
+    def world_size(self) -> int:
+        return self.env.world_size
+
+    @property
+    def device(self) -> torch.device:
+        return self.env.device
+
+    @property
+    def is_main(self) -> bool:
+        return self.env.rank == 0
+
+    @property
+    def steps_done(self) -> int:
+        return self.sampler.step
+
+    # --- the model ----------------------------------------------------------------------------------
+
+    def prepare(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, *, blocks: tuple[type, ...] = (),
+                flops_per_sample: float | None = None) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+        """`model` laid out as the config says and `optimizer` rebuilt over the laid-out parameters (same
+        class, groups and hyperparameters); use what it returns. `blocks`: the module types that are units
+        of ZeRO 2/3 sharding and activation checkpointing (e.g. your transformer block);
+        `flops_per_sample`: its training FLOPs per sample, for the step profile's MFU. Call it once per
+        model; a step updates every prepared model."""
+        cfg = self.cfg
+        self.flops_per_sample = (self.flops_per_sample or 0) + flops_per_sample if flops_per_sample else None
+        if optimizer.state:
+            raise UserError("sess.prepare(model, optimizer): the optimizer has already stepped; prepare it before "
+                            "its first step (its state would not follow the laid-out parameters)")
+        names = {id(p): n for n, p in model.named_parameters()}
+        groups = [{**{k: v for k, v in g.items() if k != "params"}, "params": [names[id(p)] for p in g["params"]]}
+                  for g in optimizer.param_groups]
+        if any(n is None for g in groups for n in g["params"]):
+            raise UserError("sess.prepare(model, optimizer): the optimizer holds parameters that are not the "
+                            "model's; give each model its own optimizer")
+        bundle = ModelBundle(model=model, loss_fn=_loss_in_your_loop, block_types=tuple(blocks))
+        check_model_fits(bundle, type(model).__name__, cfg.parallel, cfg.precision)
+        par = self.strategy.parallelize(bundle, None)
+        params = dict(par.model.named_parameters())
+        groups = [{**g, "params": [params[n] for n in g["params"]]} for g in groups]
+        # every group carries all its hyperparameters; the defaults only as far as the constructor takes them
+        accepted = inspect.signature(type(optimizer).__init__).parameters
+        defaults = {k: v for k, v in optimizer.defaults.items() if k in accepted}
+        optimizer = par.build_optimizer(groups, type(optimizer), **defaults)
+        precision = Precision(cfg.precision.dtype, self.device)
+        if precision.dtype != torch.float32:  # the forward the user calls runs under autocast, as shoal's
+            par.module.forward = _autocast(par.module.forward, precision)
+        self.pairs.append(Stepper(
+            par=par, optimizer=optimizer, schedule=Schedule(optimizer, cfg.train), precision=precision,
+            bad_steps=BadStepPolicy(cfg.train.on_bad_step, cfg.train.max_bad_steps,
+                                    scaled=precision.scaler is not None),
+            comm=self.comm, device=self.device, count_fn=lambda b: torch.tensor(1), grad_clip=cfg.train.grad_clip,
+            phase=self.phase))
+        torch.manual_seed(cfg.train.seed + 1 + self.rank)  # dropout etc. differ per rank, as in shoal train
+        self._trainer()
+        self._grad_sync()
+        return par.module, optimizer
+
+    # --- the data -----------------------------------------------------------------------------------
+
+    def data(self, dataset, batch_size: int | None = None, collate: Callable | None = None) -> Loader:
+        """This rank's micro-batches of `dataset` (len() and [i]), `batch_size` samples each (default
+        train.micro_batch_size), drawn by shoal's sampler: every global batch of train.global_batch_size
+        samples is a pure function of (train.seed, step), so a restored run goes on with the very samples
+        the uninterrupted one would have seen. Iterating ends after train.steps steps."""
+        micro = batch_size or self.cfg.train.micro_batch_size
+        dp, batch = self.layout.dims.dp, self.cfg.train.global_batch_size
+        if batch % (micro * dp):
+            raise UserError(f"sess.data(batch_size={micro}): train.global_batch_size ({batch}) must be a multiple "
+                            f"of batch_size x dp ({micro} x {dp}); change either")
+        position = self.sampler.step
+        self.sampler = GlobalBatchSampler(len(dataset), batch, self.cfg.train.seed)
+        self.sampler.step = position
+        self.per_step = batch // (micro * dp)
+        return Loader(self, dataset, micro, collate or torch.utils.data.default_collate)
+
+    # --- a step -------------------------------------------------------------------------------------
+
+    def backward(self, loss: torch.Tensor) -> None:
+        """Backward of one micro-batch's mean loss, scaled for accumulation; gradients are averaged over
+        dp in the last micro-batch's backward (or as the config's sync mode says)."""
+        self._need_prepare("backward")
+        if self.timer is None:
+            self._begin_step()
+        if "data_wait_s" not in self.timer.phases:
+            self.timer.mark("data_wait_s")  # no sess.data(): the data is the user's, inside its forward
+        self.loss_sum += loss.detach().double().cpu()
+        for stepper in self.pairs[:1]:  # one backward covers every model the loss came from
+            stepper.precision.backward(loss / self.per_step)
+        self.micro += 1
+        self._grad_sync()
+
+    def step(self) -> StepResult | None:
+        """After each micro-batch's backward: at the last micro-batch of a step, the update (clipping, the
+        non-finite policy, the schedule), the step's metrics and a checkpoint when one is due; returns the
+        step's result then, None before."""
+        self._need_prepare("step")
+        if self.micro < self.per_step:
+            return None
+        step = self.sampler.step
+        timer = self.timer
+        for stepper in self.pairs:
+            stepper.par.after_backward()
+        timer.mark("forward_backward_s")
+        dp, loss_sum = self.layout.dims.dp, self.loss_sum.to(self.device)
+        self.lr = self.pairs[0].optimizer.param_groups[0]["lr"]  # the step's rate, before the schedule moves on
+        results = [s.finish(loss_sum, lambda: float(self.per_step * dp), step, timer, step_logged(self, step),
+                            self.sent) for s in self.pairs]
+        out = results[0]
+        bad_steps = self.pairs[0].bad_steps  # a non-finite step was skipped: counted, or the run stops
+        bad_steps.record_bad(step + 1, out.loss, out.grad_norm) if out.bad else bad_steps.record_good()
+        self.micro, self.loss_sum = 0, torch.zeros((), dtype=torch.float64)
+        self.sampler.step = step + 1
+        trainer = self._trainer()
+        trainer.hooks.step_metrics = lambda: {**self.strategy.step_metrics(), **self.logged}
+        trainer.after_step(step + 1, self.lr, out, timer, last=step + 1 == self.cfg.train.steps)
+        self.logged = {}
+        self._grad_sync()
+        self._begin_step()
+        return out
+
+    def log(self, **metrics: float) -> None:
+        """Your own numbers, in this step's line of metrics.jsonl and TensorBoard (rank 0's)."""
+        self.logged.update({k: float(v) for k, v in metrics.items()})
+
+    # --- checkpoints --------------------------------------------------------------------------------
+
+    def save(self) -> Path | None:
+        """Collective: a checkpoint of the step reached (also taken every checkpoint.interval steps and at
+        train.steps by step()); returns its folder (None when checkpoint.enabled is false)."""
+        self._need_prepare("save")
+        if not self.cfg.checkpoint.enabled:
+            return None
+        manager = self._checkpoints()
+        step = self.sampler.step
+        manager.save(step, self.state, self.state.capture(step, self.cfg.to_toml(), {}))
+        manager.wait()
+        return self.run.checkpoints / f"step_{step:08d}"
+
+    def restore(self) -> int:
+        """Collective: the newest valid checkpoint of the run dir, if any (model, optimizer, schedule, data
+        position, RNG streams: the run goes on exactly as it would have); returns the steps it holds (0:
+        none, a fresh start)."""
+        self._need_prepare("restore")
+        found = self.comm.agree("resume_from", lambda: str(find_resume_point(self.run.checkpoints, "auto") or ""))
+        if not found:
+            return 0
+        reload(self, Path(found))
+        self._grad_sync()
+        return self.sampler.step
+
+    def close(self) -> dict:
+        """Finish: a pending checkpoint written, summary.json (rank 0); returns the summary."""
+        from shoal.training.summary import summarize
+
+        trainer = self._trainer() if self.pairs else None
+        if self.checkpoints is not None:
+            self.checkpoints.close()
+        if self.logged and trainer is not None:  # logged after the last step
+            trainer.sinks.log({"step": self.sampler.step, **self.logged})
+        summary = {}
+        if trainer is not None:
+            params = sum(p.numel() for s in self.pairs for p in s.par.model.parameters())
+            summary = summarize(trainer.record, "samples", model_name="session", n_params=params,
+                                dims=self.layout.dims, total_s=time.perf_counter() - self.started,
+                                restart_count=self.env.restart_count, recovery=None, run=self.run,
+                                is_main=self.is_main, bad_steps=self.pairs[0].bad_steps.state_dict(), start_step=0)
+            trainer.sinks.close()
+            if self.is_main:
+                write_json(self.run.summary, summary)
+        self.strategy.finish()
+        return summary
+
+    def __enter__(self) -> Session:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    # --- the pieces run.py builds for shoal's loop --------------------------------------------------
+
+    # --- the pieces run.py builds for shoal's loop (its hooks() and reload() read them off a Session as
+    # off the Parts of a run: cfg, run, env, comm, sampler, state, source, strategy, is_main) ------------
+
+    @property
+    def state(self):
+        from shoal.checkpoint.train_state import TrainState
+
+        if len(self.pairs) != 1:
+            raise UserError("checkpoints of a Session hold one prepared model and optimizer; with several, save "
+                            "them yourself (torch.distributed.checkpoint) or set checkpoint.enabled = false")
+        s = self.pairs[0]
+        if not hasattr(self, "_train_state"):
+            parts = {"sampler": self.sampler, "scheduler": s.schedule, "scaler": s.precision,
+                     "bad_steps": s.bad_steps, "sync": s.par.sync}
+            self._train_state = TrainState(s.par.model, local_optimizer(s.optimizer), parts,
+                                           replicas_differ=self.layout.replicas > 1)
+        self._train_state.parts["sampler"] = self.sampler  # sess.data() may have made a new one
+        return self._train_state
+
+    def _checkpoints(self) -> CheckpointManager:
+        if self.checkpoints is None:
+            self.checkpoints = CheckpointManager(self.run.checkpoints, self.cfg.checkpoint, self.comm)
+            self.pairs[0].save_wanted = self.checkpoints.wants_save
+            self.pairs[0].before_update = self.checkpoints.wait_staged
+            if self.is_main:
+                self.run.path.mkdir(parents=True, exist_ok=True)
+                self.run.config.write_text(self.cfg.to_toml(), encoding="utf-8")
+        return self.checkpoints
+
+    def _trainer(self) -> Trainer:
+        if self.trainer is None:
+            cfg = self.cfg
+            checkpoints = self._checkpoints()
+            sinks = MetricsSinks(self.run.path if self.is_main else None, cfg.train.steps, self.sampler.step,
+                                 "samples", cfg.metrics.tensorboard, cfg.metrics.progress)
+            self.trainer = Trainer(train=cfg.train, metrics=cfg.metrics, step=self.pairs[0], sampler=self.sampler,
+                                   source=None, items_name="samples", hooks=hooks(self, checkpoints),
+                                   watch=Watch(phase=self.phase, profile=self._profiler()), sinks=sinks,
+                                   validates=False)
+        self.trainer.sampler = self.sampler
+        return self.trainer
+
+    def _profiler(self) -> Profiler | None:
+        """metrics.profile: the step profile, as shoal train's (parts.profiler), MFU where the FLOPs are given."""
+        cfg, dims = self.cfg, self.layout.dims
+        if not cfg.metrics.profile:
+            return None
+        time_model_waits(self.comm.log, "dp", pipeline=False)  # FSDP2's all-gathers: exposed dp time
+        axes = ("dp",) * (dims.dp > 1) + ("world",) * (self.world_size > 1)
+        peak, _ = resolve_peak(cfg.metrics.peak, self.device, cfg.precision.dtype)
+        flops = self.flops_per_sample * cfg.train.global_batch_size if self.flops_per_sample else None
+        return Profiler(axes, 0.0, self.world_size, flops, peak, cfg.metrics.straggler_ratio,
+                        logged_step=self.sampler.step)
+
+    def _begin_step(self) -> None:
+        """A step's clock starts when the one before it ended (or at its first backward)."""
+        profile = self.trainer is not None and self.trainer.watch.profile is not None
+        self.timer = StepTimer(self.device, self.comm.log if profile else None)
+        self.timer.start()
+        self.sent = self.comm.sync_bytes
+
+    def _grad_sync(self) -> None:
+        """Whether the coming micro-batch's backward averages over dp: set before its forward, which is
+        where DDP reads it."""
+        for stepper in self.pairs:
+            set_grad_sync(stepper.par.module, stepper.par.sync.reduces(self.micro, self.per_step))
+
+    def _need_prepare(self, call: str) -> None:
+        if not self.pairs:
+            raise UserError(f"sess.{call}() before sess.prepare(model, optimizer): prepare the model first")
+
+
+class Loader:
+    """Iterating gives this rank's micro-batches, step after step, up to train.steps (see Session.data)."""
+
+    def __init__(self, sess: Session, dataset, micro: int, collate: Callable):
+        self.sess, self.dataset, self.micro, self.collate = sess, dataset, micro, collate
+
+    def batches(self, step: int) -> list:
+        sess = self.sess
+        dp_rank = sess.pairs[0].par.dp_rank if sess.pairs else sess.rank
+        idx = sess.sampler.local_micro_batches(step, dp_rank, sess.layout.dims.dp, self.micro)
+        return [self.collate([self.dataset[int(i)] for i in mb]) for mb in idx]
+
+    def __iter__(self) -> Iterator:
+        sess = self.sess
+        prefetch = Prefetcher(self.batches, sess.sampler.step, sess.cfg.data.prefetch)
+        try:
+            while sess.sampler.step < sess.cfg.train.steps:
+                step = sess.sampler.step
+                batches = prefetch.next()
+                if sess.timer is None:
+                    sess._begin_step()
+                sess.timer.mark("data_wait_s")
+                yield from batches
+                if sess.sampler.step == step:
+                    raise UserError("a step's micro-batches were used without sess.step() after each "
+                                    "sess.backward(loss); call both for every batch")
+        finally:
+            prefetch.close()
+
+
+def join(cfg: Config):
+    """This process's DistEnv and Comm: the process group someone made already, or one joined as shoal
+    train's workers join theirs."""
+    if dist.is_initialized():
+        env = existing_group()
+    else:
+        backend = resolve_layout(cfg, 1, cuda=torch.cuda.is_available()).backend
+        env = shoal_dist.init(backend, cfg.parallel.timeout_s)
+    return env, Comm(env.store, env.rank, env.world_size)
+
+
+def existing_group() -> shoal_dist.DistEnv:
+    import os
+
+    backend = dist.get_backend()
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
+    store = dist.distributed_c10d._get_default_store()
+    return shoal_dist.DistEnv(dist.get_rank(), dist.get_world_size(), local_rank,
+                              int(os.environ.get("LOCAL_WORLD_SIZE", 1)),
+                              int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)), device, store, store)
+
+
+def step_logged(sess: Session, step: int) -> bool:
+    m = sess.cfg.metrics
+    return (step + 1) % m.log_interval == 0 or step + 1 == sess.cfg.train.steps
+
+
+def _autocast(forward: Callable, precision: Precision) -> Callable:
+    def run(*args, **kwargs):
+        with precision.autocast():
+            return forward(*args, **kwargs)
+
+    return run
+
+
+def _loss_in_your_loop(model, batch):
+    raise AssertionError("a Session's loss is computed by the user's loop")
+
+
+class _UserData:
+    """What run.py's hooks read of a run's data source: its spec (a user's data: no sizes)."""
+
+    spec = DataSpec(kind="custom")
