@@ -57,3 +57,77 @@ def test_a_session_trains_as_shoal_train_does(ranks, tmp_path, layout):
     for a, b in zip(ours, theirs, strict=True):
         assert a["loss"] == pytest.approx(b["loss"], rel=1e-6, abs=0), (a, b)
         assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-6, abs=0), (a, b)
+
+
+def two_towers(env, run_dir: str, zero: int) -> dict:
+    """A custom step: two encoders, each with its own optimizer (AdamW and SGD), trained by one
+    contrastive loss between them; returns both models' final weights."""
+    from shoal import Session
+
+    sess = Session(run_dir=run_dir, train={"steps": 3, "global_batch_size": 16, "micro_batch_size": 4, "warmup_steps": 0},
+                   parallel={"zero": zero}, checkpoint={"enabled": False}, metrics={"tensorboard": False})
+    torch.manual_seed(0)
+    a, b = torch.nn.Linear(8, 4), torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.Tanh(), torch.nn.Linear(8, 4))
+    a, opt_a = sess.prepare(a, torch.optim.AdamW(a.parameters(), lr=1e-2))
+    b, opt_b = sess.prepare(b, torch.optim.SGD(b.parameters(), lr=1e-1, momentum=0.9))
+    g = torch.Generator().manual_seed(1)
+    pairs = [(torch.randn(8, generator=g), torch.randn(6, generator=g)) for _ in range(64)]
+    for x, y in sess.data(pairs):
+        za, zb = torch.nn.functional.normalize(a(x), dim=1), torch.nn.functional.normalize(b(y), dim=1)
+        loss = torch.nn.functional.cross_entropy(za @ zb.T / 0.1, torch.arange(len(x)))
+        sess.backward(loss)
+        sess.step()
+    sess.close()
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    full = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    return {f"{name}.{k}": v for name, m in (("a", a), ("b", b)) for k, v in get_model_state_dict(m, options=full).items()}
+
+
+def test_a_custom_step_with_two_models_and_two_optimizers_trains_as_one_process(ranks, tmp_path):
+    (alone,) = ranks(1).run(two_towers, str(tmp_path / "one"), 0)
+    dp2 = ranks(2).run(two_towers, str(tmp_path / "dp2"), 0)[0]
+    zero2 = ranks(2).run(two_towers, str(tmp_path / "zero2"), 2)[0]
+    for other in (dp2, zero2):
+        for k, v in alone.items():
+            torch.testing.assert_close(other[k], v, rtol=1e-5, atol=1e-6, msg=k)
+    torch.manual_seed(0)
+    assert not torch.allclose(alone["a.weight"], torch.nn.Linear(8, 4).weight, atol=1e-2)  # it trained
+
+
+def refusal(env, case: str, run_dir: str) -> str:
+    """The one-line UserError a misuse of a Session gets."""
+    from shoal import Session, UserError
+
+    sections = {"tp": {"parallel": {"tp": 2}}, "pp": {"parallel": {"pp": 2}},
+                "rollback": {"train": {"on_bad_step": "rollback"}}}.get(case, {})
+    model = torch.nn.Linear(4, 2)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    try:
+        sess = Session(run_dir=run_dir, **sections)
+        if case == "step first":
+            sess.step()
+        if case == "stepped optimizer":
+            model(torch.randn(2, 4)).sum().backward()
+            optimizer.step()
+        sess.prepare(model, optimizer)
+        if case == "second model":
+            other = torch.nn.Linear(2, 2)
+            sess.prepare(other, torch.optim.SGD(other.parameters(), lr=0.1))
+    except UserError as e:
+        return str(e)
+    return "no error"
+
+
+@pytest.mark.parametrize("case, expected", [
+    ("step first", "sess.step() before sess.prepare(model, optimizer): prepare the model first"),
+    ("tp", 'parallel.tp = 2, but model "Linear" cannot be split by tensor parallelism'),
+    ("pp", "parallel.pp > 1 and the parameter server run the loss inside shoal's own loop"),
+    ("rollback", 'train.on_bad_step = "rollback" reruns steps inside shoal\'s own loop; in a Session use "skip"'),
+    ("stepped optimizer", "the optimizer has already stepped; prepare it before its first step"),
+    ("second model", "a Session's checkpoints hold one prepared model and its optimizer; for a second one, set "
+                     "checkpoint.enabled = false"),
+])
+def test_misuse_is_one_line(ranks, tmp_path, case, expected):
+    messages = ranks(2).run(refusal, case, str(tmp_path / "run"))
+    assert all(expected in m and "\n" not in m for m in messages), messages

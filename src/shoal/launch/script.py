@@ -1,6 +1,6 @@
 """One worker of `shoal run`: the user's script (or module) as `python script.py ARGS` would run it.
 
-    python -m shoal.launch.script [--cpu] (PATH | -m MODULE) [ARGS...]
+    python -m shoal.launch.script [--cpu] [--horovod] (PATH | -m MODULE) [ARGS...]
 
 torch elastic has already set the worker's environment (torchrun's contract: RANK, WORLD_SIZE,
 LOCAL_RANK, ...). The script runs as __main__ with sys.argv and sys.path[0] as Python would set them
@@ -15,6 +15,7 @@ import runpy
 import sys
 import traceback
 
+from shoal.errors import UserError
 from shoal.launch.watch import Watch
 
 
@@ -24,12 +25,20 @@ def main(argv: list[str]) -> None:
 
         cpu.install()
         argv = argv[1:]
+    if argv[:1] == ["--horovod"]:  # `import horovod.torch` is shoal's Horovod API (shoal/horovod/alias.py)
+        from shoal.horovod import alias
+
+        alias.install()
+        argv = argv[1:]
     watch = Watch()
     watch.install()
     try:
         run(argv)
     except (SystemExit, KeyboardInterrupt):
         raise
+    except UserError as e:  # shoal's own refusal (a Session's config, a call out of order): one line, code 2
+        print(f"shoal: error: {e}", file=sys.stderr, flush=True)
+        sys.exit(2)
     except BaseException as e:  # noqa: BLE001 - as Python ends a script: its traceback, then exit code 1
         traceback.print_exc()
         watch.failed(e)

@@ -32,10 +32,12 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 
 from shoal import dist as shoal_dist
 from shoal.checkpoint.manager import CheckpointManager
 from shoal.checkpoint.resume import find_resume_point
+from shoal.checkpoint.train_state import TrainState, read_train_state
 from shoal.comm.collectives import Comm
 from shoal.comm.model_waits import time_model_waits
 from shoal.comm.phase import Phase
@@ -43,7 +45,7 @@ from shoal.config import Config, load_config
 from shoal.data.loader import Prefetcher
 from shoal.data.sampler import GlobalBatchSampler
 from shoal.errors import UserError
-from shoal.layout import resolve_layout
+from shoal.layout import choose_backend, resolve_layout
 from shoal.metrics.profile import Profiler, resolve_peak
 from shoal.metrics.sinks import MetricsSinks
 from shoal.metrics.timers import StepTimer
@@ -105,6 +107,8 @@ class Session:
         self.timer: StepTimer | None = None  # the step's, from its start
         self.sent = 0  # comm.sync_bytes when the step began
         self.lr = 0.0
+        self.has_data = False  # sess.data() was called: the sampler knows the data set
+        self.restored_position: dict | None = None  # a restored data position waiting for sess.data()
         self.flops_per_sample: float | None = None
         self.started = time.perf_counter()
 
@@ -140,6 +144,9 @@ class Session:
         `flops_per_sample`: its training FLOPs per sample, for the step profile's MFU. Call it once per
         model; a step updates every prepared model."""
         cfg = self.cfg
+        if self.pairs and cfg.checkpoint.enabled:
+            raise UserError("a Session's checkpoints hold one prepared model and its optimizer; for a second one, "
+                            "set checkpoint.enabled = false and save them yourself (torch.distributed.checkpoint)")
         self.flops_per_sample = (self.flops_per_sample or 0) + flops_per_sample if flops_per_sample else None
         if optimizer.state:
             raise UserError("sess.prepare(model, optimizer): the optimizer has already stepped; prepare it before "
@@ -188,6 +195,15 @@ class Session:
         position = self.sampler.step
         self.sampler = GlobalBatchSampler(len(dataset), batch, self.cfg.train.seed)
         self.sampler.step = position
+        if self.restored_position is not None:  # restore() came first: the data position it read
+            try:
+                self.sampler.load_state_dict(self.restored_position)
+            except ValueError as e:
+                raise UserError(f"sess.data(): cannot go on from the restored checkpoint: {e}") from None
+            self.restored_position = None
+        if self.trainer is not None:  # the loop's and the checkpoints' sampler from now on
+            self.trainer.sampler = self.state.parts["sampler"] = self.sampler
+        self.has_data = True
         self.per_step = batch // (micro * dp)
         return Loader(self, dataset, micro, collate or torch.utils.data.default_collate)
 
@@ -237,8 +253,14 @@ class Session:
         return out
 
     def log(self, **metrics: float) -> None:
-        """Your own numbers, in this step's line of metrics.jsonl and TensorBoard (rank 0's)."""
-        self.logged.update({k: float(v) for k, v in metrics.items()})
+        """Your own numbers, in metrics.jsonl and TensorBoard (rank 0's): during a step (before the step()
+        that ends it), in that step's line; between steps, in a line of their own for the step just done."""
+        values = {k: float(v) for k, v in metrics.items()}
+        if self.micro == 0 and self.trainer is not None and self.trainer.record.history:
+            for sink in self.trainer.sinks.files:
+                sink.log({"step": self.sampler.step, **values})
+        else:
+            self.logged.update(values)
 
     # --- checkpoints --------------------------------------------------------------------------------
 
@@ -262,23 +284,31 @@ class Session:
         found = self.comm.agree("resume_from", lambda: str(find_resume_point(self.run.checkpoints, "auto") or ""))
         if not found:
             return 0
-        reload(self, Path(found))
+        saved = read_train_state(Path(found))
+        # before sess.data() the data set is not known: its position waits for it
+        reload(self, Path(found), keep=() if self.has_data else ("sampler",))
+        if not self.has_data:
+            self.restored_position = saved["parts"]["sampler"]
+            self.sampler.step = saved["step"]
         self._grad_sync()
         return self.sampler.step
 
     def close(self) -> dict:
-        """Finish: a pending checkpoint written, summary.json (rank 0); returns the summary."""
+        """Collective. Finish: a pending checkpoint written, the final weights (model.safetensors, as shoal
+        train writes them, when checkpoint.final_weights and one model is prepared), summary.json (rank 0);
+        returns the summary."""
         from shoal.training.summary import summarize
 
         trainer = self._trainer() if self.pairs else None
         if self.checkpoints is not None:
             self.checkpoints.close()
-        if self.logged and trainer is not None:  # logged after the last step
-            trainer.sinks.log({"step": self.sampler.step, **self.logged})
         summary = {}
         if trainer is not None:
+            if self.cfg.checkpoint.final_weights and len(self.pairs) == 1:
+                self._save_weights()
             params = sum(p.numel() for s in self.pairs for p in s.par.model.parameters())
-            summary = summarize(trainer.record, "samples", model_name="session", n_params=params,
+            name = type(self.pairs[0].par.model).__name__
+            summary = summarize(trainer.record, "samples", model_name=name, n_params=params,
                                 dims=self.layout.dims, total_s=time.perf_counter() - self.started,
                                 restart_count=self.env.restart_count, recovery=None, run=self.run,
                                 is_main=self.is_main, bad_steps=self.pairs[0].bad_steps.state_dict(), start_step=0)
@@ -288,11 +318,28 @@ class Session:
         self.strategy.finish()
         return summary
 
+    def _save_weights(self) -> None:
+        """run_dir/model.safetensors: the whole model as one process holds it (gathered from its shards)."""
+        from safetensors.torch import save_file, save_model
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        par = self.pairs[0].par
+        if not par.sharded and not any(isinstance(p, DTensor) for p in par.model.parameters()):
+            if self.is_main:
+                save_model(par.model, str(self.run.weights))  # tied weights once
+            return
+        full = get_model_state_dict(par.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        if self.is_main:
+            save_file({k: v.contiguous() for k, v in full.items()}, str(self.run.weights))
+
     def __enter__(self) -> Session:
         return self
 
-    def __exit__(self, *exc) -> None:
-        self.close()
+    def __exit__(self, exc_type, *exc) -> None:
+        if exc_type is None:
+            self.close()
+        elif self.checkpoints is not None:  # failing: no summary, but a save in flight is finished
+            self.checkpoints.close()
 
     # --- the pieces run.py builds for shoal's loop --------------------------------------------------
 
@@ -301,18 +348,12 @@ class Session:
 
     @property
     def state(self):
-        from shoal.checkpoint.train_state import TrainState
-
-        if len(self.pairs) != 1:
-            raise UserError("checkpoints of a Session hold one prepared model and optimizer; with several, save "
-                            "them yourself (torch.distributed.checkpoint) or set checkpoint.enabled = false")
         s = self.pairs[0]
         if not hasattr(self, "_train_state"):
             parts = {"sampler": self.sampler, "scheduler": s.schedule, "scaler": s.precision,
                      "bad_steps": s.bad_steps, "sync": s.par.sync}
             self._train_state = TrainState(s.par.model, local_optimizer(s.optimizer), parts,
                                            replicas_differ=self.layout.replicas > 1)
-        self._train_state.parts["sampler"] = self.sampler  # sess.data() may have made a new one
         return self._train_state
 
     def _checkpoints(self) -> CheckpointManager:
@@ -335,7 +376,6 @@ class Session:
                                    source=None, items_name="samples", hooks=hooks(self, checkpoints),
                                    watch=Watch(phase=self.phase, profile=self._profiler()), sinks=sinks,
                                    validates=False)
-        self.trainer.sampler = self.sampler
         return self.trainer
 
     def _profiler(self) -> Profiler | None:
@@ -404,8 +444,7 @@ def join(cfg: Config):
     if dist.is_initialized():
         env = existing_group()
     else:
-        backend = resolve_layout(cfg, 1, cuda=torch.cuda.is_available()).backend
-        env = shoal_dist.init(backend, cfg.parallel.timeout_s)
+        env = shoal_dist.init(choose_backend(cfg.parallel.backend, torch.cuda.is_available()), cfg.parallel.timeout_s)
     return env, Comm(env.store, env.rank, env.world_size)
 
 
