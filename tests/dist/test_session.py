@@ -47,7 +47,13 @@ def session_gpt(env, overrides: list[str], run_dir: str) -> dict:
     return sess.close()
 
 
-@pytest.mark.parametrize("layout", [["--set", "parallel.zero=0"], ["--set", "parallel.zero=3"]], ids=["dp2", "zero3"])
+LAYOUTS = {"dp2": ["--set", "parallel.zero=0"], "zero3": ["--set", "parallel.zero=3"],
+           "zero2-int8": ["--set", "parallel.zero=2", "--set", 'comm.compression="int8"'],
+           "diloco": ["--set", 'sync.mode="diloco"', "--set", "sync.every=2"],
+           "bf16-checkpointing": ["--set", 'precision.dtype="bf16"', "--set", "precision.activation_checkpointing=true"]}
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS.values()), ids=list(LAYOUTS))
 def test_a_session_trains_as_shoal_train_does(ranks, tmp_path, layout):
     overrides = [*COMMON, *layout][1::2]
     ranks(2).run(train_on_ranks, overrides, str(tmp_path / "train"))

@@ -160,7 +160,10 @@ class Session:
         bundle = ModelBundle(model=model, loss_fn=_loss_in_your_loop, block_types=tuple(blocks))
         check_model_fits(bundle, type(model).__name__, cfg.parallel, cfg.precision)
         par = self.strategy.parallelize(bundle, None)
-        params = dict(par.model.named_parameters())
+        # the laid-out parameters by their original names (activation checkpointing and compile insert a
+        # wrapper's name into them)
+        params = {n.replace("_checkpoint_wrapped_module.", "").replace("_orig_mod.", ""): p
+                  for n, p in par.model.named_parameters()}
         groups = [{**g, "params": [params[n] for n in g["params"]]} for g in groups]
         # every group carries all its hyperparameters; the defaults only as far as the constructor takes them
         accepted = inspect.signature(type(optimizer).__init__).parameters
