@@ -126,13 +126,21 @@ class Parallelized:
                 add_to(totals, self.eval_fn(self.module, val_batch(chunk)))
         return totals
 
+    def holds_whole(self) -> bool:
+        """Every rank holds the whole model as one process would (no shards, no DTensors)."""
+        return not self.sharded and not any(isinstance(p, DTensor) for p in self.model.parameters())
+
+    def full_state(self) -> dict[str, torch.Tensor]:
+        """Collective: the whole model's state dict, gathered from the shards onto the CPU."""
+        return get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+
     def whole_model(self, plain_model: Callable[[], torch.nn.Module], is_main: bool) -> torch.nn.Module | None:
         """Collective: the whole trained model on the main rank, as one process would hold it (the live
         module, or `plain_model()` loaded with the gathered shards); None elsewhere, and None everywhere
         when no rank holds the whole model (pipeline stages: the final checkpoint does)."""
-        if not self.sharded and not any(isinstance(p, DTensor) for p in self.model.parameters()):
+        if self.holds_whole():
             return self.model if is_main else None
-        full = get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        full = self.full_state()
         if not is_main:
             return None
         model = plain_model()

@@ -32,7 +32,6 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import DTensor
 
 from shoal import dist as shoal_dist
 from shoal.checkpoint.manager import CheckpointManager
@@ -324,14 +323,13 @@ class Session:
     def _save_weights(self) -> None:
         """run_dir/model.safetensors: the whole model as one process holds it (gathered from its shards)."""
         from safetensors.torch import save_file, save_model
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
         par = self.pairs[0].par
-        if not par.sharded and not any(isinstance(p, DTensor) for p in par.model.parameters()):
+        if par.holds_whole():
             if self.is_main:
                 save_model(par.model, str(self.run.weights))  # tied weights once
             return
-        full = get_model_state_dict(par.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        full = par.full_state()
         if self.is_main:
             save_file({k: v.contiguous() for k, v in full.items()}, str(self.run.weights))
 
