@@ -72,7 +72,7 @@ def two_towers(env, run_dir: str, zero: int) -> dict:
 
     sess = Session(run_dir=run_dir, train={"steps": 3, "global_batch_size": 16, "micro_batch_size": 4, "warmup_steps": 0},
                    parallel={"zero": zero}, checkpoint={"enabled": False}, metrics={"tensorboard": False})
-    torch.manual_seed(0)
+    torch.manual_seed(env.rank)  # ranks build different weights: prepare starts every rank from rank 0's
     a, b = torch.nn.Linear(8, 4), torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.Tanh(), torch.nn.Linear(8, 4))
     a, opt_a = sess.prepare(a, torch.optim.AdamW(a.parameters(), lr=1e-2))
     b, opt_b = sess.prepare(b, torch.optim.SGD(b.parameters(), lr=1e-1, momentum=0.9))

@@ -156,6 +156,8 @@ class Session:
         if any(n is None for g in groups for n in g["params"]):
             raise UserError("sess.prepare(model, optimizer): the optimizer holds parameters that are not the "
                             "model's; give each model its own optimizer")
+        if self.world_size > 1:  # every rank starts from rank 0's weights, as DDP's constructor makes them
+            _from_rank0(model)
         bundle = ModelBundle(model=model, loss_fn=_loss_in_your_loop, block_types=tuple(blocks))
         check_model_fits(bundle, type(model).__name__, cfg.parallel, cfg.precision)
         par = self.strategy.parallelize(bundle, None)
@@ -464,6 +466,14 @@ def existing_group() -> shoal_dist.DistEnv:
 def step_logged(sess: Session, step: int) -> bool:
     m = sess.cfg.metrics
     return (step + 1) % m.log_interval == 0 or step + 1 == sess.cfg.train.steps
+
+
+@torch.no_grad()
+def _from_rank0(model: torch.nn.Module) -> None:
+    """Rank 0's parameters and buffers on every rank (before ZeRO shards them: FSDP2 keeps each rank's own
+    slice of whatever that rank built, so ranks seeded differently would train a patchwork)."""
+    for t in [*model.parameters(), *model.buffers()]:
+        dist.broadcast(t.data, src=0)
 
 
 def _autocast(forward: Callable, precision: Precision) -> Callable:
