@@ -11,10 +11,11 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from pathlib import Path
 
-from shoal.errors import TrainingError, UserError
+from shoal.config.literals import overrides_as_sets
+from shoal.errors import TrainingError
 
 
 def train(config: str | Path | None = None, overrides: Mapping[str, object] | None = None, nproc: int | None = None,
@@ -28,7 +29,7 @@ def train(config: str | Path | None = None, overrides: Mapping[str, object] | No
     from shoal.config import load_config
     from shoal.rundir import default_run_dir
 
-    sets = [f"{key}={toml_value(key, value)}" for key, value in (overrides or {}).items()]
+    sets = overrides_as_sets(overrides)
     argv = ["train", *([str(config)] if config is not None else []), *[a for s in sets for a in ("--set", s)],
             *(["--nproc", str(nproc)] if nproc is not None else []), "--resume", resume,
             "--max-restarts", str(max_restarts)]
@@ -48,36 +49,3 @@ def train(config: str | Path | None = None, overrides: Mapping[str, object] | No
     if code != 0 or not summary.exists():
         raise TrainingError(f"training failed (exit code {code}); its output is above, its run dir {where}")
     return json.loads(summary.read_text())
-
-
-def toml_value(key: str, value: object) -> str:
-    """`value` as the TOML literal an override takes; a callable as "module:qualname"."""
-    if callable(value):
-        value = importable_name(key, value)
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    if isinstance(value, (int, float)):
-        return repr(value)
-    if isinstance(value, str):
-        return json.dumps(value)  # a TOML basic string: quotes and escapes as JSON's
-    if isinstance(value, (list, tuple)):
-        return "[" + ", ".join(toml_value(key, v) for v in value) + "]"
-    raise UserError(f"{key}: {type(value).__name__} values cannot be passed; give a number, string, bool or list")
-
-
-def importable_name(key: str, fn: Callable) -> str:
-    """The "module:qualname" workers import `fn` by, checked to lead back to `fn`."""
-    import importlib
-
-    module, qualname = getattr(fn, "__module__", None), getattr(fn, "__qualname__", "")
-    if not module or module == "__main__" or "<locals>" in qualname or "<lambda>" in qualname:
-        raise UserError(f"{key}: {getattr(fn, '__name__', fn)!r} cannot be imported by the workers (defined in "
-                        f"{module or 'no module'}{', inside a function' if '<locals>' in qualname else ''}); define "
-                        f"it at the top level of an importable module and pass it, or its 'module:function' name")
-    target = importlib.import_module(module)
-    for part in qualname.split("."):
-        target = getattr(target, part, None)
-    if target is not fn:
-        raise UserError(f"{key}: {module}:{qualname} does not lead back to the callable passed; pass its "
-                        f"'module:function' name instead")
-    return f"{module}:{qualname}"

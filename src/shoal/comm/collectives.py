@@ -80,6 +80,13 @@ class Comm:
         return Pending(dist.reduce_scatter_single(out, t, op=op, group=self._g(group), async_op=True), rec,
                        self.log, out).wait()
 
+    @torch.no_grad()
+    def broadcast_module(self, module: torch.nn.Module, src: int = 0) -> None:
+        """Rank `src`'s parameters and buffers on every rank, in place (over the whole world)."""
+        for t in [*module.parameters(), *module.buffers()]:
+            with self.log.record("broadcast", "world, initial weights"):
+                dist.broadcast(t.data, src=src, group=self.group)
+
     def barrier(self, label: str = "world", group=None) -> None:
         with self.log.record("barrier", label):
             dist.barrier(group=self._g(group))

@@ -41,6 +41,7 @@ from shoal.comm.collectives import Comm
 from shoal.comm.model_waits import time_model_waits
 from shoal.comm.phase import Phase
 from shoal.config import Config, load_config
+from shoal.config.literals import overrides_as_sets
 from shoal.data.loader import Prefetcher
 from shoal.data.sampler import GlobalBatchSampler
 from shoal.errors import UserError
@@ -67,32 +68,18 @@ class Session:
                  run_dir: str | Path | None = None, **sections: dict):
         """`config`: a TOML file, a loaded Config, or None (the defaults); `overrides`: {"train.steps": 100,
         ...} as --set gives them; `sections`: whole sections as dicts, e.g. parallel={"zero": 3}."""
-        from shoal.api import toml_value
-
-        sets = [f"{k}={toml_value(k, v)}" for k, v in (overrides or {}).items()]
-        for section, values in sections.items():
-            if not isinstance(values, dict):
-                raise UserError(f"Session({section}=...): give a section as a dict of its keys, e.g. "
-                                f"Session(train={{'steps': 100}})")
-            sets += [f"{section}.{k}={toml_value(f'{section}.{k}', v)}" for k, v in values.items()]
-        if isinstance(config, Config):
-            if sets:
-                raise UserError("Session(config): a loaded Config takes no overrides or sections; load it with them "
-                                "(shoal.load_config(path, ['train.steps=100']))")
-            cfg = self.cfg = config
-            config = None
-        else:
-            cfg = self.cfg = load_config(str(config) if config is not None else None, sets)
+        cfg = self.cfg = session_config(config, overrides, sections)
+        if cfg.train.on_bad_step == "rollback":
+            raise UserError('train.on_bad_step = "rollback" reruns steps inside shoal\'s own loop; in a Session use '
+                            '"skip" or "abort"')
         self.env, self.comm = join(cfg)
         self.layout = resolve_layout(cfg, self.env.world_size, cuda=torch.cuda.is_available())
         if self.layout.dims.pp > 1 or self.layout.servers:
             raise UserError("parallel.pp > 1 and the parameter server run the loss inside shoal's own loop; use "
                             "`shoal train` for them, or parallel.pp = 1 and another sync.mode in a Session")
-        where = Path(run_dir) if run_dir is not None else default_run_dir(str(config) if config else None, cfg)
+        path = None if isinstance(config, Config) or config is None else str(config)
+        where = Path(run_dir) if run_dir is not None else default_run_dir(path, cfg)
         self.run = RunDir(Path(self.comm.agree("run_dir", lambda: str(where))))
-        if cfg.train.on_bad_step == "rollback":
-            raise UserError('train.on_bad_step = "rollback" reruns steps inside shoal\'s own loop; in a Session use '
-                            '"skip" or "abort"')
         self.phase = Phase()
         self.source, self.strategy = _UserData(), Strategy(cfg, self.layout, self.env.device, self.env.rank, self.comm)
         self.pairs: list[Stepper] = []
@@ -150,26 +137,13 @@ class Session:
         if optimizer.state:
             raise UserError("sess.prepare(model, optimizer): the optimizer has already stepped; prepare it before "
                             "its first step (its state would not follow the laid-out parameters)")
-        names = {id(p): n for n, p in model.named_parameters()}
-        groups = [{**{k: v for k, v in g.items() if k != "params"}, "params": [names[id(p)] for p in g["params"]]}
-                  for g in optimizer.param_groups]
-        if any(n is None for g in groups for n in g["params"]):
-            raise UserError("sess.prepare(model, optimizer): the optimizer holds parameters that are not the "
-                            "model's; give each model its own optimizer")
+        groups = named_groups(model, optimizer)
         if self.world_size > 1:  # every rank starts from rank 0's weights, as DDP's constructor makes them
-            _from_rank0(model)
+            self.comm.broadcast_module(model)
         bundle = ModelBundle(model=model, loss_fn=_loss_in_your_loop, block_types=tuple(blocks))
         check_model_fits(bundle, type(model).__name__, cfg.parallel, cfg.precision)
         par = self.strategy.parallelize(bundle, None)
-        # the laid-out parameters by their original names (activation checkpointing and compile insert a
-        # wrapper's name into them)
-        params = {n.replace("_checkpoint_wrapped_module.", "").replace("_orig_mod.", ""): p
-                  for n, p in par.model.named_parameters()}
-        groups = [{**g, "params": [params[n] for n in g["params"]]} for g in groups]
-        # every group carries all its hyperparameters; the defaults only as far as the constructor takes them
-        accepted = inspect.signature(type(optimizer).__init__).parameters
-        defaults = {k: v for k, v in optimizer.defaults.items() if k in accepted}
-        optimizer = par.build_optimizer(groups, type(optimizer), **defaults)
+        optimizer = rebuilt(optimizer, groups, par)
         precision = Precision(cfg.precision.dtype, self.device)
         if precision.dtype != torch.float32:  # the forward the user calls runs under autocast, as shoal's
             par.module.forward = _autocast(par.module.forward, precision)
@@ -441,6 +415,22 @@ class Loader:
             prefetch.close()
 
 
+def session_config(config: str | Path | Config | None, overrides: dict | None, sections: dict) -> Config:
+    """The validated config of Session(config, overrides=..., **sections)."""
+    sets = overrides_as_sets(overrides)
+    for section, values in sections.items():
+        if not isinstance(values, dict):
+            raise UserError(f"Session({section}=...): give a section as a dict of its keys, e.g. "
+                            f"Session(train={{'steps': 100}})")
+        sets += overrides_as_sets({f"{section}.{k}": v for k, v in values.items()})
+    if not isinstance(config, Config):
+        return load_config(str(config) if config is not None else None, sets)
+    if sets:
+        raise UserError("Session(config): a loaded Config takes no overrides or sections; load it with them "
+                        "(shoal.load_config(path, ['train.steps=100']))")
+    return config
+
+
 def join(cfg: Config):
     """This process's DistEnv and Comm: the process group someone made already, or one joined as shoal
     train's workers join theirs."""
@@ -468,12 +458,28 @@ def step_logged(sess: Session, step: int) -> bool:
     return (step + 1) % m.log_interval == 0 or step + 1 == sess.cfg.train.steps
 
 
-@torch.no_grad()
-def _from_rank0(model: torch.nn.Module) -> None:
-    """Rank 0's parameters and buffers on every rank (before ZeRO shards them: FSDP2 keeps each rank's own
-    slice of whatever that rank built, so ranks seeded differently would train a patchwork)."""
-    for t in [*model.parameters(), *model.buffers()]:
-        dist.broadcast(t.data, src=0)
+def named_groups(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> list[dict]:
+    """The optimizer's parameter groups with the parameters' names in place of the parameters."""
+    names = {id(p): n for n, p in model.named_parameters()}
+    if any(id(p) not in names for g in optimizer.param_groups for p in g["params"]):
+        raise UserError("sess.prepare(model, optimizer): the optimizer holds parameters that are not the model's; "
+                        "give each model its own optimizer")
+    return [{**{k: v for k, v in g.items() if k != "params"}, "params": [names[id(p)] for p in g["params"]]}
+            for g in optimizer.param_groups]
+
+
+def rebuilt(optimizer: torch.optim.Optimizer, groups: list[dict], par) -> torch.optim.Optimizer:
+    """An optimizer of `optimizer`'s class over the laid-out model's parameters, group by group (ZeRO 1:
+    sharded, as shoal train's)."""
+    # the laid-out parameters by their original names (activation checkpointing and compile insert a
+    # wrapper's name into them)
+    params = {n.replace("_checkpoint_wrapped_module.", "").replace("_orig_mod.", ""): p
+              for n, p in par.model.named_parameters()}
+    groups = [{**g, "params": [params[n] for n in g["params"]]} for g in groups]
+    # every group carries all its hyperparameters; the defaults only as far as the constructor takes them
+    accepted = inspect.signature(type(optimizer).__init__).parameters
+    defaults = {k: v for k, v in optimizer.defaults.items() if k in accepted}
+    return par.build_optimizer(groups, type(optimizer), **defaults)
 
 
 def _autocast(forward: Callable, precision: Precision) -> Callable:
