@@ -22,6 +22,13 @@ def add_parser(sub) -> None:
     r.add_argument("--cpu", action="store_true",
                    help="run a script written for CUDA GPUs on CPU workers, unchanged: nccl becomes gloo and "
                         "CUDA devices the CPU (src/shoal/launch/cpu.py)")
+    r.add_argument("--horovod", action="store_true",
+                   help="run a Horovod script unchanged: its `import horovod.torch` is shoal's Horovod API "
+                        "(docs/horovod.md)")
+    r.add_argument("-np", dest="np", type=int, metavar="N", help="horovodrun's number of processes (with --horovod)")
+    r.add_argument("-H", dest="hosts", metavar="HOST:SLOTS,...",
+                   help="horovodrun's hosts (with --horovod): this machine's, or every host of the cluster on this "
+                        "machine (`shoal cluster up`); other machines run `shoal run` themselves (docs/horovod.md)")
     r.add_argument("-m", "--module", action="store_true", help="SCRIPT is a module to run, as python -m")
     r.add_argument("script", metavar="SCRIPT", help="the training script (or module, with -m)")
     r.add_argument("script_args", nargs=argparse.REMAINDER, metavar="...", help="the script's arguments")
@@ -34,11 +41,13 @@ def run(args: argparse.Namespace) -> int:
     if not args.module and not Path(args.script).is_file():
         raise UserError(f"script {args.script!r} does not exist (a module to run as python -m takes -m: "
                         f"shoal run -m {args.script})")
+    if args.np is not None or args.hosts:
+        horovodrun_flags(args)
     if args.cluster:
         return run_on_cluster(args)
     nodes = node_flags(args)
-    worker = ["-m", "shoal.launch.script", *(["--cpu"] if args.cpu else []), *(["-m"] if args.module else []),
-              args.script, *args.script_args]
+    worker = ["-m", "shoal.launch.script", *(["--cpu"] if args.cpu else []), *(["--horovod"] if args.horovod else []),
+              *(["-m"] if args.module else []), args.script, *args.script_args]
     return launch(worker, args.nproc, nodes, args.node_rank, args.rdzv_endpoint, threads=threads(args.nproc),
                   max_restarts=args.max_restarts, rdzv_timeout=args.rdzv_timeout, worst_code=True)
 
@@ -51,6 +60,19 @@ def threads(nproc: int) -> int | None:
     return None if "OMP_NUM_THREADS" in os.environ else share_of_cores(nproc)
 
 
+def horovodrun_flags(args: argparse.Namespace) -> None:
+    """-np / -H (horovodrun's) as --nproc and --cluster (shoal/horovod/hosts.py)."""
+    from shoal.horovod.hosts import placement
+    from shoal.testbed import hosts
+
+    if not args.horovod:
+        raise UserError("-np and -H are horovodrun's flags: they come with --horovod (without it, give --nproc)")
+    cluster = hosts.load()
+    where = placement(args.np, args.hosts, args.nproc, args.cluster,
+                      [(h.name, h.addr) for h in cluster.hosts] if cluster else None)
+    args.nproc, args.cluster = where.nproc, where.cluster
+
+
 def run_on_cluster(args: argparse.Namespace) -> int:
     """`shoal run ... --cluster`: the same command, as one node per host of the cluster that is up."""
     from shoal.testbed.run import run as run_on_hosts
@@ -59,4 +81,8 @@ def run_on_cluster(args: argparse.Namespace) -> int:
         raise UserError("--cluster sets --nnodes, --node-rank and --rdzv-endpoint for each host; leave them out")
     at = len(args.argv) - len(args.script_args) - 1  # the script: the flags before it are shoal's
     flags = [a for a in args.argv[1:at] if not (len(a) > 4 and "--cluster".startswith(a))]
+    if args.np is not None or args.hosts:  # resolved above: each host gets its --nproc
+        from shoal.horovod.hosts import without_flags
+
+        flags = ["--nproc", str(args.nproc), *without_flags(flags)]
     return run_on_hosts(["shoal", "run", *flags, *args.argv[at:]])
