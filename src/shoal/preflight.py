@@ -20,6 +20,7 @@ from shoal.config import Config
 from shoal.data.sources import build_source
 from shoal.errors import UserError
 from shoal.layout import Layout, resolve_layout
+from shoal.models.keras import check_layout as check_keras_layout
 from shoal.models.meta import on_meta
 from shoal.models.pretrained import check_pretrained
 from shoal.models.registry import build_model
@@ -80,6 +81,8 @@ def check_fit(cfg: Config, layout: Layout, bundle: ModelBundle, source) -> None:
     if source.num_val < dims.dp:
         raise UserError(f"the validation split has {source.num_val} samples, fewer than dp ({dims.dp}); "
                         f"raise data.val_fraction")
+    check_keras_layout(bundle.model, tp=dims.tp, pp=dims.pp, compile=cfg.train.compile,
+                       activation_checkpointing=cfg.precision.activation_checkpointing)
     check_model_fits(bundle, cfg.model.name, cfg.parallel, cfg.precision)
     if dims.pp > 1 and cfg.checkpoint.final_weights and not cfg.checkpoint.enabled:
         raise UserError("with parallel.pp > 1 the final weights are exported from the final checkpoint: set "

@@ -7,6 +7,7 @@ it returns, what a batch is, how losses are summed) is models/spec.py.
 from __future__ import annotations
 
 import importlib
+import os
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -15,6 +16,7 @@ from typing import Any
 from pydantic import ConfigDict
 
 from shoal.errors import UserError
+from shoal.models import keras  # light: keras itself is imported by the user's module that uses it
 from shoal.models.spec import DataSpec, ModelBundle, ModelSection
 
 
@@ -55,8 +57,10 @@ def build_model(cfg: ModelSection, spec: DataSpec, pretrained: bool = False, ada
     """The model of `cfg`; with `pretrained`, its initial weights loaded (model.init_from) before any
     adapters (model.lora; left out with adapters=False) wrap it: their names are the base model's."""
     builtins = _builtins()
-    builder = builtins[cfg.name][1] if cfg.name in builtins else _import_user_builder(cfg.name)
-    bundle = builder(cfg, spec)
+    if cfg.name in builtins:
+        bundle = builtins[cfg.name][1](cfg, spec)
+    else:
+        bundle = _build_user_model(_import_user_builder(cfg.name), cfg, spec)
     if isinstance(bundle, tuple):  # user models may return (model, loss_fn)
         bundle = ModelBundle(*bundle)
     if pretrained and cfg.initial_weights():
@@ -73,6 +77,12 @@ def build_model(cfg: ModelSection, spec: DataSpec, pretrained: bool = False, ada
     return bundle
 
 
+def _build_user_model(builder: Callable[..., Any], cfg: ModelSection, spec: DataSpec) -> Any:
+    with keras.keras_build() as build:
+        built = builder(cfg, spec)
+    return keras.user_bundle(built, build, cfg.name)
+
+
 def _import_user_builder(name: str) -> Callable[..., Any]:
     return import_user_callable("model.name", name)
 
@@ -83,9 +93,16 @@ def import_user_callable(key: str, name: str) -> Callable[..., Any]:
     # like `python -m`, let a user's module live in the current directory
     if str(Path.cwd()) not in sys.path:
         sys.path.insert(0, str(Path.cwd()))
+    # Keras reads its backend once, when first imported, which a user's module does at its top: so here, where
+    # shoal imports user code (in the launcher's checks and again in each worker, whatever started it). Only a
+    # default: a backend the user chose is refused by name (models/keras.py)
+    os.environ.setdefault("KERAS_BACKEND", "torch")
     try:
         module = importlib.import_module(module_name)
     except ImportError as e:
+        missing = keras.import_error(key, name, e)  # keras, or the backend KERAS_BACKEND names, is missing
+        if missing:
+            raise missing from None
         raise UserError(f'{key} = "{name}": cannot import {module_name} ({e}); check PYTHONPATH') from None
     fn = getattr(module, func_name, None)
     if not callable(fn):
