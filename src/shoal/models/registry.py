@@ -95,8 +95,9 @@ def import_user_callable(key: str, name: str) -> Callable[..., Any]:
         sys.path.insert(0, str(Path.cwd()))
     # Keras reads its backend once, when first imported, which a user's module does at its top: so here, where
     # shoal imports user code (in the launcher's checks and again in each worker, whatever started it). Only a
-    # default: a backend the user chose is refused by name (models/keras.py)
-    os.environ.setdefault("KERAS_BACKEND", "torch")
+    # default (Keras takes an empty value as unset too): a backend the user chose is refused by name (models/keras.py)
+    if not os.environ.get("KERAS_BACKEND"):
+        os.environ["KERAS_BACKEND"] = "torch"
     try:
         module = importlib.import_module(module_name)
     except ImportError as e:
