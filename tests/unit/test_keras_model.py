@@ -4,6 +4,7 @@ state), named the same in every build, its loss Keras's own training loss times 
 torch's mode; what it cannot train under is refused in one line before any worker starts.
 """
 
+import copy
 import importlib.util
 import os
 import random
@@ -103,6 +104,20 @@ def test_torchs_training_mode_is_keras_training_flag_and_updates_its_state():
     assert not torch.equal(*trained) and not torch.equal(trained[0], evaluated[0])  # dropout, batch statistics
     moved = module.state_dict()["sequential/batch_normalization/moving_mean"]
     assert not torch.equal(moved, mean)  # Keras's update landed in the module's state (so in checkpoints)
+
+
+def test_a_deep_copy_computes_the_same_and_trains_apart():
+    b = bundle("cnn", "model.batchnorm=true")
+    module, data = b.model.eval(), batch()
+    twin = copy.deepcopy(module)
+    assert twin.keras_model is not module.keras_model and twin.state_dict().keys() == module.state_dict().keys()
+    with torch.no_grad():
+        torch.testing.assert_close(twin(data["image"]), module(data["image"]), rtol=0, atol=0)
+        for p in twin.parameters():
+            p.zero_()
+        assert not torch.equal(twin(data["image"]), module(data["image"]))
+    b.loss_fn(module, data).backward()
+    assert all(p.grad is None for p in twin.parameters())
 
 
 def test_own_loss_function_gets_the_wrapped_model():

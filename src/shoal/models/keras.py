@@ -5,12 +5,13 @@ TensorFlow and JAX backends, and TensorFlow graphs, are out of scope: shoal trai
 On the torch backend a Keras model is a torch.nn.Module, but not one torch's wrappers can train as it is
 (keras 3.15, torch 2.13):
   - its layers compute with each Keras Variable's own torch Parameter (`variable._value`), not with what
-    the module has registered. DDP works (it hooks those same parameters' gradients), but FSDP2 puts sharded
-    and gathered tensors in the module's place that the layers never read: they would train the stale
-    originals, and no gradient would reach the shards.
+    the module has registered. DDP hooks those same parameters' gradients, but FSDP2 puts sharded and
+    gathered tensors in the module's place that the layers never read (measured: after fully_shard, a
+    forward and backward left every sharded parameter without a gradient).
   - every variable is an nn.Parameter of one ParameterDict, the int32 state of each seeded random layer and
-    BatchNormalization's moving statistics too: FSDP2 refuses a unit of mixed dtypes, and would drop
-    in-place updates made to gathered tensors (the moving statistics).
+    BatchNormalization's moving statistics too: FSDP2 would shard them with the weights and drop the
+    in-place updates Keras makes to the gathered copies (measured: a statistic added to in the forward of a
+    fully_shard module was still 0 after two steps).
   - a Sequential or Functional model registers its variables twice (its own ParameterDict and its inner
     Functional's: 9 variables, 18 parameters by name).
   - a layer's training behaviour (dropout, BatchNormalization) follows its `training` argument, not torch's
@@ -28,9 +29,11 @@ reduction is the mean over them, so every split of the global batch trains Keras
 
 from __future__ import annotations
 
+import copy
 import os
 import random
 import sys
+import warnings
 from collections import defaultdict
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -140,37 +143,48 @@ class KerasModule(nn.Module):
     """The torch module shoal trains for a Keras model (see the module doc). `module(x)` is the Keras model's
     outputs; `module(x, y)` is (outputs, loss summed over samples) of a compiled model."""
 
-    def __init__(self, model):
+    def __init__(self, model, names: list[str] | None = None):
         super().__init__()
-        self.keras = require("keras", "keras", "a Keras model")
+        keras = require("keras", "keras", "a Keras model")
         self._model = (model,)  # in a tuple: not a submodule, whose ParameterDicts would register the tensors again
         self._variables = list(model.variables)
-        paths = [v.path for v in self._variables]
-        if len(set(paths)) < len(paths):
-            twice = next(p for p in paths if paths.count(p) > 1)
+        self._names = names or [v.path for v in self._variables]  # the variables' paths, or a copy's original's
+        if len(set(self._names)) < len(self._names):
+            twice = next(p for p in self._names if self._names.count(p) > 1)
             raise UserError(f"the Keras model has two variables at path {twice!r}; give its layers unique names")
-        for v in self._variables:
+        for name, v in zip(self._names, self._variables, strict=True):
             if v.trainable:
-                self.register_parameter(v.path, v._value)
+                self.register_parameter(name, v._value)
             else:  # moving statistics, seed generator states, frozen weights: state, not trained
-                self.register_buffer(v.path, v._value.detach())
+                self.register_buffer(name, v._value.detach())
         if not self._parameters:
             raise UserError("the Keras model has no trainable variables; build it (keras.Input, or call it "
                             "once) and leave some layers trainable")
-        self.loss = _compiled_loss(self.keras, model)
+        self.loss = _compiled_loss(keras, model)
 
     @property
     def keras_model(self):
         return self._model[0]
 
+    def __deepcopy__(self, memo):
+        """A copy that trains apart: Keras's own deepcopy rebuilds the model from its config and weights (its
+        variables in the same order, under other paths: "dense/kernel" for "sequential/dense/kernel"), which
+        the copy registers under this module's names; the tensors are this module's current ones."""
+        self._bind()
+        with warnings.catch_warnings():  # Keras's noise: the (unused) compiled optimizer not copied, numpy 2's copy=
+            warnings.simplefilter("ignore")
+            twin = KerasModule(copy.deepcopy(self.keras_model, memo), names=self._names)
+        twin.load_state_dict(self.state_dict())
+        return twin.train(self.training)
+
     def _bind(self) -> torch.device:
-        for v in self._variables:
-            v._value = self._parameters[v.path] if v.trainable else self._buffers[v.path]
+        for name, v in zip(self._names, self._variables, strict=True):
+            v._value = self._parameters[name] if v.trainable else self._buffers[name]
         return next(iter(self._parameters.values())).device
 
     def forward(self, x, y=None):
         device = self._bind()
-        with self.keras.device(str(device)):  # Keras makes its own tensors (dropout masks) on its device
+        with sys.modules["keras"].device(str(device)):  # Keras makes its own tensors (dropout masks) on its device
             out = self.keras_model(x, training=self.training)
             if y is None:
                 return out
@@ -278,7 +292,7 @@ def keras_bundle(model) -> ModelBundle:
     if module.loss is None:
         raise UserError("the function returned a Keras model with no loss; compile it with "
                         "model.compile(loss=...) or return (model, loss_fn) with a loss_fn that sums over samples")
-    return ModelBundle(module, keras_loss, eval_fn=KerasMetrics(module.keras, model))
+    return ModelBundle(module, keras_loss, eval_fn=KerasMetrics(sys.modules["keras"], model))
 
 
 
