@@ -120,6 +120,14 @@ def test_a_deep_copy_computes_the_same_and_trains_apart():
     assert all(p.grad is None for p in twin.parameters())
 
 
+def test_keras_own_training_loop_is_refused_once_shoal_holds_the_model():
+    model = bundle().model.keras_model
+    for call in (model.fit, model.train_on_batch):
+        with pytest.raises(UserError, match=r"of a Keras model shoal trains would step Keras's optimizer past shoal's "
+                                            r"layout .*: shoal train, or sess.backward\(\) / sess.step\(\)"):
+            call(batch()["image"], batch()["label"])
+
+
 def test_own_loss_function_gets_the_wrapped_model():
     b = bundle("cnn_own_loss")
     assert isinstance(b.model, KerasModule)

@@ -50,6 +50,8 @@ from shoal.models.spec import Batch, ModelBundle
 TARGET_KEYS = ("label", "target", "y")
 # Keras reductions that are a mean over the batch's elements: times the samples, a sum over samples
 MEAN_REDUCTIONS = ("sum_over_batch_size", "mean")
+# the Keras model's own training loop, refused once shoal holds the model
+KERAS_LOOP = ("fit", "train_on_batch")
 
 
 def is_keras(obj: object) -> bool:
@@ -161,6 +163,8 @@ class KerasModule(nn.Module):
             raise UserError("the Keras model has no trainable variables; build it (keras.Input, or call it "
                             "once) and leave some layers trainable")
         self.loss = _compiled_loss(keras, model)
+        for method in KERAS_LOOP:  # Keras's own loop would call the model past the wrappers, with its own optimizer
+            setattr(model, method, _refusal(method))
 
     @property
     def keras_model(self):
@@ -196,6 +200,14 @@ class KerasModule(nn.Module):
             for extra in self.keras_model.losses:
                 mean = mean + extra
             return out, mean * len(y)
+
+
+def _refusal(method: str):
+    def refuse(*args, **kwargs):
+        raise UserError(f"model.{method}() of a Keras model shoal trains would step Keras's optimizer past shoal's "
+                        f"layout (no gradient sync under dp, stale shards under ZeRO 2/3); let shoal train it: "
+                        f"shoal train, or sess.backward() / sess.step() in your loop")
+    return refuse
 
 
 def _float(out):
