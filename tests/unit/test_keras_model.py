@@ -128,6 +128,18 @@ def test_keras_own_training_loop_is_refused_once_shoal_holds_the_model():
             call(batch()["image"], batch()["label"])
 
 
+def test_a_trace_on_the_meta_device_is_refused_in_one_line():
+    """shoal plan and the MFU count trace a forward and backward on the meta device, where Keras cuts the graph."""
+    cfg = load_config(None, ['model.name="keras_user.models:cnn"', *IMAGES])
+    with on_meta():
+        b = build_model(cfg.model, build_source(cfg.data, None, 0).spec)
+    meta = {k: v.to("meta") for k, v in batch(2).items()}
+    with pytest.raises(UserError, match="a Keras model cannot be traced on the meta device"):
+        b.loss_fn(b.model, meta)
+    with torch.no_grad():  # shapes alone (the start-time checks) are fine
+        assert b.model(meta["image"]).shape == (2, 10)
+
+
 def test_own_loss_function_gets_the_wrapped_model():
     b = bundle("cnn_own_loss")
     assert isinstance(b.model, KerasModule)

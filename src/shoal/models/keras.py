@@ -190,6 +190,12 @@ class KerasModule(nn.Module):
         device = self._bind()
         with sys.modules["keras"].device(str(device)):  # Keras makes its own tensors (dropout masks) on its device
             out = self.keras_model(x, training=self.training)
+            if device.type == "meta" and torch.is_grad_enabled() and isinstance(out, torch.Tensor) \
+                    and not out.requires_grad:
+                # measured (keras 3.15): its convert_to_tensor replaces every meta tensor, weights included, by a new
+                # empty_like one (its device check compares a torch.device with a string), so no op keeps the graph
+                raise UserError("a Keras model cannot be traced on the meta device (Keras's torch backend cuts the "
+                                "gradient there), so its FLOPs and memory cannot be predicted; measure a run instead")
             if y is None:
                 return out
             if self.loss is None:
