@@ -30,7 +30,8 @@ if importlib.util.find_spec("keras") is None:
 os.environ.setdefault("KERAS_BACKEND", "torch")  # as shoal sets it before importing a user's module
 sys.path.insert(0, str(FIXTURES))
 keras = pytest.importorskip("keras")
-from shoal.models.keras import Build, KerasModule, check_backend, import_error, split_batch, user_bundle  # noqa: E402
+from shoal.models.keras import Build, KerasModule, check_backend, import_error, user_bundle  # noqa: E402
+from shoal.models.keras_compile import split_batch  # noqa: E402
 
 IMAGES = ['data.source="synthetic-images"', "data.num_samples=100"]
 
