@@ -137,3 +137,35 @@ def refusal(env, case: str, run_dir: str) -> str:
 def test_misuse_is_one_line(ranks, tmp_path, case, expected):
     messages = ranks(2).run(refusal, case, str(tmp_path / "run"))
     assert all(expected in m and "\n" not in m for m in messages), messages
+
+
+def keras_session(env, run_dir: str, zero: int) -> dict:
+    """A Keras 3 model (torch backend) built and trained in the user's own loop over a Session."""
+    import os
+
+    os.environ["KERAS_BACKEND"] = "torch"
+    import keras
+
+    from shoal import Session
+
+    sess = Session(run_dir=run_dir, train={"steps": 3, "global_batch_size": 16, "micro_batch_size": 4, "warmup_steps": 0},
+                   parallel={"zero": zero}, checkpoint={"enabled": False}, metrics={"tensorboard": False})
+    keras.utils.set_random_seed(env.rank)  # each rank builds other weights: prepare starts all from rank 0's
+    model = keras.Sequential([keras.Input((6,)), keras.layers.Dense(16, activation="relu"), keras.layers.Dense(3)])
+    model, optimizer = sess.prepare(model, torch.optim.Adam(model.parameters(), lr=1e-2))
+    g = torch.Generator().manual_seed(1)
+    data = [(torch.randn(6, generator=g), torch.randint(0, 3, (), generator=g)) for _ in range(64)]
+    for x, y in sess.data(data):
+        sess.backward(torch.nn.functional.cross_entropy(model(x), y))
+        sess.step()
+    sess.close()
+    return {k: v.clone() for k, v in sess.pairs[0].par.full_state().items()}
+
+
+def test_a_keras_model_in_your_own_loop_trains_as_one_process(ranks, tmp_path):
+    (alone,) = ranks(1).run(keras_session, str(tmp_path / "one"), 0)
+    for zero in (0, 2):
+        other = ranks(2).run(keras_session, str(tmp_path / f"zero{zero}"), zero)[0]
+        # in order: Keras numbers a process's second model's names on ("sequential_1/dense_2/kernel")
+        for (k, v), w in zip(alone.items(), other.values(), strict=True):
+            torch.testing.assert_close(w, v, rtol=1e-5, atol=1e-6, msg=k)

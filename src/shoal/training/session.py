@@ -49,6 +49,7 @@ from shoal.layout import choose_backend, resolve_layout
 from shoal.metrics.profile import Profiler, resolve_peak
 from shoal.metrics.sinks import MetricsSinks
 from shoal.metrics.timers import StepTimer
+from shoal.models.keras import KerasModule, check_layout, is_keras
 from shoal.models.spec import DataSpec, ModelBundle
 from shoal.parallel.data import set_grad_sync
 from shoal.parallel.fit import check_model_fits
@@ -137,6 +138,10 @@ class Session:
         if optimizer.state:
             raise UserError("sess.prepare(model, optimizer): the optimizer has already stepped; prepare it before "
                             "its first step (its state would not follow the laid-out parameters)")
+        if is_keras(model):  # a Keras 3 model (torch backend): trained as shoal train trains one (models/keras.py)
+            model = KerasModule(model)
+            check_layout(model, tp=cfg.parallel.tp, pp=cfg.parallel.pp, compile=cfg.train.compile,
+                         activation_checkpointing=cfg.precision.activation_checkpointing)
         groups = named_groups(model, optimizer)
         if self.world_size > 1:  # every rank starts from rank 0's weights, as DDP's constructor makes them
             self.comm.broadcast_module(model)
@@ -461,6 +466,10 @@ def step_logged(sess: Session, step: int) -> bool:
 def named_groups(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> list[dict]:
     """The optimizer's parameter groups with the parameters' names in place of the parameters."""
     names = {id(p): n for n, p in model.named_parameters()}
+    # a Keras model's parameters() also lists its frozen state (seed generators, moving statistics), which
+    # its KerasModule holds as buffers: an optimizer given those has nothing to do with them
+    optimizer.param_groups = [{**g, "params": [p for p in g["params"] if id(p) in names or p.requires_grad]}
+                              for g in optimizer.param_groups]
     if any(id(p) not in names for g in optimizer.param_groups for p in g["params"]):
         raise UserError("sess.prepare(model, optimizer): the optimizer holds parameters that are not the model's; "
                         "give each model its own optimizer")
