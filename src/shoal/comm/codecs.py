@@ -192,7 +192,9 @@ class Int8(Gathered):
         return torch.cat([scale.view(torch.uint8), q.view(torch.uint8)])
 
     def decode(self, payload: torch.Tensor, numel: int) -> torch.Tensor:
-        scale = payload[:4].view(torch.float32)
+        # a copy: a payload inside a gathered buffer may start at any byte, and a float32 view needs 4-aligned
+        # storage ("storage_offset must be divisible by 4" when a payload's length, 4 + numel, is not)
+        scale = payload[:4].clone().view(torch.float32)
         return payload[4:4 + numel].view(torch.int8).float() * scale
 
 
