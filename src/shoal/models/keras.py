@@ -225,9 +225,7 @@ def keras_bundle(model) -> ModelBundle:
 def check_layout(model: nn.Module, *, tp: int, pp: int, compile: bool, activation_checkpointing: bool) -> None:
     """Refuse, before any worker starts, what a Keras model does not train under. Tested against one process
     (tests/dist/test_keras_layouts.py): dp, ZeRO 1/2/3 (the whole model one FSDP2 unit), bf16. Run once as one
-    process too, not in the tests: the synchronous parameter server, throughput balancing. Wrong but not
-    refused here, for any model: comm.compression = "int8" under ZeRO 2/3 when a shard's size is not a
-    multiple of 4 (comm/codecs.py views its scale at an unaligned offset)."""
+    process too, not in the tests: the synchronous parameter server, throughput balancing."""
     if not isinstance(model, KerasModule):
         return
     if tp > 1 or pp > 1:
