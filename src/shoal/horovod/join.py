@@ -25,7 +25,8 @@ def join(device: int = -1) -> int:
     the fewest of the others' steps; the highest such rank on a tie)."""
     if runtime.size() == 1:
         return runtime.rank()
-    optimizers = [o for o in LIVE if o._exchange is not None]
+    comm = runtime.runtime().comm  # optimizers made before an earlier init exchange on a group that is gone
+    optimizers = [o for o in LIVE if o._exchange is not None and o._exchange.comm is comm]
     if len(optimizers) > 1:
         raise UserError(f"hvd.join(): this process has {len(optimizers)} DistributedOptimizers; a joined process "
                         f"takes part in the steps of one")
