@@ -315,6 +315,10 @@ def elastic_attempt(env, folder: str, first: bool):
             state.restore()
             out["restored_epoch"] = state.epoch
             raise RuntimeError("the job fails here")  # the elastic function does not return: the commit stays
+        with torch.no_grad():
+            state.model.weight.zero_()
+        state.restore()  # in memory: the commit every rank took at the sync
+        out["restored_weight"] = state.model.weight.detach().clone()
 
     try:
         train(state)
@@ -337,6 +341,7 @@ def test_elastic_commit_survives_a_restart_and_goes_after_success(ranks, tmp_pat
     for out in second:
         assert out["epoch"] == 1 and out["history"] == [0.5, 0.25] and out["resets"] == [2]
         assert torch.equal(out["weight"], first[0]["committed"]) and not out["file"]
+        assert torch.equal(out["restored_weight"], first[0]["committed"])
         assert len(out["indices"]) == 3  # 10 samples, 4 of this epoch processed (2 x 2 ranks): 3 each of the 6 left
     assert sorted(second[0]["indices"] + second[1]["indices"]) == sorted(order[4:])
     assert not folder.exists()  # the elastic function returned: its commits (and their folder) are gone

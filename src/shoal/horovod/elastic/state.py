@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import copy
 import itertools
+from pathlib import Path
 
 import torch
 
@@ -109,7 +110,7 @@ class TorchState(ObjectState):
             object.__setattr__(self, k, v)
         super().__init__(**{k: v for k, v in kwargs.items() if k not in held})
         self._index, self._commits, self._loaded = next(_made), 0, False
-        self._path: commits.Path | None | bool = False  # False: not looked up yet; None: no launcher to restart us
+        self._path: Path | None | bool = False  # False: not looked up yet; None: no launcher to restart us
 
     def __setattr__(self, name, value):
         if name in getattr(self, "_held", {}) and _kind(value) is not None:
@@ -152,7 +153,8 @@ class TorchState(ObjectState):
             else:
                 v.load_state_dict(broadcast_object(v.state_dict(), root))
         super().sync(root)
-        self._commits = newest
+        # every process now holds the newest commit: restore() in memory brings back that one, not its own
+        self._kept, self._commits = {k: copy.deepcopy(v.state_dict()) for k, v in self._held.items()}, newest
         return any(loaded for _, loaded in every)
 
     def forget(self) -> None:
