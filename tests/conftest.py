@@ -7,6 +7,7 @@ rank's output, so a hang points at the line it hangs on.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import signal
@@ -55,6 +56,20 @@ def pytest_collection_finish(session):
         missing = {"unit", "dist", "integration"} - found
         if missing:
             raise pytest.UsageError(f"no tests were collected from tests/{', tests/'.join(sorted(missing))}")
+
+
+# Horovod's example scripts (tests/fixtures/horovod) at their smallest: one image per step, no warm-up
+HOROVOD_SMALL = ["--model", "resnet18", "--batch-size", "1", "--num-warmup-batches", "0",
+                 "--num-batches-per-iter", "1", "--no-cuda"]
+
+
+def horovod_env() -> dict:
+    """PYTHONPATH for workers running Horovod's examples: the fixtures, and torchvision's stand-in
+    (tests/fixtures/horovod/stand_in) where the real one is not importable."""
+    path = [str(FIXTURES)]
+    if importlib.util.find_spec("torchvision") is None:
+        path.insert(0, str(FIXTURES / "horovod" / "stand_in"))
+    return {"PYTHONPATH": os.pathsep.join([*path, os.environ.get("PYTHONPATH", "")])}
 
 
 def run_cli(args: list[str], timeout: float, cwd: Path | None = None, env: dict | None = None,

@@ -4,30 +4,18 @@ worker that dies: the launcher restarts the job (--max-restarts) and the script 
 commit. torchvision, which the examples build their model with, is the stand-in of
 tests/fixtures/horovod/stand_in where the real one is not importable (SOURCE.md there says why)."""
 
-import importlib.util
-import os
-
 import pytest
 
-from conftest import FIXTURES, run_cli
+from conftest import FIXTURES, HOROVOD_SMALL, horovod_env, run_cli
 
 pytestmark = pytest.mark.slow  # runs the CLI
 
 HOROVOD = FIXTURES / "horovod"
-SMALL = ["--model", "resnet18", "--batch-size", "1", "--num-warmup-batches", "0", "--num-batches-per-iter", "1",
-         "--no-cuda"]
-
-
-def workers_env() -> dict:
-    path = [str(FIXTURES)]
-    if importlib.util.find_spec("torchvision") is None:
-        path.insert(0, str(HOROVOD / "stand_in"))
-    return {"PYTHONPATH": os.pathsep.join([*path, os.environ.get("PYTHONPATH", "")])}
 
 
 def test_horovods_synthetic_benchmark_runs_unchanged(tmp_path):
-    r = run_cli(["run", "--horovod", "-np", "2", HOROVOD / "pytorch_synthetic_benchmark.py", *SMALL,
-                 "--num-iters", "1"], timeout=120, cwd=tmp_path, env=workers_env())
+    r = run_cli(["run", "--horovod", "-np", "2", HOROVOD / "pytorch_synthetic_benchmark.py", *HOROVOD_SMALL,
+                 "--num-iters", "1"], timeout=120, cwd=tmp_path, env=horovod_env())
     assert r.returncode == 0, r.output
     for line in ("Model: resnet18", "Batch size: 1", "Number of CPUs: 2", "Running warmup...", "Running benchmark..."):
         assert f"{line}\n" in r.stdout, r.output
@@ -40,8 +28,8 @@ def test_horovods_elastic_benchmark_resumes_from_its_commit_after_a_worker_dies(
     # #0 or #1 timed twice); started over, it would end with 3 and warm up again
     state_dir = tmp_path / "commits"
     r = run_cli(["run", "--horovod", "-np", "2", "--max-restarts", "1", HOROVOD / "fail_once.py",
-                 HOROVOD / "pytorch_synthetic_benchmark_elastic.py", *SMALL, "--num-iters", "3", "--fp16-allreduce"],
-                timeout=180, cwd=tmp_path, env={**workers_env(), "SHOAL_HOROVOD_STATE_DIR": str(state_dir),
+                 HOROVOD / "pytorch_synthetic_benchmark_elastic.py", *HOROVOD_SMALL, "--num-iters", "3", "--fp16-allreduce"],
+                timeout=180, cwd=tmp_path, env={**horovod_env(), "SHOAL_HOROVOD_STATE_DIR": str(state_dir),
                                                 "FAIL_AT_STEP": "2"})
     assert r.returncode == 0, r.output
     assert "fail_once: rank 1 ends itself" in r.stdout, r.output
