@@ -107,10 +107,16 @@ def refusal(env, case: str, run_dir: str) -> str:
 
     sections = {"tp": {"parallel": {"tp": 2}}, "pp": {"parallel": {"pp": 2}},
                 "rollback": {"train": {"on_bad_step": "rollback"}}}.get(case, {})
-    model = torch.nn.Linear(4, 2)
+    plans = {"tp plan names nothing": {"blocks.*.up": "colwise"}, "tp does not divide": {"0": "colwise"},
+             "tp style unknown": {"1": "diagonal"}}
+    if case in plans:
+        sections = {"parallel": {"tp": 2}}
+    model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Linear(3, 2))
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     try:
         sess = Session(run_dir=run_dir, **sections)
+        if case in plans:
+            sess.prepare(model, optimizer, tp_plan=plans[case])
         if case == "step first":
             sess.step()
         if case == "stepped optimizer":
@@ -127,7 +133,11 @@ def refusal(env, case: str, run_dir: str) -> str:
 
 @pytest.mark.parametrize("case, expected", [
     ("step first", "sess.step() before sess.prepare(model, optimizer): prepare the model first"),
-    ("tp", 'parallel.tp = 2, but model "Linear" cannot be split by tensor parallelism'),
+    ("tp", "parallel.tp = 2: model Sequential declares no tensor-parallel plan; give one, sess.prepare(model, "
+           "optimizer, tp_plan="),
+    ("tp plan names nothing", "tp_plan['blocks.*.up'] names no module of the model (its modules: 0, 1, ...)"),
+    ("tp does not divide", "parallel.tp (2) must divide 0's out_features (3), which the plan splits"),
+    ("tp style unknown", "the tensor-parallel plan splits 1 as 'diagonal', which shoal does not translate"),
     ("pp", "parallel.pp > 1 and the parameter server run the loss inside shoal's own loop"),
     ("rollback", 'train.on_bad_step = "rollback" reruns steps inside shoal\'s own loop; in a Session use "skip"'),
     ("stepped optimizer", "the optimizer has already stepped; prepare it before its first step"),
@@ -137,6 +147,55 @@ def refusal(env, case: str, run_dir: str) -> str:
 def test_misuse_is_one_line(ranks, tmp_path, case, expected):
     messages = ranks(2).run(refusal, case, str(tmp_path / "run"))
     assert all(expected in m and "\n" not in m for m in messages), messages
+
+
+class Mixer(torch.nn.Module):
+    """A user's model with a tensor-parallel plan: embeddings, a column- then row-parallel MLP, a head."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = torch.nn.Embedding(32, 16)
+        self.up, self.down = torch.nn.Linear(16, 64), torch.nn.Linear(64, 16)
+        self.head = torch.nn.Linear(16, 5)
+
+    def forward(self, tokens):
+        h = self.emb(tokens).mean(1)
+        return self.head(h + self.down(torch.nn.functional.gelu(self.up(h))))
+
+
+def planned(env, run_dir: str, tp: int) -> tuple[list[float], dict]:
+    """Mixer trained in a user's loop with `parallel.tp = tp` by its plan; the losses and final weights."""
+    from torch.distributed.tensor.parallel import RowwiseParallel
+
+    from shoal import Session
+
+    sess = Session(run_dir=run_dir, train={"steps": 3, "global_batch_size": 16, "micro_batch_size": 4, "warmup_steps": 0},
+                   parallel={"tp": tp}, checkpoint={"enabled": False}, metrics={"tensorboard": False})
+    torch.manual_seed(0)
+    model = Mixer()
+    model, optimizer = sess.prepare(model, torch.optim.AdamW(model.parameters(), lr=1e-2),
+                                    tp_plan={"up": "colwise", "down": RowwiseParallel()})
+    if tp > 1:  # each rank holds half of the MLP's hidden units
+        assert model.up.weight.to_local().shape == (64 // tp, 16) and model.down.weight.to_local().shape == (16, 64 // tp)
+    g = torch.Generator().manual_seed(1)
+    data = [(torch.randint(0, 32, (6,), generator=g), torch.randint(0, 5, (), generator=g)) for _ in range(48)]
+    losses = []
+    for x, y in sess.data(data):
+        sess.backward(torch.nn.functional.cross_entropy(model(x), y))
+        if (out := sess.step()) is not None:
+            losses.append(out.loss)
+    sess.close()
+    return losses, {k: v.clone() for k, v in sess.pairs[0].par.full_state().items()}
+
+
+def test_a_model_split_by_its_tensor_parallel_plan_trains_as_one_process(ranks, tmp_path):
+    (alone,) = ranks(1).run(planned, str(tmp_path / "one"), 1)
+    split = ranks(2).run(planned, str(tmp_path / "tp2"), 2)
+    for losses, _ in split:  # the row-parallel layer sums two partial products: not bitwise
+        assert losses == pytest.approx(alone[0], rel=1e-6)
+    for k, v in alone[1].items():  # the whole weights, gathered on rank 0
+        torch.testing.assert_close(split[0][1][k], v, rtol=1e-5, atol=1e-6, msg=k)
+    assert not torch.equal(alone[1]["up.weight"], Mixer().up.weight)  # it trained
 
 
 def keras_session(env, run_dir: str, zero: int) -> dict:

@@ -17,7 +17,6 @@ Batches: causal-lm takes the token sources' {"input", "target"}; sequence-classi
 
 from __future__ import annotations
 
-import fnmatch
 import warnings
 from pathlib import Path
 from typing import Any, ClassVar, Literal
@@ -29,6 +28,7 @@ from torch import nn
 
 from shoal.errors import UserError, first_line, require
 from shoal.models.spec import Batch, DataSpec, ModelBundle, ModelSection
+from shoal.models.tp_plan import resolve
 
 FEATURE = 'model.name = "hf"'
 
@@ -178,19 +178,6 @@ def tp_plan(model: nn.Module) -> dict[str, str]:
     return {f"{prefix}.{k}" if prefix else k: v for k, v in plan.items()}
 
 
-def _style(name: str, style: str):
-    from torch.distributed.tensor import Replicate
-    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
-
-    styles = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel,
-              "colwise_gather_output": lambda: ColwiseParallel(output_layouts=Replicate()),
-              "rowwise_split_input": lambda: RowwiseParallel(input_layouts=Replicate())}
-    if style not in styles:
-        raise UserError(f"the model's tensor-parallel plan splits {name} as {style!r}, which shoal does not translate "
-                        f"(it knows {', '.join(styles)}); set parallel.tp = 1")
-    return styles[style]()
-
-
 def tensor_parallel(model, tp: int, mesh=None, sequence_parallel: bool = False):
     """Split `model` by its `base_model_tp_plan` over the tp mesh (see the module docstring): attention by
     heads, MLPs by hidden units; embeddings, norms and the output head stay replicated."""
@@ -214,11 +201,7 @@ def tensor_parallel(model, tp: int, mesh=None, sequence_parallel: bool = False):
         return None
     from torch.distributed.tensor.parallel import parallelize_module
 
-    styles = {}
-    for pattern, style in tp_plan(model).items():
-        matched = [name for name, _ in model.named_modules() if fnmatch.fnmatchcase(name, pattern)]
-        styles.update({name: _style(name, style) for name in matched})
-    parallelize_module(model, mesh, styles)
+    parallelize_module(model, mesh, resolve(model, tp_plan(model), tp, strict=False))
     return None  # the output head is replicated: the loss needs no context
 
 

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import inspect
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 
 import torch
@@ -124,10 +124,13 @@ class Session:
     # --- the model ----------------------------------------------------------------------------------
 
     def prepare(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, *, blocks: tuple[type, ...] = (),
+                tp_plan: Mapping[str, object] | None = None,
                 flops_per_sample: float | None = None) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
         """`model` laid out as the config says and `optimizer` rebuilt over the laid-out parameters (same
         class, groups and hyperparameters); use what it returns. `blocks`: the module types that are units
-        of ZeRO 2/3 sharding and activation checkpointing (e.g. your transformer block);
+        of ZeRO 2/3 sharding and activation checkpointing (e.g. your transformer block); `tp_plan`: for
+        parallel.tp > 1, how the model's layers split ({"blocks.*.attn.q": "colwise", ...}, or DTensor
+        ParallelStyles; models/tp_plan.py), else the plan a Hugging Face model declares;
         `flops_per_sample`: its training FLOPs per sample, for the step profile's MFU. Call it once per
         model; a step updates every prepared model."""
         cfg = self.cfg
@@ -145,7 +148,12 @@ class Session:
         groups = named_groups(model, optimizer)
         if self.world_size > 1:  # every rank starts from rank 0's weights, as DDP's constructor makes them
             self.comm.broadcast_module(model)
-        bundle = ModelBundle(model=model, loss_fn=_loss_in_your_loop, block_types=tuple(blocks))
+        bundle = ModelBundle(model=model, loss_fn=_loss_in_your_loop, block_types=tuple(blocks),
+                             tensor_parallel=_tensor_parallel(model, tp_plan))
+        if self.layout.dims.tp > 1 and bundle.tensor_parallel is None:
+            raise UserError(f"parallel.tp = {self.layout.dims.tp}: model {type(model).__name__} declares no tensor-"
+                            f"parallel plan; give one, sess.prepare(model, optimizer, tp_plan={{'layers.*.up': "
+                            f"'colwise', 'layers.*.down': 'rowwise'}}), or set parallel.tp = 1")
         check_model_fits(bundle, type(model).__name__, cfg.parallel, cfg.precision)
         par = self.strategy.parallelize(bundle, None)
         optimizer = rebuilt(optimizer, groups, par)
@@ -497,6 +505,17 @@ def _autocast(forward: Callable, precision: Precision) -> Callable:
             return forward(*args, **kwargs)
 
     return run
+
+
+def _tensor_parallel(model: torch.nn.Module, plan: Mapping[str, object] | None):
+    """The ModelBundle.tensor_parallel for a prepared model: the user's plan, else a Hugging Face model's
+    declared one, else None (the model cannot be split)."""
+    from shoal.models import hf
+    from shoal.models.tp_plan import tensor_parallel_by_plan
+
+    if plan is not None:
+        return tensor_parallel_by_plan(plan)
+    return hf.tensor_parallel if hasattr(model, "config") and hf.tp_plan(model) else None
 
 
 def _loss_in_your_loop(model, batch):

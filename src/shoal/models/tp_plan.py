@@ -1,0 +1,88 @@
+"""A tensor-parallel plan as users declare one: module name or pattern -> how it is split, in the words
+of transformers' `base_model_tp_plan` ("colwise", "rowwise", ...) or as DTensor's own ParallelStyle
+objects (ColwiseParallel(), RowwiseParallel(...), what torch's tensor-parallel tutorial and torchtitan
+pass to `parallelize_module`). Hugging Face models (hf.py) and models given to a Session with
+`tp_plan=` (training/session.py) are split through it; shoal's GPT has its own (gpt_parallel.py).
+
+A plan splits the named layers' weights; the code around them is the model's. The usual case: column-
+parallel projections followed by a row-parallel one, as in attention (q, k, v then the output) and
+MLPs (up then down), whose result is whole again on every tp rank. Code that reshapes a split layer's
+output by a head count must use the local one (or -1), as in torch's tutorial.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+from collections.abc import Mapping
+
+from torch import nn
+
+from shoal.errors import UserError
+
+NAMES = ("colwise", "rowwise", "colwise_gather_output", "rowwise_split_input")
+
+
+def style(name: str, how):
+    """DTensor's ParallelStyle for the plan's entry `name: how` (a ParallelStyle passes through)."""
+    from torch.distributed.tensor import Replicate
+    from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel
+
+    if isinstance(how, ParallelStyle):
+        return how
+    styles = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel,
+              "colwise_gather_output": lambda: ColwiseParallel(output_layouts=Replicate()),
+              "rowwise_split_input": lambda: RowwiseParallel(input_layouts=Replicate())}
+    if how not in styles:
+        raise UserError(f"the tensor-parallel plan splits {name} as {how!r}, which shoal does not translate (it knows "
+                        f"{', '.join(NAMES)}, or a torch.distributed.tensor.parallel style); set parallel.tp = 1")
+    return styles[how]()
+
+
+def resolve(model: nn.Module, plan: Mapping[str, object], tp: int, *, strict: bool) -> dict[str, object]:
+    """The plan as {module name: ParallelStyle} over `model`'s modules (fnmatch patterns expanded), after
+    checking that tp divides what each style splits. `strict`: a pattern that names no module is an error
+    (a user's own plan: a typo would silently leave a layer whole); a declared plan may name layers a
+    smaller variant of the model does not have."""
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    modules = dict(model.named_modules())
+    styles = {}
+    for pattern, how in plan.items():
+        matched = [name for name in modules if name and fnmatch.fnmatchcase(name, pattern)]
+        if strict and not matched:
+            some = ", ".join(list(n for n in modules if n)[:6])
+            raise UserError(f"tp_plan[{pattern!r}] names no module of the model (its modules: {some}, ...); name a "
+                            f"module by its path, e.g. 'blocks.*.attn.q'")
+        for name in matched:
+            styles[name] = s = style(name, how)
+            module = modules[name]
+            dim = None
+            if isinstance(module, nn.Linear):
+                dim = {ColwiseParallel: ("out_features", module.out_features),
+                       RowwiseParallel: ("in_features", module.in_features)}.get(type(s))
+            elif isinstance(module, nn.Embedding):
+                dim = {ColwiseParallel: ("embedding_dim", module.embedding_dim),
+                       RowwiseParallel: ("num_embeddings", module.num_embeddings)}.get(type(s))
+            if dim is not None and dim[1] % tp:
+                raise UserError(f"parallel.tp ({tp}) must divide {name}'s {dim[0]} ({dim[1]}), which the plan splits; "
+                                f"choose a tp that divides it")
+    return styles
+
+
+def tensor_parallel_by_plan(plan: Mapping[str, object]):
+    """A ModelBundle.tensor_parallel that splits a model by a user's `plan` (see the module docstring)."""
+
+    def tensor_parallel(model: nn.Module, tp: int, mesh=None, sequence_parallel: bool = False):
+        if sequence_parallel:
+            raise UserError('parallel.sequence_parallel is offered for model.name = "gpt" only; set it to false')
+        if any(isinstance(m, nn.Dropout) and m.p > 0 for m in model.modules()):
+            raise UserError("a model with dropout under parallel.tp > 1 is not supported (dropout masks would "
+                            "differ between tensor-parallel ranks); set its dropout to 0 or parallel.tp = 1")
+        styles = resolve(model, plan, tp, strict=True)
+        if mesh is not None:
+            from torch.distributed.tensor.parallel import parallelize_module
+
+            parallelize_module(model, mesh, styles)
+        return None  # the plan's last layer gives whole outputs: the loss needs no context
+
+    return tensor_parallel
