@@ -69,6 +69,10 @@ class RunDir:
     def recoveries(self) -> Path:  # every recovery from a failure so far, across restarts
         return self.path / "recoveries.json"
 
+    @property
+    def session_models(self) -> Path:  # a Session's prepared models as the planner reads them (--check)
+        return self.path / "session_models.json"
+
 
 def run_identity(cfg: Config) -> dict:
     """What the config trains: the keys that make two configs the same training run."""

@@ -1,5 +1,6 @@
 """A user's own loop over shoal.Session (tests/fixtures/session_script.py), run as a script under `shoal run`:
-killed with SIGKILL mid-run and run again, it ends bitwise equal to a run never interrupted."""
+killed with SIGKILL mid-run and run again, it ends bitwise equal to a run never interrupted; `shoal plan
+--check` and `shoal report` read its run dir."""
 
 import json
 
@@ -34,3 +35,13 @@ def test_a_killed_script_rerun_ends_as_an_uninterrupted_one(tmp_path):
     assert all(m["loss"] == losses[m["step"]] for m in redone)
     summary = json.loads((tmp_path / "killed" / "summary.json").read_text())
     assert summary["steps"] == 8 and summary["final_loss"] == losses[8]
+
+    # the run dir is a shoal run dir: the planner predicts its model state, the report draws it
+    check = run_cli(["plan", "--check", tmp_path / "whole"], timeout=60, cwd=tmp_path)
+    assert check.returncode == 0, check.output
+    rows = {ln.split("  ")[0].strip(): ln for ln in check.stdout.splitlines() if "predicted" in ln}
+    for row in ("params (bytes)", "grads (bytes)", "optimizer (bytes)", "model state (bytes)"):
+        assert abs(float(rows[row].split("error ")[1].rstrip("%"))) <= 1.0, check.output
+    assert "error ?" in rows["peak (bytes)"] and "a Session's run" in check.stdout, check.output
+    report = run_cli(["report", tmp_path / "whole", "--out", tmp_path / "report.html"], timeout=60, cwd=tmp_path)
+    assert report.returncode == 0 and (tmp_path / "report.html").stat().st_size > 10_000, report.output

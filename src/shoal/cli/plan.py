@@ -72,6 +72,9 @@ def plan(args: argparse.Namespace) -> int:
                 lambda v: "?" if v is None else planner.human_bytes(v))
             rel = "?" if err is None else f"{err:+.1%}"
             print(f"{name:22s} predicted {fmt(predicted):>12s}  measured {fmt(measured):>12s}  error {rel}")
+        if checking.is_session_run(args.check):
+            print("a Session's run: its forward and loss are the script's own, which the planner does not trace; "
+                  "model state is predicted, step time and peak are not (?)")
         return 0
     if args.nproc < 1 or args.nnodes < 1:
         raise UserError("--nproc and --nnodes must be >= 1")

@@ -1,6 +1,7 @@
 """`shoal plan --check RUN_DIR`: a finished run against the prediction for its own layout. The run's
 summary.json holds median_step_time_s and memory_per_rank (params, grads, optimizer, peak per rank,
-metrics/memory.py); the largest rank of each is compared with the prediction, which is of the largest."""
+metrics/memory.py); the largest rank of each is compared with the prediction, which is of the largest.
+A Session's run (its own loop) is predicted from the models the Session recorded: model state only."""
 
 from __future__ import annotations
 
@@ -10,7 +11,10 @@ from pathlib import Path
 from shoal.config import load_config
 from shoal.errors import UserError
 from shoal.hardware import HardwareProfile
+from shoal.layout import resolve_layout
+from shoal.plan.cost import MicroBatchCost, Ops
 from shoal.plan.planner import predict_config
+from shoal.plan.predict import ModelShape, predict_memory
 from shoal.rundir import RunDir
 
 KINDS = ("params", "grads", "optimizer", "peak")
@@ -32,16 +36,48 @@ def check_run(run_dir: str | Path, profile: HardwareProfile | None) -> list[tupl
                         f"--run-dir of a run that ended")
     summary = json.loads(run.summary.read_text())
     cfg = load_config(config, stored=True)  # written by the run: keys that moved since are moved
-    pred = predict_config(cfg, summary["world_size"], profile, cuda=False)
     per_rank = summary.get("memory_per_rank") or []
+    if run.session_models.is_file():
+        memory = session_state(json.loads(run.session_models.read_text()), cfg, summary["world_size"])
+        step_time = None
+    else:
+        pred = predict_config(cfg, summary["world_size"], profile, cuda=False)
+        memory, step_time = pred.memory, pred.step_time
     rows = []
     if profile is not None:
-        rows.append(("step time (s)", pred.step_time, summary.get("median_step_time_s"),
-                     relative_error(pred.step_time, summary.get("median_step_time_s"))))
+        rows.append(("step time (s)", step_time, summary.get("median_step_time_s"),
+                     relative_error(step_time, summary.get("median_step_time_s"))))
     for kind in KINDS:
         measured = max((r[kind] for r in per_rank), default=None)
-        rows.append((f"{kind} (bytes)", pred.memory[kind], measured, relative_error(pred.memory[kind], measured)))
+        rows.append((f"{kind} (bytes)", memory.get(kind), measured, relative_error(memory.get(kind), measured)))
     state_measured = max((sum(r[k] for k in KINDS[:3]) for r in per_rank), default=None)
-    state_pred = sum(pred.memory[k] for k in KINDS[:3])
+    state_pred = None if None in (memory.get(k) for k in KINDS[:3]) else sum(memory[k] for k in KINDS[:3])
     rows.append(("model state (bytes)", state_pred, state_measured, relative_error(state_pred, state_measured)))
     return rows
+
+
+def is_session_run(run_dir: str | Path) -> bool:
+    return RunDir(Path(run_dir)).session_models.is_file()
+
+
+# optimizers whose state the planner sizes, by class: (its name in train.optimizer, has moments)
+_OPTIMIZERS = {"AdamW": "adamw", "Adam": "adamw", "SGD": "sgd"}
+
+
+def session_state(models: list[dict], cfg, world: int) -> dict[str, int | None]:
+    """Predicted model-state bytes (params, grads, optimizer) of a Session's run from the models it
+    recorded (training/session.py). A Session's forward and loss are the script's own, which the planner
+    cannot trace as it traces the models it builds from a config: its activations, peak and step time
+    are not predicted (shown as ?)."""
+    layout = resolve_layout(cfg, world, cuda=False)
+    none = MicroBatchCost(cfg.train.micro_batch_size, Ops(), 0.0, 0, [], [], 0)
+    total: dict[str, int | None] = {"params": 0, "grads": 0, "optimizer": 0}
+    for m in models:
+        shape = ModelShape([tuple(p) for p in m["params"]], [[tuple(p) for p in b] for b in m["blocks"]])
+        optimizer = _OPTIMIZERS.get(m["optimizer"])
+        mem = predict_memory(shape, shape.params, none, layout, optimizer=optimizer or "sgd", momentum=m["momentum"],
+                             checkpointing=False, schedule=cfg.parallel.pp_schedule, profile=None, stage_fraction=1.0)
+        for kind in total:
+            unknown = total[kind] is None or (kind == "optimizer" and optimizer is None)
+            total[kind] = None if unknown else total[kind] + mem[kind]
+    return total

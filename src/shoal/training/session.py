@@ -97,6 +97,7 @@ class Session:
         self.has_data = False  # sess.data() was called: the sampler knows the data set
         self.restored_position: dict | None = None  # a restored data position waiting for sess.data()
         self.flops_per_sample: float | None = None
+        self.described: list[dict] = []  # each prepared model's parameters, for `shoal plan --check`
         self.started = time.perf_counter()
 
     # --- the process group --------------------------------------------------------------------------
@@ -146,6 +147,7 @@ class Session:
             check_layout(model, tp=cfg.parallel.tp, pp=cfg.parallel.pp, compile=cfg.train.compile,
                          activation_checkpointing=cfg.precision.activation_checkpointing)
         groups = named_groups(model, optimizer)
+        self.described.append(described(model, tuple(blocks), optimizer))
         if self.world_size > 1:  # every rank starts from rank 0's weights, as DDP's constructor makes them
             self.comm.broadcast_module(model)
         bundle = ModelBundle(model=model, loss_fn=_loss_in_your_loop, block_types=tuple(blocks),
@@ -168,6 +170,8 @@ class Session:
             phase=self.phase))
         torch.manual_seed(cfg.train.seed + 1 + self.rank)  # dropout etc. differ per rank, as in shoal train
         self._trainer()
+        if self.is_main:
+            write_json(self.run.session_models, self.described)
         self._grad_sync()
         return par.module, optimizer
 
@@ -516,6 +520,18 @@ def _tensor_parallel(model: torch.nn.Module, plan: Mapping[str, object] | None):
     if plan is not None:
         return tensor_parallel_by_plan(plan)
     return hf.tensor_parallel if hasattr(model, "config") and hf.tp_plan(model) else None
+
+
+def described(model: torch.nn.Module, blocks: tuple[type, ...], optimizer: torch.optim.Optimizer) -> dict:
+    """A prepared model as `shoal plan --check` reads it (plan/check.py): each parameter as (numel, first
+    dimension, ndim, trainable), tied ones once, also per block, and its optimizer's class and momentum."""
+
+    def params(m: torch.nn.Module) -> list[list]:
+        return [[p.numel(), p.shape[0] if p.dim() else 1, p.dim(), p.requires_grad] for p in m.parameters()]
+
+    return {"class": type(model).__name__, "params": params(model),
+            "blocks": [params(m) for m in model.modules() if blocks and isinstance(m, blocks)],
+            "optimizer": type(optimizer).__name__, "momentum": float(optimizer.defaults.get("momentum", 0.0) or 0.0)}
 
 
 def _loss_in_your_loop(model, batch):
