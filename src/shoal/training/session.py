@@ -135,28 +135,13 @@ class Session:
         `flops_per_sample`: its training FLOPs per sample, for the step profile's MFU. Call it once per
         model; a step updates every prepared model."""
         cfg = self.cfg
-        if self.pairs and cfg.checkpoint.enabled:
-            raise UserError("a Session's checkpoints hold one prepared model and its optimizer; for a second one, "
-                            "set checkpoint.enabled = false and save them yourself (torch.distributed.checkpoint)")
+        model = self._accepted(model, optimizer)
         self.flops_per_sample = (self.flops_per_sample or 0) + flops_per_sample if flops_per_sample else None
-        if optimizer.state:
-            raise UserError("sess.prepare(model, optimizer): the optimizer has already stepped; prepare it before "
-                            "its first step (its state would not follow the laid-out parameters)")
-        if is_keras(model):  # a Keras 3 model (torch backend): trained as shoal train trains one (models/keras.py)
-            model = KerasModule(model)
-            check_layout(model, tp=cfg.parallel.tp, pp=cfg.parallel.pp, compile=cfg.train.compile,
-                         activation_checkpointing=cfg.precision.activation_checkpointing)
         groups = named_groups(model, optimizer)
         self.described.append(described(model, tuple(blocks), optimizer))
         if self.world_size > 1:  # every rank starts from rank 0's weights, as DDP's constructor makes them
             self.comm.broadcast_module(model)
-        bundle = ModelBundle(model=model, loss_fn=_loss_in_your_loop, block_types=tuple(blocks),
-                             tensor_parallel=_tensor_parallel(model, tp_plan))
-        if self.layout.dims.tp > 1 and bundle.tensor_parallel is None:
-            raise UserError(f"parallel.tp = {self.layout.dims.tp}: model {type(model).__name__} declares no tensor-"
-                            f"parallel plan; give one, sess.prepare(model, optimizer, tp_plan={{'layers.*.up': "
-                            f"'colwise', 'layers.*.down': 'rowwise'}}), or set parallel.tp = 1")
-        check_model_fits(bundle, type(model).__name__, cfg.parallel, cfg.precision)
+        bundle = self._bundle(model, tuple(blocks), tp_plan)
         par = self.strategy.parallelize(bundle, None)
         optimizer = rebuilt(optimizer, groups, par)
         precision = Precision(cfg.precision.dtype, self.device)
@@ -174,6 +159,32 @@ class Session:
             write_json(self.run.session_models, self.described)
         self._grad_sync()
         return par.module, optimizer
+
+    def _accepted(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> torch.nn.Module:
+        """`model` as shoal trains it (a Keras model wrapped), after refusing what a Session cannot prepare."""
+        cfg = self.cfg
+        if self.pairs and cfg.checkpoint.enabled:
+            raise UserError("a Session's checkpoints hold one prepared model and its optimizer; for a second one, "
+                            "set checkpoint.enabled = false and save them yourself (torch.distributed.checkpoint)")
+        if optimizer.state:
+            raise UserError("sess.prepare(model, optimizer): the optimizer has already stepped; prepare it before "
+                            "its first step (its state would not follow the laid-out parameters)")
+        if is_keras(model):  # a Keras 3 model (torch backend): trained as shoal train trains one (models/keras.py)
+            model = KerasModule(model)
+            check_layout(model, tp=cfg.parallel.tp, pp=cfg.parallel.pp, compile=cfg.train.compile,
+                         activation_checkpointing=cfg.precision.activation_checkpointing)
+        return model
+
+    def _bundle(self, model: torch.nn.Module, blocks: tuple[type, ...], tp_plan: Mapping[str, object] | None):
+        """The ModelBundle the Strategy lays out, checked against the config's layout."""
+        bundle = ModelBundle(model=model, loss_fn=_loss_in_your_loop, block_types=blocks,
+                             tensor_parallel=_tensor_parallel(model, tp_plan))
+        if self.layout.dims.tp > 1 and bundle.tensor_parallel is None:
+            raise UserError(f"parallel.tp = {self.layout.dims.tp}: model {type(model).__name__} declares no tensor-"
+                            f"parallel plan; give one, sess.prepare(model, optimizer, tp_plan={{'layers.*.up': "
+                            f"'colwise', 'layers.*.down': 'rowwise'}}), or set parallel.tp = 1")
+        check_model_fits(bundle, type(model).__name__, self.cfg.parallel, self.cfg.precision)
+        return bundle
 
     # --- the data -----------------------------------------------------------------------------------
 
