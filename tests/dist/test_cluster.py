@@ -291,8 +291,8 @@ def test_two_hosts_train_exactly_as_two_processes_on_loopback(cluster, tmp_path,
 @pytest.mark.timeout(150)
 @pytest.mark.parametrize("launch, script, args, expected", [
     # PyTorch's multi-node DDP tutorial script (CUDA + NCCL, unchanged): global ranks 0 and 1 on two hosts
-    (["--cluster", "--cpu", "--nproc", "1"], "pytorch_examples/multinode.py", ["1", "1"],
-     ["[GPU0] Epoch 0 | Batchsize: 32 | Steps: 32", "[GPU1] Epoch 0 | Batchsize: 32 | Steps: 32",
+    (["--cluster", "--cpu", "--nproc", "1"], "pytorch_examples/multinode.py", ["1", "1", "--batch_size", "128"],
+     ["[GPU0] Epoch 0 | Batchsize: 128 | Steps: 8", "[GPU1] Epoch 0 | Batchsize: 128 | Steps: 8",
       "Epoch 0 | Training snapshot saved at snapshot.pt"]),
     # accelerate's own multi-process test script: 2 processes, training checked against one CPU
     (["--cluster", "--cpu", "--nproc", "1"], "accelerate/test_script.py", [],
@@ -301,7 +301,8 @@ def test_two_hosts_train_exactly_as_two_processes_on_loopback(cluster, tmp_path,
     # (SqueezeNet's 5 MB rather than ResNet-18's 47 MB over the 20 Mbit/s links: 18 s rather than 53)
     (["--horovod", "-H", "h0:1,h1:1"], "horovod/pytorch_synthetic_benchmark.py",
      [*HOROVOD_SMALL, "--model", "squeezenet1_1", "--num-iters", "1"],
-     ["Model: squeezenet1_1", "Number of CPUs: 2", "Total img/sec on 2 CPU(s): "]),
+     ["Model: squeezenet1_1\n", "Batch size: 1\n", "Number of CPUs: 2\n", "Running warmup...\n",
+      "Running benchmark...\n", "Iter #0: ", "Total img/sec on 2 CPU(s): "]),
 ])
 def test_real_scripts_run_unchanged_across_two_hosts(cluster, tmp_path, launch, script, args, expected):
     r = run_cli(["run", *launch, FIXTURES / script, *args], timeout=140, cwd=tmp_path,

@@ -10,16 +10,24 @@ import time
 
 import pytest
 
-from conftest import FIXTURES, run_cli
+from conftest import FIXTURES, ROOT, run_cli
 
 pytestmark = pytest.mark.slow  # runs the CLI
 
 TUTORIAL = FIXTURES / "pytorch_examples" / "multigpu_torchrun.py"
 
 
+def as_the_docs_show(args: list) -> list:
+    """`args`, after checking that docs/your-script.md shows this very command (its block is run here, not
+    again by the docs' test)."""
+    shown = " ".join(str(a).replace(f"{ROOT}/", "") for a in [".venv/bin/shoal", *args])
+    assert f"\n{shown}\n" in (ROOT / "docs" / "your-script.md").read_text(), shown
+    return args
+
+
 def test_the_ddp_tutorial_runs_unchanged_on_cpu_workers_and_resumes_from_its_snapshot(tmp_path):
-    r = run_cli(["run", "--cpu", "--nproc", "2", TUTORIAL, "2", "1", "--batch_size", "32"], timeout=120,
-                cwd=tmp_path)
+    r = run_cli(as_the_docs_show(["run", "--cpu", "--nproc", "2", TUTORIAL, "2", "1", "--batch_size", "32"]),
+                timeout=120, cwd=tmp_path)
     assert r.returncode == 0, r.output
     for gpu in (0, 1):  # 2048 samples over 2 ranks in batches of 32: 32 steps per epoch on each
         for epoch in (0, 1):
@@ -36,8 +44,8 @@ def test_the_ddp_tutorial_runs_unchanged_on_cpu_workers_and_resumes_from_its_sna
 def test_accelerates_own_multi_process_test_script_passes_unchanged(tmp_path):
     """accelerate's own test script (tests/fixtures/accelerate): data split between processes, RNG kept in
     step, the prepared DataLoader, and training on 2 processes checked against one CPU."""
-    r = run_cli(["run", "--cpu", "--nproc", "2", FIXTURES / "accelerate" / "test_script.py"], timeout=120,
-                cwd=tmp_path)
+    r = run_cli(as_the_docs_show(["run", "--cpu", "--nproc", "2", FIXTURES / "accelerate" / "test_script.py"]),
+                timeout=120, cwd=tmp_path)
     assert r.returncode == 0, r.output
     assert r.stdout.count("Distributed environment: DistributedType.MULTI_CPU  Backend: gloo") == 2, r.output
     assert "Num processes: 2" in r.stdout, r.output
