@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import copy
 import itertools
+from abc import ABC, abstractmethod
 from pathlib import Path
 
 import torch
@@ -23,8 +24,9 @@ from shoal.horovod.functions import allgather_object, broadcast_object, broadcas
 _made = itertools.count()  # TorchStates made by this process, in order: the same in every attempt
 
 
-class State:
-    """Reset callbacks and commit; what is kept is the subclass's."""
+class State(ABC):
+    """Reset callbacks and commit; what is kept is the subclass's (ObjectState, TorchState, or a user's own
+    subclass, as Horovod allows: it must say how to save, restore and sync)."""
 
     def __init__(self, bcast_object=None, get_rank=None):
         self._reset_callbacks: list = []
@@ -47,24 +49,31 @@ class State:
     def check_host_updates(self) -> None:
         """Horovod's notice that hosts will come or go. Under shoal the processes change only when the
         launcher restarts the job, which no process has to be told about: nothing to check."""
+        return  # a hook: nothing by default, a subclass may add its own
 
+    @abstractmethod
     def save(self) -> None:
-        raise NotImplementedError
+        """Keep the state as it is now (commit calls it)."""
 
+    @abstractmethod
     def restore(self) -> None:
-        raise NotImplementedError
+        """Bring back what save kept."""
 
+    @abstractmethod
     def sync(self) -> None:
-        raise NotImplementedError
+        """Make every process hold the same state."""
 
     def reset(self) -> None:
         """Called by on_reset before the callbacks."""
+        return  # a hook: nothing by default, a subclass may add its own
 
     def resume(self) -> None:
         """After a restart, before sync: read what this process committed (TorchState reads its file)."""
+        return  # a hook: nothing by default, a subclass may add its own
 
     def forget(self) -> None:
         """After the elastic function returned: drop what was kept for a restart."""
+        return  # a hook: nothing by default, a subclass may add its own
 
 
 class ObjectState(State):
