@@ -5,7 +5,6 @@ change to what the tokens depend on."""
 import sys
 import threading
 
-import datasets
 import numpy as np
 import pytest
 import torch
@@ -49,6 +48,8 @@ def count_tokenize(monkeypatch) -> list:
 
 @pytest.mark.parametrize("fmt", ["parquet", "jsonl", "csv", "save_to_disk", "glob"])
 def test_every_format_packs_documents_joined_with_eos_into_windows(corpus, tmp_path, fmt):
+    import datasets  # here: importing it cost every collection of the suite ~0.5 s
+
     folder, parquet, tok = corpus
     ds = datasets.Dataset.from_dict({"id": list(range(len(DOCS))), "text": DOCS})
     if fmt == "jsonl":
@@ -99,6 +100,8 @@ def test_a_transformers_tokenizer_folder_gives_its_eos_and_added_tokens(corpus, 
 
 
 def test_the_cache_is_reused_and_remade_when_what_the_tokens_depend_on_changes(corpus, tmp_path, monkeypatch):
+    import datasets
+
     folder, parquet, tok = corpus
     calls = count_tokenize(monkeypatch)
     cfg = hf_cfg(parquet, tok, tmp_path / "cache")
@@ -134,6 +137,8 @@ def test_the_cache_is_reused_and_remade_when_what_the_tokens_depend_on_changes(c
 
 
 def test_mistakes_are_one_line_naming_the_key_and_the_fix(corpus, tmp_path, monkeypatch):
+    import datasets
+
     folder, parquet, tok = corpus
     cache = tmp_path / "cache"
 

@@ -29,7 +29,6 @@ if importlib.util.find_spec("keras") is None:
 
 os.environ.setdefault("KERAS_BACKEND", "torch")  # as shoal sets it before importing a user's module
 sys.path.insert(0, str(FIXTURES))
-keras = pytest.importorskip("keras")
 from shoal.models.keras import Build, KerasModule, check_backend, import_error, user_bundle  # noqa: E402
 from shoal.models.keras_compile import split_batch  # noqa: E402
 
@@ -49,6 +48,7 @@ def batch(n=8):
 
 
 def test_built_from_torchs_seed_with_the_same_names_every_time_and_state_apart():
+    import keras_user.models  # noqa: F401  importing keras draws from Python's stream (once); the builds must not
     python_stream = random.getstate()
     a, b, c = bundle(), bundle(), bundle(seed=6)
     assert random.getstate() == python_stream  # the process's own streams are left as they were
@@ -150,6 +150,7 @@ def test_own_loss_function_gets_the_wrapped_model():
 
 
 def test_exported_weights_load_back_into_keras_by_path(tmp_path):
+    import keras  # here, not at the top: importing keras takes ~3 s, which every test run's collection paid
     from keras_user.models import cnn
     from safetensors.torch import load_file, save_file
 
@@ -178,6 +179,8 @@ def test_a_keras_model_shoal_cannot_train_as_given_is_refused_in_one_line(fn, me
 
 
 def test_backend_and_import_mistakes_are_one_line(monkeypatch, tmp_path):
+    import keras
+
     model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)])
     with pytest.raises(UserError, match="its module did not import keras at its top"):
         user_bundle(model, Build(seeded=False), "m:f")  # a builder importing keras inside: not seeded, not placed
