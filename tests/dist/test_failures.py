@@ -7,8 +7,6 @@ import pytest
 
 from conftest import run_cli
 
-pytestmark = pytest.mark.serial  # a 3 s collective timeout, and the run must end within 13 s of the stall
-
 FAULTY = ["--set", 'model.name="faulty:build"', "--set", "model.seq_len=32", "--set", "model.rank=1",
           "--set", "model.at_call=3", "--set", "data.max_bytes=100000", "--set", "train.steps=10",
           "--set", "train.global_batch_size=4", "--set", "train.micro_batch_size=2",
@@ -32,6 +30,7 @@ LAYOUTS = {"dp2": [], "dp2-zero3": ["--set", "parallel.zero=3"], "tp2": ["--set"
            "pp2": ["--set", "parallel.pp=2"]}
 
 
+@pytest.mark.serial  # a 3 s collective timeout, and the run must end within 13 s of the stall
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_stalled_rank_is_named_under_every_layout(tmp_path, layout):
     """Rank 1 stalls inside a transformer block's forward. The others wait in whatever collective comes

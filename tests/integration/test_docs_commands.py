@@ -5,7 +5,7 @@ repository's configs/ and tests/ and this interpreter's virtual environment as .
 land there and a page's later blocks see what its earlier ones made.
 
 The README's tour is the newcomer's path, so its results are checked as well: the default job as `make
-run` runs it (2 processes, its schedule compressed to 60 steps) learns and writes every result file, the
+run` runs it (2 processes, its schedule compressed to 30 steps) learns and writes every result file, the
 same command resumes it, `shoal parity` passes one process against ZeRO 3 with a row per step, `shoal
 report` writes its page into the run dir, and `shoal plan` ranks the layouts."""
 
@@ -70,20 +70,20 @@ def test_the_readme_tour(tmp_path):
     run_block(train[1], here, train[0])
     tour = here / "runs" / "tour"
     summary = json.loads((tour / "summary.json").read_text())
-    assert summary["world_size"] == 2 and summary["steps"] == 60
-    assert summary["val_loss"] < 2.85, summary  # nats per byte, the schedule compressed to 60 steps: measured 2.72
+    assert summary["world_size"] == 2 and summary["steps"] == 30
+    assert summary["val_loss"] < 3.4, summary  # nats per byte, the schedule compressed to 30 steps: measured 3.16
     # (5.55 untrained; make run's 1,150 steps reach 1.78)
     metrics = read_metrics(tour)
-    assert [m["step"] for m in metrics] == list(range(10, 61, 10))
+    assert [m["step"] for m in metrics] == list(range(10, 31, 10))
     assert all(m["tokens_per_s"] > 0 and m["data_wait_s"] >= 0 for m in metrics)
     assert (tour / "config.toml").read_text().startswith("[model]")
     assert list((tour / "tensorboard").glob("events.out.tfevents.*"))
     assert (tour / "model.safetensors").stat().st_size > 3_000_000  # 834k fp32 parameters
-    assert [p.name for p in (tour / "checkpoints").iterdir()] == ["step_00000060"]
+    assert [p.name for p in (tour / "checkpoints").iterdir()] == ["step_00000030"]
 
     r = run_block(resume[1], here, resume[0])
-    assert "resumed from" in r.stdout and "(step 60)" in r.stdout, r.stdout
-    assert "results in runs/tour/" in r.stdout and json.loads((tour / "summary.json").read_text())["steps"] == 80
+    assert "resumed from" in r.stdout and "(step 30)" in r.stdout, r.stdout
+    assert "results in runs/tour/" in r.stdout and json.loads((tour / "summary.json").read_text())["steps"] == 40
 
     r = run_block(parity[1], here, parity[0])
     last = r.stdout.strip().splitlines()[-1]
