@@ -30,12 +30,13 @@ run: $(STAMP)
 
 # everything; CI runs this (.ci/run). Two pytest workers (a test file stays on one: its shared fixtures
 # are made once), since a multi-process test leaves a core idle about half its time; then the tests whose
-# assertions depend on timing or short timeouts (marked serial), away from the rest: they spend most of
-# their time waiting on those timeouts (41 s of CPU in 102 s alone), so their files run two at a time
+# assertions depend on timing or short timeouts (marked serial), away from the rest, two at a time; one
+# by one rather than a file to a worker (test_param_server's and test_failures' take most of that phase,
+# and whole files left one worker waiting on the other: 69-80 s against 64-68 s)
 test: $(STAMP)
 	$(VENV)/bin/lint-imports
 	$(PY) -m pytest tests -n 2 --dist loadfile -m "not serial"
-	$(PY) -m pytest tests -n 2 --dist loadfile -m serial
+	$(PY) -m pytest tests -n 2 --dist load -m serial
 
 # the everyday tier: the unit tests and the in-process multi-rank harness, no CLI runs (tests/conftest.py)
 test-fast: $(STAMP)
