@@ -25,6 +25,7 @@ def test_int8_decodes_a_payload_at_any_byte_of_a_gathered_buffer():
     a, b = torch.tensor([1.0, -2.0, 0.5, 0.0, 3.0]), torch.tensor([0.1, 0.2, -0.3, 0.4, -0.5])
     every = torch.cat([codec.encode(a), codec.encode(b)])
     torch.testing.assert_close(codec.decode(every[9:], 5), codec.decode(codec.encode(b), 5))
+    torch.testing.assert_close(codec.decode(every[9:], 5), b, rtol=0, atol=0.5 / 127 / 2)  # half a step of int8
 
 
 def test_int8_of_zeros_is_zeros():

@@ -28,7 +28,7 @@ from torch import nn
 
 from shoal.errors import UserError, first_line, require
 from shoal.models.spec import Batch, DataSpec, ModelBundle, ModelSection
-from shoal.models.tp_plan import resolve
+from shoal.models.tp_plan import refuse_sequence_parallel, resolve
 
 FEATURE = 'model.name = "hf"'
 
@@ -182,8 +182,7 @@ def tensor_parallel(model, tp: int, mesh=None, sequence_parallel: bool = False):
     """Split `model` by its `base_model_tp_plan` over the tp mesh (see the module docstring): attention by
     heads, MLPs by hidden units; embeddings, norms and the output head stay replicated."""
     config = model.config
-    if sequence_parallel:
-        raise UserError('parallel.sequence_parallel is offered for model.name = "gpt" only; set it to false')
+    refuse_sequence_parallel(sequence_parallel)
     if any(type(m).__module__.startswith("peft") for m in model.modules()):
         raise UserError("model.lora with parallel.tp > 1 is not supported (the plan names the base layers that the "
                         "adapters wrap); set parallel.tp = 1 and shard with parallel.zero instead")

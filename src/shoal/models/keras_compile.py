@@ -44,7 +44,6 @@ def compiled_loss(keras, model):
     return loss
 
 
-
 def split_batch(batch: Batch):
     """(x, y): the target is the key "label", "target" or "y"; x is the other key's tensor, or a dict of them
     (a model with several named inputs)."""

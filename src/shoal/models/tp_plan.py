@@ -38,6 +38,13 @@ def style(name: str, how):
     return styles[how]()
 
 
+def refuse_sequence_parallel(asked: bool) -> None:
+    """Sequence parallelism needs the model's norms and dropout split by sequence, which only shoal's GPT
+    does (gpt_parallel.py): a plan splits layers' weights, not the activations between them."""
+    if asked:
+        raise UserError('parallel.sequence_parallel is offered for model.name = "gpt" only; set it to false')
+
+
 def resolve(model: nn.Module, plan: Mapping[str, object], tp: int, *, strict: bool) -> dict[str, object]:
     """The plan as {module name: ParallelStyle} over `model`'s modules (fnmatch patterns expanded), after
     checking that tp divides what each style splits. `strict`: a pattern that names no module is an error
@@ -73,8 +80,7 @@ def tensor_parallel_by_plan(plan: Mapping[str, object]):
     """A ModelBundle.tensor_parallel that splits a model by a user's `plan` (see the module docstring)."""
 
     def tensor_parallel(model: nn.Module, tp: int, mesh=None, sequence_parallel: bool = False):
-        if sequence_parallel:
-            raise UserError('parallel.sequence_parallel is offered for model.name = "gpt" only; set it to false')
+        refuse_sequence_parallel(sequence_parallel)
         if any(isinstance(m, nn.Dropout) and m.p > 0 for m in model.modules()):
             raise UserError("a model with dropout under parallel.tp > 1 is not supported (dropout masks would "
                             "differ between tensor-parallel ranks); set its dropout to 0 or parallel.tp = 1")

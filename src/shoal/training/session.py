@@ -490,14 +490,14 @@ def named_groups(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> li
     """The optimizer's parameter groups with the parameters' names in place of the parameters."""
     names = {id(p): n for n, p in model.named_parameters()}
     # a Keras model's parameters() also lists its frozen state (seed generators, moving statistics), which
-    # its KerasModule holds as buffers: an optimizer given those has nothing to do with them
-    optimizer.param_groups = [{**g, "params": [p for p in g["params"] if id(p) in names or p.requires_grad]}
-                              for g in optimizer.param_groups]
-    if any(id(p) not in names for g in optimizer.param_groups for p in g["params"]):
+    # its KerasModule holds as buffers: an optimizer given those has nothing to do with them (left out here,
+    # so not in the rebuilt optimizer; the user's own is not changed)
+    kept = [[p for p in g["params"] if id(p) in names or p.requires_grad] for g in optimizer.param_groups]
+    if any(id(p) not in names for params in kept for p in params):
         raise UserError("sess.prepare(model, optimizer): the optimizer holds parameters that are not the model's; "
                         "give each model its own optimizer")
-    return [{**{k: v for k, v in g.items() if k != "params"}, "params": [names[id(p)] for p in g["params"]]}
-            for g in optimizer.param_groups]
+    return [{**{k: v for k, v in g.items() if k != "params"}, "params": [names[id(p)] for p in params]}
+            for g, params in zip(optimizer.param_groups, kept, strict=True)]
 
 
 def rebuilt(optimizer: torch.optim.Optimizer, groups: list[dict], par) -> torch.optim.Optimizer:
