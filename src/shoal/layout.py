@@ -161,3 +161,23 @@ def _microbatch_fix(per_rank: int, pp: int) -> str:
         if per_rank % m == 0:
             return f"set train.micro_batch_size = {per_rank // m} or parallel.pp_microbatches = {m}"
     return f"make the per-rank batch ({per_rank}) a multiple of parallel.pp ({pp}) through train.global_batch_size"
+
+
+def check_live(cfg: Config, nodes: tuple[int, int], nproc: int) -> None:
+    """A live elastic run (--nnodes MIN:MAX) of this config: its smallest world can hold the layout, and the
+    layout can heal live (each worker holds a whole replica, so survivors can go on without one)."""
+    p, text = cfg.parallel, f"{nodes[0]}:{nodes[1]}"
+    need, least = p.tp * p.pp, nodes[0] * nproc
+    if least < need:
+        raise UserError(f"--nnodes {text}: MIN x --nproc = {least} workers, below the parallel.tp x parallel.pp = "
+                        f"{need} one replica needs; raise MIN to {-(-need // nproc)} or more")
+    why = (f"parallel.tp = {p.tp} and parallel.pp = {p.pp} split a replica over several workers"
+           if need > 1 else f"parallel.zero = {p.zero} shards each replica's state over the workers" if p.zero else
+           f'sync.mode = "{cfg.sync.mode}" keeps replicas apart' if cfg.sync.mode != "every-step" else
+           f'balance.mode = "{cfg.balance.mode}" splits the batch by measured throughput'
+           if cfg.balance.mode != "uniform" else None)
+    if why:
+        raise UserError(f"--nnodes {text}: {why}, which cannot heal live yet (a live run needs every worker to hold "
+                        f"a whole replica: data parallel, parallel.zero = 0, sync.mode = \"every-step\"); give a fixed "
+                        f"--nnodes instead: a failure then restarts every worker from the newest checkpoint "
+                        f"(--max-restarts)")

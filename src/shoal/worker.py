@@ -12,17 +12,20 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import ctypes.util
+import dataclasses
 import faulthandler
+import gc
 import os
 import signal
 import sys
+import time
 import traceback
 from pathlib import Path
 
 import torch
 from torch.distributed.elastic.multiprocessing.errors import get_error_handler
 
-from shoal import dist, signals
+from shoal import dist, membership, signals
 from shoal.allocator import release_freed_memory
 from shoal.comm.collectives import Comm
 from shoal.comm.phase import Phase
@@ -80,7 +83,7 @@ def _quiet(fn, default):
 
 
 def run_rank(cfg: Config, job: Job, run_dir: Path, env, comm: Comm, resume: str = "auto",
-             phase: Phase | None = None) -> dict:
+             phase: Phase | None = None, live=None) -> dict:
     """This rank's part of the job: training, or, under sync.mode = "parameter-server", serving or
     training as the parameter server's ranks do (ps/run.py). Returns the run's summary."""
     if job.layout.servers:
@@ -89,7 +92,7 @@ def run_rank(cfg: Config, job: Job, run_dir: Path, env, comm: Comm, resume: str 
         return run_job(cfg, job.layout, job.source, run_dir, env, comm, resume=resume, phase=phase)
     from shoal.training.run import run_training
 
-    return run_training(cfg, job.layout, job.source, run_dir, env, comm, resume=resume, phase=phase)
+    return run_training(cfg, job.layout, job.source, run_dir, env, comm, resume=resume, phase=phase, live=live)
 
 
 # what a forked worker's server imports once, before it forks ([Note: forked workers] in launch/elastic.py).
@@ -146,6 +149,8 @@ def run(cfg: Config, run_dir: str | None, config_path: str | None, resume: str =
 
 def train(cfg: Config, run_dir: str | None, config_path: str | None, resume: str, joined: list) -> None:
     """Check, join the group, agree the run dir, train, say the result; `joined` gets the watchdog."""
+    if membership.is_live_worker():
+        return train_live(cfg, run_dir, config_path, resume, joined)
     torch.set_num_threads(threads_per_worker(cfg, int(os.environ.get("LOCAL_WORLD_SIZE", 1))))
     if cfg.parallel.zero >= 2 and not torch.cuda.is_available():  # so that sharding shows in peak RSS
         release_freed_memory()
@@ -163,15 +168,131 @@ def train(cfg: Config, run_dir: str | None, config_path: str | None, resume: str
     path = Path(comm.agree("run_dir", lambda: str(choose_run_dir(run_dir, config_path, cfg, resume, first_attempt))))
     # a restarted attempt continues from the newest checkpoint of the attempt before it
     summary = run_rank(cfg, job, path, env, comm, resume if first_attempt else "auto", phase)
-    if reports(env.rank) and summary.get("already_finished"):
+    say_done(summary, path, env.rank, cfg)
+    watchdog.stop()
+    dist.shutdown()
+
+
+def train_live(cfg: Config, run_dir: str | None, config_path: str | None, resume: str, joined: list) -> None:
+    """A worker of a live elastic run ([Note: live membership] in membership.py): one generation of the
+    group after another, each trained from where the last one left this rank (training/live.py), until
+    the run ends, this worker leaves on a signal, or it is left out of a run that finished."""
+    from shoal.training.live import Live, Regroup, heal
+
+    member = membership.Member.from_env(evict_s=cfg.parallel.timeout_s)
+    torch.set_num_threads(threads_per_worker(cfg, int(os.environ.get("LOCAL_WORLD_SIZE", 1))))
+    worlds = list(range(member.min_world, member.max_world + 1))
+    job = check_job(cfg, worlds, cuda=torch.cuda.is_available(), quiet=True)
+    gen, held, path, events, record = None, None, None, [], None
+    started, lost_at = time.perf_counter(), time.time()
+    if member.current() >= 0:  # the run is going: ask the group to take this worker in
+        member.request_join()
+    while True:
+        gen = next_generation(member, gen, held)
+        if gen is None:  # the run ended while this worker waited to join
+            print(f"shoal: {member.where(member.id)}: the run finished before this worker could join", flush=True)
+            return
+        env, comm, watchdog = join_generation(cfg, job, member, gen, joined)
+        # every generation agrees it (a joiner learns it so); a joiner never moves the run it joins aside
+        path = Path(comm.agree("run_dir", lambda p=path, fresh=gen.number == 0: str(
+            p or choose_run_dir(run_dir, config_path, cfg, resume, fresh))))
+        t_heal = time.perf_counter()
+        held, source = heal(comm, held)
+        if gen.number > 0:
+            events.append(describe_change(member, gen, source, time.time() - lost_at,
+                                          time.perf_counter() - t_heal, held.step if held else 0))
+        live = Live(held, regroup_wanted(member, gen, env.rank), events, record, started)
+        layout = job.layouts[worlds.index(env.world_size)]
+        try:
+            summary = run_rank(cfg, dataclasses.replace(job, layouts=[layout]), path, env, comm,
+                               resume if gen.number == 0 else "auto", live=live)
+            break
+        except Regroup as e:
+            held, record, lost_at = e.snapshot, live.record, time.time()
+        del live
+        watchdog.stop()
+        dist.shutdown()  # with no frame left holding the group, this closes its connections
+        gc.collect()
+        if signals.requested():  # this worker asked to leave: the others go on without it
+            print(f"shoal: {member.where(member.id)} left the run after step {held.step} "
+                  f"({signal.Signals(signals.requested()).name})", file=sys.stderr, flush=True)
+            member.stop()
+            raise signals.Interrupted(signals.requested(), held.step, None)
+    membership.finish(member.store)
+    say_done(summary, path, env.rank, cfg)
+    watchdog.stop()
+    member.stop()
+    dist.shutdown()
+
+
+def next_generation(member, gen, held):
+    """The next generation this worker is in (None: the run ended first). A worker left out of one (it
+    came too late, or the group is full) asks again for the one after."""
+    while True:
+        got = member.regroup(gen, held.step if held is not None else -1)
+        if got is not None or membership.is_done(member.store):
+            return got
+        gen = None
+        member.request_join()
+
+
+def join_generation(cfg: Config, job: Job, member, gen, joined: list):
+    """The process group of generation `gen`, over its own store prefix; this rank's Comm and watchdog."""
+    rank, world = gen.rank_of(member.id), gen.world
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world))  # for what reads them (the hang report, reports())
+    side = membership.connect(member.endpoint)
+    env = dist.join(job.layout.backend, cfg.parallel.timeout_s, dist.prefixed(gen.prefix, member.store),
+                    dist.prefixed(gen.prefix, side), rank, world, int(os.environ.get("LOCAL_RANK", 0)),
+                    int(os.environ.get("LOCAL_WORLD_SIZE", 1)), gen.number)
+    name_process(f"shoal rank {env.rank}")
+    comm = Comm(env.store, env.rank, env.world_size)
+    watchdog = Watchdog(comm.log, env.status_store, env.rank)
+    joined[:] = [watchdog]
+    signals.install()  # a signal here means: leave at the next step's end (the flags carry it)
+    return env, comm, watchdog
+
+
+def regroup_wanted(member, gen, rank: int):
+    """This rank's wish, at each step's end, that the group change: it was asked to stop (it leaves), or
+    (rank 0, one store round trip) a joiner waits."""
+    said = []
+
+    def wanted() -> bool:
+        if signals.requested():
+            if not said:
+                member.leave()
+                said.append(True)
+            return True
+        return rank == 0 and member.join_wanted(gen)
+
+    return wanted
+
+
+def describe_change(member, gen, source: int | None, lost_s: float, heal_s: float, step: int) -> dict:
+    """The change of the group that formed `gen`, as one line and its numbers."""
+    before = member.generation(gen.number - 1)
+    left = [m for m in before.members if m not in gen.members] if before else []
+    came = [m for m in gen.members if before is None or m not in before.members]
+    why = {m: ("stalled past parallel.timeout_s, evicted" if m in gen.evicted else member.why_gone(m)) for m in left}
+    parts = [f"{member.where(m)} left ({why[m]})" for m in left]
+    parts += [f"{member.where(m)} joined" + (f" (healed from rank {source} in {heal_s:.2f} s)" if source is not None
+                                             else "") for m in came]
+    line = (f"step {step}: world {before.world if before else '?'} -> {gen.world}: {'; '.join(parts) or 'regrouped'}; "
+            f"regrouped in {lost_s:.1f} s")
+    return {"step": step, "time": time.time(), "generation": gen.number, "world": gen.world,
+            "left": [member.where(m) for m in left], "joined": [member.where(m) for m in came],
+            "why": [why[m] for m in left], "regroup_s": round(lost_s, 3), "heal_s": round(heal_s, 3),
+            "healed_from": source, "line": line}
+
+
+def say_done(summary: dict, path: Path, rank: int, cfg: Config) -> None:
+    if reports(rank) and summary.get("already_finished"):
         print(finished_message(path, summary["steps"], cfg.train.steps), flush=True)
-    elif reports(env.rank):
+    elif reports(rank):
         val = f", val loss {summary['val_loss']:.4f}" if summary.get("val_loss") is not None else ""
         loss = f"{summary['final_loss']:.4f}" if summary.get("final_loss") is not None else "-"
         print(f"done: {summary['steps']} steps in {summary['total_time_s']:.1f} s; final loss {loss}{val}\n"
               f"results in {path}/ (summary.json, metrics.jsonl, config.toml, checkpoints/, tensorboard/)", flush=True)
-    watchdog.stop()
-    dist.shutdown()
 
 
 def name_process(name: str) -> None:

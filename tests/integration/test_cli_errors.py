@@ -20,7 +20,15 @@ CASES = {
     "fp16 on CPU": (["--set", "precision.dtype=fp16"], '"fp16" needs CUDA'),
     "bad --nproc": (["--nproc", "0"], "--nproc (0) must be >= 1"),
     "bad --nnodes": (["--nnodes", "two"], "--nnodes 'two': expected a number of nodes"),
-    "elastic --nnodes range": (["--nnodes", "1:2"], "--nnodes 1:2: elastic node ranges are not supported yet"),
+    "elastic range MIN > MAX": (["--nnodes", "3:2"], "--nnodes 3:2: MIN (3) is above MAX (2); give MIN:MAX"),
+    "elastic range below tp x pp": (["--nnodes", "1:4", "--rdzv-endpoint", "127.0.0.1:29400", "--set", "parallel.tp=2"],
+                                    "--nnodes 1:4: MIN x --nproc = 1 workers, below the parallel.tp x parallel.pp = 2"),
+    "elastic range that cannot heal live": (
+        ["--nnodes", "1:2", "--nproc", "2", "--rdzv-endpoint", "127.0.0.1:29400", "--set", "parallel.zero=1"],
+        "--nnodes 1:2: parallel.zero = 1 shards each replica's state over the workers, which cannot heal live yet "
+        "(a live run needs every worker to hold a whole replica: data parallel, parallel.zero = 0, sync.mode = "
+        '"every-step"); give a fixed --nnodes instead: a failure then restarts every worker from the newest '
+        "checkpoint (--max-restarts)"),
     "multi-node without endpoint": (["--nnodes", "2"], "--nnodes 2 needs --rdzv-endpoint"),
     "bad --rdzv-timeout": (["--rdzv-timeout", "0"], "--rdzv-timeout (0) must be > 0 seconds"),
     "bad --rdzv-endpoint": (["--nnodes", "2", "--rdzv-endpoint", "node0"], "--rdzv-endpoint node0: expected HOST:PORT"),

@@ -115,6 +115,19 @@ class TrainState:
         checkpoint at `path` whose shared JSON is `saved` (the tensors are loaded by the caller,
         collectively). Returns whether the RNG streams are the saved ones (False: the world size
         changed, and they were reseeded)."""
+        from safetensors.torch import load_file  # tensors only: nothing is unpickled
+
+        same_world = mf.read_manifest(path)["world_size"] == world_size
+        file = path / rank_state_file(rank)
+        mine = (load_file(file) if file.exists() else {}) if same_world else None
+        rng = read_json(path / rng_file(rank)) if same_world else None
+        return self.load(saved, mine, rng, rank, seed, keep, where=str(path))
+
+    def load(self, saved: dict, rank_tensors: dict | None, rng: dict | None, rank: int, seed: int,
+             keep: tuple[str, ...] = (), where: str = "") -> bool:
+        """Load every JSON part of `saved` (a capture()) but those in `keep`; this rank's own tensors and
+        RNG streams when given (None: they belong to another world size or rank: the parts start them
+        afresh and the streams are reseeded). Returns whether the RNG streams are the saved ones."""
         parts = saved["parts"]
         for name, part in self.parts.items():
             if name in keep:
@@ -122,20 +135,16 @@ class TrainState:
             try:
                 part.load_state_dict(parts.get(name) or {})
             except ValueError as e:  # e.g. a data position that does not fit this data set
-                raise UserError(f"cannot resume from {path}: {e}") from None
+                raise UserError(f"cannot resume from {where}: {e}") from None
         step = getattr(self.parts.get("sampler"), "step", saved["step"])  # the data position, in this run's steps
-        same_world = mf.read_manifest(path)["world_size"] == world_size
-        self._restore_rank_tensors(path / rank_state_file(rank) if same_world else None)
-        if same_world:
-            self.rng.load_state_dict(read_json(path / rng_file(rank)))
+        self._restore_rank_tensors(rank_tensors or {})
+        if rng is not None:
+            self.rng.load_state_dict(rng)
             return True
         RNGStreams.reseed(seed, rank, step)
         return False
 
-    def _restore_rank_tensors(self, file: Path | None) -> None:
-        from safetensors.torch import load_file  # tensors only: nothing is unpickled
-
-        tensors = load_file(file) if file is not None and file.exists() else {}
+    def _restore_rank_tensors(self, tensors: dict[str, torch.Tensor]) -> None:
         if self.replicas_differ and any(k.startswith("model/") for k in tensors):  # else: DCP's replica for all
             load_replica_tensors(self.model, self.optimizer, tensors)
         for name, part in self.parts.items():

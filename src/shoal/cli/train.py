@@ -33,7 +33,9 @@ def train(args: argparse.Namespace) -> int:
     from shoal.config import load_config
 
     cfg = load_config(args.config, args.set)
-    if dist.is_launched():  # we are a worker (torchrun, or our own launcher below)
+    from shoal import membership
+
+    if dist.is_launched() or membership.is_live_worker():  # we are a worker (torchrun, or our own launcher below)
         from shoal import worker
 
         worker.main(cfg, args.run_dir, args.config, args.resume)  # does not return
@@ -78,6 +80,11 @@ def preflight(args: argparse.Namespace, cfg, nodes: tuple[int, int]):
 
     run_dir = Path(args.run_dir) if args.run_dir else default_run_dir(args.config, cfg)
     worlds = [roles.total_world(args.nproc * n) for n in range(nodes[0], nodes[1] + 1)]
+    if nodes[0] < nodes[1]:  # a live run: any number of workers in the range (a node may lose one)
+        from shoal.layout import check_live
+
+        check_live(cfg, nodes, args.nproc)
+        worlds = list(range(nodes[0] * args.nproc, nodes[1] * args.nproc + 1))
     job = check_job(cfg, worlds, cuda=torch.cuda.is_available(), run_dir=run_dir, resume=args.resume, quiet=True)
     if job.finished and RunDir(run_dir).summary.exists():
         print(finished_message(run_dir, job.resume_step, cfg.train.steps))
@@ -102,14 +109,29 @@ def start(args: argparse.Namespace, cfg, job, run_dir: Path, nodes: tuple[int, i
         role_argv = ["train", *([args.config] if args.config else []), *sets, "--run-dir", str(run_dir),
                      "--resume", "auto", "--nnodes", "1"]
         return roles.launch_roles(role_argv, args.nproc, job.layout.servers, args.max_restarts)
+    fresh = ["-m", "shoal", "train", *([args.config] if args.config else []), *sets, "--run-dir", str(run_dir),
+             "--resume", args.resume]
+    if nodes[0] < nodes[1]:  # a live run: shoal's own node launcher ([Note: live membership] in membership.py)
+        from shoal.launch.live import launch_live
+
+        return launch_live(fresh, args.nproc, nodes, args.node_rank, args.rdzv_endpoint or free_endpoint(),
+                           threads_per_worker(cfg, args.nproc), args.max_restarts, args.rdzv_timeout or 600)
     if args.fresh_workers:  # called from Python: fresh interpreters ([Note: forked workers])
-        worker = ["-m", "shoal", "train", *([args.config] if args.config else []), *sets, "--run-dir", str(run_dir),
-                  "--resume", args.resume]
+        worker = fresh
     else:
         worker = Forked(forked, (args.config, args.set, str(run_dir), args.resume), PRELOAD)
     return launch(worker, args.nproc, nodes, args.node_rank, args.rdzv_endpoint,
                   threads=threads_per_worker(cfg, args.nproc), max_restarts=args.max_restarts,
                   rdzv_timeout=args.rdzv_timeout)
+
+
+def free_endpoint() -> str:
+    """A loopback HOST:PORT nothing listens on (a one-node live run's store)."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return f"127.0.0.1:{s.getsockname()[1]}"
 
 
 def train_on_cluster(args: argparse.Namespace) -> int:

@@ -129,20 +129,20 @@ def _without_traceback(record: logging.LogRecord) -> bool:
 
 
 def parse_nnodes(text: str) -> tuple[int, int]:
-    """--nnodes as (min, max) nodes. An elastic range MIN:MAX (torchrun's syntax) is refused: with torch
-    2.13 a node joining a running c10d job hangs both agents in re-rendezvous (each waits 60 s on the
-    other's store keys, role_info / MASTER_ADDR), reproduced with plain torchrun and a 10-line script
-    (upstream: pytorch/pytorch#123678, scale-up with c10d). Runs still resize through checkpoints."""
-    if ":" in text:
-        raise UserError(f"--nnodes {text}: elastic node ranges are not supported yet; give a fixed number of nodes "
-                        f"(a run still resumes on any world size from its checkpoints)")
+    """--nnodes as (min, max) nodes: N, or an elastic range MIN:MAX (torchrun's syntax), which makes a live
+    run (launch/live.py)."""
+    lo, colon, hi = text.partition(":")
     try:
-        n = int(text)
+        nodes = (int(lo), int(hi)) if colon else (int(text), int(text))
     except ValueError:
-        raise UserError(f"--nnodes {text!r}: expected a number of nodes, for example --nnodes 2") from None
-    if n < 1:
-        raise UserError(f"--nnodes ({n}) must be >= 1")
-    return n, n
+        raise UserError(f"--nnodes {text!r}: expected a number of nodes or a range MIN:MAX, for example --nnodes 2 "
+                        f"or --nnodes 1:4") from None
+    if nodes[0] < 1:
+        raise UserError(f"--nnodes {text}: {'MIN ' if colon else ''}must be >= 1")
+    if nodes[0] > nodes[1]:
+        raise UserError(f"--nnodes {text}: MIN ({nodes[0]}) is above MAX ({nodes[1]}); give MIN:MAX, for example "
+                        f"--nnodes {nodes[1]}:{nodes[0]}")
+    return nodes
 
 
 class EndpointUnreachable(RuntimeError):
@@ -219,10 +219,11 @@ def check_launch_args(nproc: int, nodes: tuple[int, int], node_rank: int, rdzv_e
     if max_restarts < 0:
         raise UserError(f"--max-restarts ({max_restarts}) must be >= 0")
     if nnodes > 1 and not rdzv_endpoint:
-        raise UserError(f"--nnodes {':'.join(map(str, sorted(set(nodes))))} needs --rdzv-endpoint HOST:PORT "
-                        f"(node 0's address)")
+        raise UserError(f"--nnodes {':'.join(map(str, nodes)) if nodes[0] < nnodes else nnodes} needs --rdzv-endpoint "
+                        f"HOST:PORT (node 0's address)")
     if not 0 <= node_rank < nnodes:
-        raise UserError(f"--node-rank {node_rank} must be in [0, {nnodes - 1}] for --nnodes {nnodes}")
+        raise UserError(f"--node-rank {node_rank} must be in [0, {nnodes - 1}] for --nnodes "
+                        f"{':'.join(map(str, nodes)) if nodes[0] < nnodes else nnodes}")
 
 
 def report_failures(e: ChildFailedError, worst_code: bool = False) -> int:

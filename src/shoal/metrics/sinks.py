@@ -106,6 +106,11 @@ class MetricsSinks:
         for sink in self.files:
             sink.log(m)
 
+    def event(self, m: dict) -> None:
+        """A line of the record that is not a step's metrics (a live run's change of the group): the files only."""
+        for sink in self.files:
+            sink.log(m)
+
     def close(self) -> None:
         for sink in [self.console, *self.files]:
             if sink:

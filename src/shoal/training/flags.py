@@ -1,7 +1,8 @@
 """The one collective of every step that carries the loss and every decision all ranks must take
 alike: the loss sum, whether some rank was asked to stop (signals.py), whether some rank saw a
-non-finite gradient norm (a bad step: skip, roll back or abort), and whether some rank's clock says a
-checkpoint is due. One small all-reduce over all ranks, overlapping the gradient clipping, whatever
+non-finite gradient norm (a bad step: skip, roll back or abort), whether some rank's clock says a
+checkpoint is due, and (a live elastic run) whether some rank wants the group to change at the step's
+end: it leaves, or a joiner waits. One small all-reduce over all ranks, overlapping the gradient clipping, whatever
 the step synchronisation does with the gradients (under local SGD the gradient norm is a rank's own)."""
 
 from __future__ import annotations
@@ -16,9 +17,14 @@ from shoal.comm.collectives import Comm, Pending
 @dataclass
 class Flags:
     loss_sum: float  # summed over ranks whose loss counts
-    stop: bool
+    stops: int  # ranks asked to stop
     bad_norm: bool
     save: bool
+    regroup: bool = False
+
+    @property
+    def stop(self) -> bool:
+        return self.stops > 0
 
 
 class StepFlags:
@@ -26,13 +32,13 @@ class StepFlags:
         self.comm, self.device = comm, device
         self._pending: Pending | None = None
 
-    def start(self, loss_sum: torch.Tensor, stop: bool, bad_norm: bool, save: bool) -> None:
+    def start(self, loss_sum: torch.Tensor, stop: bool, bad_norm: bool, save: bool, regroup: bool = False) -> None:
         t = torch.stack([loss_sum.double().reshape(()).to(self.device),
                          *(torch.tensor(float(x), dtype=torch.float64, device=self.device)
-                           for x in (stop, bad_norm, save))])
+                           for x in (stop, bad_norm, save, regroup))])
         self._pending = self.comm.all_reduce(t, label="world, step flags", async_op=True)
 
     def result(self) -> Flags:
         t = self._pending.wait().cpu()
         self._pending = None
-        return Flags(t[0].item(), t[1].item() > 0, t[2].item() > 0, t[3].item() > 0)
+        return Flags(t[0].item(), round(t[1].item()), t[2].item() > 0, t[3].item() > 0, t[4].item() > 0)

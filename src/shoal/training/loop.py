@@ -79,8 +79,9 @@ class Trainer:
     def device(self) -> torch.device:
         return self.step.device
 
-    def run(self, feed: Feed) -> bool:
-        """Train until the feed ends; returns False when the ranks agreed to stop early (a signal)."""
+    def run(self, feed: Feed) -> str:
+        """Train until the feed ends ("end"); or until the ranks agreed to stop early on a signal ("stop"),
+        or (a live elastic run) to change the group at this step's end ("regroup")."""
         watch = self.watch
         # with the profile on, the timer also reads the collective log's waits at each mark
         timer = StepTimer(self.device, self.comm.log if watch.profile else None)
@@ -110,13 +111,13 @@ class Trainer:
                 if watch.trace:
                     watch.trace.after(step + 1)
                 self.after_step(step + 1, lr, out, timer, last=feed.last())
-                if out.stop:
-                    return False
+                if out.stop or out.regroup:
+                    return "stop" if out.stop else "regroup"
         finally:
             feed.close()
             if watch.trace:
                 watch.trace.close()
-        return True
+        return "end"
 
     def after_step(self, done: int, lr: float, out: StepResult, timer: StepTimer, last: bool) -> None:
         """Metrics, validation and hooks of step `done` (1-based: steps completed)."""

@@ -43,6 +43,8 @@ from shoal.rundir import RunDir, read_json, write_json
 from shoal.training.bad_steps import BadStepPolicy
 from shoal.training.build import build_on, freeze, plain_model
 from shoal.training.feed import Steps
+from shoal.training.live import Live, Regroup, capture, peer_failed
+from shoal.training.live import restore as restore_live
 from shoal.training.loop import Hooks, Trainer, Watch
 from shoal.training.optim import Schedule, optimizer_groups
 from shoal.training.parts import Parts, announce, profiler
@@ -52,23 +54,37 @@ from shoal.training.summary import failure_info, fresh_start, summarize
 
 
 def run_training(cfg: Config, layout: Layout, source, run_dir: Path, env: DistEnv, comm: Comm, *,
-                 resume: str = "auto", phase: Phase | None = None, strategy: Strategy | None = None) -> dict:
+                 resume: str = "auto", phase: Phase | None = None, strategy: Strategy | None = None,
+                 live: Live | None = None) -> dict:
     """Train on this rank; returns the run summary (identical on every rank). `source`: the data source
-    the preflight built; `strategy`: how this rank trains (default: shoal's layouts)."""
-    t_start = time.perf_counter()
+    the preflight built; `strategy`: how this rank trains (default: shoal's layouts); `live`: this rank's
+    part in a live elastic run, which raises Regroup when the group changes (training/live.py)."""
+    t_start = live.started if live else time.perf_counter()
     strategy = strategy or Strategy(cfg, layout, env.device, env.rank, comm)
     parts = build(cfg, layout, source, RunDir(run_dir), env, comm, phase=phase or Phase(), strategy=strategy,
-                  resume=resume)
-    recovery = restore(parts)
+                  resume=resume, live=live)
+    recovery = restore(parts, live)
     if parts.sampler.step >= cfg.train.steps and parts.run.summary.exists():  # finished before: leave it be
         strategy.finish()
         return {**read_json(parts.run.summary), "already_finished": True, "steps": parts.sampler.step}
     start_step = parts.sampler.step
-    trainer, checkpoints = loop(parts, recovery)
+    lost: Regroup | None = None
+    try:
+        trainer, checkpoints = loop(parts, recovery, live)
+    except Regroup as e:  # at a step boundary: a member leaves, or a joiner waits
+        lost = e
+    except Exception as e:
+        if live is None or not peer_failed(e):
+            raise
+        lost = Regroup(held(parts), f"a peer failed ({str(e).splitlines()[0][:160]})")
+    if lost is not None:  # raised here, outside the handler: nothing keeps the failed collective's frames
+        raise lost
     summary = summarize(trainer.record, parts.bundle.items_name, model_name=cfg.model.name, n_params=parts.n_params,
                         dims=layout.dims, total_s=time.perf_counter() - t_start, restart_count=env.restart_count,
                         recovery=recovery, run=parts.run, is_main=parts.is_main,
                         bad_steps=trainer.step.bad_steps.state_dict(), start_step=start_step)
+    if live:
+        summary["membership"] = live.events
     summary["checkpoints"] = checkpoints.stats
     if trainer.watch.profile:
         summary["profile"] = summarize_profile(trainer.record.history)
@@ -77,13 +93,23 @@ def run_training(cfg: Config, layout: Layout, source, run_dir: Path, env: DistEn
     return summary
 
 
+def held(parts: Parts):
+    """This rank's state at its last completed step, as a live run's Snapshot (training/live.py)."""
+    step = parts.sampler.step
+    return capture(parts.state, step, parts.cfg.to_toml(), dataclasses.asdict(parts.source.spec), parts.env.rank,
+                   parts.env.world_size)
+
+
 def build(cfg: Config, layout: Layout, source, run: RunDir, env: DistEnv, comm: Comm, *, phase: Phase,
-          strategy: Strategy, resume: str) -> Parts:
-    """Collective: everything this rank's run is built from, before any checkpoint is read."""
-    found = comm.agree("resume_from", lambda: str(find_resume_point(run.checkpoints, resume) or ""))
+          strategy: Strategy, resume: str, live: Live | None = None) -> Parts:
+    """Collective: everything this rank's run is built from, before any checkpoint is read (a live run
+    going on from a Snapshot reads none)."""
+    in_memory = live is not None and live.held is not None
+    found = "" if in_memory else comm.agree("resume_from",
+                                            lambda: str(find_resume_point(run.checkpoints, resume) or ""))
     resume_path = Path(found) if found and strategy.restores else None
     torch.manual_seed(cfg.train.seed)  # identical initial weights on every rank
-    bundle = build_on(cfg.model, source.spec, init=resume_path is None)
+    bundle = build_on(cfg.model, source.spec, init=resume_path is None and not in_memory)
     freeze(bundle.model, cfg.train.freeze)
     n_params = count_parameters(bundle.model)
     # one pipeline micro-batch, for timing the layers (parallel.pp_balance = "time")
@@ -117,10 +143,14 @@ def build(cfg: Config, layout: Layout, source, run: RunDir, env: DistEnv, comm: 
                  bundle=bundle, n_params=n_params, step=step, sampler=sampler, state=state, resume_path=resume_path)
 
 
-def restore(parts: Parts) -> dict | None:
-    """Collective: restore the checkpoint the run resumes from, if any. Returns what the summary reports
-    about the recovery (None on a fresh start)."""
+def restore(parts: Parts, live: Live | None = None) -> dict | None:
+    """Collective: restore the checkpoint the run resumes from, if any (a live run: the Snapshot it goes on
+    from). Returns what the summary reports about the recovery (None on a fresh start)."""
     path, run, env = parts.resume_path, parts.run, parts.env
+    if live is not None and live.held is not None:
+        snap = live.held
+        restore_live(parts.state, snap, env.rank, env.world_size, parts.cfg.train.seed, own=snap.meta.get("own", True))
+        return None
     if path is None:  # a fresh start; after an elastic restart with no checkpoint yet, all steps are redone
         return fresh_start(run, env.restart_count)
     t0, started = time.perf_counter(), time.time()
@@ -139,9 +169,10 @@ def reload(parts: Parts, path: Path, keep: tuple[str, ...] = ()) -> bool:
     return state.restore(path, read_train_state(path), env.rank, env.world_size, parts.cfg.train.seed, keep)
 
 
-def loop(parts: Parts, recovery: dict | None) -> tuple[Trainer, CheckpointManager]:
+def loop(parts: Parts, recovery: dict | None, live: Live | None = None) -> tuple[Trainer, CheckpointManager]:
     """The Trainer over the strategy's feed, checkpointing as it goes; raises signals.Interrupted when the
-    ranks agreed to stop early (after saving)."""
+    ranks agreed to stop early (after saving), and (a live run) Regroup when they agreed to change the
+    group."""
     cfg, run, strategy, sampler = parts.cfg, parts.run, parts.strategy, parts.sampler
     checkpoints = CheckpointManager(run.checkpoints, strategy.checkpointing(cfg.checkpoint), parts.comm,
                                     before_write=strategy.before_save)
@@ -152,11 +183,24 @@ def loop(parts: Parts, recovery: dict | None) -> tuple[Trainer, CheckpointManage
     trainer = Trainer(train=cfg.train, metrics=cfg.metrics, step=parts.step, sampler=sampler, source=parts.source,
                       items_name=parts.bundle.items_name, hooks=hooks(parts, checkpoints), watch=measuring,
                       sinks=sinks, validates=strategy.validates)
-    announce(parts, sinks, recovery, profile_line)
+    if live is not None:
+        parts.step.regroup_wanted = live.regroup_wanted
+        if live.record is not None:  # the history of the generations before this one
+            trainer.record = live.record
+        live.record = trainer.record
+    if live is not None and live.held is not None and live.events:  # a new generation: what changed, not the start
+        event = live.events[-1]
+        sinks.print(event["line"])
+        sinks.event({"step": sampler.step, "time": event["time"], "membership": event["line"], "world": event["world"]})
+    else:
+        announce(parts, sinks, recovery, profile_line)
     try:
         steps = Steps(sampler, cfg.train.steps, batches(parts), cfg.data.prefetch)
-        finished = trainer.run(strategy.feed(steps, parts.step.schedule))
-        if not finished:  # asked to stop: keep the work done so far, then leave
+        ended = trainer.run(strategy.feed(steps, parts.step.schedule))
+        if ended == "regroup":
+            checkpoints.close()  # an async save in flight is part of the run
+            raise Regroup(held(parts), "the group changes: a member leaves or a joiner waits")
+        if ended == "stop":  # asked to stop: keep the work done so far, then leave
             stop(parts, checkpoints)
         strategy.finish()
         checkpoints.close()  # an async save in flight is part of the run

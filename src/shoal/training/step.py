@@ -40,10 +40,11 @@ class StepResult:
     grad_norm: float
     items: int  # tokens (or samples) in the global batch
     bad: bool  # the loss or gradient norm was not finite: the update was skipped
-    stop: bool  # some rank was asked to stop
+    stop: bool  # some rank was asked to stop (a live elastic run: every rank; some leave by regrouping)
     save: bool  # some rank's clock says a checkpoint is due
     held: dict[str, int] | None  # this rank's model-state bytes (on steps that measure memory)
     comm_bytes: int  # bytes this rank sent to keep the replicas in sync
+    regroup: bool = False  # a live elastic run's group changes after this step (training/live.py)
 
 
 @dataclass(kw_only=True)
@@ -64,6 +65,9 @@ class Stepper:
     stop_requested: Callable[[], int] = lambda: 0  # nonzero when this process was asked to stop
     save_wanted: Callable[[], bool] = lambda: False  # this rank's clock says a checkpoint is due
     before_update: Callable[[], None] = lambda: None  # runs before the optimizer changes the weights
+    # a live elastic run: this rank wants the group to change at the step's end (it leaves, or, on
+    # rank 0, a joiner waits); None: not a live run, and a stop signal stops every rank
+    regroup_wanted: Callable[[], bool] | None = None
 
     def __call__(self, micro_batches: list[Batch], step: int, timer: StepTimer, measure_memory: bool) -> StepResult:
         """Step `step` (0-based: the steps done before it)."""
@@ -90,7 +94,8 @@ class Stepper:
         norm = par.grad_norm()
         flags = StepFlags(self.comm, self.device)  # one all-reduce for every shared decision
         flags.start(loss_sum if par.owns_loss else torch.zeros_like(loss_sum), stop=self.stop_requested() > 0,
-                    bad_norm=not math.isfinite(norm.item()), save=self.save_wanted())
+                    bad_norm=not math.isfinite(norm.item()), save=self.save_wanted(),
+                    regroup=self.regroup_wanted is not None and self.regroup_wanted())
         par.clip_grads(self.grad_clip or math.inf, norm)  # while the flags travel
         agreed = flags.result()
         loss = agreed.loss_sum / total()
@@ -105,8 +110,11 @@ class Stepper:
         held = model_state_bytes(par.model, local_optimizer(optimizer)) if measure_memory else None
         optimizer.zero_grad(set_to_none=True)
         timer.mark("optimizer_s")
-        return StepResult(loss=loss, grad_norm=norm.item(), items=int(total()), bad=bad, stop=agreed.stop,
-                          save=agreed.save, held=held, comm_bytes=self.comm.sync_bytes - sent)
+        # a live run stops only when every rank was asked to; some asked: they leave, the others go on
+        stop = agreed.stops >= self.comm.world_size if self.regroup_wanted else agreed.stops > 0
+        return StepResult(loss=loss, grad_norm=norm.item(), items=int(total()), bad=bad, stop=stop,
+                          save=agreed.save, held=held, comm_bytes=self.comm.sync_bytes - sent,
+                          regroup=agreed.regroup and not stop)
 
 
 class ItemCount:

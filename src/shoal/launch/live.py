@@ -1,0 +1,127 @@
+"""One node of a live elastic run (`--nnodes MIN:MAX`): its workers started and watched, a failed one
+replaced by a worker that heals from a live peer, signals passed on; node 0 also hosts the
+membership store ([Note: live membership] in membership.py).
+
+torch elastic's agent is not used here: it restarts every local worker (and, through re-rendezvous,
+every node's) on any failure, and a node joining a running job hangs its re-rendezvous (torch 2.13).
+Its process layer is: each worker is started by torch.distributed.elastic.multiprocessing (its own
+error file, its output as is), one context per worker so that one ending does not end the others.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import time
+from datetime import timedelta
+
+import torch.distributed as dist
+from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, start_processes
+
+from shoal import membership
+from shoal.launch.elastic import EndpointUnreachable, interface_of, node_address, split_endpoint
+
+POLL_S = 0.1
+
+
+class _Worker:
+    def __init__(self, local_rank: int, member: int, ctx):
+        self.local_rank, self.member, self.ctx = local_rank, member, ctx
+
+
+def launch_live(worker: list[str], nproc: int, nnodes: tuple[int, int], node_rank: int, endpoint: str,
+                threads: int | None, max_restarts: int, rdzv_timeout: float) -> int:
+    """Run this node's `nproc` workers (`python <worker>`) in the live run at `endpoint`; returns the node's
+    exit code: 0 when its workers finished the run, 128 + N when they left on signal N, else 1 (2 when
+    every failure was a user error)."""
+    host, port = split_endpoint(endpoint)
+    server = None
+    if node_rank == 0:  # the store lives as long as this launcher: losing it ends the run (resume from disk)
+        server = dist.TCPStore(host, port, is_master=True, wait_for_workers=False,
+                               timeout=timedelta(seconds=rdzv_timeout))
+    try:
+        addr = node_address(endpoint, node_rank, rdzv_timeout)
+    except EndpointUnreachable as e:
+        print(f"shoal: {e}", file=sys.stderr)
+        return 1
+    ifname = interface_of(addr)
+    if ifname and "GLOO_SOCKET_IFNAME" not in os.environ and addr != "127.0.0.1":
+        os.environ["GLOO_SOCKET_IFNAME"] = ifname  # inherited by the workers ([Note: node address])
+    if threads:
+        os.environ["OMP_NUM_THREADS"] = str(threads)
+    store = membership.connect(endpoint, rdzv_timeout)
+    name = f"node {node_rank}" + (f" ({addr})" if addr != "127.0.0.1" else "")
+    env = {membership.STORE_ENV: endpoint, membership.WORLD_ENV: f"{nnodes[0] * nproc}:{nnodes[1] * nproc}",
+           "LOCAL_WORLD_SIZE": str(nproc)}
+    stop = _Signals()
+
+    def start(local_rank: int) -> _Worker:
+        member = membership.draw_id(store, name, local_rank)
+        ctx = start_processes(f"shoal-live-{member}", sys.executable, {0: tuple(worker)},
+                              {0: {**env, membership.ID_ENV: str(member), membership.NODE_ENV: name,
+                                   "LOCAL_RANK": str(local_rank)}},
+                              DefaultLogsSpecs())
+        return _Worker(local_rank, member, ctx)
+
+    workers = [start(i) for i in range(nproc)]
+    restarts, codes = 0, []
+    while workers:
+        if stop.signum and not stop.passed:
+            for w in workers:  # each leaves at its next step's end; all asked: the run stops and saves
+                for pid in w.ctx.pids().values():
+                    os.kill(pid, stop.signum)
+            stop.passed = True
+        for w in list(workers):
+            result = w.ctx.wait(0)
+            if result is None:
+                continue
+            workers.remove(w)
+            membership.mark_gone(store, w.member)
+            if not result.is_failed():
+                continue
+            failure = next(iter(result.failures.values()))
+            code = failure.exitcode
+            how = f"exit code {code}" if code >= 0 else f"signal {signal.Signals(-code).name}"
+            if stop.signum or membership.is_done(store) or restarts >= max_restarts:
+                codes.append(128 - code if code < 0 else code)
+                if not stop.signum:
+                    print(f"shoal: {name}: worker {w.local_rank} (member {w.member}) failed with {how}; "
+                          f"{max_restarts} replacement(s) allowed (--max-restarts), {restarts} used", file=sys.stderr,
+                          flush=True)
+                continue
+            restarts += 1
+            print(f"shoal: {name}: worker {w.local_rank} (member {w.member}) failed with {how}; a replacement "
+                  f"joins and heals from a live peer ({restarts} of --max-restarts {max_restarts})", file=sys.stderr,
+                  flush=True)
+            workers.append(start(w.local_rank))
+        time.sleep(POLL_S)
+    if server is not None:  # the others may train on: keep the store until the run ends
+        _serve_until_done(store, stop)
+    if stop.signum:
+        return 128 + stop.signum
+    if not codes:
+        return 0
+    return 2 if all(c == 2 for c in codes) else max(codes)
+
+
+def _serve_until_done(store, stop: _Signals) -> None:
+    """Node 0 hosts the store: wait while the run goes on (some member's heart beats) and is not done."""
+    last, changed = membership.beats(store), time.monotonic()
+    while not membership.is_done(store) and not stop.signum and time.monotonic() - changed < 2 * membership.STALE_S:
+        time.sleep(membership.BEAT_S)
+        now = membership.beats(store)
+        if now != last:
+            last, changed = now, time.monotonic()
+
+
+class _Signals:
+    """SIGTERM / SIGINT to this launcher: passed on to its workers once."""
+
+    def __init__(self):
+        self.signum, self.passed = 0, False
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, self._handler)
+
+    def _handler(self, signum, frame) -> None:
+        self.signum = self.signum or signum

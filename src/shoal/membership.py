@@ -1,0 +1,238 @@
+"""Who is in a live elastic run (`--nnodes MIN:MAX`): generations of members, agreed over the store
+that node 0's launcher hosts.
+
+[Note: live membership] torch elastic cannot grow a running job: with torch 2.13 a node joining a
+running c10d job hangs both agents in re-rendezvous (each waits 60 s on the other's store keys,
+role_info / MASTER_ADDR; plain torchrun, one host, loopback), and its agent restarts every worker
+of every node on any failure. A live run therefore keeps its own membership, on a plain TCPStore:
+
+- a member is one worker process, named by an id its node's launcher draws (`next_id`); it beats a
+  counter (`beat/<id>`) from a thread of its own, and its launcher marks it `gone/<id>` the moment
+  the process ends (a node that dies whole is seen by its beat going still for STALE_S);
+- a generation g is a closed list of members in rank order (`g<g>/closed`); its process group lives
+  under the store prefix `shoal/live/g<g>`, so no key of a broken generation is ever read again;
+- after a failure, or at a step boundary where some member leaves (`leaving/<id>`) or a joiner waits
+  (`join_requests` counts them), the candidates append themselves to `g<g+1>/roster`; the first of
+  them to see the roster complete closes it with compare-and-set, so all read one list. Complete:
+  every member of g is in it, leaving, gone, or still (or, alive but absent for `evict_s` seconds,
+  evicted and named), there are at least `min_world`, and (the first generation) `max_world` came or
+  no one arrived for LAST_CALL_S. Members of g come first, in their old order, then joiners by id.
+  A candidate left out (a late joiner, more than `max_world`) tries the next generation.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+import time
+from dataclasses import dataclass, field
+from datetime import timedelta
+
+import torch.distributed as dist
+
+PREFIX = "shoal/live/"
+STORE_ENV = "SHOAL_LIVE_STORE"  # host:port of the membership store (node 0's launcher)
+WORLD_ENV = "SHOAL_LIVE_WORLD"  # "min:max" workers
+ID_ENV = "SHOAL_LIVE_ID"  # this worker's member id, drawn by its launcher
+NODE_ENV = "SHOAL_LIVE_NODE"  # the node's name, for the lines that say who left
+BEAT_S = 0.2  # a member's heartbeat period
+STALE_S = 1.5  # a beat unchanged this long: the member (or its whole node) is gone
+LAST_CALL_S = 2.0  # the first generation waits this long after the last arrival for more (up to max)
+
+
+def is_live_worker() -> bool:
+    return STORE_ENV in os.environ and ID_ENV in os.environ
+
+
+def connect(endpoint: str, timeout_s: float = 60) -> dist.TCPStore:
+    """A client of the membership store at HOST:PORT."""
+    host, _, port = endpoint.rpartition(":")
+    return dist.TCPStore(host.strip("[]"), int(port), is_master=False, timeout=timedelta(seconds=timeout_s),
+                         wait_for_workers=False)
+
+
+def draw_id(store: dist.Store, node: str, local_rank: int) -> int:
+    """A new member id (the launcher draws it before starting the worker), with where it runs."""
+    member = int(store.add(PREFIX + "next_id", 1))
+    store.set(f"{PREFIX}where/{member}", f"{node} local rank {local_rank}")
+    return member
+
+
+def mark_gone(store: dist.Store, member: int) -> None:
+    store.set(f"{PREFIX}gone/{member}", "1")
+
+
+def finish(store: dist.Store) -> None:
+    """The run is over (trained to the end, or stopped): joiners still waiting leave."""
+    store.set(PREFIX + "done", "1")
+
+
+def is_done(store: dist.Store) -> bool:
+    return store.check([PREFIX + "done"])
+
+
+def beats(store: dist.Store) -> dict[int, int]:
+    """Every member's heartbeat count so far (unchanged over STALE_S: that member is gone)."""
+    return {m: int(store.add(f"{PREFIX}beat/{m}", 0)) for m in range(1, int(store.add(PREFIX + "next_id", 0)) + 1)}
+
+
+@dataclass(frozen=True)
+class Generation:
+    number: int
+    members: tuple[int, ...]  # member ids in rank order
+    admitted: int  # join requests counted when it closed: more means a joiner waits
+    evicted: tuple[int, ...] = ()  # members alive but absent past evict_s (stalled)
+    formed_at: float = 0.0
+
+    def rank_of(self, member: int) -> int:
+        return self.members.index(member)
+
+    @property
+    def world(self) -> int:
+        return len(self.members)
+
+    @property
+    def prefix(self) -> str:
+        return f"{PREFIX}g{self.number}"
+
+
+@dataclass
+class Member:
+    """This worker in a live run: its id, its heartbeat, and the generations it is part of."""
+
+    store: dist.Store
+    endpoint: str
+    id: int
+    min_world: int
+    max_world: int
+    evict_s: float  # an alive member absent this long from a regroup is evicted (parallel.timeout_s)
+    join_timeout_s: float = 600.0  # below min_world: how long to wait for joiners
+    _stop: threading.Event = field(default_factory=threading.Event)
+
+    @classmethod
+    def from_env(cls, evict_s: float) -> Member:
+        endpoint = os.environ[STORE_ENV]
+        lo, _, hi = os.environ[WORLD_ENV].partition(":")
+        member = cls(connect(endpoint), endpoint, int(os.environ[ID_ENV]), int(lo), int(hi), evict_s)
+        member.start_beating()
+        return member
+
+    def start_beating(self) -> None:
+        side = connect(self.endpoint)  # its own connection: the main thread's may be blocked in a wait
+        key = f"{PREFIX}beat/{self.id}"
+
+        def beat() -> None:
+            while not self._stop.wait(BEAT_S):
+                try:
+                    side.add(key, 1)
+                except Exception:  # noqa: BLE001 - the store's host is gone: the run ends anyway
+                    return
+
+        side.add(key, 1)
+        threading.Thread(target=beat, daemon=True, name="shoal-heartbeat").start()
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def where(self, member: int) -> str:
+        key = f"{PREFIX}where/{member}"
+        return self.store.get(key).decode() if self.store.check([key]) else f"member {member}"
+
+    def current(self) -> int:
+        """The newest closed generation's number (-1: none yet)."""
+        key = PREFIX + "gen"
+        return int(self.store.get(key)) if self.store.check([key]) else -1
+
+    def leave(self) -> None:
+        """Say this member leaves cleanly at the coming regroup."""
+        self.store.set(f"{PREFIX}leaving/{self.id}", "1")
+
+    def request_join(self) -> None:
+        self.store.add(PREFIX + "join_requests", 1)
+
+    def join_wanted(self, generation: Generation) -> bool:
+        """A joiner has asked in since `generation` closed (one store round trip)."""
+        return int(self.store.add(PREFIX + "join_requests", 0)) > generation.admitted
+
+    def regroup(self, previous: Generation | None, step: int = -1) -> Generation | None:
+        """Take part in forming the generation after `previous` (None: the first, or this process is a
+        joiner that has no generation yet). Returns the new generation when this member is in it; None
+        when it was left out (then ask again, with request_join, for the next)."""
+        if previous is None and self.current() >= 0:  # a joiner: the group it joins is the newest one
+            previous = self.generation(self.current())
+        number = (previous.number + 1) if previous is not None else 0
+        key = f"{PREFIX}g{number}/"
+        self.store.append(key + "roster", f"{self.id};")
+        seen: dict[int, tuple[int, float]] = {}  # member -> (last beat seen, when it changed)
+        started = last_arrival = time.monotonic()
+        count = 0
+        while True:
+            if self.store.check([key + "closed"]):
+                gen = self._read(key, number)
+                return gen if self.id in gen.members else None
+            roster = [int(x) for x in self.store.get(key + "roster").decode().split(";") if x]
+            now = time.monotonic()
+            if len(roster) != count:
+                count, last_arrival = len(roster), now
+            members, evicted = self._complete(previous, roster, seen, now, started, last_arrival)
+            if members is not None:
+                admitted = int(self.store.add(PREFIX + "join_requests", 0))
+                text = json.dumps({"members": members, "admitted": admitted, "evicted": evicted})
+                self.store.compare_set(key + "closed", "", text)  # the first closer wins; all read that
+                gen = self._read(key, number)
+                if gen.number > self.current():
+                    self.store.set(PREFIX + "gen", str(gen.number))
+                return gen if self.id in gen.members else None
+            if is_done(self.store):
+                return None
+            if now - started > self.join_timeout_s + (self.evict_s if previous else 0):
+                raise TimeoutError(f"only {count} of the {self.min_world} workers this run needs at least "
+                                   f"(--nnodes MIN x --nproc) came within {self.join_timeout_s:g} s")
+            time.sleep(0.02)
+
+    def generation(self, number: int) -> Generation | None:
+        """Closed generation `number` (None: not closed, or none)."""
+        key = f"{PREFIX}g{number}/"
+        return self._read(key, number) if number >= 0 and self.store.check([key + "closed"]) else None
+
+    def why_gone(self, member: int) -> str:
+        if self.store.check([f"{PREFIX}leaving/{member}"]):
+            return "it was asked to stop"
+        if self.store.check([f"{PREFIX}gone/{member}"]):
+            return "its process ended"
+        return f"no heartbeat for {STALE_S:g} s: its node is gone"
+
+    def _read(self, key: str, number: int) -> Generation:
+        got = json.loads(self.store.get(key + "closed"))
+        return Generation(number, tuple(got["members"]), got["admitted"], tuple(got["evicted"]), time.time())
+
+    def _complete(self, previous: Generation | None, roster: list[int], seen: dict, now: float, started: float,
+                  last_arrival: float) -> tuple[list[int] | None, list[int]]:
+        """The closed member list if the roster is complete (else None), and who was evicted."""
+        evicted = []
+        if previous is not None:
+            for m in previous.members:
+                if m in roster or self._gone(m, seen, now):
+                    continue
+                if now - started < self.evict_s:
+                    return None, []
+                evicted.append(m)  # alive (its beat goes on) but it never came: stalled
+        if len(roster) < self.min_world:
+            return None, []
+        if previous is None and len(roster) < self.max_world and now - last_arrival < LAST_CALL_S:
+            return None, []
+        old = [m for m in (previous.members if previous else ()) if m in roster]
+        new = sorted(m for m in roster if m not in old)
+        return (old + new)[:self.max_world], evicted
+
+    def _gone(self, member: int, seen: dict, now: float) -> bool:
+        """Left cleanly, marked gone by its launcher, or its beat has not moved for STALE_S."""
+        if self.store.check([f"{PREFIX}leaving/{member}"]) or self.store.check([f"{PREFIX}gone/{member}"]):
+            return True
+        beat = int(self.store.add(f"{PREFIX}beat/{member}", 0))
+        last, since = seen.get(member, (None, now))
+        if beat != last:
+            seen[member] = (beat, now)
+            return False
+        return now - since >= STALE_S

@@ -1,0 +1,116 @@
+"""What a live elastic run (`--nnodes MIN:MAX`) adds to a rank's run: its state held in memory across
+a change of the group, and the exception that ends one generation of the group.
+
+When a member dies, the survivors' collective fails; when one leaves or a joiner waits, the step's
+flags say so and every rank stops at the same step boundary. Either way the rank's state at its last
+completed step (sampler.step: the optimizer has applied exactly that many updates; a peer's failure
+can only surface in a collective, and none runs between the update and the step count) is captured
+as a Snapshot, not copied (its tensors are the live ones), and raised in Regroup out of the training
+code, so that nothing holds the broken process group any more and destroying it closes its
+connections (which is what unblocks a survivor still waiting on a peer that has already given up:
+gloo does not notice otherwise until its timeout). The worker then forms the next generation and
+runs the same training again from the Snapshot: built without initialising, restored in memory, or
+healed from a peer's Snapshot over the new group (comm/transfer.py).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from shoal.checkpoint.tensors import apply_tensor_state, tensor_state
+
+
+@dataclass
+class Snapshot:
+    """A rank's whole state at a step boundary: `tensors` by name (model/, optim/ and this rank's own
+    rank/ tensors such as error-feedback residuals), `meta` the JSON rest (the checkpoint's shared parts,
+    the optimizer's plain values, the RNG streams, and the rank and world it was taken at)."""
+
+    step: int
+    tensors: dict[str, torch.Tensor]
+    meta: dict
+
+
+@dataclass
+class Live:
+    """A rank's part in a live run, handed to run_training."""
+
+    held: Snapshot | None  # the state to go on from (None: fresh, or from a checkpoint)
+    regroup_wanted: Callable[[], bool]  # this rank asks the group to change at the step's end
+    events: list[dict] = field(default_factory=list)  # the changes of the group so far, for the summary
+    record: object = None  # the loop's Record, kept across generations (training/loop.py)
+    started: float = 0.0  # perf_counter when this process began training
+
+
+class Regroup(Exception):  # noqa: N818 - not an error: the group changes
+    """The current generation of the group ends; `snapshot` is this rank's state at its last step."""
+
+    def __init__(self, snapshot: Snapshot, why: str):
+        super().__init__(why)
+        self.snapshot, self.why = snapshot, why
+
+
+def peer_failed(e: BaseException) -> bool:
+    """A collective failed because a peer went away (its connection closed or reset, or gloo timed out
+    waiting for it), as opposed to this rank's own error."""
+    text = str(e)
+    return isinstance(e, RuntimeError) and any(s in text for s in (
+        "Connection closed by peer", "Connection reset by peer", "Broken pipe", "Timed out waiting",
+        "gloo/transport", "connectFullMesh"))
+
+
+def capture(state, step: int, config_toml: str, data_spec: dict, rank: int, world: int) -> Snapshot:
+    """`state` (checkpoint.train_state.TrainState) at `step`, holding its live tensors."""
+    ts = tensor_state(state.model, state.optimizer)
+    tensors = {f"model/{k}": v for k, v in ts["model"].items() if isinstance(v, torch.Tensor)}
+    values = {}
+    for k, v in ts.get("optim", {}).items():
+        if isinstance(v, torch.Tensor):
+            tensors[f"optim/{k}"] = v
+        else:
+            values[k] = list(v) if isinstance(v, tuple) else v
+    tensors.update({f"rank/{k}": v for k, v in state.rank_tensors().items()})
+    meta = {"shared": state.capture(step, config_toml, data_spec), "optim_values": values,
+            "rng": state.rng.state_dict(), "rank": rank, "world": world}
+    return Snapshot(step, tensors, meta)
+
+
+def restore(state, snapshot: Snapshot, rank: int, world: int, seed: int, own: bool) -> bool:
+    """Put `snapshot` into `state`'s live parts. `own`: it is this rank's own (not a peer's); its rank
+    tensors and RNG streams are kept only then and on the same rank and world, as a resume on another
+    world size does. Returns whether the RNG streams are the snapshot's."""
+    t, m = snapshot.tensors, snapshot.meta
+    model = {k.removeprefix("model/"): v for k, v in t.items() if k.startswith("model/")}
+    optim = {**{k.removeprefix("optim/"): v for k, v in t.items() if k.startswith("optim/")},
+             **{k: tuple(v) if k.endswith(".betas") else v for k, v in m["optim_values"].items()}}
+    apply_tensor_state(state.model, state.optimizer, {"model": model, "optim": optim})
+    same = own and m["rank"] == rank and m["world"] == world
+    mine = {k.removeprefix("rank/"): v for k, v in t.items() if k.startswith("rank/")} if same else None
+    return state.load(m["shared"], mine, m["rng"] if same else None, rank, seed, where="a peer's state")
+
+
+def heal(comm, held: Snapshot | None) -> tuple[Snapshot | None, int | None]:
+    """Collective, at the start of a new generation: the state each rank goes on from, and the rank it
+    was healed from (None: its own). The ranks say which step they hold; when they differ (a joiner
+    holds none; a survivor may have missed the update its peers applied just before the failure), the
+    lowest rank holding the newest step sends its Snapshot to all. (None, None): no rank holds any,
+    as when every member was lost: the run resumes from its newest checkpoint."""
+    from shoal.comm.transfer import broadcast_state
+
+    mine = torch.tensor([held.step if held is not None else -1], dtype=torch.int64)
+    steps = [int(t.item()) for t in comm.all_gather(mine, label="world, heal: the step each rank holds")]
+    best = max(steps)
+    if best < 0:
+        return None, None
+    if all(s == best for s in steps):
+        return held, None
+    src = steps.index(best)
+    sending = comm.rank == src
+    tensors, meta = broadcast_state(comm, src, held.tensors if sending else None,
+                                    {**held.meta, "step": held.step} if sending else None)
+    if sending:
+        return held, src
+    return Snapshot(meta.pop("step"), tensors, {**meta, "own": False}), src
