@@ -39,6 +39,12 @@ from shoal.ps.roles import reports, total_world
 from shoal.rundir import default_run_dir, holds_a_run, move_aside
 
 FAILED_KEY = "shoal/failed"
+# a live run's collectives give up on a peer after this long at most. A survivor whose collective failed
+# destroys its group, which normally closes its connections and fails its peers' pending collectives at
+# once; but a group still referenced after a failure inside DDP's backward stays open (1 of 3 runs of
+# tests/dist/test_live_elastic.py here), and gloo on CPU has no way to interrupt a pending receive
+# (ProcessGroup.abort() and shutdown() do not: measured), so the peer waits out this timeout and regroups
+LIVE_WAIT_S = 20.0
 
 
 def threads_per_worker(cfg: Config, local_world_size: int) -> int:
@@ -177,13 +183,13 @@ def train_live(cfg: Config, run_dir: str | None, config_path: str | None, resume
     """A worker of a live elastic run ([Note: live membership] in membership.py): one generation of the
     group after another, each trained from where the last one left this rank (training/live.py), until
     the run ends, this worker leaves on a signal, or it is left out of a run that finished."""
-    from shoal.training.live import Live, Regroup, heal
+    from shoal.training.live import Live, Regroup, heal, peer_failed
 
     member = membership.Member.from_env(evict_s=cfg.parallel.timeout_s)
     torch.set_num_threads(threads_per_worker(cfg, int(os.environ.get("LOCAL_WORLD_SIZE", 1))))
     worlds = list(range(member.min_world, member.max_world + 1))
     job = check_job(cfg, worlds, cuda=torch.cuda.is_available(), quiet=True)
-    gen, held, path, events, record = None, None, None, [], None
+    gen, held, path, events, record, live = None, None, None, [], None, None
     started, lost_at = time.perf_counter(), time.time()
     if member.current() >= 0:  # the run is going: ask the group to take this worker in
         member.request_join()
@@ -192,25 +198,30 @@ def train_live(cfg: Config, run_dir: str | None, config_path: str | None, resume
         if gen is None:  # the run ended while this worker waited to join
             print(f"shoal: {member.where(member.id)}: the run finished before this worker could join", flush=True)
             return
-        env, comm, watchdog = join_generation(cfg, job, member, gen, joined)
-        # every generation agrees it (a joiner learns it so); a joiner never moves the run it joins aside
-        path = Path(comm.agree("run_dir", lambda p=path, fresh=gen.number == 0: str(
-            p or choose_run_dir(run_dir, config_path, cfg, resume, fresh))))
-        t_heal = time.perf_counter()
-        held, source = heal(comm, held)
-        if gen.number > 0:
-            events.append(describe_change(member, gen, source, time.time() - lost_at,
-                                          time.perf_counter() - t_heal, held.step if held else 0))
-        live = Live(held, regroup_wanted(member, gen, env.rank), events, record, started)
-        layout = job.layouts[worlds.index(env.world_size)]
         try:
+            env, comm, watchdog = join_generation(cfg, job, member, gen, joined)
+            # every generation agrees it (a joiner learns it so); a joiner never moves the run it joins aside
+            path = Path(comm.agree("run_dir", lambda p=path, fresh=gen.number == 0: str(
+                p or choose_run_dir(run_dir, config_path, cfg, resume, fresh))))
+            t_heal = time.perf_counter()
+            healed, source = heal(comm, held)
+            if gen.number > 0:
+                events.append(describe_change(member, gen, source, time.time() - lost_at,
+                                              time.perf_counter() - t_heal, healed.step if healed else 0))
+            live = Live(healed, regroup_wanted(member, gen, env.rank), events, record, started)
+            layout = job.layouts[worlds.index(env.world_size)]
             summary = run_rank(cfg, dataclasses.replace(job, layouts=[layout]), path, env, comm,
                                resume if gen.number == 0 else "auto", live=live)
             break
-        except Regroup as e:
+        except Regroup as e:  # in training: its state at the step it reached
             held, record, lost_at = e.snapshot, live.record, time.time()
-        del live
-        watchdog.stop()
+        except Exception as e:  # before training began (forming the group, healing): the state it came with
+            if not peer_failed(e):
+                raise
+            lost_at = time.time()
+        live = None
+        if joined:
+            joined[0].stop()
         dist.shutdown()  # with no frame left holding the group, this closes its connections
         gc.collect()
         if signals.requested():  # this worker asked to leave: the others go on without it
@@ -241,9 +252,9 @@ def join_generation(cfg: Config, job: Job, member, gen, joined: list):
     rank, world = gen.rank_of(member.id), gen.world
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world))  # for what reads them (the hang report, reports())
     side = membership.connect(member.endpoint)
-    env = dist.join(job.layout.backend, cfg.parallel.timeout_s, dist.prefixed(gen.prefix, member.store),
-                    dist.prefixed(gen.prefix, side), rank, world, int(os.environ.get("LOCAL_RANK", 0)),
-                    int(os.environ.get("LOCAL_WORLD_SIZE", 1)), gen.number)
+    env = dist.join(job.layout.backend, min(cfg.parallel.timeout_s, LIVE_WAIT_S),
+                    dist.prefixed(gen.prefix, member.store), dist.prefixed(gen.prefix, side), rank, world,
+                    int(os.environ.get("LOCAL_RANK", 0)), int(os.environ.get("LOCAL_WORLD_SIZE", 1)), gen.number)
     name_process(f"shoal rank {env.rank}")
     comm = Comm(env.store, env.rank, env.world_size)
     watchdog = Watchdog(comm.log, env.status_store, env.rank)

@@ -62,9 +62,22 @@ def launch_live(worker: list[str], nproc: int, nnodes: tuple[int, int], node_ran
                               {0: {**env, membership.ID_ENV: str(member), membership.NODE_ENV: name,
                                    "LOCAL_RANK": str(local_rank)}},
                               DefaultLogsSpecs())
+        stop.install()  # starting workers installs torch elastic's own handler, which raises in this loop
         return _Worker(local_rank, member, ctx)
 
-    workers = [start(i) for i in range(nproc)]
+    codes = _watch([start(i) for i in range(nproc)], start, store, stop, max_restarts, name)
+    if server is not None:  # the others may train on: keep the store until the run ends
+        _serve_until_done(store, stop)
+    if stop.signum:
+        return 128 + stop.signum
+    if not codes:
+        return 0
+    return 2 if all(c == 2 for c in codes) else max(codes)
+
+
+def _watch(workers: list[_Worker], start, store, stop: _Signals, max_restarts: int, name: str) -> list[int]:
+    """Until every worker of this node has ended: a signal passed on once, a failed worker replaced by
+    `start(local_rank)` while --max-restarts allows and the run goes on. Returns the failed ones' codes."""
     restarts, codes = 0, []
     while workers:
         if stop.signum and not stop.passed:
@@ -96,13 +109,7 @@ def launch_live(worker: list[str], nproc: int, nnodes: tuple[int, int], node_ran
                   flush=True)
             workers.append(start(w.local_rank))
         time.sleep(POLL_S)
-    if server is not None:  # the others may train on: keep the store until the run ends
-        _serve_until_done(store, stop)
-    if stop.signum:
-        return 128 + stop.signum
-    if not codes:
-        return 0
-    return 2 if all(c == 2 for c in codes) else max(codes)
+    return codes
 
 
 def _serve_until_done(store, stop: _Signals) -> None:
@@ -120,6 +127,9 @@ class _Signals:
 
     def __init__(self):
         self.signum, self.passed = 0, False
+        self.install()
+
+    def install(self) -> None:
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, self._handler)
 

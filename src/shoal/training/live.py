@@ -56,8 +56,10 @@ class Regroup(Exception):  # noqa: N818 - not an error: the group changes
 def peer_failed(e: BaseException) -> bool:
     """A collective failed because a peer went away (its connection closed or reset, or gloo timed out
     waiting for it), as opposed to this rank's own error."""
+    import torch.distributed as dist
+
     text = str(e)
-    return isinstance(e, RuntimeError) and any(s in text for s in (
+    return isinstance(e, dist.DistError) or isinstance(e, RuntimeError) and any(s in text for s in (
         "Connection closed by peer", "Connection reset by peer", "Broken pipe", "Timed out waiting",
         "gloo/transport", "connectFullMesh"))
 
