@@ -66,11 +66,6 @@ def init(backend: str, timeout_s: float) -> DistEnv:
                 int(env.get("LOCAL_WORLD_SIZE", 1)), restart)
 
 
-def prefixed(prefix: str, store: dist.Store) -> dist.Store:
-    """`store` with every key under `prefix` (a live run's generation: [Note: live membership])."""
-    return dist.PrefixStore(prefix, store)
-
-
 def join(backend: str, timeout_s: float, store, status_store, rank: int, world_size: int, local_rank: int = 0,
          local_world_size: int = 1, restart_count: int = 0) -> DistEnv:
     """The default process group over `store`, with torch's flight recorder on (comm/flight.py)."""

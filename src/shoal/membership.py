@@ -35,7 +35,6 @@ PREFIX = "shoal/live/"
 STORE_ENV = "SHOAL_LIVE_STORE"  # host:port of the membership store (node 0's launcher)
 WORLD_ENV = "SHOAL_LIVE_WORLD"  # "min:max" workers
 ID_ENV = "SHOAL_LIVE_ID"  # this worker's member id, drawn by its launcher
-NODE_ENV = "SHOAL_LIVE_NODE"  # the node's name, for the lines that say who left
 BEAT_S = 0.2  # a member's heartbeat period
 STALE_S = 1.5  # a beat unchanged this long: the member (or its whole node) is gone
 LAST_CALL_S = 2.0  # the first generation waits this long after the last arrival for more (up to max)
@@ -83,7 +82,6 @@ class Generation:
     members: tuple[int, ...]  # member ids in rank order
     admitted: int  # join requests counted when it closed: more means a joiner waits
     evicted: tuple[int, ...] = ()  # members alive but absent past evict_s (stalled)
-    formed_at: float = 0.0
 
     def rank_of(self, member: int) -> int:
         return self.members.index(member)
@@ -109,6 +107,7 @@ class Member:
     evict_s: float  # an alive member absent this long from a regroup is evicted (parallel.timeout_s)
     join_timeout_s: float = 600.0  # below min_world: how long to wait for joiners
     _stop: threading.Event = field(default_factory=threading.Event)
+    _join_requests: int = 0  # as the heartbeat thread last read it
 
     @classmethod
     def from_env(cls, evict_s: float) -> Member:
@@ -122,10 +121,11 @@ class Member:
         side = connect(self.endpoint)  # its own connection: the main thread's may be blocked in a wait
         key = f"{PREFIX}beat/{self.id}"
 
-        def beat() -> None:
+        def beat() -> None:  # and read the join requests, so that the training step never waits on the store
             while not self._stop.wait(BEAT_S):
                 try:
                     side.add(key, 1)
+                    self._join_requests = int(side.add(PREFIX + "join_requests", 0))
                 except Exception:  # noqa: BLE001 - the store's host is gone: the run ends anyway
                     return
 
@@ -152,10 +152,10 @@ class Member:
         self.store.add(PREFIX + "join_requests", 1)
 
     def join_wanted(self, generation: Generation) -> bool:
-        """A joiner has asked in since `generation` closed (one store round trip)."""
-        return int(self.store.add(PREFIX + "join_requests", 0)) > generation.admitted
+        """A joiner has asked in since `generation` closed (as of the last heartbeat: no store round trip)."""
+        return self._join_requests > generation.admitted
 
-    def regroup(self, previous: Generation | None, step: int = -1) -> Generation | None:
+    def regroup(self, previous: Generation | None) -> Generation | None:
         """Take part in forming the generation after `previous` (None: the first, or this process is a
         joiner that has no generation yet). Returns the new generation when this member is in it; None
         when it was left out (then ask again, with request_join, for the next)."""
@@ -205,7 +205,7 @@ class Member:
 
     def _read(self, key: str, number: int) -> Generation:
         got = json.loads(self.store.get(key + "closed"))
-        return Generation(number, tuple(got["members"]), got["admitted"], tuple(got["evicted"]), time.time())
+        return Generation(number, tuple(got["members"]), got["admitted"], tuple(got["evicted"]))
 
     def _complete(self, previous: Generation | None, roster: list[int], seen: dict, now: float, started: float,
                   last_arrival: float) -> tuple[list[int] | None, list[int]]:

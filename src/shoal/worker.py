@@ -23,6 +23,7 @@ import traceback
 from pathlib import Path
 
 import torch
+from torch.distributed import PrefixStore
 from torch.distributed.elastic.multiprocessing.errors import get_error_handler
 
 from shoal import dist, membership, signals
@@ -240,7 +241,7 @@ def next_generation(member, gen, held):
     """The next generation this worker is in (None: the run ended first). A worker left out of one (it
     came too late, or the group is full) asks again for the one after."""
     while True:
-        got = member.regroup(gen, held.step if held is not None else -1)
+        got = member.regroup(gen)
         if got is not None or membership.is_done(member.store):
             return got
         gen = None
@@ -253,7 +254,7 @@ def join_generation(cfg: Config, job: Job, member, gen, joined: list):
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world))  # for what reads them (the hang report, reports())
     side = membership.connect(member.endpoint)
     env = dist.join(job.layout.backend, min(cfg.parallel.timeout_s, LIVE_WAIT_S),
-                    dist.prefixed(gen.prefix, member.store), dist.prefixed(gen.prefix, side), rank, world,
+                    PrefixStore(gen.prefix, member.store), PrefixStore(gen.prefix, side), rank, world,
                     int(os.environ.get("LOCAL_RANK", 0)), int(os.environ.get("LOCAL_WORLD_SIZE", 1)), gen.number)
     name_process(f"shoal rank {env.rank}")
     comm = Comm(env.store, env.rank, env.world_size)
@@ -265,14 +266,11 @@ def join_generation(cfg: Config, job: Job, member, gen, joined: list):
 
 def regroup_wanted(member, gen, rank: int):
     """This rank's wish, at each step's end, that the group change: it was asked to stop (it leaves), or
-    (rank 0, one store round trip) a joiner waits."""
-    said = []
+    (rank 0) a joiner waits."""
 
     def wanted() -> bool:
         if signals.requested():
-            if not said:
-                member.leave()
-                said.append(True)
+            member.leave()  # said before the flags travel, so no regroup waits for this member
             return True
         return rank == 0 and member.join_wanted(gen)
 

@@ -6,7 +6,6 @@ import json
 import os
 import random
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -15,18 +14,13 @@ import pytest
 
 from conftest import ROOT, TINY_GPT, read_weights, train_in_process
 from shoal.launch.supervisor import descendants
+from shoal.ps.roles import free_port
 
 pytestmark = pytest.mark.timeout(240)
 
 RUN = [*TINY_GPT, "--set", "train.steps=160", "--set", "train.global_batch_size=48", "--set",
        "train.micro_batch_size=2", "--set", "train.val_interval=0", "--set", "checkpoint.interval=50",
        "--set", "metrics.log_interval=20"]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def progress(run_dir) -> int:

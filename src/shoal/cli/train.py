@@ -114,7 +114,8 @@ def start(args: argparse.Namespace, cfg, job, run_dir: Path, nodes: tuple[int, i
     if nodes[0] < nodes[1]:  # a live run: shoal's own node launcher ([Note: live membership] in membership.py)
         from shoal.launch.live import launch_live
 
-        return launch_live(fresh, args.nproc, nodes, args.node_rank, args.rdzv_endpoint or free_endpoint(),
+        return launch_live(fresh, args.nproc, nodes, args.node_rank,
+                           args.rdzv_endpoint or f"127.0.0.1:{roles.free_port()}",
                            threads_per_worker(cfg, args.nproc), args.max_restarts, args.rdzv_timeout or 600)
     if args.fresh_workers:  # called from Python: fresh interpreters ([Note: forked workers])
         worker = fresh
@@ -123,15 +124,6 @@ def start(args: argparse.Namespace, cfg, job, run_dir: Path, nodes: tuple[int, i
     return launch(worker, args.nproc, nodes, args.node_rank, args.rdzv_endpoint,
                   threads=threads_per_worker(cfg, args.nproc), max_restarts=args.max_restarts,
                   rdzv_timeout=args.rdzv_timeout)
-
-
-def free_endpoint() -> str:
-    """A loopback HOST:PORT nothing listens on (a one-node live run's store)."""
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return f"127.0.0.1:{s.getsockname()[1]}"
 
 
 def train_on_cluster(args: argparse.Namespace) -> int:

@@ -78,13 +78,10 @@ def launch(worker: list[str] | Forked, nproc: int, nnodes: tuple[int, int] = (1,
     local_addr = "127.0.0.1"
     if nnodes[1] > 1:  # [Note: node address]
         try:
-            local_addr = node_address(endpoint, node_rank, rdzv_timeout)
+            local_addr = route_workers(endpoint, node_rank, rdzv_timeout)
         except EndpointUnreachable as e:
             print(f"shoal: {e}", file=sys.stderr)
             return 1
-        ifname = interface_of(local_addr)
-        if ifname and "GLOO_SOCKET_IFNAME" not in os.environ:
-            os.environ["GLOO_SOCKET_IFNAME"] = ifname  # inherited by the workers
     config = LaunchConfig(
         min_nodes=nnodes[0], max_nodes=nnodes[1], nproc_per_node=nproc,
         run_id=f"shoal-{endpoint}", role="shoal",
@@ -194,6 +191,16 @@ def node_address(endpoint: str, node_rank: int, timeout: float) -> str:
         time.sleep(min(0.5, left))
 
 
+def route_workers(endpoint: str, node_rank: int, timeout: float) -> str:
+    """This node's address on the route to `endpoint` (node_address), with gloo told to bind the interface
+    holding it unless GLOO_SOCKET_IFNAME says otherwise (inherited by the workers: [Note: node address])."""
+    addr = node_address(endpoint, node_rank, timeout)
+    ifname = interface_of(addr)
+    if ifname and "GLOO_SOCKET_IFNAME" not in os.environ:
+        os.environ["GLOO_SOCKET_IFNAME"] = ifname
+    return addr
+
+
 def interface_of(addr: str) -> str | None:
     """The network interface holding the IPv4 address `addr` (None if none here does)."""
     with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
@@ -212,6 +219,7 @@ def check_launch_args(nproc: int, nodes: tuple[int, int], node_rank: int, rdzv_e
     nnodes = nodes[1]
     if rdzv_timeout is not None and rdzv_timeout <= 0:
         raise UserError(f"--rdzv-timeout ({rdzv_timeout:g}) must be > 0 seconds")
+    shown = f"{nodes[0]}:{nnodes}" if nodes[0] < nnodes else nnodes  # as given
     if rdzv_endpoint and nnodes > 1:
         split_endpoint(rdzv_endpoint)
     if nproc < 1:
@@ -219,11 +227,9 @@ def check_launch_args(nproc: int, nodes: tuple[int, int], node_rank: int, rdzv_e
     if max_restarts < 0:
         raise UserError(f"--max-restarts ({max_restarts}) must be >= 0")
     if nnodes > 1 and not rdzv_endpoint:
-        raise UserError(f"--nnodes {':'.join(map(str, nodes)) if nodes[0] < nnodes else nnodes} needs --rdzv-endpoint "
-                        f"HOST:PORT (node 0's address)")
+        raise UserError(f"--nnodes {shown} needs --rdzv-endpoint HOST:PORT (node 0's address)")
     if not 0 <= node_rank < nnodes:
-        raise UserError(f"--node-rank {node_rank} must be in [0, {nnodes - 1}] for --nnodes "
-                        f"{':'.join(map(str, nodes)) if nodes[0] < nnodes else nnodes}")
+        raise UserError(f"--node-rank {node_rank} must be in [0, {nnodes - 1}] for --nnodes {shown}")
 
 
 def report_failures(e: ChildFailedError, worst_code: bool = False) -> int:

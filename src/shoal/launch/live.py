@@ -20,7 +20,7 @@ import torch.distributed as dist
 from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, start_processes
 
 from shoal import membership
-from shoal.launch.elastic import EndpointUnreachable, interface_of, node_address, split_endpoint
+from shoal.launch.elastic import EndpointUnreachable, route_workers, split_endpoint
 
 POLL_S = 0.1
 
@@ -41,13 +41,10 @@ def launch_live(worker: list[str], nproc: int, nnodes: tuple[int, int], node_ran
         server = dist.TCPStore(host, port, is_master=True, wait_for_workers=False,
                                timeout=timedelta(seconds=rdzv_timeout))
     try:
-        addr = node_address(endpoint, node_rank, rdzv_timeout)
+        addr = route_workers(endpoint, node_rank, rdzv_timeout)
     except EndpointUnreachable as e:
         print(f"shoal: {e}", file=sys.stderr)
         return 1
-    ifname = interface_of(addr)
-    if ifname and "GLOO_SOCKET_IFNAME" not in os.environ and addr != "127.0.0.1":
-        os.environ["GLOO_SOCKET_IFNAME"] = ifname  # inherited by the workers ([Note: node address])
     if threads:
         os.environ["OMP_NUM_THREADS"] = str(threads)
     store = membership.connect(endpoint, rdzv_timeout)
@@ -59,8 +56,7 @@ def launch_live(worker: list[str], nproc: int, nnodes: tuple[int, int], node_ran
     def start(local_rank: int) -> _Worker:
         member = membership.draw_id(store, name, local_rank)
         ctx = start_processes(f"shoal-live-{member}", sys.executable, {0: tuple(worker)},
-                              {0: {**env, membership.ID_ENV: str(member), membership.NODE_ENV: name,
-                                   "LOCAL_RANK": str(local_rank)}},
+                              {0: {**env, membership.ID_ENV: str(member), "LOCAL_RANK": str(local_rank)}},
                               DefaultLogsSpecs())
         stop.install()  # starting workers installs torch elastic's own handler, which raises in this loop
         return _Worker(local_rank, member, ctx)

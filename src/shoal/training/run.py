@@ -76,7 +76,7 @@ def run_training(cfg: Config, layout: Layout, source, run_dir: Path, env: DistEn
     except Exception as e:
         if live is None or not peer_failed(e):
             raise
-        lost = Regroup(held(parts), f"a peer failed ({str(e).splitlines()[0][:160]})")
+        lost = Regroup(snapshot(parts), f"a peer failed ({str(e).splitlines()[0][:160]})")
     if lost is not None:  # raised here, outside the handler: nothing keeps the failed collective's frames
         raise lost
     summary = summarize(trainer.record, parts.bundle.items_name, model_name=cfg.model.name, n_params=parts.n_params,
@@ -93,7 +93,7 @@ def run_training(cfg: Config, layout: Layout, source, run_dir: Path, env: DistEn
     return summary
 
 
-def held(parts: Parts):
+def snapshot(parts: Parts):
     """This rank's state at its last completed step, as a live run's Snapshot (training/live.py)."""
     step = parts.sampler.step
     return capture(parts.state, step, parts.cfg.to_toml(), dataclasses.asdict(parts.source.spec), parts.env.rank,
@@ -199,7 +199,7 @@ def loop(parts: Parts, recovery: dict | None, live: Live | None = None) -> tuple
         ended = trainer.run(strategy.feed(steps, parts.step.schedule))
         if ended == "regroup":
             checkpoints.close()  # an async save in flight is part of the run
-            raise Regroup(held(parts), "the group changes: a member leaves or a joiner waits")
+            raise Regroup(snapshot(parts), "the group changes: a member leaves or a joiner waits")
         if ended == "stop":  # asked to stop: keep the work done so far, then leave
             stop(parts, checkpoints)
         strategy.finish()
