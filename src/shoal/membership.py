@@ -8,7 +8,12 @@ of every node on any failure. A live run therefore keeps its own membership, on 
 
 - a member is one worker process, named by an id its node's launcher draws (`next_id`); it beats a
   counter (`beat/<id>`) from a thread of its own, and its launcher marks it `gone/<id>` the moment
-  the process ends (a node that dies whole is seen by its beat going still for STALE_S);
+  the process ends; a node that dies whole is seen by node 0's launcher (`watch_beats`), which marks
+  a member of the newest generation gone when its beat stands still for STALE_S;
+- a member gone by failure counts in `lost`; each member's heartbeat thread reads it and, when a
+  member of its generation is among them, cuts that generation's connections (the worker's `cut`),
+  so a survivor waiting in a collective on a node that vanished without closing its sockets fails
+  within seconds instead of at the group's timeout;
 - a generation g is a closed list of members in rank order (`g<g>/closed`); its process group lives
   under the store prefix `shoal/live/g<g>`, so no key of a broken generation is ever read again;
 - after a failure, or at a step boundary where some member leaves (`leaving/<id>`) or a joiner waits
@@ -26,6 +31,7 @@ import json
 import os
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import timedelta
 
@@ -38,6 +44,7 @@ ID_ENV = "SHOAL_LIVE_ID"  # this worker's member id, drawn by its launcher
 BEAT_S = 0.2  # a member's heartbeat period
 STALE_S = 1.5  # a beat unchanged this long: the member (or its whole node) is gone
 LAST_CALL_S = 2.0  # the first generation waits this long after the last arrival for more (up to max)
+LOST_KEY = PREFIX + "lost"  # how many members have gone by failure so far
 
 
 def is_live_worker() -> bool:
@@ -58,8 +65,36 @@ def draw_id(store: dist.Store, node: str, local_rank: int) -> int:
     return member
 
 
-def mark_gone(store: dist.Store, member: int) -> None:
-    store.set(f"{PREFIX}gone/{member}", "1")
+def mark_gone(store: dist.Store, member: int, why: str = "its process ended", failed: bool = True) -> None:
+    """`member` is out of the run, `why` in words; `failed`: its peers must not wait on it (a worker
+    that finished the run is gone without that)."""
+    store.set(f"{PREFIX}gone/{member}", why)
+    if failed:
+        store.add(LOST_KEY, 1)
+
+
+def watch_beats(store: dist.Store, stop: threading.Event) -> None:
+    """Node 0's launcher, until `stop`: mark gone each member of the newest generation whose beat has not
+    moved for STALE_S (its node died whole, or lost the network)."""
+    seen: dict[int, tuple[int, float]] = {}
+    while not stop.wait(BEAT_S):
+        try:
+            key = PREFIX + "gen"
+            if not store.check([key]):
+                continue
+            closed = f"{PREFIX}g{int(store.get(key))}/closed"
+            now = time.monotonic()
+            for m in json.loads(store.get(closed))["members"]:
+                if store.check([f"{PREFIX}gone/{m}"]):
+                    continue
+                beat = int(store.add(f"{PREFIX}beat/{m}", 0))
+                last, since = seen.get(m, (None, now))
+                if beat != last:
+                    seen[m] = (beat, now)
+                elif now - since >= STALE_S:
+                    mark_gone(store, m, f"no heartbeat for {STALE_S:g} s: its node is gone")
+        except Exception:  # noqa: BLE001 - the store is going away with the run
+            return
 
 
 def finish(store: dist.Store) -> None:
@@ -108,6 +143,9 @@ class Member:
     join_timeout_s: float = 600.0  # below min_world: how long to wait for joiners
     _stop: threading.Event = field(default_factory=threading.Event)
     _join_requests: int = 0  # as the heartbeat thread last read it
+    _lost: int = 0  # LOST_KEY as the heartbeat thread last read it
+    _watched: tuple | None = None  # (generation, what cuts its connections), while this member trains in it
+    _lock: threading.Lock = field(default_factory=threading.Lock)
 
     @classmethod
     def from_env(cls, evict_s: float) -> Member:
@@ -126,6 +164,10 @@ class Member:
                 try:
                     side.add(key, 1)
                     self._join_requests = int(side.add(PREFIX + "join_requests", 0))
+                    lost = int(side.add(LOST_KEY, 0))
+                    if lost != self._lost:
+                        self._lost = lost
+                        self._cut_if_lost(side)
                 except Exception:  # noqa: BLE001 - the store's host is gone: the run ends anyway
                     return
 
@@ -134,6 +176,22 @@ class Member:
 
     def stop(self) -> None:
         self._stop.set()
+
+    def watch(self, generation: Generation | None, cut: Callable[[], object] | None = None) -> None:
+        """From now on, call `cut` (once) if a member of `generation` is lost: it cuts the generation's
+        connections. None: stop watching (this member is leaving that generation)."""
+        with self._lock:
+            self._watched = (generation, cut) if generation is not None else None
+            self._lost = -1  # so the next beat also looks at losses counted before this call
+
+    def _cut_if_lost(self, store: dist.Store) -> None:
+        with self._lock:
+            if self._watched is None:
+                return
+            generation, cut = self._watched
+            if any(store.check([f"{PREFIX}gone/{m}"]) for m in generation.members if m != self.id):
+                cut()
+                self._watched = None
 
     def where(self, member: int) -> str:
         key = f"{PREFIX}where/{member}"
@@ -199,8 +257,9 @@ class Member:
     def why_gone(self, member: int) -> str:
         if self.store.check([f"{PREFIX}leaving/{member}"]):
             return "it was asked to stop"
-        if self.store.check([f"{PREFIX}gone/{member}"]):
-            return "its process ended"
+        key = f"{PREFIX}gone/{member}"
+        if self.store.check([key]):
+            return self.store.get(key).decode()
         return f"no heartbeat for {STALE_S:g} s: its node is gone"
 
     def _read(self, key: str, number: int) -> Generation:

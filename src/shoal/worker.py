@@ -40,12 +40,6 @@ from shoal.ps.roles import reports, total_world
 from shoal.rundir import default_run_dir, holds_a_run, move_aside
 
 FAILED_KEY = "shoal/failed"
-# a live run's collectives give up on a peer after this long at most. A survivor whose collective failed
-# destroys its group, which normally closes its connections and fails its peers' pending collectives at
-# once; but a group still referenced after a failure inside DDP's backward stays open (1 of 3 runs of
-# tests/dist/test_live_elastic.py here), and gloo on CPU has no way to interrupt a pending receive
-# (ProcessGroup.abort() and shutdown() do not: measured), so the peer waits out this timeout and regroups
-LIVE_WAIT_S = 20.0
 
 
 def threads_per_worker(cfg: Config, local_world_size: int) -> int:
@@ -195,10 +189,13 @@ def train_live(cfg: Config, run_dir: str | None, config_path: str | None, resume
     if member.current() >= 0:  # the run is going: ask the group to take this worker in
         member.request_join()
     while True:
+        opened = dist.open_sockets()  # what this generation opens is cut when it ends
         gen = next_generation(member, gen, held)
         if gen is None:  # the run ended while this worker waited to join
             print(f"shoal: {member.where(member.id)}: the run finished before this worker could join", flush=True)
             return
+        # a member of it lost from now on (before the group has formed too) cuts what this generation opened
+        member.watch(gen, lambda o=opened: dist.cut_connections(dist.open_sockets() - o))
         try:
             env, comm, watchdog = join_generation(cfg, job, member, gen, joined)
             # every generation agrees it (a joiner learns it so); a joiner never moves the run it joins aside
@@ -221,15 +218,18 @@ def train_live(cfg: Config, run_dir: str | None, config_path: str | None, resume
                 raise
             lost_at = time.time()
         live = None
+        member.watch(None)
         if joined:
             joined[0].stop()
-        dist.shutdown()  # with no frame left holding the group, this closes its connections
+        dist.cut_connections(dist.open_sockets() - opened)  # peers still waiting on this rank fail now
+        dist.shutdown()
         gc.collect()
         if signals.requested():  # this worker asked to leave: the others go on without it
             print(f"shoal: {member.where(member.id)} left the run after step {held.step} "
                   f"({signal.Signals(signals.requested()).name})", file=sys.stderr, flush=True)
             member.stop()
             raise signals.Interrupted(signals.requested(), held.step, None)
+    member.watch(None)
     membership.finish(member.store)
     say_done(summary, path, env.rank, cfg)
     watchdog.stop()
@@ -252,9 +252,10 @@ def join_generation(cfg: Config, job: Job, member, gen, joined: list):
     """The process group of generation `gen`, over its own store prefix; this rank's Comm and watchdog."""
     rank, world = gen.rank_of(member.id), gen.world
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world))  # for what reads them (the hang report, reports())
-    side = membership.connect(member.endpoint)
-    env = dist.join(job.layout.backend, min(cfg.parallel.timeout_s, LIVE_WAIT_S),
-                    PrefixStore(gen.prefix, member.store), PrefixStore(gen.prefix, side), rank, world,
+    # connections of its own (cut with it when a member is lost: [Note: live membership])
+    store, side = membership.connect(member.endpoint), membership.connect(member.endpoint)
+    env = dist.join(job.layout.backend, cfg.parallel.timeout_s,
+                    PrefixStore(gen.prefix, store), PrefixStore(gen.prefix, side), rank, world,
                     int(os.environ.get("LOCAL_RANK", 0)), int(os.environ.get("LOCAL_WORLD_SIZE", 1)), gen.number)
     name_process(f"shoal rank {env.rank}")
     comm = Comm(env.store, env.rank, env.world_size)

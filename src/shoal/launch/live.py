@@ -13,6 +13,7 @@ from __future__ import annotations
 import os
 import signal
 import sys
+import threading
 import time
 from datetime import timedelta
 
@@ -61,9 +62,14 @@ def launch_live(worker: list[str], nproc: int, nnodes: tuple[int, int], node_ran
         stop.install()  # starting workers installs torch elastic's own handler, which raises in this loop
         return _Worker(local_rank, member, ctx)
 
+    watching = threading.Event()
+    if server is not None:  # a node that dies whole closes no connection: its beat going still says so
+        threading.Thread(target=membership.watch_beats, args=(membership.connect(endpoint, rdzv_timeout), watching),
+                         daemon=True, name="shoal-beats").start()
     codes = _watch([start(i) for i in range(nproc)], start, store, stop, max_restarts, name)
     if server is not None:  # the others may train on: keep the store until the run ends
         _serve_until_done(store, stop)
+    watching.set()
     if stop.signum:
         return 128 + stop.signum
     if not codes:
@@ -86,7 +92,7 @@ def _watch(workers: list[_Worker], start, store, stop: _Signals, max_restarts: i
             if result is None:
                 continue
             workers.remove(w)
-            membership.mark_gone(store, w.member)
+            membership.mark_gone(store, w.member, failed=result.is_failed())
             if not result.is_failed():
                 continue
             failure = next(iter(result.failures.values()))
