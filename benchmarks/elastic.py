@@ -1,0 +1,316 @@
+"""Goodput under repeated failures: a live elastic run against today's restart-and-resume.
+
+Four hosts of a cluster on this machine (`shoal cluster up --hosts 4`: network namespaces), one worker
+each with one thread, the default job's GPT (configs/gpt-tiny.toml: 4 layers, d_model 128) at global
+batch 48 in micro-batches of 4 (the default job's 32 does not divide among 3 workers; a live run's
+batch must divide among every world size its range allows). For `--minutes` (5) of training, a
+worker on a random host other than h0 (h0 hosts the store / rendezvous) is SIGKILLed every `--every`
+seconds (30), and a replacement node
+starts on that host `--replace-after` seconds later (10). The failure times and victims come from
+`--seed`, so every mode meets the same failures.
+
+Modes:
+  live             `--nnodes 2:4 --max-restarts 0`: the survivors regroup and go on; the replacement
+                   node joins and heals from a live peer (docs/elastic.md)
+  restart-30s      `--nnodes 4`, a checkpoint every 30 s (checkpoint.interval_minutes = 0.5): the failed
+                   job ends on every node, and all four nodes are started again (resume from the newest
+                   checkpoint) once the replacement host is there: what a scheduler's requeue does
+  restart-default  the same at the default checkpoint cadence (every 10 minutes)
+and, first, `failure-free`: the live launch with no failure, for `--baseline-minutes` (1.5).
+
+Per mode: useful samples (the step the run's own trajectory has reached when the time is up, times the
+global batch: work lost to a restart is not counted) per second of training (from the first step), and
+goodput = that / the failure-free run's samples per second over its own window. For the live mode also,
+from rank 0's metrics.jsonl (a line per step): each failure's stall (the gap between the step before the
+group changed and the step after, less the median step: in seconds and in steps), the pause when the
+replacement joins (the same gap at the join), and a joiner's time from its node's start to the first
+step it takes part in. For the restart modes: per failure, the time until the run is back at the step it
+had reached when the worker died, and a restarted job's time from start to its first step.
+
+    sudo python benchmarks/elastic.py [--minutes 5] [--every 30] [--replace-after 10] [--seed 0]
+                                      [--modes live,restart-30s,restart-default]
+
+Last line:
+    RESULT goodput_live=<x> goodput_restart=<y> stall_s=<median> join_s=<median>
+goodput_restart is the 30 s checkpoint mode (the default cadence's is printed in the table). Targets:
+goodput_live >= 0.85; stall_s <= 2 steps' time (the median step is printed); join_s <= 15.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "src"))
+
+from shoal.launch.supervisor import descendants  # noqa: E402
+from shoal.testbed import hosts  # noqa: E402
+from shoal.testbed.run import free_port  # noqa: E402
+from shoal.testbed.system import netns_exec  # noqa: E402
+
+CONFIG = ROOT / "configs" / "gpt-tiny.toml"
+SETS = ["train.steps=1000000", "train.global_batch_size=48", "train.micro_batch_size=4", "train.val_interval=0",
+        "parallel.threads_per_worker=1", "metrics.log_interval=1",
+        "metrics.tensorboard=false", "metrics.progress=false", "checkpoint.final_weights=false"]
+MODES = {
+    "live": (["--nnodes", "2:4", "--max-restarts", "0"], []),
+    "restart-30s": (["--nnodes", "4", "--max-restarts", "0"], ["checkpoint.interval_minutes=0.5"]),
+    "restart-default": (["--nnodes", "4", "--max-restarts", "0"], []),
+}
+POLL_S = 0.1
+
+
+def shoal(*args: str, **kw) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "shoal", *args], cwd=ROOT, text=True, **kw)
+
+
+class Job:
+    """The nodes of one run, one per host, and when it reached which step (progress.json, polled)."""
+
+    def __init__(self, cluster, mode: str, run_dir: Path, log: Path):
+        self.cluster, self.mode, self.run_dir, self.log = cluster, mode, run_dir, log
+        self.endpoint = f"{cluster.hosts[0].addr}:{free_port(cluster.hosts[0])}"
+        self.nodes: dict[int, subprocess.Popen] = {}
+        self.progress: list[tuple[float, int]] = []  # (time, step) as progress.json said
+        self.starts: list[tuple[float, int]] = []  # (time, host index) each node was started
+
+    def start(self, i: int, resume: bool = False) -> None:
+        launch, sets = MODES[self.mode]
+        host = self.cluster.hosts[i]
+        argv = [*netns_exec(host.netns), sys.executable, "-m", "shoal", "train", str(CONFIG), *launch,
+                "--nproc", "1", "--node-rank", str(i), "--rdzv-endpoint", self.endpoint, "--run-dir", str(self.run_dir),
+                *(["--resume", "auto"] if resume else []), *[a for kv in [*SETS, *sets] for a in ("--set", kv)]]
+        env = {**os.environ, "GLOO_SOCKET_IFNAME": host.ifname, "PYTHONUNBUFFERED": "1"}
+        out = open(self.log.with_suffix(f".h{i}.{len(self.starts)}.log"), "w")  # noqa: SIM115 - the node's own file
+        self.nodes[i] = subprocess.Popen(argv, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT,
+                                         start_new_session=True)
+        self.starts.append((time.time(), i))
+
+    def poll(self) -> int:
+        """The step the run has reached (0 before its first)."""
+        try:
+            got = json.loads((self.run_dir / "progress.json").read_text())
+        except (OSError, ValueError):
+            return self.progress[-1][1] if self.progress else 0
+        if not self.progress or self.progress[-1] != (got["time"], got["step"]):
+            self.progress.append((got["time"], got["step"]))
+        return got["step"]
+
+    def kill_worker(self, i: int) -> None:
+        """SIGKILL the worker process of the node on host i (its launcher sees it end)."""
+        node = self.nodes[i]
+        for pid in descendants(node.pid):
+            try:
+                cmd = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+            except OSError:
+                continue
+            if b"--nnodes" not in cmd and any(b"python" in c for c in cmd[:1]):
+                os.kill(pid, signal.SIGKILL)
+
+    def kill_all(self) -> None:
+        for node in self.nodes.values():
+            for pid in [node.pid, *descendants(node.pid)]:
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+        for node in self.nodes.values():
+            node.wait()
+
+    def wait_exited(self, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        while any(p.poll() is None for p in self.nodes.values()) and time.monotonic() < deadline:
+            self.poll()
+            time.sleep(POLL_S)
+        if any(p.poll() is None for p in self.nodes.values()):
+            self.kill_all()
+
+
+def failures(seed: int, every: float, minutes: float, n_hosts: int) -> list[tuple[float, int]]:
+    """(seconds after the first step, host index) of each kill."""
+    rng = random.Random(seed)
+    return [(t, rng.randrange(1, n_hosts)) for t in range(int(every), int(minutes * 60), int(every))]
+
+
+def run_mode(cluster, mode: str, tmp: Path, minutes: float, kills: list, replace_after: float) -> dict:
+    run_dir = tmp / mode
+    tmp.mkdir(parents=True, exist_ok=True)
+    job = Job(cluster, mode, run_dir, tmp / f"{mode}.log")
+    for i in range(len(cluster.hosts)):
+        job.start(i)
+    while job.poll() == 0:  # the window starts at the first step
+        if all(p.poll() is not None for p in job.nodes.values()):
+            sys.exit(f"{mode}: every node ended before the first step; see {tmp}/{mode}.h*.log")
+        time.sleep(POLL_S)
+    t0 = job.progress[0][0]
+    end = t0 + minutes * 60
+    events, pending, replacements = [], list(kills), []
+    restart_at = None
+    while time.time() < end:
+        now = time.time() - t0
+        if pending and now >= pending[0][0]:
+            at, victim = pending.pop(0)
+            events.append({"kill": time.time(), "host": victim, "step": job.poll()})
+            job.kill_worker(victim)
+            if mode == "live":
+                replacements.append((time.time() + replace_after, victim))
+            else:  # today's way: the job ends on every node; all start again once the new host is there
+                restart_at = time.time() + replace_after
+        for when, host in list(replacements):
+            if time.time() >= when:
+                replacements.remove((when, host))
+                job.start(host)
+        if restart_at is not None and time.time() >= restart_at:
+            job.wait_exited(timeout=5)  # the survivors' agents normally ended already
+            restart_at = None
+            for i in range(len(cluster.hosts)):
+                job.start(i, resume=True)
+        job.poll()
+        time.sleep(POLL_S)
+    reached = job.poll()
+    if job.starts[-1][0] > job.progress[-1][0]:  # a restarted job that has not stepped yet: its checkpoint's step
+        saved = [int(p.name.split("_")[-1]) for p in (run_dir / "checkpoints").glob("step_*") if p.name[-1].isdigit()]
+        reached = max(saved, default=0)
+    job.kill_all()
+    return {"mode": mode, "t0": t0, "window_s": minutes * 60, "steps": reached, "events": events,
+            "progress": job.progress, "starts": job.starts, "run_dir": run_dir}
+
+
+def steady_rate(r: dict) -> float:
+    """Steps per second over the window."""
+    return r["steps"] / r["window_s"]
+
+
+def live_numbers(r: dict) -> dict:
+    """Stall per failure, pause per join, a joiner's start-to-first-step, from rank 0's metrics. A stall is
+    the time between the last step logged before the group changed and the first after, less the steps
+    taken in between at the median step time (the step in flight when a worker died is redone, and its
+    line may be missing when the update landed but the step's end did not)."""
+    lines = [json.loads(x) for x in (r["run_dir"] / "metrics.jsonl").read_text().splitlines() if x]
+    steps = sorted((m["time"], m["step"]) for m in lines if "loss" in m)
+    gaps = [b[0] - a[0] for a, b in zip(steps, steps[1:], strict=False) if b[1] == a[1] + 1]
+    step_s = statistics.median(gaps)
+    stalls, pauses, joins = [], [], []
+    replaced = sorted(t for t, _ in r["starts"] if t > r["t0"])
+    for m in lines:
+        if "membership" not in m:
+            continue
+        before = [s for s in steps if s[0] <= m["time"]]
+        after = [s for s in steps if s[0] > m["time"]]
+        if not before or not after:
+            continue
+        (t_a, s_a), (t_b, s_b) = before[-1], after[0]
+        gap = t_b - t_a - (s_b - s_a) * step_s
+        (stalls if " left (" in m["membership"] else pauses).append(gap)
+        started = [t for t in replaced if t < t_b]
+        if " joined" in m["membership"] and started:
+            joins.append(t_b - started[-1])
+            replaced.remove(started[-1])
+    return {"step_s": step_s, "stalls": stalls, "pauses": pauses, "joins": joins}
+
+
+def restart_numbers(r: dict) -> dict:
+    """Per failure: time until the run is back at the step it had when the worker died; a restarted
+    job's time from start to its first step."""
+    back, first = [], []
+    restarts = sorted({round(t, 1) for t, _ in r["starts"] if t > r["t0"]})
+    for e in r["events"]:
+        later = [t for t, s in r["progress"] if t > e["kill"] and s > e["step"]]
+        if later:
+            back.append(later[0] - e["kill"])
+    for t in restarts:
+        after = [pt for pt, _ in r["progress"] if pt > t]
+        if after:
+            first.append(after[0] - t)
+    return {"back": back, "first": first}
+
+
+def med(xs: list[float]) -> float | None:
+    return statistics.median(xs) if xs else None
+
+
+def fmt(x: float | None, unit: str = " s") -> str:
+    return f"{x:.2f}{unit}" if x is not None else "-"
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--minutes", type=float, default=5.0)
+    ap.add_argument("--baseline-minutes", type=float, default=1.5)
+    ap.add_argument("--every", type=float, default=30.0)
+    ap.add_argument("--replace-after", type=float, default=10.0)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--modes", default=",".join(MODES))
+    args = ap.parse_args()
+    modes = args.modes.split(",")
+    unknown = [m for m in modes if m not in MODES]
+    if unknown:
+        sys.exit(f"unknown mode {unknown[0]}; modes: {', '.join(MODES)}")
+    up = shoal("cluster", "up", "--hosts", "4", capture_output=True)
+    if up.returncode:
+        print(up.stderr.strip(), file=sys.stderr)
+        return 2
+    runs = {}
+    try:
+        cluster = hosts.require_up()
+        kills = failures(args.seed, args.every, args.minutes, len(cluster.hosts))
+        tmp = Path(tempfile.mkdtemp(prefix="shoal-elastic-"))
+        runs["failure-free"] = run_mode(cluster, "live", tmp / "ff", args.baseline_minutes, [], args.replace_after)
+        print(f"failure-free: {runs['failure-free']['steps']} steps", file=sys.stderr, flush=True)
+        for mode in modes:
+            runs[mode] = run_mode(cluster, mode, tmp, args.minutes, kills, args.replace_after)
+            print(f"{mode}: {runs[mode]['steps']} steps", file=sys.stderr, flush=True)
+    finally:
+        shoal("cluster", "down", capture_output=True)
+    return report(runs, args, kills, tmp)
+
+
+def report(runs: dict, args, kills: list, tmp: Path) -> int:
+    base = steady_rate(runs["failure-free"])
+    batch = 48
+    print(f"4 hosts x 1 worker (1 thread), configs/gpt-tiny.toml, global batch {batch}; {len(kills)} failures in "
+          f"{args.minutes:g} min (a worker SIGKILLed every {args.every:g} s on hosts {sorted({h for _, h in kills})}, "
+          f"a replacement node {args.replace_after:g} s later); failure-free: {base * batch:.1f} samples/s; "
+          f"logs in {tmp}")
+    print("| mode | steps | samples/s | goodput | stall per failure | pause per join | start to first step |")
+    print("|---|---|---|---|---|---|---|")
+    result = {}
+    for mode, r in runs.items():
+        if mode == "failure-free":
+            continue
+        rate = steady_rate(r)
+        good = rate / base
+        result[mode] = good
+        if mode == "live":
+            n = live_numbers(r)
+            st = med(n["stalls"])
+            result.update(stall_s=st, join_s=med(n["joins"]), step_s=n["step_s"])
+            print(f"| live | {r['steps']} | {rate * batch:.1f} | {good:.3f} | {fmt(st)} ({st / n['step_s']:.1f} steps; "
+                  f"{len(n['stalls'])} seen) | {fmt(med(n['pauses']))} | {fmt(med(n['joins']))} (a joiner) |"
+                  if st is not None else f"| live | {r['steps']} | {rate * batch:.1f} | {good:.3f} | - | - | - |")
+        else:
+            n = restart_numbers(r)
+            print(f"| {mode} | {r['steps']} | {rate * batch:.1f} | {good:.3f} | {fmt(med(n['back']))} (back at the "
+                  f"step reached) | - | {fmt(med(n['first']))} (a restarted job) |")
+    step_s = result.get("step_s")
+    if step_s:
+        print(f"median step (live, 4 workers): {step_s * 1000:.0f} ms; target stall <= 2 steps = {2 * step_s:.2f} s")
+    good_restart = result.get("restart-30s")
+    print("RESULT " + " ".join(f"{k}={v:.3f}" if isinstance(v, float) else f"{k}=-" for k, v in {
+        "goodput_live": result.get("live"), "goodput_restart": good_restart, "stall_s": result.get("stall_s"),
+        "join_s": result.get("join_s")}.items()))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
