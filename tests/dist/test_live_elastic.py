@@ -1,7 +1,9 @@
 """A live elastic run (--nnodes MIN:MAX): three one-worker nodes on loopback lose a worker at a random
 step (the survivors go on without restarting), get it back (a replacement heals from a live peer), and
-lose a node that is asked to stop (SIGTERM: it leaves cleanly); the weights equal one process's."""
+lose a node that is asked to stop (SIGTERM: it leaves cleanly); the weights equal one process's, and
+`shoal report` shows each change."""
 
+import html
 import json
 import os
 import random
@@ -13,6 +15,7 @@ import time
 import pytest
 
 from conftest import ROOT, TINY_GPT, read_weights, train_in_process
+from shoal.cli import main
 from shoal.launch.supervisor import descendants
 from shoal.ps.roles import free_port
 
@@ -105,6 +108,12 @@ def test_a_worker_killed_rejoined_and_a_node_leaving_equal_one_process(tmp_path)
     # no survivor waited out a timeout for a peer that had gone (parallel.timeout_s is 600 s here)
     assert max(e["regroup_s"] for e in events) < 60, events
     print("\n".join(e["line"] for e in events))
+
+    # the report shows each change: its table row and the timeline's marks
+    page = tmp_path / "report.html"
+    assert main(["report", str(run_dir), "--out", str(page)]) == 0
+    shown = page.read_text()
+    assert all(html.escape(e["line"]) in shown for e in events), events
 
     reference = tmp_path / "one"
     train_in_process([a for a in RUN if a != "--set"], reference)

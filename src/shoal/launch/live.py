@@ -23,7 +23,7 @@ from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, start_pr
 from shoal import membership
 from shoal.launch.elastic import EndpointUnreachable, route_workers, split_endpoint
 
-POLL_S = 0.1
+POLL_S = 0.05  # how soon a worker's end is seen (and its peers stop waiting on it)
 
 
 class _Worker:

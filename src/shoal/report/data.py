@@ -25,6 +25,16 @@ class Run:
     recoveries: list[dict] = field(default_factory=list)
 
     @property
+    def membership(self) -> list[dict]:
+        """A live elastic run's changes of its group (step, time, world after, line): summary.json's, or
+        while the run goes, metrics.jsonl's records of them."""
+        events = self.summary.get("membership")
+        if isinstance(events, list) and events:
+            return [e for e in events if isinstance(e, dict) and "line" in e]
+        return [{"step": r["step"], "time": r["time"], "world": r.get("world"), "line": r["membership"]}
+                for r in self.rows if isinstance(r.get("membership"), str)]
+
+    @property
     def t0(self) -> float:
         """The time axis's zero: the first logged step (metrics hold wall-clock times, not a start)."""
         return min(r["time"] for r in self.rows if isinstance(r.get("time"), (int, float)))

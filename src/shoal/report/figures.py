@@ -235,11 +235,12 @@ def per_rank(runs: list[Run]):
 
 def timeline(runs: list[Run]):
     """Progress on the time axis: steps completed against seconds since the first logged step, each
-    checkpoint a marker, each recovery from a failure a shaded span (the seconds it lost)."""
+    checkpoint a marker, each recovery from a failure a shaded span (the seconds it lost), each change of
+    a live run's group a dashed line marked with the world size after it."""
     colours = run_colours(runs)
     fig, ax = _figure()
     ax = ax[0][0]
-    saw_ckpt = saw_recovery = False
+    saw_ckpt = saw_recovery = saw_change = False
     for run in runs:
         c = colours[run.name]
         seconds, steps = elapsed(run)
@@ -262,8 +263,16 @@ def timeline(runs: list[Run]):
             ax.annotate(f"restart {rec.get('restart', '?')}: {lost:.1f} s lost", (failed - run.t0, 0),
                         xytext=(3, 3), textcoords="offset points", fontsize="small", color=c, rotation=90,
                         va="bottom")
+        for e in run.membership:
+            if isinstance(e.get("time"), (int, float)):
+                saw_change = True
+                ax.axvline(e["time"] - run.t0, color=c, linestyle="--", alpha=0.6)
+                ax.annotate(f"world {e.get('world', '?')}", (e["time"] - run.t0, 0), xytext=(3, 3),
+                            textcoords="offset points", fontsize="small", color=c, rotation=90, va="bottom")
     if saw_ckpt:
         ax.plot([], [], "D", color="0.6", markeredgecolor="black", label="checkpoint")
+    if saw_change:
+        ax.plot([], [], "--", color="0.6", label="the group changed (live run)")
     if saw_recovery:
         ax.fill_between([], [], color="0.6", alpha=0.3, label="recovery (seconds lost)")
     ax.set(xlabel="seconds since the first logged step", ylabel="step", title="Progress, checkpoints, recoveries")

@@ -118,6 +118,15 @@ def recoveries_table(runs: list[Run], colours: dict[str, str]) -> str:
                   rows)
 
 
+def membership_table(runs: list[Run], colours: dict[str, str]) -> str:
+    rows = [[_swatch(run, colours), _cell("{}", e.get("step")), _cell("{}", e.get("world")),
+             _cell("{:.2f} s", e.get("regroup_s")), html.escape(str(e["line"]))]
+            for run in runs for e in run.membership]
+    if not rows:
+        return '<p class="note">No change of the group (a live elastic run, --nnodes MIN:MAX, records them).</p>'
+    return _table(["run", "step", "world after", "regrouped in", "change"], rows)
+
+
 def stragglers_list(runs: list[Run]) -> str:
     items = [f"<li>{html.escape(run.name)}: {html.escape(text)}</li>" for run in runs for text in stragglers(run)]
     return f"<ul>{''.join(items)}</ul>" if items else '<p class="note">No run named a straggler.</p>'
@@ -135,7 +144,8 @@ def render(paths: list[Path], out: Path) -> list[Path]:
         raise UserError(f"--out {out}: cannot make its folder ({e.strerror or e}); pass a writable path") from None
     colours = figures.run_colours(runs)
     written, sections = [out], []
-    extra = {"timeline": checkpoints_table(runs, colours) + "<h3>Recoveries</h3>" + recoveries_table(runs, colours),
+    extra = {"timeline": checkpoints_table(runs, colours) + "<h3>Recoveries</h3>" + recoveries_table(runs, colours)
+             + "<h3>Membership changes</h3>" + membership_table(runs, colours),
              "per_rank": "<h3>Stragglers named</h3>" + stragglers_list(runs)}
     for name, title, draw in figures.FIGURES:
         fig = draw(runs)
