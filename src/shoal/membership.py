@@ -9,7 +9,7 @@ of every node on any failure. A live run therefore keeps its own membership, on 
 - a member is one worker process, named by an id its node's launcher draws (`next_id`); it beats a
   counter (`beat/<id>`) from a thread of its own, and its launcher marks it `gone/<id>` the moment
   the process ends; a node that dies whole is seen by node 0's launcher (`watch_beats`), which marks
-  a member of the newest generation gone when its beat stands still for STALE_S;
+  a member of the newest generation gone when its beat stands still for SILENT_S;
 - a member gone by failure counts in `lost`; each member's heartbeat thread reads it and, when a
   member of its generation is among them, cuts that generation's connections (the worker's `cut`),
   so a survivor waiting in a collective on a node that vanished without closing its sockets fails
@@ -42,7 +42,11 @@ STORE_ENV = "SHOAL_LIVE_STORE"  # host:port of the membership store (node 0's la
 WORLD_ENV = "SHOAL_LIVE_WORLD"  # "min:max" workers
 ID_ENV = "SHOAL_LIVE_ID"  # this worker's member id, drawn by its launcher
 BEAT_S = 0.2  # a member's heartbeat period
-STALE_S = 1.5  # a beat unchanged this long: the member (or its whole node) is gone
+STALE_S = 1.5  # a beat unchanged this long: a regroup does not wait for the member
+# a beat unchanged this long: node 0's launcher marks the member gone, and its peers cut their connections
+# to it. Longer than STALE_S: on 2 busy cores a live member's beat once stood still for 1.5 s (4 workers
+# and a joiner's start), and marking it gone then cut a working group
+SILENT_S = 10.0
 LAST_CALL_S = 2.0  # the first generation waits this long after the last arrival for more (up to max)
 LOST_KEY = PREFIX + "lost"  # how many members have gone by failure so far
 
@@ -75,7 +79,7 @@ def mark_gone(store: dist.Store, member: int, why: str = "its process ended", fa
 
 def watch_beats(store: dist.Store, stop: threading.Event) -> None:
     """Node 0's launcher, until `stop`: mark gone each member of the newest generation whose beat has not
-    moved for STALE_S (its node died whole, or lost the network)."""
+    moved for SILENT_S (its node died whole, or lost the network)."""
     seen: dict[int, tuple[int, float]] = {}
     while not stop.wait(BEAT_S):
         try:
@@ -91,8 +95,8 @@ def watch_beats(store: dist.Store, stop: threading.Event) -> None:
                 last, since = seen.get(m, (None, now))
                 if beat != last:
                     seen[m] = (beat, now)
-                elif now - since >= STALE_S:
-                    mark_gone(store, m, f"no heartbeat for {STALE_S:g} s: its node is gone")
+                elif now - since >= SILENT_S:
+                    mark_gone(store, m, f"no heartbeat for {SILENT_S:g} s: its node is gone")
         except Exception:  # noqa: BLE001 - the store is going away with the run
             return
 

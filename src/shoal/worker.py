@@ -221,16 +221,7 @@ def train_live(cfg: Config, run_dir: str | None, config_path: str | None, resume
                 raise
             lost_at = time.time()
         live = None
-        member.watch(None)
-        if joined:
-            joined[0].stop()
-        # peers still waiting on this rank fail now ([Note: cutting a group's connections] in dist.py)
-        dist.cut_connections(dist.open_sockets() - opened)
-        dist.shutdown()
-        # the old generation's model, DDP and optimizer sit in reference cycles: left to the collector, a run
-        # that regrouped every 30 s got slower with each generation (steps per 30 s: 148, 122, ... 46).
-        # Objects from before the first generation are frozen (below), so this scans only a generation's own
-        gc.collect()
+        leave_generation(member, joined, opened)
         if signals.requested():  # this worker asked to leave: the others go on without it
             print(f"shoal: {member.where(member.id)} left the run after step {held.step} "
                   f"({signal.Signals(signals.requested()).name})", file=sys.stderr, flush=True)
@@ -242,6 +233,21 @@ def train_live(cfg: Config, run_dir: str | None, config_path: str | None, resume
     watchdog.stop()
     member.stop()
     dist.shutdown()
+
+
+def leave_generation(member, joined: list, opened: set[int]) -> None:
+    """Let the ended generation go: its watch and watchdog stopped, its connections cut (peers still
+    waiting on this rank fail now: [Note: cutting a group's connections] in dist.py), its group
+    destroyed, its garbage collected."""
+    member.watch(None)
+    if joined:
+        joined[0].stop()
+    dist.cut_connections(dist.open_sockets() - opened)
+    dist.shutdown()
+    # the old generation's model, DDP and optimizer sit in reference cycles: left to the collector, a run
+    # that regrouped every 30 s got slower with each generation (steps per 30 s: 148, 122, ... 46). What
+    # existed before the first generation is frozen (train_live), so this scans only the generations' own
+    gc.collect()
 
 
 def next_generation(member, gen, held):
