@@ -59,7 +59,8 @@ from shoal.testbed.run import free_port  # noqa: E402
 from shoal.testbed.system import netns_exec  # noqa: E402
 
 CONFIG = ROOT / "configs" / "gpt-tiny.toml"
-SETS = ["train.steps=1000000", "train.global_batch_size=48", "train.micro_batch_size=4", "train.val_interval=0",
+BATCH = 48
+SETS = ["train.steps=1000000", f"train.global_batch_size={BATCH}", "train.micro_batch_size=4", "train.val_interval=0",
         "parallel.threads_per_worker=1", "metrics.log_interval=1",
         "metrics.tensorboard=false", "metrics.progress=false", "checkpoint.final_weights=false"]
 MODES = {
@@ -106,16 +107,18 @@ class Job:
             self.progress.append((got["time"], got["step"]))
         return got["step"]
 
-    def kill_worker(self, i: int) -> None:
-        """SIGKILL the worker process of the node on host i (its launcher sees it end)."""
-        node = self.nodes[i]
-        for pid in descendants(node.pid):
+    def kill_worker(self, i: int) -> bool:
+        """SIGKILL the worker of the node on host i (its launcher sees it end): the process a worker names
+        "shoal rank N" once it is in its group. False: none yet (the node is still starting)."""
+        for pid in descendants(self.nodes[i].pid):
             try:
-                cmd = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+                name = Path(f"/proc/{pid}/comm").read_text()
             except OSError:
                 continue
-            if b"--nnodes" not in cmd and any(b"python" in c for c in cmd[:1]):
+            if name.startswith("shoal rank"):
                 os.kill(pid, signal.SIGKILL)
+                return True
+        return False
 
     def kill_all(self) -> None:
         for node in self.nodes.values():
@@ -154,14 +157,15 @@ def run_mode(cluster, mode: str, tmp: Path, minutes: float, kills: list, replace
         time.sleep(POLL_S)
     t0 = job.progress[0][0]
     end = t0 + minutes * 60
-    events, pending, replacements = [], list(kills), []
+    events, pending, replacements, restarts = [], list(kills), [], []
     restart_at = None
     while time.time() < end:
         now = time.time() - t0
         if pending and now >= pending[0][0]:
             at, victim = pending.pop(0)
+            if not job.kill_worker(victim):  # its node is still starting: no failure to inflict
+                continue
             events.append({"kill": time.time(), "host": victim, "step": job.poll()})
-            job.kill_worker(victim)
             if mode == "live":
                 replacements.append((time.time() + replace_after, victim))
             else:  # today's way: the job ends on every node; all start again once the new host is there
@@ -173,6 +177,7 @@ def run_mode(cluster, mode: str, tmp: Path, minutes: float, kills: list, replace
         if restart_at is not None and time.time() >= restart_at:
             job.wait_exited(timeout=5)  # the survivors' agents normally ended already
             restart_at = None
+            restarts.append(time.time())
             for i in range(len(cluster.hosts)):
                 job.start(i, resume=True)
         job.poll()
@@ -183,7 +188,7 @@ def run_mode(cluster, mode: str, tmp: Path, minutes: float, kills: list, replace
         reached = max(saved, default=0)
     job.kill_all()
     return {"mode": mode, "t0": t0, "window_s": minutes * 60, "steps": reached, "events": events,
-            "progress": job.progress, "starts": job.starts, "run_dir": run_dir}
+            "progress": job.progress, "starts": job.starts, "restarts": restarts, "run_dir": run_dir}
 
 
 def steady_rate(r: dict) -> float:
@@ -223,12 +228,11 @@ def restart_numbers(r: dict) -> dict:
     """Per failure: time until the run is back at the step it had when the worker died; a restarted
     job's time from start to its first step."""
     back, first = [], []
-    restarts = sorted({round(t, 1) for t, _ in r["starts"] if t > r["t0"]})
     for e in r["events"]:
         later = [t for t, s in r["progress"] if t > e["kill"] and s > e["step"]]
         if later:
             back.append(later[0] - e["kill"])
-    for t in restarts:
+    for t in r["restarts"]:
         after = [pt for pt, _ in r["progress"] if pt > t]
         if after:
             first.append(after[0] - t)
@@ -277,31 +281,30 @@ def main() -> int:
 
 def report(runs: dict, args, kills: list, tmp: Path) -> int:
     base = steady_rate(runs["failure-free"])
-    batch = 48
-    print(f"4 hosts x 1 worker (1 thread), configs/gpt-tiny.toml, global batch {batch}; {len(kills)} failures in "
-          f"{args.minutes:g} min (a worker SIGKILLed every {args.every:g} s on hosts {sorted({h for _, h in kills})}, "
-          f"a replacement node {args.replace_after:g} s later); failure-free: {base * batch:.1f} samples/s; "
-          f"logs in {tmp}")
-    print("| mode | steps | samples/s | goodput | stall per failure | pause per join | start to first step |")
-    print("|---|---|---|---|---|---|---|")
+    print(f"4 hosts x 1 worker (1 thread), configs/gpt-tiny.toml, global batch {BATCH}; {len(kills)} failures "
+          f"planned in {args.minutes:g} min (a worker SIGKILLed every {args.every:g} s on hosts "
+          f"{sorted({h for _, h in kills})}, a replacement node {args.replace_after:g} s later); failure-free: "
+          f"{base * BATCH:.1f} samples/s; logs in {tmp}")
+    print("| mode | failures | steps | samples/s | goodput | stall per failure | pause per join | start to first "
+          "step |")
+    print("|---|---|---|---|---|---|---|---|")
     result = {}
     for mode, r in runs.items():
         if mode == "failure-free":
             continue
         rate = steady_rate(r)
-        good = rate / base
-        result[mode] = good
+        result[mode] = rate / base
+        row = f"| {mode} | {len(r['events'])} | {r['steps']} | {rate * BATCH:.1f} | {result[mode]:.3f} |"
         if mode == "live":
             n = live_numbers(r)
             st = med(n["stalls"])
             result.update(stall_s=st, join_s=med(n["joins"]), step_s=n["step_s"])
-            print(f"| live | {r['steps']} | {rate * batch:.1f} | {good:.3f} | {fmt(st)} ({st / n['step_s']:.1f} steps; "
-                  f"{len(n['stalls'])} seen) | {fmt(med(n['pauses']))} | {fmt(med(n['joins']))} (a joiner) |"
-                  if st is not None else f"| live | {r['steps']} | {rate * batch:.1f} | {good:.3f} | - | - | - |")
+            steps = f" ({st / n['step_s']:.1f} steps)" if st is not None else ""
+            print(f"{row} {fmt(st)}{steps} | {fmt(med(n['pauses']))} | {fmt(med(n['joins']))} (a joiner) |")
         else:
             n = restart_numbers(r)
-            print(f"| {mode} | {r['steps']} | {rate * batch:.1f} | {good:.3f} | {fmt(med(n['back']))} (back at the "
-                  f"step reached) | - | {fmt(med(n['first']))} (a restarted job) |")
+            print(f"{row} {fmt(med(n['back']))} (back at the step reached) | - | {fmt(med(n['first']))} "
+                  f"(a restarted job) |")
     step_s = result.get("step_s")
     if step_s:
         print(f"median step (live, 4 workers): {step_s * 1000:.0f} ms; target stall <= 2 steps = {2 * step_s:.2f} s")
