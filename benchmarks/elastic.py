@@ -191,7 +191,7 @@ def run_mode(cluster, mode: str, tmp: Path, minutes: float, kills: list, replace
             "progress": job.progress, "starts": job.starts, "restarts": restarts, "run_dir": run_dir}
 
 
-def steady_rate(r: dict) -> float:
+def steps_per_s(r: dict) -> float:
     """Steps per second over the window."""
     return r["steps"] / r["window_s"]
 
@@ -280,7 +280,7 @@ def main() -> int:
 
 
 def report(runs: dict, args, kills: list, tmp: Path) -> int:
-    base = steady_rate(runs["failure-free"])
+    base = steps_per_s(runs["failure-free"])
     print(f"4 hosts x 1 worker (1 thread), configs/gpt-tiny.toml, global batch {BATCH}; {len(kills)} failures "
           f"planned in {args.minutes:g} min (a worker SIGKILLed every {args.every:g} s on hosts "
           f"{sorted({h for _, h in kills})}, a replacement node {args.replace_after:g} s later); failure-free: "
@@ -292,7 +292,7 @@ def report(runs: dict, args, kills: list, tmp: Path) -> int:
     for mode, r in runs.items():
         if mode == "failure-free":
             continue
-        rate = steady_rate(r)
+        rate = steps_per_s(r)
         result[mode] = rate / base
         row = f"| {mode} | {len(r['events'])} | {r['steps']} | {rate * BATCH:.1f} | {result[mode]:.3f} |"
         if mode == "live":
