@@ -102,24 +102,28 @@ def exit_process(code: int) -> None:
     os._exit(code)
 
 
-def open_sockets() -> set[int]:
-    """This process's socket file descriptors now."""
+def open_sockets() -> set[tuple[int, str]]:
+    """This process's sockets now, as (file descriptor, "socket:[inode]"): a descriptor number closed and
+    reused by a new socket is a new pair, so "opened since" stays true when old sockets close meanwhile."""
     found = set()
     for fd in os.listdir("/proc/self/fd"):
         try:
-            if os.readlink(f"/proc/self/fd/{fd}").startswith("socket:"):
-                found.add(int(fd))
+            link = os.readlink(f"/proc/self/fd/{fd}")
         except OSError:  # closed meanwhile (listdir's own descriptor among them)
-            pass
+            continue
+        if link.startswith("socket:"):
+            found.add((int(fd), link))
     return found
 
 
-def cut_connections(fds: set[int]) -> int:
-    """Shut down the connected sockets among `fds`, leaving them open (their owners close them); returns
-    how many ([Note: cutting a group's connections])."""
+def cut_connections(sockets: set[tuple[int, str]]) -> int:
+    """Shut down the connected ones among `sockets` (from open_sockets), leaving them open (their owners
+    close them); returns how many ([Note: cutting a group's connections])."""
     cut = 0
-    for fd in fds:
+    for fd, link in sockets:
         try:
+            if os.readlink(f"/proc/self/fd/{fd}") != link:  # closed since, the number taken by another
+                continue
             s = socket.socket(fileno=fd)
         except OSError:  # not a socket any more
             continue

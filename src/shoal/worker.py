@@ -174,6 +174,9 @@ def train(cfg: Config, run_dir: str | None, config_path: str | None, resume: str
     dist.shutdown()
 
 
+DRAIN_S = 1.0  # how long an ended generation's failed collectives get to run their callbacks
+
+
 def train_live(cfg: Config, run_dir: str | None, config_path: str | None, resume: str, joined: list) -> None:
     """A worker of a live elastic run ([Note: live membership] in membership.py): one generation of the
     group after another, each trained from where the last one left this rank (training/live.py), until
@@ -193,6 +196,7 @@ def train_live(cfg: Config, run_dir: str | None, config_path: str | None, resume
         member.request_join()
     while True:
         opened = dist.open_sockets()  # what this generation opens is cut when it ends
+        comm = None
         gen = next_generation(member, gen, held)
         if gen is None:  # the run ended while this worker waited to join
             print(f"shoal: {member.where(member.id)}: the run finished before this worker could join", flush=True)
@@ -215,13 +219,15 @@ def train_live(cfg: Config, run_dir: str | None, config_path: str | None, resume
                                resume if gen.number == 0 else "auto", live=live)
             break
         except Regroup as e:  # in training: its state at the step it reached
+            gc.disable()  # the generation's objects become garbage from here: see leave_generation
             held, record, lost_at = e.snapshot, live.record, time.time()
         except Exception as e:  # before training began (forming the group, healing): the state it came with
             if not peer_failed(e):
                 raise
+            gc.disable()
             lost_at = time.time()
         live = None
-        leave_generation(member, joined, opened)
+        leave_generation(member, joined, opened, comm.log if comm else None)
         if signals.requested():  # this worker asked to leave: the others go on without it
             print(f"shoal: {member.where(member.id)} left the run after step {held.step} "
                   f"({signal.Signals(signals.requested()).name})", file=sys.stderr, flush=True)
@@ -235,19 +241,29 @@ def train_live(cfg: Config, run_dir: str | None, config_path: str | None, resume
     dist.shutdown()
 
 
-def leave_generation(member, joined: list, opened: set[int]) -> None:
-    """Let the ended generation go: its watch and watchdog stopped, its connections cut (peers still
-    waiting on this rank fail now: [Note: cutting a group's connections] in dist.py), its group
-    destroyed, its garbage collected."""
+def leave_generation(member, joined: list, opened: set[tuple[int, str]], log) -> None:
+    """Let the ended generation go (automatic garbage collection is off since it ended): its watch and
+    watchdog stopped, its connections cut (peers still waiting on this rank fail now: [Note: cutting a
+    group's connections] in dist.py), the Python callbacks of its failed collectives run (`log`, its
+    CollectiveLog), its group destroyed, its garbage collected."""
     member.watch(None)
     if joined:
         joined[0].stop()
     dist.cut_connections(dist.open_sockets() - opened)
+    # freeing a gloo group whose queued work still has a Python callback to run deadlocks (its destructor
+    # joins the worker thread that waits for the GIL): once they have run, the collector may free it
+    settled = log is None or log.drain(DRAIN_S)
     dist.shutdown()
-    # the old generation's model, DDP and optimizer sit in reference cycles: left to the collector, a run
-    # that regrouped every 30 s got slower with each generation (steps per 30 s: 148, 122, ... 46). What
-    # existed before the first generation is frozen (train_live), so this scans only the generations' own
-    gc.collect()
+    if settled:
+        # the old generation's model, DDP and optimizer sit in reference cycles: left to the collector, a
+        # run that regrouped every 30 s got slower with each generation (steps per 30 s: 148, 122, ... 46).
+        # What existed before the first generation is frozen (train_live): this scans only the generations'
+        gc.collect()
+    else:  # kept for the life of the process rather than risk that deadlock
+        print(f"shoal: {member.where(member.id)}: a failed collective's callback did not run within {DRAIN_S:g} s; "
+              "the ended generation's memory is kept", file=sys.stderr, flush=True)
+        gc.freeze()
+    gc.enable()
 
 
 def next_generation(member, gen, held):

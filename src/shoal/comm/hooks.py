@@ -23,6 +23,7 @@ def logged(hook, log: CollectiveLog, label: str):
             return value
 
         fut = hook(state, bucket).then(finished)
+        log.track(fut)  # its callback needs the GIL: the group must outlive it (CollectiveLog.drain)
         if bucket.is_last():  # what backward waits for from here on is exposed (comm/log.py)
             log.last_bucket_sent(label)
         return fut

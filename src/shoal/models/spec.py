@@ -102,6 +102,9 @@ class ModelBundle:
     # training FLOPs (forward + backward) of one sample, by the model's own count, for MFU; None: counted
     # by torch's FlopCounterMode over one micro-batch on the meta device (metrics/profile.py)
     flops_per_sample: float | None = None
+    # its weights are uninitialised memory that a checkpoint or a live peer fills after the wrap: DDP's
+    # initial broadcast of rank 0's weights would send nothing of use
+    uninitialised: bool = False
 
 
 class ModelSection(BaseModel):

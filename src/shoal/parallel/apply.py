@@ -82,7 +82,8 @@ def parallelize(bundle: ModelBundle, layout: Layout, *, parallel: ParallelConfig
 
     def wrapped(m: torch.nn.Module) -> torch.nn.Module:
         return wrap(m, bundle.block_types, dims, dp_mesh=inner_mesh, dp_group=inner_group, zero=layout.zero,
-                    parallel=parallel, precision=precision, compile=compile, device=device, sync=sync, comm=comm)
+                    parallel=parallel, precision=precision, compile=compile, device=device, sync=sync, comm=comm,
+                    filled_later=bundle.uninitialised)
 
     common = {"comm": comm, "sync": sync, "device": device, "dp_rank": coords["dp"], "dp": dims.dp,
               "dp_group": dp_group, "zero_group": inner_group, "loss_context": loss_context, "zero": layout.zero}
@@ -130,9 +131,10 @@ def layer_times(layers, sample: dict, loss_context, device: torch.device, comm: 
 
 def wrap(model: torch.nn.Module, block_types: tuple[type, ...], dims: ParallelDims, *, dp_mesh, dp_group, zero: int,
          parallel: ParallelConfig, precision: PrecisionConfig, compile: bool, device: torch.device,
-         sync: StepSync, comm: Comm) -> torch.nn.Module:
+         sync: StepSync, comm: Comm, filled_later: bool = False) -> torch.nn.Module:
     """Activation checkpointing, compile, then ZeRO / data parallelism over `dp_mesh` (None: no
-    wrapper; `dp_group`: its group, None for the default group) around one model (or stage)."""
+    wrapper; `dp_group`: its group, None for the default group) around one model (or stage).
+    `filled_later`: the weights are loaded after this (a checkpoint, a live peer): not broadcast now."""
     if precision.activation_checkpointing:
         apply_activation_checkpointing(model, check_fn=lambda m: isinstance(m, block_types))
     if compile:
@@ -147,7 +149,7 @@ def wrap(model: torch.nn.Module, block_types: tuple[type, ...], dims: ParallelDi
         # pipeline schedule's interleaved forwards and backwards break
         model = replicate_dtensor(model, block_types, dp_mesh)
     else:
-        model = replicate_ddp(model, device, dp_group)
+        model = replicate_ddp(model, device, dp_group, init_sync=not filled_later)
     sync.install(model, dp_group, comm.log)
     return model
 

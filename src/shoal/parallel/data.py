@@ -13,13 +13,16 @@ from torch.distributed.fsdp import FSDPModule
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 
-def replicate_ddp(model: torch.nn.Module, device: torch.device, group=None) -> DDP:
+def replicate_ddp(model: torch.nn.Module, device: torch.device, group=None, init_sync: bool = True) -> DDP:
+    """`init_sync`: broadcast rank 0's weights and buffers at the start (False: every rank loads the same
+    state afterwards, from a checkpoint or a live peer)."""
     return DDP(
         model,
         device_ids=[device.index] if device.type == "cuda" else None,
         process_group=group,
         # gradients live in the communication buckets: one copy of the gradients instead of two
         gradient_as_bucket_view=True,
+        init_sync=init_sync,
     )
 
 

@@ -3,6 +3,7 @@ without computing an init that the checkpoint is about to overwrite."""
 
 from __future__ import annotations
 
+import dataclasses
 import fnmatch
 
 import torch
@@ -22,9 +23,10 @@ def build_on(cfg: ModelSection, spec: DataSpec, device: torch.device | str = "cp
         bundle = build_model(cfg, spec)
     if has_transient_buffers(bundle.model):  # state a checkpoint does not hold: build it normally
         with torch.device(device):
-            return build_model(cfg, spec)
-    materialize(bundle.model, device)
-    return bundle
+            bundle = build_model(cfg, spec)
+    else:
+        materialize(bundle.model, device)
+    return dataclasses.replace(bundle, uninitialised=True)
 
 
 def plain_model(cfg: ModelSection, spec: DataSpec) -> torch.nn.Module:
