@@ -149,44 +149,47 @@ def run_mode(cluster, mode: str, tmp: Path, minutes: float, kills: list, replace
     run_dir = tmp / mode
     tmp.mkdir(parents=True, exist_ok=True)
     job = Job(cluster, mode, run_dir, tmp / f"{mode}.log")
-    for i in range(len(cluster.hosts)):
-        job.start(i)
-    while job.poll() == 0:  # the window starts at the first step
-        if all(p.poll() is not None for p in job.nodes.values()):
-            sys.exit(f"{mode}: every node ended before the first step; see {tmp}/{mode}.h*.log")
-        time.sleep(POLL_S)
-    t0 = job.progress[0][0]
-    end = t0 + minutes * 60
-    events, pending, replacements, restarts = [], list(kills), [], []
-    restart_at = None
-    while time.time() < end:
-        now = time.time() - t0
-        if pending and now >= pending[0][0]:
-            at, victim = pending.pop(0)
-            if not job.kill_worker(victim):  # its node is still starting: no failure to inflict
-                continue
-            events.append({"kill": time.time(), "host": victim, "step": job.poll()})
-            if mode == "live":
-                replacements.append((time.time() + replace_after, victim))
-            else:  # today's way: the job ends on every node; all start again once the new host is there
-                restart_at = time.time() + replace_after
-        for when, host in list(replacements):
-            if time.time() >= when:
-                replacements.remove((when, host))
-                job.start(host)
-        if restart_at is not None and time.time() >= restart_at:
-            job.wait_exited(timeout=5)  # the survivors' agents normally ended already
-            restart_at = None
-            restarts.append(time.time())
-            for i in range(len(cluster.hosts)):
-                job.start(i, resume=True)
-        job.poll()
-        time.sleep(POLL_S)
-    reached = job.poll()
-    if job.starts[-1][0] > job.progress[-1][0]:  # a restarted job that has not stepped yet: its checkpoint's step
-        saved = [int(p.name.split("_")[-1]) for p in (run_dir / "checkpoints").glob("step_*") if p.name[-1].isdigit()]
-        reached = max(saved, default=0)
-    job.kill_all()
+    try:  # the nodes end with the mode, however it ends (SIGTERM to this script included: see main)
+        for i in range(len(cluster.hosts)):
+            job.start(i)
+        while job.poll() == 0:  # the window starts at the first step
+            if all(p.poll() is not None for p in job.nodes.values()):
+                sys.exit(f"{mode}: every node ended before the first step; see {tmp}/{mode}.h*.log")
+            time.sleep(POLL_S)
+        t0 = job.progress[0][0]
+        end = t0 + minutes * 60
+        events, pending, replacements, restarts = [], list(kills), [], []
+        restart_at = None
+        while time.time() < end:
+            now = time.time() - t0
+            if pending and now >= pending[0][0]:
+                at, victim = pending.pop(0)
+                if not job.kill_worker(victim):  # its node is still starting: no failure to inflict
+                    continue
+                events.append({"kill": time.time(), "host": victim, "step": job.poll()})
+                if mode == "live":
+                    replacements.append((time.time() + replace_after, victim))
+                else:  # today's way: the job ends on every node; all start again once the new host is there
+                    restart_at = time.time() + replace_after
+            for when, host in list(replacements):
+                if time.time() >= when:
+                    replacements.remove((when, host))
+                    job.start(host)
+            if restart_at is not None and time.time() >= restart_at:
+                job.wait_exited(timeout=5)  # the survivors' agents normally ended already
+                restart_at = None
+                restarts.append(time.time())
+                for i in range(len(cluster.hosts)):
+                    job.start(i, resume=True)
+            job.poll()
+            time.sleep(POLL_S)
+        reached = job.poll()
+        if job.starts[-1][0] > job.progress[-1][0]:  # a restarted job that has not stepped yet: its checkpoint's step
+            saved = [int(p.name.split("_")[-1]) for p in (run_dir / "checkpoints").glob("step_*")
+                     if p.name[-1].isdigit()]
+            reached = max(saved, default=0)
+    finally:
+        job.kill_all()
     return {"mode": mode, "t0": t0, "window_s": minutes * 60, "steps": reached, "events": events,
             "progress": job.progress, "starts": job.starts, "restarts": restarts, "run_dir": run_dir}
 
@@ -256,6 +259,7 @@ def main() -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--modes", default=",".join(MODES))
     args = ap.parse_args()
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # so the nodes and the cluster are cleaned up
     modes = args.modes.split(",")
     unknown = [m for m in modes if m not in MODES]
     if unknown:
