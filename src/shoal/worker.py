@@ -195,8 +195,7 @@ def train_live(cfg: Config, run_dir: str | None, config_path: str | None, resume
     if member.current() >= 0:  # the run is going: ask the group to take this worker in
         member.request_join()
     while True:
-        opened = dist.open_sockets()  # what this generation opens is cut when it ends
-        comm = None
+        opened, comm = dist.open_sockets(), None  # what this generation opens is cut when it ends
         gen = next_generation(member, gen, held)
         if gen is None:  # the run ended while this worker waited to join
             print(f"shoal: {member.where(member.id)}: the run finished before this worker could join", flush=True)
@@ -220,13 +219,12 @@ def train_live(cfg: Config, run_dir: str | None, config_path: str | None, resume
             break
         except Regroup as e:  # in training: its state at the step it reached
             gc.disable()  # the generation's objects become garbage from here: see leave_generation
-            held, record, lost_at = e.snapshot, live.record, time.time()
+            held, record, lost_at, live = e.snapshot, live.record, time.time(), None
         except Exception as e:  # before training began (forming the group, healing): the state it came with
             if not peer_failed(e):
                 raise
             gc.disable()
-            lost_at = time.time()
-        live = None
+            lost_at, live = time.time(), None
         leave_generation(member, joined, opened, comm.log if comm else None)
         if signals.requested():  # this worker asked to leave: the others go on without it
             print(f"shoal: {member.where(member.id)} left the run after step {held.step} "
