@@ -16,14 +16,17 @@ def logged(hook, log: CollectiveLog, label: str):
 
     def wrapper(state, bucket):  # no annotations: DDP checks them, and they would be strings here
         rec = log.enter("all_reduce", f"{label}, gradient bucket {bucket.index()}", [bucket.buffer()])
+        rec["settled"] = False  # until its callback has run, failed or not (CollectiveLog.drain)
 
         def finished(fut: torch.futures.Future) -> torch.Tensor:
-            value = fut.value()  # raises if the collective failed: the record then stays open
+            try:
+                value = fut.value()  # raises if the collective failed: the record then stays open
+            finally:
+                rec["settled"] = True
             log.done(rec)
             return value
 
         fut = hook(state, bucket).then(finished)
-        log.track(fut)  # its callback needs the GIL: the group must outlive it (CollectiveLog.drain)
         if bucket.is_last():  # what backward waits for from here on is exposed (comm/log.py)
             log.last_bucket_sent(label)
         return fut

@@ -39,7 +39,6 @@ class CollectiveLog:
         self.exposed: dict[str, float] = {}
         self._main = threading.main_thread().ident
         self._tail: tuple[float, str, float] | None = None  # (handed off at, axis, exposed then): DDP's last bucket
-        self._callbacks: list[torch.futures.Future] = []  # futures whose completion runs Python code: see drain
 
     def enter(self, op: str, group: str, tensors: list[torch.Tensor] = ()) -> dict:
         with self._lock:
@@ -92,23 +91,21 @@ class CollectiveLog:
             self._tail = None
             self.add_exposed(axis, max(0.0, now - sent - (sum(self.exposed.values()) - before)))
 
-    def track(self, fut: torch.futures.Future) -> None:
-        """`fut` runs a Python callback on a communication thread when its collective completes."""
-        with self._lock:
-            self._callbacks = [f for f in self._callbacks if not f.done()] + [fut]
-
     def drain(self, timeout_s: float) -> bool:
-        """Wait, with the GIL released, until every tracked callback has run; False if some had not after
-        `timeout_s`. A process group whose work still has a Python callback to run must not be destroyed:
-        gloo's destructor joins its worker threads while the caller holds the GIL, and the worker waits
-        for the GIL to run the callback (a deadlock, seen when a live run's garbage collection freed the
-        DDP of a failed generation whose last gradient buckets were still queued)."""
+        """Wait, with the GIL released, until every record with a callback to run (`settled` False: a DDP
+        gradient bucket's, comm/hooks.py) has run it; False if some had not after `timeout_s`. A process
+        group whose work still has a Python callback to run must not be destroyed: gloo's destructor
+        joins its worker threads while the caller holds the GIL, and the worker waits for the GIL to run
+        the callback (a deadlock, seen when a live run's garbage collection freed the DDP of a failed
+        generation whose last gradient buckets were still queued)."""
         deadline = time.monotonic() + timeout_s
-        while any(not f.done() for f in self._callbacks):
+        while True:
+            with self._lock:
+                if not any(r.get("settled") is False for r in self.records):
+                    return True
             if time.monotonic() > deadline:
                 return False
             time.sleep(0.005)
-        return True
 
     def last(self) -> dict | None:
         with self._lock:
