@@ -8,7 +8,6 @@ and testable without a process group.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from functools import cached_property
 
 from shoal.errors import UserError
 
@@ -67,9 +66,10 @@ class ParallelDims:
             groups.setdefault(tuple(c[a] for a in others), []).append(r)
         return list(groups.values())
 
-    @cached_property
-    def mesh(self):
-        """The DeviceMesh over all ranks with named axes; needs an initialized process group."""
+    def device_mesh(self):
+        """A new DeviceMesh over all ranks with named axes; needs an initialized process group. Not cached
+        here: a mesh keeps the process groups it made alive, so it must not outlive the group it was made
+        from (a live run forms a new group after each membership change, with the same dims)."""
         from torch.distributed.device_mesh import init_device_mesh
 
         return init_device_mesh(device_type(), self.shape, mesh_dim_names=AXES)

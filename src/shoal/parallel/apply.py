@@ -44,23 +44,23 @@ def make_sync(sync: SyncConfig, comm_cfg: CommConfig, comm: Comm, last_step: int
     return PeriodicSync(sync.mode, sync.every, codec, *outer, last_step=last_step, inner=inner)
 
 
-def replica_meshes(layout: Layout, dp_group):
+def replica_meshes(layout: Layout, mesh, dp_group):
     """(the mesh a data-parallel wrapper spans or None for no wrapper, the group periodic syncs run over
-    or None for the default group): every step, the dp axis; local SGD / DiLoCo with each dp rank a
+    or None for the default group): every step, the dp axis of `mesh`; local SGD / DiLoCo with each dp rank a
     replica, no wrapper and the dp group; with replicas of several ranks (data parallelism only), a
     (replica, shard) mesh over the world: the wrapper spans a replica's ranks, syncs run across."""
     dims = layout.dims
     if layout.replicas == 1:
-        return dims.mesh["dp"], dp_group
+        return mesh["dp"], dp_group
     if layout.replicas == dims.dp:
         return None, dp_group
     from torch.distributed.device_mesh import init_device_mesh
 
     from shoal.topology import device_type
 
-    mesh = init_device_mesh(device_type(), (layout.replicas, dims.dp // layout.replicas),
+    grid = init_device_mesh(device_type(), (layout.replicas, dims.dp // layout.replicas),
                             mesh_dim_names=("replica", "shard"))
-    return mesh["shard"], mesh["replica"].get_group()
+    return grid["shard"], grid["replica"].get_group()
 
 
 def parallelize(bundle: ModelBundle, layout: Layout, *, parallel: ParallelConfig, precision: PrecisionConfig,
@@ -71,13 +71,14 @@ def parallelize(bundle: ModelBundle, layout: Layout, *, parallel: ParallelConfig
     dims = layout.dims
     sync = sync or make_sync(SyncConfig(), CommConfig(), comm)
     model = bundle.model.to(device)
+    mesh = dims.device_mesh()  # collective; the model's wrappers keep what they use of it
     loss_context = contextlib.nullcontext
     if dims.tp > 1:
-        loss_context = bundle.tensor_parallel(model, dims.tp, dims.mesh["tp"],
+        loss_context = bundle.tensor_parallel(model, dims.tp, mesh["tp"],
                                               sequence_parallel=parallel.sequence_parallel) or loss_context
     coords = dims.coords(rank)
-    dp_group = dims.mesh["dp"].get_group() if dims.world_size > dims.dp else None
-    inner_mesh, outer_group = replica_meshes(layout, dp_group)
+    dp_group = mesh["dp"].get_group() if dims.world_size > dims.dp else None
+    inner_mesh, outer_group = replica_meshes(layout, mesh, dp_group)
     inner_group = None if inner_mesh is None or inner_mesh.size() == dims.world_size else inner_mesh.get_group()
 
     def wrapped(m: torch.nn.Module) -> torch.nn.Module:
@@ -110,7 +111,7 @@ def parallelize(bundle: ModelBundle, layout: Layout, *, parallel: ParallelConfig
     # the parameters as the wrappers left them (ZeRO 2/3 replaces them with sharded ones)
     tied_here = [param for name, param in union.named_parameters() if name in tied]
     sync.attach(union, outer_group, layout.replicas)
-    stage_group = dims.mesh["pp"].get_group()
+    stage_group = mesh["pp"].get_group()
     pipeline = Pipeline(modules, stage_ids, split, device, stage_group, parallel.pp_schedule,
                         layout.pp_microbatches, layers.output_loss)
     return PipelinedModel(union, union, bundle, pipeline=pipeline, stage_group=stage_group, tied=tied_here,
