@@ -217,10 +217,11 @@ class Member:
         """A joiner has asked in since `generation` closed (as of the last heartbeat: no store round trip)."""
         return self._join_requests > generation.admitted
 
-    def regroup(self, previous: Generation | None) -> Generation | None:
+    def regroup(self, previous: Generation | None, give_up: Callable[[], object] = lambda: False) -> Generation | None:
         """Take part in forming the generation after `previous` (None: the first, or this process is a
         joiner that has no generation yet). Returns the new generation when this member is in it; None
-        when it was left out (then ask again, with request_join, for the next)."""
+        when it was left out (then ask again, with request_join, for the next), or when `give_up()` says
+        so while it waits."""
         if previous is None and self.current() >= 0:  # a joiner: the group it joins is the newest one
             previous = self.generation(self.current())
         number = (previous.number + 1) if previous is not None else 0
@@ -246,7 +247,7 @@ class Member:
                 if gen.number > self.current():
                     self.store.set(PREFIX + "gen", str(gen.number))
                 return gen if self.id in gen.members else None
-            if is_done(self.store):
+            if is_done(self.store) or give_up():
                 return None
             if now - started > self.join_timeout_s + (self.evict_s if previous else 0):
                 raise TimeoutError(f"only {count} of the {self.min_world} workers this run needs at least "

@@ -15,6 +15,7 @@ from __future__ import annotations
 import os
 import signal
 import sys
+import time
 from collections.abc import Callable
 
 
@@ -23,15 +24,17 @@ def _never() -> bool:
 
 
 _requested = 0
+_requested_at = 0.0  # time.monotonic() when it came
 _run_failed: Callable[[], bool] = _never
 
 
 def _handler(signum, frame) -> None:
-    global _requested
+    global _requested, _requested_at
     if _run_failed():
         sys.stderr.flush()
         os._exit(128 + signum)
-    _requested = _requested or signum
+    if not _requested:
+        _requested, _requested_at = signum, time.monotonic()
 
 
 def install(run_failed: Callable[[], bool] = _never) -> None:
@@ -45,6 +48,11 @@ def install(run_failed: Callable[[], bool] = _never) -> None:
 def requested() -> int:
     """The first stop signal received (0: none)."""
     return _requested
+
+
+def age() -> float:
+    """Seconds since the first stop signal came (0.0: none came)."""
+    return time.monotonic() - _requested_at if _requested else 0.0
 
 
 class Interrupted(Exception):

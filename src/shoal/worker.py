@@ -225,12 +225,11 @@ def train_live(cfg: Config, run_dir: str | None, config_path: str | None, resume
                 raise
             gc.disable()
             lost_at, live = time.time(), None
+        if signals.requested():  # asked to stop: said before the others regroup, so none waits for it
+            member.leave()
         leave_generation(member, joined, opened, comm.log if comm else None)
-        if signals.requested():  # this worker asked to leave: the others go on without it
-            print(f"shoal: {member.where(member.id)} left the run after step {held.step} "
-                  f"({signal.Signals(signals.requested()).name})", file=sys.stderr, flush=True)
-            member.stop()
-            raise signals.Interrupted(signals.requested(), held.step, None)
+        if signals.requested():  # the others go on without this worker
+            leave_run(member, held)
     member.watch(None)
     membership.finish(member.store)
     say_done(summary, path, env.rank, cfg)
@@ -266,13 +265,26 @@ def leave_generation(member, joined: list, opened: set[tuple[int, str]], log) ->
 
 def next_generation(member, gen, held):
     """The next generation this worker is in (None: the run ended first). A worker left out of one (it
-    came too late, or the group is full) asks again for the one after."""
+    came too late, or the group is full) asks again for the one after. A stop signal meanwhile (say, while
+    too few workers are left and the rest wait for joiners): this worker leaves."""
     while True:
-        got = member.regroup(gen)
+        got = member.regroup(gen, give_up=signals.requested)
+        if signals.requested():
+            member.leave()
+            leave_run(member, held)
         if got is not None or membership.is_done(member.store):
             return got
         gen = None
         member.request_join()
+
+
+def leave_run(member, held) -> None:
+    """This worker was asked to stop while others train on: it leaves the run (exit 128 + the signal)."""
+    step = held.step if held is not None else 0
+    print(f"shoal: {member.where(member.id)} left the run after step {step} "
+          f"({signal.Signals(signals.requested()).name})", file=sys.stderr, flush=True)
+    member.stop()
+    raise signals.Interrupted(signals.requested(), step, None)
 
 
 def join_generation(cfg: Config, job: Job, member, gen, joined: list):
@@ -293,13 +305,10 @@ def join_generation(cfg: Config, job: Job, member, gen, joined: list):
 
 
 def regroup_wanted(member, gen, rank: int):
-    """This rank's wish, at each step's end, that the group change: it was asked to stop (it leaves), or
-    (rank 0) a joiner waits."""
+    """This rank's wish, at each step's end, that the group change: (rank 0) a joiner waits. A rank asked
+    to stop says so in the step's flags of its own (training/step.py decides when it leaves)."""
 
     def wanted() -> bool:
-        if signals.requested():
-            member.leave()  # said before the flags travel, so no regroup waits for this member
-            return True
         return rank == 0 and member.join_wanted(gen)
 
     return wanted

@@ -1,8 +1,12 @@
-"""A live elastic run (--nnodes MIN:MAX): three one-worker nodes on loopback lose a worker at a random
-step (the survivors go on without restarting), get it back (a replacement heals from a live peer), and
-lose a node that is asked to stop (SIGTERM: it leaves cleanly); the weights equal one process's, and
-`shoal report` shows each change."""
+"""A live elastic run (--nnodes MIN:MAX) of one-worker nodes on loopback, its weights compared with one
+process's after each story:
+- a worker dies at a random step (the survivors go on without restarting), a replacement heals from a
+  live peer, and a node asked to stop (SIGTERM) leaves cleanly; `shoal report` shows each change;
+- a whole node goes silent (SIGSTOP: its connections stay open), the last other worker dies with no
+  replacement allowed (below MIN: the survivor waits), a new node joins, then every node is stopped (a
+  job's cancel: a checkpoint, exit 143) and the same command resumes the run, elastic again, to its end."""
 
+import contextlib
 import html
 import json
 import os
@@ -57,6 +61,31 @@ def wait_for(what, until, timeout: float, nodes) -> None:
         time.sleep(0.05)
 
 
+def start_node(i: int, run_dir, port: int, max_restarts: int) -> subprocess.Popen:
+    """Node `i` of a live run of RUN on 2 to 3 one-worker nodes, its own session (signalled whole)."""
+    return subprocess.Popen([sys.executable, "-m", "shoal", "train", *RUN, "--run-dir", str(run_dir),
+                             "--nnodes", "2:3", "--nproc", "1", "--rdzv-endpoint", f"127.0.0.1:{port}",
+                             "--node-rank", str(i), "--max-restarts", str(max_restarts)],
+                            cwd=ROOT, env={**os.environ, "PYTHONUNBUFFERED": "1"}, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+
+
+def end_all(nodes) -> None:
+    for p in nodes:
+        if p.poll() is None:
+            for pid in [p.pid, *descendants(p.pid)]:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+
+
+def equals_one_process(run_dir, tmp_path) -> None:
+    reference = tmp_path / "one"
+    train_in_process([a for a in RUN if a != "--set"], reference)
+    got, want = read_weights(run_dir), read_weights(reference)
+    worst = max((got[k] - want[k]).abs().max().item() for k in want)
+    assert worst <= 1e-5, f"live run differs from one process by {worst}"
+
+
 def worker_of(node: subprocess.Popen) -> int:
     """The pid of the one worker a node's launcher runs."""
     for pid in descendants(node.pid):
@@ -72,12 +101,7 @@ def test_a_worker_killed_rejoined_and_a_node_leaving_equal_one_process(tmp_path)
     rng = random.Random()
     kill_at = rng.randrange(10, 40)
     print(f"killing node 1's worker after step {kill_at}")
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    nodes = [subprocess.Popen([sys.executable, "-m", "shoal", "train", *RUN, "--run-dir", str(run_dir),
-                               "--nnodes", "2:3", "--nproc", "1", "--rdzv-endpoint", f"127.0.0.1:{port}",
-                               "--node-rank", str(i), "--max-restarts", "1"],
-                              cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                              start_new_session=True) for i in range(3)]
+    nodes = [start_node(i, run_dir, port, max_restarts=1) for i in range(3)]
     try:
         wait_for(f"step {kill_at}", lambda: progress(run_dir) >= kill_at, 120, nodes)
         os.kill(worker_of(nodes[1]), signal.SIGKILL)
@@ -88,10 +112,7 @@ def test_a_worker_killed_rejoined_and_a_node_leaving_equal_one_process(tmp_path)
         nodes[2].send_signal(signal.SIGTERM)  # node 2 leaves; the others finish the run
         outs = [p.communicate(timeout=120)[0] for p in nodes]
     finally:
-        for p in nodes:
-            if p.poll() is None:
-                for pid in [p.pid, *descendants(p.pid)]:
-                    os.kill(pid, signal.SIGKILL)
+        end_all(nodes)
     codes = [p.returncode for p in nodes]
     assert codes == [0, 0, 128 + signal.SIGTERM], "\n".join(outs)
     summary = json.loads((run_dir / "summary.json").read_text())
@@ -102,8 +123,8 @@ def test_a_worker_killed_rejoined_and_a_node_leaving_equal_one_process(tmp_path)
     assert shrink_and_join[-1]["joined"] == ["node 1 local rank 0"] and shrink_and_join[-1]["healed_from"] is not None
     assert leave["left"] == ["node 2 local rank 0"] and leave["why"] == ["it was asked to stop"], events
     assert [m["world"] for m in membership(run_dir)] == [e["world"] for e in events]
-    said = [line for line in (outs[0] + outs[1]).splitlines() if ": world " in line]
-    assert any("node 1 local rank 0 left (its process ended)" in line for line in said), (said, events, outs[0])
+    said = [line for line in "".join(outs).splitlines() if ": world " in line]  # by rank 0, on any node
+    assert any("node 1 local rank 0 left (its process ended)" in line for line in said), (said, events)
     assert summary["steps"] == 160
     # no survivor waited out a timeout for a peer that had gone (parallel.timeout_s is 600 s here)
     assert max(e["regroup_s"] for e in events) < 60, events
@@ -114,9 +135,52 @@ def test_a_worker_killed_rejoined_and_a_node_leaving_equal_one_process(tmp_path)
     assert main(["report", str(run_dir), "--out", str(page)]) == 0
     shown = page.read_text()
     assert all(html.escape(e["line"]) in shown for e in events), events
+    equals_one_process(run_dir, tmp_path)
 
-    reference = tmp_path / "one"
-    train_in_process([a for a in RUN if a != "--set"], reference)
-    got, want = read_weights(run_dir), read_weights(reference)
-    worst = max((got[k] - want[k]).abs().max().item() for k in want)
-    assert worst <= 1e-5, f"live run differs from one process by {worst}"
+
+def test_a_silent_node_below_min_then_a_cancel_and_resume_equal_one_process(tmp_path):
+    run_dir, port = tmp_path / "live", free_port()
+    silent_at = random.randrange(10, 40)
+    print(f"node 2 goes silent after step {silent_at}")
+    nodes = [start_node(i, run_dir, port, max_restarts=0) for i in range(3)]
+    try:
+        wait_for(f"step {silent_at}", lambda: progress(run_dir) >= silent_at, 120, nodes)
+        silent = [nodes[2].pid, *descendants(nodes[2].pid)]  # the worker has a session of its own
+        for pid in silent:  # launcher and worker: no process ends, no connection closes
+            os.kill(pid, signal.SIGSTOP)
+        wait_for("node 2 marked gone", lambda: membership(run_dir), 60, nodes)
+        for pid in silent:
+            os.kill(pid, signal.SIGKILL)
+        nodes[2].wait()
+        # node 1's worker dies and may not be replaced: 1 worker left, below MIN (2): it waits for a joiner
+        os.kill(worker_of(nodes[1]), signal.SIGKILL)
+        lost = nodes[1].communicate(timeout=60)[0]
+        assert nodes[1].returncode == 128 + signal.SIGKILL, lost
+        nodes[1] = start_node(1, run_dir, port, max_restarts=0)  # a new node
+        wait_for("the new node's join", lambda: len(membership(run_dir)) >= 2, 120, nodes[:2])
+        cancel_at = progress(run_dir) + 5
+        wait_for(f"step {cancel_at}", lambda: progress(run_dir) >= cancel_at, 60, nodes[:2])
+        for p in nodes[:2]:  # a job's cancel: every node, within a few milliseconds
+            p.send_signal(signal.SIGTERM)
+        outs = [p.communicate(timeout=60)[0] for p in nodes[:2]]
+    finally:
+        end_all(nodes)
+    assert [p.returncode for p in nodes[:2]] == [128 + signal.SIGTERM] * 2, "\n".join(outs)
+    silent, replaced = membership(run_dir)
+    assert silent["world"] == 2 and "node 2 local rank 0 left (no heartbeat for 10 s" in silent["membership"], silent
+    # no generation below MIN formed: the survivor waited, and the new node came into a world of 2 again
+    assert replaced["world"] == 2 and "node 1 local rank 0 left (its process ended)" in replaced["membership"] \
+        and "node 1 local rank 0 joined" in replaced["membership"], replaced
+    stopped = max(int(d.name.split("_")[1]) for d in (run_dir / "checkpoints").glob("step_*"))
+    assert stopped >= cancel_at, (stopped, outs)
+
+    # the same command again: it resumes from that checkpoint, elastic again, and trains to the end
+    port = free_port()
+    nodes = [start_node(i, run_dir, port, max_restarts=0) for i in range(2)]
+    try:
+        outs = [p.communicate(timeout=120)[0] for p in nodes]
+    finally:
+        end_all(nodes)
+    assert [p.returncode for p in nodes] == [0, 0], "\n".join(outs)
+    assert f"resumed from {run_dir / 'checkpoints'}" in outs[0] and json.loads((run_dir / "summary.json").read_text())["steps"] == 160, outs[0]
+    equals_one_process(run_dir, tmp_path)

@@ -67,8 +67,8 @@ def launch_live(worker: list[str], nproc: int, nnodes: tuple[int, int], node_ran
         threading.Thread(target=membership.watch_beats, args=(membership.connect(endpoint, rdzv_timeout), watching),
                          daemon=True, name="shoal-beats").start()
     codes = _watch([start(i) for i in range(nproc)], start, store, stop, max_restarts, name)
-    if server is not None:  # the others may train on: keep the store until the run ends
-        _serve_until_done(store, stop)
+    if server is not None:  # the others may train on (this node's workers left): keep the store till the end
+        _serve_until_done(store)
     watching.set()
     if stop.signum:
         return 128 + stop.signum
@@ -114,10 +114,11 @@ def _watch(workers: list[_Worker], start, store, stop: _Signals, max_restarts: i
     return codes
 
 
-def _serve_until_done(store, stop: _Signals) -> None:
-    """Node 0 hosts the store: wait while the run goes on (some member's heart beats) and is not done."""
+def _serve_until_done(store) -> None:
+    """Node 0 hosts the store: wait while the run goes on (some member's heart beats) and is not done, also
+    after a signal (its own workers left; the others may still be training or stopping)."""
     last, changed = membership.beats(store), time.monotonic()
-    while not membership.is_done(store) and not stop.signum and time.monotonic() - changed < 2 * membership.STALE_S:
+    while not membership.is_done(store) and time.monotonic() - changed < 2 * membership.STALE_S:
         time.sleep(membership.BEAT_S)
         now = membership.beats(store)
         if now != last:

@@ -21,6 +21,7 @@ class Flags:
     bad_norm: bool
     save: bool
     regroup: bool = False
+    stop_age: float = 0.0  # seconds since their request, summed over the ranks asked to stop
 
     @property
     def stop(self) -> bool:
@@ -32,13 +33,14 @@ class StepFlags:
         self.comm, self.device = comm, device
         self._pending: Pending | None = None
 
-    def start(self, loss_sum: torch.Tensor, stop: bool, bad_norm: bool, save: bool, regroup: bool = False) -> None:
+    def start(self, loss_sum: torch.Tensor, stop: bool, bad_norm: bool, save: bool, regroup: bool = False,
+              stop_age: float = 0.0) -> None:
         t = torch.stack([loss_sum.double().reshape(()).to(self.device),
                          *(torch.tensor(float(x), dtype=torch.float64, device=self.device)
-                           for x in (stop, bad_norm, save, regroup))])
+                           for x in (stop, bad_norm, save, regroup, stop_age))])
         self._pending = self.comm.all_reduce(t, label="world, step flags", async_op=True)
 
     def result(self) -> Flags:
         t = self._pending.wait().cpu()
         self._pending = None
-        return Flags(t[0].item(), round(t[1].item()), t[2].item() > 0, t[3].item() > 0, t[4].item() > 0)
+        return Flags(t[0].item(), round(t[1].item()), t[2].item() > 0, t[3].item() > 0, t[4].item() > 0, t[5].item())

@@ -126,7 +126,7 @@ def build(cfg: Config, layout: Layout, source, run: RunDir, env: DistEnv, comm: 
                    bad_steps=BadStepPolicy(cfg.train.on_bad_step, cfg.train.max_bad_steps,
                                            scaled=precision.scaler is not None),
                    comm=comm, device=env.device, count_fn=bundle.count_fn, grad_clip=cfg.train.grad_clip, phase=phase,
-                   stop_requested=signals.requested)
+                   stop_requested=signals.requested, stop_age=signals.age)
     if cfg.balance.mode == "throughput":  # a new split waits until the batches prefetched before it are used
         step.balance = ThroughputBalance(cfg.train.global_batch_size, layout.dims.dp, par.dp_rank,
                                          interval=cfg.balance.interval, lag=cfg.data.prefetch + 1, comm=comm,

@@ -28,8 +28,13 @@ from shoal.parallel.parallelized import Parallelized
 from shoal.parallel.precision import Precision
 from shoal.parallel.zero import local_optimizer
 from shoal.training.bad_steps import BadStepPolicy
-from shoal.training.flags import StepFlags
+from shoal.training.flags import Flags, StepFlags
 from shoal.training.optim import Schedule
+
+# a live elastic run: ranks asked to stop while others were not leave once the request is this old, and
+# not at the next step's end; a job's cancel signals every node within a moment, and without the wait a
+# step boundary falling in between split it into a leave of some ranks and a stop of the rest
+LEAVE_GRACE_S = 2.0
 
 
 @dataclass(frozen=True)
@@ -63,6 +68,7 @@ class Stepper:
     phase: Phase
     balance: ThroughputBalance | None = None  # balance.mode = "throughput": this rank's compute is timed
     stop_requested: Callable[[], int] = lambda: 0  # nonzero when this process was asked to stop
+    stop_age: Callable[[], float] = lambda: 0.0  # seconds since it was asked
     save_wanted: Callable[[], bool] = lambda: False  # this rank's clock says a checkpoint is due
     before_update: Callable[[], None] = lambda: None  # runs before the optimizer changes the weights
     # a live elastic run: this rank wants the group to change at the step's end (it leaves, or, on
@@ -95,7 +101,7 @@ class Stepper:
         flags = StepFlags(self.comm, self.device)  # one all-reduce for every shared decision
         flags.start(loss_sum if par.owns_loss else torch.zeros_like(loss_sum), stop=self.stop_requested() > 0,
                     bad_norm=not math.isfinite(norm.item()), save=self.save_wanted(),
-                    regroup=self.regroup_wanted is not None and self.regroup_wanted())
+                    regroup=self.regroup_wanted is not None and self.regroup_wanted(), stop_age=self.stop_age())
         par.clip_grads(self.grad_clip or math.inf, norm)  # while the flags travel
         agreed = flags.result()
         loss = agreed.loss_sum / total()
@@ -110,11 +116,22 @@ class Stepper:
         held = model_state_bytes(par.model, local_optimizer(optimizer)) if measure_memory else None
         optimizer.zero_grad(set_to_none=True)
         timer.mark("optimizer_s")
-        # a live run stops only when every rank was asked to; some asked: they leave, the others go on
-        stop = agreed.stops >= self.comm.world_size if self.regroup_wanted else agreed.stops > 0
+        stop, regroup = stop_or_regroup(agreed, self.comm.world_size, live=self.regroup_wanted is not None)
         return StepResult(loss=loss, grad_norm=norm.item(), items=int(total()), bad=bad, stop=stop,
-                          save=agreed.save, held=held, comm_bytes=self.comm.sync_bytes - sent,
-                          regroup=agreed.regroup and not stop)
+                          save=agreed.save, held=held, comm_bytes=self.comm.sync_bytes - sent, regroup=regroup)
+
+
+
+def stop_or_regroup(agreed: Flags, world: int, live: bool) -> tuple[bool, bool]:
+    """Whether the run stops at this step's end, and whether the group changes. A live run stops only when
+    every rank was asked to; when some were, they leave (a regroup without them) once their request is
+    LEAVE_GRACE_S old on average, a figure every rank reads alike from the flags."""
+    if not live:
+        return agreed.stops > 0, False
+    if agreed.stops >= world:
+        return True, False
+    leave = agreed.stops > 0 and agreed.stop_age / agreed.stops >= LEAVE_GRACE_S
+    return False, agreed.regroup or leave
 
 
 class ItemCount:
