@@ -78,12 +78,27 @@ def end_all(nodes) -> None:
                     os.kill(pid, signal.SIGKILL)
 
 
-def equals_one_process(run_dir, tmp_path) -> None:
-    reference = tmp_path / "one"
+@pytest.fixture(scope="module")
+def one_process(tmp_path_factory) -> dict:
+    """The final weights of RUN trained by one process: the reference of every story here."""
+    reference = tmp_path_factory.mktemp("one")
     train_in_process([a for a in RUN if a != "--set"], reference)
-    got, want = read_weights(run_dir), read_weights(reference)
+    return read_weights(reference)
+
+
+def equals_one_process(run_dir, want: dict) -> None:
+    got = read_weights(run_dir)
     worst = max((got[k] - want[k]).abs().max().item() for k in want)
     assert worst <= 1e-5, f"live run differs from one process by {worst}"
+
+
+def gloo_loops(pid: int) -> int:
+    """How many gloo event-loop threads (one per live gloo device) process `pid` runs."""
+    names = []
+    for task in os.listdir(f"/proc/{pid}/task"):
+        with contextlib.suppress(OSError), open(f"/proc/{pid}/task/{task}/comm") as f:
+            names.append(f.read().strip())
+    return names.count("gloo_tcp_loop")
 
 
 def worker_of(node: subprocess.Popen) -> int:
@@ -96,7 +111,7 @@ def worker_of(node: subprocess.Popen) -> int:
     raise AssertionError("the node runs no worker")
 
 
-def test_a_worker_killed_rejoined_and_a_node_leaving_equal_one_process(tmp_path):
+def test_a_worker_killed_rejoined_and_a_node_leaving_equal_one_process(tmp_path, one_process):
     run_dir, port = tmp_path / "live", free_port()
     rng = random.Random()
     kill_at = rng.randrange(10, 40)
@@ -104,11 +119,15 @@ def test_a_worker_killed_rejoined_and_a_node_leaving_equal_one_process(tmp_path)
     nodes = [start_node(i, run_dir, port, max_restarts=1) for i in range(3)]
     try:
         wait_for(f"step {kill_at}", lambda: progress(run_dir) >= kill_at, 120, nodes)
+        loops = gloo_loops(worker_of(nodes[0]))
         os.kill(worker_of(nodes[1]), signal.SIGKILL)
         # the survivors go on without it, and its replacement joins: one change or two (the survivors may
         # take longer to give up on the dead worker than the replacement takes to start)
         wait_for("the replacement's join", lambda: any("joined" in m["membership"] for m in membership(run_dir)),
                  120, nodes)
+        # each ended generation's groups were freed: a survivor runs no more gloo event loops than at the
+        # start (a mesh kept across generations once kept them all, and their loops spun on cut sockets)
+        assert gloo_loops(worker_of(nodes[0])) == loops
         nodes[2].send_signal(signal.SIGTERM)  # node 2 leaves; the others finish the run
         outs = [p.communicate(timeout=120)[0] for p in nodes]
     finally:
@@ -135,10 +154,10 @@ def test_a_worker_killed_rejoined_and_a_node_leaving_equal_one_process(tmp_path)
     assert main(["report", str(run_dir), "--out", str(page)]) == 0
     shown = page.read_text()
     assert all(html.escape(e["line"]) in shown for e in events), events
-    equals_one_process(run_dir, tmp_path)
+    equals_one_process(run_dir, one_process)
 
 
-def test_a_silent_node_below_min_then_a_cancel_and_resume_equal_one_process(tmp_path):
+def test_a_silent_node_below_min_then_a_cancel_and_resume_equal_one_process(tmp_path, one_process):
     run_dir, port = tmp_path / "live", free_port()
     silent_at = random.randrange(10, 40)
     print(f"node 2 goes silent after step {silent_at}")
@@ -183,4 +202,4 @@ def test_a_silent_node_below_min_then_a_cancel_and_resume_equal_one_process(tmp_
         end_all(nodes)
     assert [p.returncode for p in nodes] == [0, 0], "\n".join(outs)
     assert f"resumed from {run_dir / 'checkpoints'}" in outs[0] and json.loads((run_dir / "summary.json").read_text())["steps"] == 160, outs[0]
-    equals_one_process(run_dir, tmp_path)
+    equals_one_process(run_dir, one_process)
