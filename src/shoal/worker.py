@@ -270,7 +270,6 @@ def next_generation(member, gen, held):
     while True:
         got = member.regroup(gen, give_up=signals.requested)
         if signals.requested():
-            member.leave()
             leave_run(member, held)
         if got is not None or membership.is_done(member.store):
             return got
@@ -280,6 +279,7 @@ def next_generation(member, gen, held):
 
 def leave_run(member, held) -> None:
     """This worker was asked to stop while others train on: it leaves the run (exit 128 + the signal)."""
+    member.leave()  # none of the others waits for it at a regroup
     step = held.step if held is not None else 0
     print(f"shoal: {member.where(member.id)} left the run after step {step} "
           f"({signal.Signals(signals.requested()).name})", file=sys.stderr, flush=True)

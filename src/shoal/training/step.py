@@ -121,7 +121,6 @@ class Stepper:
                           save=agreed.save, held=held, comm_bytes=self.comm.sync_bytes - sent, regroup=regroup)
 
 
-
 def stop_or_regroup(agreed: Flags, world: int, live: bool) -> tuple[bool, bool]:
     """Whether the run stops at this step's end, and whether the group changes. A live run stops only when
     every rank was asked to; when some were, they leave (a regroup without them) once their request is
