@@ -1,0 +1,103 @@
+"""What the live elastic tests share: the run (RUN, one-worker nodes on loopback at --nnodes 2:3), how to
+start, watch and end its nodes, and one process's weights to compare a story's run with."""
+
+import contextlib
+import functools
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import pytest
+
+from conftest import ROOT, TINY_GPT, read_weights, train_in_process
+from shoal.launch.supervisor import descendants
+
+RUN = [*TINY_GPT, "--set", "train.steps=160", "--set", "train.global_batch_size=48", "--set",
+       "train.micro_batch_size=2", "--set", "train.val_interval=0", "--set", "checkpoint.interval=50",
+       "--set", "metrics.log_interval=20"]
+
+
+def progress(run_dir) -> int:
+    try:
+        return json.loads((run_dir / "progress.json").read_text())["step"]
+    except (OSError, ValueError, KeyError):
+        return 0
+
+
+def membership(run_dir) -> list[dict]:
+    try:
+        lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+    except OSError:
+        return []
+    return [m for m in map(json.loads, filter(None, lines)) if "membership" in m]
+
+
+def wait_for(what, until, timeout: float, nodes) -> None:
+    deadline = time.monotonic() + timeout
+    while not until():
+        if time.monotonic() > deadline:
+            for p in nodes:  # each worker's stacks (faulthandler), then the nodes' whole output
+                for pid in descendants(p.pid):
+                    os.kill(pid, signal.SIGUSR1)
+            time.sleep(1)
+            for p in nodes:
+                for pid in [p.pid, *descendants(p.pid)]:
+                    os.kill(pid, signal.SIGKILL)
+            outs = "\n".join(f"--- node {i}\n{p.communicate()[0]}" for i, p in enumerate(nodes))
+            pytest.fail(f"{what} did not happen within {timeout} s\n{outs}")
+        time.sleep(0.05)
+
+
+def start_node(i: int, run_dir, port: int, max_restarts: int) -> subprocess.Popen:
+    """Node `i` of a live run of RUN on 2 to 3 one-worker nodes, its own session (signalled whole)."""
+    return subprocess.Popen([sys.executable, "-m", "shoal", "train", *RUN, "--run-dir", str(run_dir),
+                             "--nnodes", "2:3", "--nproc", "1", "--rdzv-endpoint", f"127.0.0.1:{port}",
+                             "--node-rank", str(i), "--max-restarts", str(max_restarts)],
+                            cwd=ROOT, env={**os.environ, "PYTHONUNBUFFERED": "1"}, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+
+
+def end_all(nodes) -> None:
+    for p in nodes:
+        if p.poll() is None:
+            for pid in [p.pid, *descendants(p.pid)]:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+
+
+@functools.cache
+def one_process() -> dict:
+    """The final weights of RUN trained by one process: the reference of every story."""
+    with tempfile.TemporaryDirectory() as reference:
+        train_in_process([a for a in RUN if a != "--set"], Path(reference))
+        return read_weights(Path(reference))
+
+
+def equals_one_process(run_dir) -> None:
+    got, want = read_weights(run_dir), one_process()
+    worst = max((got[k] - want[k]).abs().max().item() for k in want)
+    assert worst <= 1e-5, f"live run differs from one process by {worst}"
+
+
+def gloo_loops(pid: int) -> int:
+    """How many gloo event-loop threads (one per live gloo device) process `pid` runs."""
+    names = []
+    for task in os.listdir(f"/proc/{pid}/task"):
+        with contextlib.suppress(OSError), open(f"/proc/{pid}/task/{task}/comm") as f:
+            names.append(f.read().strip())
+    return names.count("gloo_tcp_loop")
+
+
+def worker_of(node: subprocess.Popen) -> int:
+    """The pid of the one worker a node's launcher runs."""
+    for pid in descendants(node.pid):
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            cmd = f.read().split(b"\0")
+        if b"shoal" in cmd and b"--nnodes" not in cmd:
+            return pid
+    raise AssertionError("the node runs no worker")
