@@ -135,6 +135,14 @@ def train_in_process(overrides: list[str], run_dir: Path) -> dict:
 
 
 @pytest.fixture(scope="session")
+def shared_dir(tmp_path_factory, worker_id) -> Path:
+    """A folder every pytest worker of this session sees (xdist gives each worker a base folder of its
+    own, in one folder of the session's), for what is computed once and read by all (live_runs.py)."""
+    base = tmp_path_factory.getbasetemp()
+    return base.parent if worker_id != "master" else base
+
+
+@pytest.fixture(scope="session")
 def ranks():
     """ranks(n): n persistent worker processes with a gloo group per call (tests/harness.py)."""
     from harness import RankPools

@@ -2,13 +2,12 @@
 start, watch and end its nodes, and one process's weights to compare a story's run with."""
 
 import contextlib
-import functools
+import fcntl
 import json
 import os
 import signal
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -70,16 +69,20 @@ def end_all(nodes) -> None:
                     os.kill(pid, signal.SIGKILL)
 
 
-@functools.cache
-def one_process() -> dict:
-    """The final weights of RUN trained by one process: the reference of every story."""
-    with tempfile.TemporaryDirectory() as reference:
-        train_in_process([a for a in RUN if a != "--set"], Path(reference))
-        return read_weights(Path(reference))
+def one_process(shared: Path) -> dict:
+    """The final weights of RUN trained by one process: the reference of every story. Trained once per
+    test session (~24 s) in `shared` (conftest's shared_dir), by the first pytest worker that asks; the
+    others wait on the lock and read the same weights."""
+    reference = shared / "live-one-process"
+    with open(shared / "live-one-process.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
+        if not (reference / "model.safetensors").is_file():
+            train_in_process([a for a in RUN if a != "--set"], reference)
+    return read_weights(reference)
 
 
-def equals_one_process(run_dir) -> None:
-    got, want = read_weights(run_dir), one_process()
+def equals_one_process(run_dir: Path, shared: Path) -> None:
+    got, want = read_weights(run_dir), one_process(shared)
     worst = max((got[k] - want[k]).abs().max().item() for k in want)
     assert worst <= 1e-5, f"live run differs from one process by {worst}"
 

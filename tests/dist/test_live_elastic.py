@@ -17,7 +17,7 @@ from shoal.ps.roles import free_port
 pytestmark = pytest.mark.timeout(240)
 
 
-def test_a_worker_killed_rejoined_and_a_node_leaving_equal_one_process(tmp_path):
+def test_a_worker_killed_rejoined_and_a_node_leaving_equal_one_process(tmp_path, shared_dir):
     run_dir, port = tmp_path / "live", free_port()
     rng = random.Random()
     kill_at = rng.randrange(10, 40)
@@ -60,4 +60,4 @@ def test_a_worker_killed_rejoined_and_a_node_leaving_equal_one_process(tmp_path)
     assert main(["report", str(run_dir), "--out", str(page)]) == 0
     shown = page.read_text()
     assert all(html.escape(e["line"]) in shown for e in events), events
-    equals_one_process(run_dir)
+    equals_one_process(run_dir, shared_dir)
