@@ -110,6 +110,13 @@ def is_done(store: dist.Store) -> bool:
     return store.check([PREFIX + "done"])
 
 
+def all_gone(store: dist.Store) -> bool:
+    """Every member drawn so far is marked gone: its launcher saw its worker end (and wrote that here), or
+    node 0's launcher saw its node fall silent."""
+    drawn = int(store.add(PREFIX + "next_id", 0))
+    return store.check([f"{PREFIX}gone/{m}" for m in range(1, drawn + 1)]) if drawn else True
+
+
 def beats(store: dist.Store) -> dict[int, int]:
     """Every member's heartbeat count so far (unchanged over STALE_S: that member is gone)."""
     return {m: int(store.add(f"{PREFIX}beat/{m}", 0)) for m in range(1, int(store.add(PREFIX + "next_id", 0)) + 1)}

@@ -92,18 +92,23 @@ def _watch(workers: list[_Worker], start, store, stop: _Signals, max_restarts: i
             if result is None:
                 continue
             workers.remove(w)
-            membership.mark_gone(store, w.member, failed=result.is_failed())
+            try:
+                membership.mark_gone(store, w.member, failed=result.is_failed())
+                store_gone, done = False, membership.is_done(store)
+            except dist.DistError:  # node 0's launcher ended (the run is over) or its host died
+                store_gone, done = True, True
             if not result.is_failed():
                 continue
             failure = next(iter(result.failures.values()))
             code = failure.exitcode
             how = f"exit code {code}" if code >= 0 else f"signal {signal.Signals(-code).name}"
-            if stop.signum or membership.is_done(store) or restarts >= max_restarts:
+            if stop.signum or done or restarts >= max_restarts:
                 codes.append(128 - code if code < 0 else code)
                 if not stop.signum:
-                    print(f"shoal: {name}: worker {w.local_rank} (member {w.member}) failed with {how}; "
-                          f"{max_restarts} replacement(s) allowed (--max-restarts), {restarts} used", file=sys.stderr,
-                          flush=True)
+                    why = ("the run's store (node 0's launcher) is gone" if store_gone else
+                           f"{max_restarts} replacement(s) allowed (--max-restarts), {restarts} used")
+                    print(f"shoal: {name}: worker {w.local_rank} (member {w.member}) failed with {how}; {why}",
+                          file=sys.stderr, flush=True)
                 continue
             restarts += 1
             print(f"shoal: {name}: worker {w.local_rank} (member {w.member}) failed with {how}; a replacement "
@@ -116,9 +121,12 @@ def _watch(workers: list[_Worker], start, store, stop: _Signals, max_restarts: i
 
 def _serve_until_done(store) -> None:
     """Node 0 hosts the store: wait while the run goes on (some member's heart beats) and is not done, also
-    after a signal (its own workers left; the others may still be training or stopping)."""
+    after a signal (its own workers left; the others may still be training or stopping). Once done, wait
+    until every launcher has said its workers ended: the workers of a stopped run end a moment apart, and
+    a launcher that found the store gone when it came to write that failed (exit 1 instead of 143)."""
     last, changed = membership.beats(store), time.monotonic()
-    while not membership.is_done(store) and time.monotonic() - changed < 2 * membership.STALE_S:
+    while not (membership.is_done(store) and membership.all_gone(store)) \
+            and time.monotonic() - changed < 2 * membership.STALE_S:
         time.sleep(membership.BEAT_S)
         now = membership.beats(store)
         if now != last:
