@@ -3,6 +3,7 @@ start, watch and end its nodes, and one process's weights to compare a story's r
 
 import contextlib
 import fcntl
+import hashlib
 import json
 import os
 import signal
@@ -13,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import ROOT, TINY_GPT, read_weights, train_in_process
+from conftest import FIXTURES, ROOT, TINY_GPT, read_weights, train_in_process
 from shoal.launch.supervisor import descendants
 
 RUN = [*TINY_GPT, "--set", "train.steps=160", "--set", "train.global_batch_size=48", "--set",
@@ -52,12 +53,14 @@ def wait_for(what, until, timeout: float, nodes) -> None:
         time.sleep(0.05)
 
 
-def start_node(i: int, run_dir, port: int, max_restarts: int) -> subprocess.Popen:
-    """Node `i` of a live run of RUN on 2 to 3 one-worker nodes, its own session (signalled whole)."""
-    return subprocess.Popen([sys.executable, "-m", "shoal", "train", *RUN, "--run-dir", str(run_dir),
+def start_node(i: int, run_dir, port: int, max_restarts: int, run: list[str] = RUN) -> subprocess.Popen:
+    """Node `i` of a live run of `run` on 2 to 3 one-worker nodes, its own session (signalled whole); the
+    test fixtures importable (a user model of tests/fixtures)."""
+    return subprocess.Popen([sys.executable, "-m", "shoal", "train", *run, "--run-dir", str(run_dir),
                              "--nnodes", "2:3", "--nproc", "1", "--rdzv-endpoint", f"127.0.0.1:{port}",
                              "--node-rank", str(i), "--max-restarts", str(max_restarts)],
-                            cwd=ROOT, env={**os.environ, "PYTHONUNBUFFERED": "1"}, stdout=subprocess.PIPE,
+                            cwd=ROOT, env={**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONPATH": f"{FIXTURES}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"},
+                            stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, start_new_session=True)
 
 
@@ -69,20 +72,20 @@ def end_all(nodes) -> None:
                     os.kill(pid, signal.SIGKILL)
 
 
-def one_process(shared: Path) -> dict:
-    """The final weights of RUN trained by one process: the reference of every story. Trained once per
-    test session (~24 s) in `shared` (conftest's shared_dir), by the first pytest worker that asks; the
+def one_process(shared: Path, run: list[str] = RUN) -> dict:
+    """The final weights of `run` trained by one process: the reference of a story. Trained once per test
+    session (RUN: ~24 s) in `shared` (conftest's shared_dir), by the first pytest worker that asks; the
     others wait on the lock and read the same weights."""
-    reference = shared / "live-one-process"
-    with open(shared / "live-one-process.lock", "w") as lock:
+    reference = shared / f"live-one-process-{hashlib.sha1(' '.join(run).encode()).hexdigest()[:12]}"
+    with open(f"{reference}.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
         if not (reference / "model.safetensors").is_file():
-            train_in_process([a for a in RUN if a != "--set"], reference)
+            train_in_process([a for a in run if a != "--set"], reference)
     return read_weights(reference)
 
 
-def equals_one_process(run_dir: Path, shared: Path) -> None:
-    got, want = read_weights(run_dir), one_process(shared)
+def equals_one_process(run_dir: Path, shared: Path, run: list[str] = RUN) -> None:
+    got, want = read_weights(run_dir), one_process(shared, run)
     worst = max((got[k] - want[k]).abs().max().item() for k in want)
     assert worst <= 1e-5, f"live run differs from one process by {worst}"
 

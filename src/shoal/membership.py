@@ -9,7 +9,9 @@ of every node on any failure. A live run therefore keeps its own membership, on 
 - a member is one worker process, named by an id its node's launcher draws (`next_id`); it beats a
   counter (`beat/<id>`) from a thread of its own, and its launcher marks it `gone/<id>` the moment
   the process ends; a node that dies whole is seen by node 0's launcher (`watch_beats`), which marks
-  a member of the newest generation gone when its beat stands still for SILENT_S;
+  a member of the newest generation gone when its beat stands still for SILENT_S; a member marked
+  gone while its process still runs (evicted, below, or its node silent and back) is ended by its
+  launcher, its stack printed first;
 - a member gone by failure counts in `lost`; each member's heartbeat thread reads it and, when a
   member of its generation is among them, cuts that generation's connections (the worker's `cut`),
   so a survivor waiting in a collective on a node that vanished without closing its sockets fails
@@ -41,6 +43,7 @@ PREFIX = "shoal/live/"
 STORE_ENV = "SHOAL_LIVE_STORE"  # host:port of the membership store (node 0's launcher)
 WORLD_ENV = "SHOAL_LIVE_WORLD"  # "min:max" workers
 ID_ENV = "SHOAL_LIVE_ID"  # this worker's member id, drawn by its launcher
+EVICTED = "stalled past parallel.timeout_s, evicted"
 BEAT_S = 0.2  # a member's heartbeat period
 STALE_S = 1.5  # a beat unchanged this long: a regroup does not wait for the member
 # a beat unchanged this long: node 0's launcher marks the member gone, and its peers cut their connections
@@ -75,6 +78,12 @@ def mark_gone(store: dist.Store, member: int, why: str = "its process ended", fa
     store.set(f"{PREFIX}gone/{member}", why)
     if failed:
         store.add(LOST_KEY, 1)
+
+
+def why_out(store: dist.Store, member: int) -> str | None:
+    """Why `member` is marked gone (None: it is not)."""
+    key = f"{PREFIX}gone/{member}"
+    return store.get(key).decode() if store.check([key]) else None
 
 
 def watch_beats(store: dist.Store, stop: threading.Event) -> None:
@@ -253,6 +262,8 @@ class Member:
                 gen = self._read(key, number)
                 if gen.number > self.current():
                     self.store.set(PREFIX + "gen", str(gen.number))
+                for m in gen.evicted:  # its launcher ends it (launch/live.py): it must not linger, stalled
+                    mark_gone(self.store, m, EVICTED, failed=False)
                 return gen if self.id in gen.members else None
             if is_done(self.store) or give_up():
                 return None
@@ -269,10 +280,7 @@ class Member:
     def why_gone(self, member: int) -> str:
         if self.store.check([f"{PREFIX}leaving/{member}"]):
             return "it was asked to stop"
-        key = f"{PREFIX}gone/{member}"
-        if self.store.check([key]):
-            return self.store.get(key).decode()
-        return f"no heartbeat for {STALE_S:g} s: its node is gone"
+        return why_out(self.store, member) or f"no heartbeat for {STALE_S:g} s: its node is gone"
 
     def _read(self, key: str, number: int) -> Generation:
         got = json.loads(self.store.get(key + "closed"))

@@ -319,7 +319,7 @@ def describe_change(member, gen, source: int | None, lost_s: float, heal_s: floa
     before = member.generation(gen.number - 1)
     left = [m for m in before.members if m not in gen.members] if before else []
     came = [m for m in gen.members if before is None or m not in before.members]
-    why = {m: ("stalled past parallel.timeout_s, evicted" if m in gen.evicted else member.why_gone(m)) for m in left}
+    why = {m: (membership.EVICTED if m in gen.evicted else member.why_gone(m)) for m in left}
     parts = [f"{member.where(m)} left ({why[m]})" for m in left]
     parts += [f"{member.where(m)} joined" + (f" (healed from rank {source} in {heal_s:.2f} s)" if source is not None
                                              else "") for m in came]

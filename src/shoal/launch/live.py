@@ -10,6 +10,7 @@ error file, its output as is), one context per worker so that one ending does no
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import sys
@@ -24,11 +25,13 @@ from shoal import membership
 from shoal.launch.elastic import EndpointUnreachable, route_workers, split_endpoint
 
 POLL_S = 0.05  # how soon a worker's end is seen (and its peers stop waiting on it)
+STACKS_S = 1.0  # a worker being ended: how long it has to print its stacks before SIGKILL
 
 
 class _Worker:
     def __init__(self, local_rank: int, member: int, ctx):
         self.local_rank, self.member, self.ctx = local_rank, member, ctx
+        self.ending: float | None = None  # when it was told to print its stacks, on its way out
 
 
 def launch_live(worker: list[str], nproc: int, nnodes: tuple[int, int], node_rank: int, endpoint: str,
@@ -90,6 +93,7 @@ def _watch(workers: list[_Worker], start, store, stop: _Signals, max_restarts: i
         for w in list(workers):
             result = w.ctx.wait(0)
             if result is None:
+                _end_if_out(w, store, name)
                 continue
             workers.remove(w)
             try:
@@ -117,6 +121,33 @@ def _watch(workers: list[_Worker], start, store, stop: _Signals, max_restarts: i
             workers.append(start(w.local_rank))
         time.sleep(POLL_S)
     return codes
+
+
+def _end_if_out(w: _Worker, store, name: str) -> None:
+    """A worker the run has marked gone while its process runs (evicted: alive but stalled past
+    parallel.timeout_s; or its node fell silent and came back) must not linger: its Python stacks first
+    (the workers dump them on SIGUSR1), then SIGKILL STACKS_S later. Its end then counts as a failure,
+    replaced while --max-restarts allows."""
+    if w.ending is not None:
+        if time.monotonic() - w.ending >= STACKS_S:
+            _signal(w, signal.SIGKILL)
+        return
+    try:
+        why = membership.why_out(store, w.member)
+    except dist.DistError:  # the store is gone: the run is over
+        return
+    if why is None:
+        return
+    print(f"shoal: {name}: worker {w.local_rank} (member {w.member}) is out of the run ({why}) but still "
+          f"running; its stacks, then it is ended:", file=sys.stderr, flush=True)
+    _signal(w, signal.SIGUSR1)
+    w.ending = time.monotonic()
+
+
+def _signal(w: _Worker, signum: int) -> None:
+    for pid in w.ctx.pids().values():
+        with contextlib.suppress(ProcessLookupError):  # it ended meanwhile: the watch loop sees that next
+            os.kill(pid, signum)
 
 
 def _serve_until_done(store) -> None:
