@@ -302,7 +302,7 @@ def report(runs: dict, args, kills: list, tmp: Path) -> int:
         if mode == "live":
             n = live_numbers(r)
             st = med(n["stalls"])
-            result.update(stall_s=st, join_s=med(n["joins"]), step_s=n["step_s"])
+            result.update(stall_s=st, join_s=med(n["joins"]), step_s=n["step_s"], stalls=n["stalls"])
             steps = f" ({st / n['step_s']:.1f} steps)" if st is not None else ""
             print(f"{row} {fmt(st)}{steps} | {fmt(med(n['pauses']))} | {fmt(med(n['joins']))} (a joiner) |")
         else:
@@ -312,6 +312,7 @@ def report(runs: dict, args, kills: list, tmp: Path) -> int:
     step_s = result.get("step_s")
     if step_s:
         print(f"median step (live, 4 workers): {step_s * 1000:.0f} ms; target stall <= 2 steps = {2 * step_s:.2f} s")
+        print("stall per failure, in order (s): " + " ".join(f"{x:.2f}" for x in result["stalls"]))
     good_restart = result.get("restart-30s")
     print("RESULT " + " ".join(f"{k}={v:.3f}" if isinstance(v, float) else f"{k}=-" for k, v in {
         "goodput_live": result.get("live"), "goodput_restart": good_restart, "stall_s": result.get("stall_s"),

@@ -95,21 +95,24 @@ def apply_tensor_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer 
         optimizer.param_groups = [next(loaded) if g["params"] else g for g in groups]
 
 
+_WRAPPED = re.compile(r"_checkpoint_wrapped_module\.|_orig_mod\.")
 
-# the names the wrappers of a replicated layout insert into a parameter's: DDP's in front, activation
-# checkpointing's and torch.compile's inside
-_WRAPPED = re.compile(r"^module\.|_checkpoint_wrapped_module\.|_orig_mod\.")
+
+def original_name(name: str) -> str:
+    """A parameter's name in the model as built, from its name in the laid-out one: activation
+    checkpointing and torch.compile insert a wrapper's name into it."""
+    return _WRAPPED.sub("", name)
 
 
 def copy_tensor_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None, state: dict) -> bool:
     """apply_tensor_state for a rank that holds the whole model and its optimizer's whole state as plain
     tensors (a replicated layout: DDP and its sync modes), by copying. On a live run's regroup this is on
-    every survivor's path back to training, and DCP's general loader costs ~13 ms for gpt-tiny with AdamW
-    where this takes ~1 (DCP steps the optimizer once to create its state, and maps every name through
+    every survivor's path back to training, and DCP's general loader costs ~14 ms for gpt-tiny with AdamW
+    where this takes ~1.5 (DCP steps the optimizer once to create its state, and maps every name through
     the wrappers several times; benchmarks/restore.py). Returns False, having changed nothing, unless
     `state` names exactly this rank's tensors with their shapes and dtypes (then apply_tensor_state's
     general path loads it, resharding as needed)."""
-    live = {_WRAPPED.sub("", k): v for k, v in model.state_dict(keep_vars=True).items()}
+    live = {original_name(k): v for k, v in model.state_dict(keep_vars=True).items()}
     saved = state["model"]
     if live.keys() != saved.keys() or not all(_same(v, saved[k]) for k, v in live.items()):
         return False
@@ -144,7 +147,7 @@ def _optimizer_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer, f
     shaped like its parameter or a scalar."""
     names: dict[int, str] = {}
     for n, p in model.named_parameters():  # a shared parameter's first name, as DCP flattens it
-        names.setdefault(id(p), _WRAPPED.sub("", n))
+        names.setdefault(id(p), original_name(n))
     by_name: dict[str, tuple[dict, dict]] = {}
     for key, value in flat.items():
         kind, _, rest = key.partition(".")

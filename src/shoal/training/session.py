@@ -36,6 +36,7 @@ import torch.distributed as dist
 from shoal import dist as shoal_dist
 from shoal.checkpoint.manager import CheckpointManager
 from shoal.checkpoint.resume import find_resume_point
+from shoal.checkpoint.tensors import original_name
 from shoal.checkpoint.train_state import TrainState, read_train_state
 from shoal.comm.collectives import Comm
 from shoal.comm.model_waits import time_model_waits
@@ -503,10 +504,7 @@ def named_groups(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> li
 def rebuilt(optimizer: torch.optim.Optimizer, groups: list[dict], par) -> torch.optim.Optimizer:
     """An optimizer of `optimizer`'s class over the laid-out model's parameters, group by group (ZeRO 1:
     sharded, as shoal train's)."""
-    # the laid-out parameters by their original names (activation checkpointing and compile insert a
-    # wrapper's name into them)
-    params = {n.replace("_checkpoint_wrapped_module.", "").replace("_orig_mod.", ""): p
-              for n, p in par.model.named_parameters()}
+    params = {original_name(n): p for n, p in par.model.named_parameters()}
     groups = [{**g, "params": [params[n] for n in g["params"]]} for g in groups]
     # every group carries all its hyperparameters; the defaults only as far as the constructor takes them
     accepted = inspect.signature(type(optimizer).__init__).parameters
