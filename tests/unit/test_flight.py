@@ -89,3 +89,14 @@ def test_destroyed_groups_are_left_out_and_a_reused_name_means_the_newest_group(
     rec.complete(1)
     got = flight.summary()
     assert list(got) == ["0"] and got["0"]["last_op"] == "broadcast ([16])" and got["0"]["enqueued"] == 2
+
+
+def test_a_lagging_completed_count_dates_the_wait_from_the_newest_collective(world):
+    """gloo's completed count can stay behind collectives that completed (seen under load: 6 while #7-#9 had
+    completed on every rank); the wait a blocked rank is in started at its newest collective."""
+    live, rec = world
+    live[Group()] = "0"
+    for at in (10.0, 11.0, 12.0):
+        rec.issue(0, "0", "all_reduce", 4, at=at)
+    rec.status["0"] = (3, 1)  # #2 completed, the count says 1
+    assert flight.summary()["0"]["pending_since"] == 12.0

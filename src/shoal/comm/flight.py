@@ -22,8 +22,9 @@ def enable() -> None:
 
 def summary() -> dict[str, dict]:
     """Per process group (by its name, the same on every rank): its description and ranks, how many
-    collectives this rank enqueued and completed on it, its newest op and shapes, and since when its
-    oldest pending collective waits. {} when the recorder is off or unavailable."""
+    collectives this rank enqueued and completed on it (the completed count can lag: see read_entries), its
+    newest op and shapes, and, while one is pending, when the newest was issued. {} when the recorder is off
+    or unavailable."""
     with _groups.lock:
         return _groups.summary()
 
@@ -83,8 +84,11 @@ class _Groups:
             known = self.known.setdefault(pg_id, {})
             known.update(name=name, desc=desc, ranks=ranks.get(name, []),
                          last_op=f"{entry['profiling_name'].split(':')[-1]} ({sizes})")
-            # when the oldest collective still pending was issued
-            if entry.get("collective_seq_id", 0) > completed.get(pg_id, 1 << 62) and "pending_since" not in known:
+            # when the newest collective was issued, while one is pending: the one a blocked rank waits in.
+            # Not the oldest past the completed count, which can lag for gloo: seen under load, a rank blocked
+            # in #10 showed 6 completed for seconds while #7-#9 had completed on every rank (gloo runs a
+            # group's collectives on 2 worker threads, each of which sets the count after its own)
+            if entry.get("collective_seq_id", 0) > completed.get(pg_id, 1 << 62):
                 known["pending_since"] = entry["time_created_ns"] / 1e9
 
 

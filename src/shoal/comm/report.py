@@ -56,7 +56,7 @@ def collective_report(mine: dict | None, rank: int, statuses: dict[int, dict | N
     seq = None
     if group is not None:  # what torch's flight recorder saw this rank issue last on the waiting group
         name, g = group
-        seq = g["completed"] + 1
+        seq = g["enqueued"]  # the newest it entered: gloo's completed count can lag (comm/flight.py)
         what = f"{what} [{g.get('last_op', 'collective')} on group {g['desc']}, #{seq} there]"
     lines = [f"collective {what} during {mine['phase']} failed on rank {rank} after {waited}: {reason(error)}"]
     for r in sorted(statuses):
