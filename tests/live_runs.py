@@ -17,8 +17,9 @@ import pytest
 from conftest import FIXTURES, ROOT, TINY_GPT, read_weights, train_in_process
 from shoal.launch.supervisor import descendants
 
-RUN = [*TINY_GPT, "--set", "train.steps=160", "--set", "train.global_batch_size=48", "--set",
-       "train.micro_batch_size=2", "--set", "train.val_interval=0", "--set", "checkpoint.interval=50",
+# the tests' tiny GPT as a user model that a test can hold at its next forward (tests/fixtures/gate.py)
+RUN = [*TINY_GPT, "--set", 'model.name="gate:build"', "--set", "train.steps=160", "--set",
+       "train.global_batch_size=48", "--set", "train.micro_batch_size=2", "--set", "train.val_interval=0", "--set", "checkpoint.interval=50",
        "--set", "metrics.log_interval=20"]
 
 
@@ -53,13 +54,15 @@ def wait_for(what, until, timeout: float, nodes) -> None:
         time.sleep(0.05)
 
 
-def start_node(i: int, run_dir, port: int, max_restarts: int, run: list[str] = RUN) -> subprocess.Popen:
+def start_node(i: int, run_dir, port: int, max_restarts: int, run: list[str] = RUN,
+               env: dict | None = None) -> subprocess.Popen:
     """Node `i` of a live run of `run` on 2 to 3 one-worker nodes, its own session (signalled whole); the
-    test fixtures importable (a user model of tests/fixtures)."""
+    test fixtures importable (a user model of tests/fixtures); `env`: more environment."""
     return subprocess.Popen([sys.executable, "-m", "shoal", "train", *run, "--run-dir", str(run_dir),
                              "--nnodes", "2:3", "--nproc", "1", "--rdzv-endpoint", f"127.0.0.1:{port}",
                              "--node-rank", str(i), "--max-restarts", str(max_restarts)],
-                            cwd=ROOT, env={**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONPATH": f"{FIXTURES}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"},
+                            cwd=ROOT, env={**os.environ, **(env or {}), "PYTHONUNBUFFERED": "1",
+                                           "PYTHONPATH": f"{FIXTURES}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"},
                             stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, start_new_session=True)
 
@@ -80,7 +83,11 @@ def one_process(shared: Path, run: list[str] = RUN) -> dict:
     with open(f"{reference}.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
         if not (reference / "model.safetensors").is_file():
-            train_in_process([a for a in run if a != "--set"], reference)
+            sys.path.insert(0, str(FIXTURES))  # the run's user model
+            try:
+                train_in_process([a for a in run if a != "--set"], reference)
+            finally:
+                sys.path.remove(str(FIXTURES))
     return read_weights(reference)
 
 

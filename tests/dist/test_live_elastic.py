@@ -12,6 +12,8 @@ import pytest
 
 from live_runs import end_all, equals_one_process, gloo_loops, membership, progress, start_node, wait_for, worker_of
 from shoal.cli import main
+from shoal.membership import PREFIX
+from shoal.membership import connect as membership_store
 from shoal.ps.roles import free_port
 
 pytestmark = pytest.mark.timeout(240)
@@ -22,11 +24,19 @@ def test_a_worker_killed_rejoined_and_a_node_leaving_equal_one_process(tmp_path,
     rng = random.Random()
     kill_at = rng.randrange(10, 40)
     print(f"killing node 1's worker after step {kill_at}")
-    nodes = [start_node(i, run_dir, port, max_restarts=1) for i in range(3)]
+    gate = tmp_path / "gate"  # while it exists, the workers wait at their next forward (tests/fixtures/gate.py)
+    nodes = [start_node(i, run_dir, port, max_restarts=1, env={"SHOAL_TEST_GATE": str(gate)}) for i in range(3)]
     try:
         wait_for(f"step {kill_at}", lambda: progress(run_dir) >= kill_at, 120, nodes)
         loops = gloo_loops(worker_of(nodes[0]))
+        # the survivors are held until the replacement has asked to join: its start (a new interpreter, torch's
+        # import) took longer under load than the 2 survivors took to finish the run's ~130 other steps
+        gate.touch()
         os.kill(worker_of(nodes[1]), signal.SIGKILL)
+        store = membership_store(f"127.0.0.1:{port}")
+        wait_for("the replacement's request to join", lambda: int(store.add(PREFIX + "join_requests", 0)) > 0,
+                 120, nodes)
+        gate.unlink()
         # the survivors go on without it, and its replacement joins: one change or two (the survivors may
         # take longer to give up on the dead worker than the replacement takes to start)
         wait_for("the replacement's join", lambda: any("joined" in m["membership"] for m in membership(run_dir)),

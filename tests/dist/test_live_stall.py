@@ -8,7 +8,6 @@ import signal
 
 import pytest
 
-from conftest import FIXTURES
 from live_runs import RUN, end_all, equals_one_process, membership, start_node, wait_for
 from shoal.ps.roles import free_port
 
@@ -21,8 +20,7 @@ STALL = [*RUN, "--set", "train.steps=30", "--set", 'model.name="stall:build"', "
          "--set", "model.at_call=40", "--set", "parallel.timeout_s=5"]
 
 
-def test_a_stalled_worker_is_evicted_named_and_ended_and_the_others_equal_one_process(tmp_path, shared_dir,
-                                                                                       monkeypatch):
+def test_a_stalled_worker_is_evicted_named_and_ended_and_the_others_equal_one_process(tmp_path, shared_dir):
     run_dir, port, mark = tmp_path / "live", free_port(), tmp_path / "stalled_at"
     run = [*STALL, "--set", f'model.mark_file="{mark}"']
     nodes = [start_node(i, run_dir, port, max_restarts=0, run=run) for i in range(3)]
@@ -41,5 +39,4 @@ def test_a_stalled_worker_is_evicted_named_and_ended_and_the_others_equal_one_pr
     (event,) = json.loads((run_dir / "summary.json").read_text())["membership"]
     assert event["world"] == 2 and event["why"] == ["stalled past parallel.timeout_s, evicted"], event
     assert event["regroup_s"] < 60, event
-    monkeypatch.syspath_prepend(str(FIXTURES))  # the user model, for the reference trained in this process
     equals_one_process(run_dir, shared_dir, run)
