@@ -16,7 +16,6 @@ layers of each stage.
 from __future__ import annotations
 
 import contextlib
-import statistics
 import time
 from dataclasses import dataclass
 
@@ -58,11 +57,13 @@ def balanced_split(costs: list[float], stages: int) -> list[int]:
 
 def measure_layer_times(build_stage, n_layers: int, batch: dict, output_loss, device: torch.device,
                         context=contextlib.nullcontext, repeats: int = 3) -> list[float]:
-    """Seconds of forward + backward of each layer on one micro-batch: the median of `repeats` passes
-    after a warm-up pass. Layers run one at a time, each on the previous one's output (detached), so
-    only one layer's activations are alive; the last layer's backward starts from its loss. `context`
-    wraps each layer's forward and backward (a tensor-parallel loss needs its own). Gradients are
-    dropped and buffers (a norm's running statistics) restored afterwards: timing trains nothing."""
+    """Seconds of forward + backward of each layer on one micro-batch: the fastest of `repeats` passes
+    after a warm-up pass (being descheduled only adds time: on a loaded machine a 0.5 ms layer was timed
+    at 25 ms in 2 of 3 passes, so their median made it look 50 times its cost). Layers run one at a time,
+    each on the previous one's output (detached), so only one layer's activations are alive; the last
+    layer's backward starts from its loss. `context` wraps each layer's forward and backward (a
+    tensor-parallel loss needs its own). Gradients are dropped and buffers (a norm's running statistics)
+    restored afterwards: timing trains nothing."""
     layers = [build_stage(i, i + 1) for i in range(n_layers)]
     buffers = [(b, b.detach().clone()) for layer in layers for b in layer.buffers()]
     times: list[list[float]] = [[] for _ in layers]
@@ -89,7 +90,7 @@ def measure_layer_times(build_stage, n_layers: int, batch: dict, output_loss, de
     with torch.no_grad():
         for buffer, saved in buffers:
             buffer.copy_(saved)
-    return [statistics.median(t) for t in times]
+    return [min(t) for t in times]
 
 
 def _synchronize(device: torch.device) -> None:
