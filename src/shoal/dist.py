@@ -24,8 +24,10 @@ thread terminate the process ("accept: Invalid argument").
 from __future__ import annotations
 
 import os
+import select
 import socket
 import sys
+import threading
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -136,3 +138,59 @@ def cut_connections(sockets: set[tuple[int, str]]) -> int:
         finally:
             s.detach()
     return cut
+
+
+class PeerLost(dist.DistError):
+    """A connection of this generation's group closed under a step: a peer is gone (ConnectionWatch)."""
+
+
+class ConnectionWatch:
+    """Notices within milliseconds that the far end of one of `sockets` (from open_sockets) closed or reset
+    it, or that this rank cut it: a peer's process ended (the kernel closes its sockets at once) or gave
+    up. gloo itself learns of it only at its next collective on that connection, which in a DDP step is the
+    gradient all-reduce at the end of backward; a live run's layers ask `check()` as they run
+    (comm/phase.py), so that a survivor stops computing a step that can no longer complete. A daemon thread
+    waits on an epoll of its own over the same sockets (gloo's loop has its own; neither reads for the
+    other: this one asks only for hang-ups). Listening sockets are left out."""
+
+    POLL_S = 0.2  # how soon the thread sees close()
+
+    def __init__(self, sockets: set[tuple[int, str]]):
+        self._epoll = select.epoll()
+        self._lost = threading.Event()
+        self._closed = threading.Event()
+        for fd, link in sockets:
+            try:
+                if os.readlink(f"/proc/self/fd/{fd}") != link:  # closed since, the number taken by another
+                    continue
+                s = socket.socket(fileno=fd)
+            except OSError:
+                continue
+            try:
+                if not s.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN):
+                    self._epoll.register(fd, select.EPOLLRDHUP | select.EPOLLHUP | select.EPOLLERR)
+            except OSError:
+                pass
+            finally:
+                s.detach()
+        threading.Thread(target=self._run, daemon=True, name="shoal-connection-watch").start()
+
+    def _run(self) -> None:
+        try:
+            while not self._closed.is_set():
+                if self._epoll.poll(self.POLL_S):  # level-triggered: a hang-up stays reported
+                    self._lost.set()
+                    return
+        finally:
+            self._epoll.close()
+
+    def lost(self) -> bool:
+        return self._lost.is_set()
+
+    def check(self) -> None:
+        """Raise PeerLost if a connection is gone."""
+        if self._lost.is_set():
+            raise PeerLost("a connection of the group closed: a peer is gone")
+
+    def close(self) -> None:
+        self._closed.set()

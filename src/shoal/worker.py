@@ -212,7 +212,7 @@ def train_live(cfg: Config, run_dir: str | None, config_path: str | None, resume
             if gen.number > 0:
                 events.append(describe_change(member, gen, source, time.time() - lost_at,
                                               time.perf_counter() - t_heal, healed.step if healed else 0))
-            live = Live(healed, regroup_wanted(member, gen, env.rank), events, record, started)
+            live = Live(healed, regroup_wanted(member, gen, env.rank), events, record, started, opened)
             layout = job.layouts[worlds.index(env.world_size)]
             summary = run_rank(cfg, dataclasses.replace(job, layouts=[layout]), path, env, comm,
                                resume if gen.number == 0 else "auto", live=live)

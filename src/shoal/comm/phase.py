@@ -6,9 +6,14 @@ attributes them to the layer and direction this tracker last saw. A forward pre-
 FSDP2's own so that its all-gather is charged to the right layer, marks a layer's forward; a hook on
 the layer's output gradient marks its backward. Both cost a Python call per layer and micro-batch.
 Not installed under torch.compile, whose graphs run the layers as one piece.
+
+Both hooks also call `check` (set by a live elastic run: dist.ConnectionWatch.check), which raises when
+a peer is gone, so that a step that can no longer complete stops at its next layer.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 
@@ -18,6 +23,7 @@ class Phase:
         self.step: int | None = None  # 1-based: the step being trained
         self.layer: str | None = None
         self.direction = ""  # "forward" | "backward" | "" (outside the model)
+        self.check: Callable[[], None] = lambda: None  # raises to end the step (see the module note)
 
     def begin_step(self, step: int) -> None:
         self.step, self.layer, self.direction = step, None, ""
@@ -44,11 +50,13 @@ class Phase:
     def _forward(self, name: str):
         def hook(module, args):
             self.layer, self.direction = name, "forward"
+            self.check()
         return hook
 
     def _after_forward(self, name: str):
         def mark_backward(grad):
             self.layer, self.direction = name, "backward"
+            self.check()
 
         def hook(module, args, output):
             if isinstance(output, torch.Tensor) and output.requires_grad:

@@ -15,12 +15,14 @@ healed from a peer's Snapshot over the new group (comm/transfer.py).
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
 
 from shoal.checkpoint.tensors import apply_tensor_state, tensor_state
+from shoal.dist import ConnectionWatch, open_sockets
 
 
 @dataclass
@@ -43,6 +45,20 @@ class Live:
     events: list[dict] = field(default_factory=list)  # the changes of the group so far, for the summary
     record: object = None  # the loop's Record, kept across generations (training/loop.py)
     started: float = 0.0  # perf_counter when this process began training
+    opened: set = field(default_factory=set)  # the sockets open before this generation (dist.open_sockets)
+
+    @contextlib.contextmanager
+    def watching(self, phase):
+        """Within it, a connection this generation opened that closes ends the step at its next layer
+        (`phase`'s hooks raise dist.PeerLost): the survivors of a peer that died mid-step stop computing
+        a step that can no longer complete, rather than finish its forward and backward first."""
+        watch = ConnectionWatch(open_sockets() - self.opened)
+        phase.check = watch.check
+        try:
+            yield
+        finally:
+            watch.close()
+            phase.check = lambda: None
 
 
 class Regroup(Exception):  # noqa: N818 - not an error: the group changes

@@ -12,6 +12,7 @@ Nothing here is particular to a layout or a way of training: what differs is ask
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import signal
@@ -61,7 +62,8 @@ def run_training(cfg: Config, layout: Layout, source, run_dir: Path, env: DistEn
     part in a live elastic run, which raises Regroup when the group changes (training/live.py)."""
     t_start = live.started if live else time.perf_counter()
     strategy = strategy or Strategy(cfg, layout, env.device, env.rank, comm)
-    parts = build(cfg, layout, source, RunDir(run_dir), env, comm, phase=phase or Phase(), strategy=strategy,
+    phase = phase or Phase()
+    parts = build(cfg, layout, source, RunDir(run_dir), env, comm, phase=phase, strategy=strategy,
                   resume=resume, live=live)
     recovery = restore(parts, live)
     if parts.sampler.step >= cfg.train.steps and parts.run.summary.exists():  # finished before: leave it be
@@ -70,7 +72,8 @@ def run_training(cfg: Config, layout: Layout, source, run_dir: Path, env: DistEn
     start_step = parts.sampler.step
     lost: Regroup | None = None
     try:
-        trainer, checkpoints = loop(parts, recovery, live)
+        with live.watching(phase) if live is not None else contextlib.nullcontext():
+            trainer, checkpoints = loop(parts, recovery, live)
     except Regroup as e:  # at a step boundary: a member leaves, or a joiner waits
         lost = e
     except Exception as e:
