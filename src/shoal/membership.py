@@ -270,7 +270,9 @@ class Member:
             if now - started > self.join_timeout_s + (self.evict_s if previous else 0):
                 raise TimeoutError(f"only {count} of the {self.min_world} workers this run needs at least "
                                    f"(--nnodes MIN x --nproc) came within {self.join_timeout_s:g} s")
-            time.sleep(0.02)
+            # the members that formed it wait for the slowest to read it: poll often for the first second
+            # (a regroup after a failure is one of those), less while waiting for joiners
+            time.sleep(0.005 if now - started < 1.0 else 0.02)
 
     def generation(self, number: int) -> Generation | None:
         """Closed generation `number` (None: not closed, or none)."""
