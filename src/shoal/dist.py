@@ -28,6 +28,7 @@ import select
 import socket
 import sys
 import threading
+from collections.abc import Iterator
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -122,22 +123,32 @@ def cut_connections(sockets: set[tuple[int, str]]) -> int:
     """Shut down the connected ones among `sockets` (from open_sockets), leaving them open (their owners
     close them); returns how many ([Note: cutting a group's connections])."""
     cut = 0
+    for s in _connected(sockets):
+        try:
+            s.shutdown(socket.SHUT_RDWR)
+            cut += 1
+        except OSError:  # already shut
+            pass
+    return cut
+
+
+def _connected(sockets: set[tuple[int, str]]) -> Iterator[socket.socket]:
+    """The connected ones among `sockets` that are still what open_sockets saw (a closed descriptor's number
+    may have been taken by another), each lent as a socket object and detached after (its owner closes it)."""
     for fd, link in sockets:
         try:
-            if os.readlink(f"/proc/self/fd/{fd}") != link:  # closed since, the number taken by another
+            if os.readlink(f"/proc/self/fd/{fd}") != link:
                 continue
             s = socket.socket(fileno=fd)
-        except OSError:  # not a socket any more
+        except OSError:  # closed since, or not a socket any more
             continue
         try:
             if not s.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN):
-                s.shutdown(socket.SHUT_RDWR)
-                cut += 1
-        except OSError:  # not connected, or already shut
+                yield s
+        except OSError:  # not connected
             pass
         finally:
             s.detach()
-    return cut
 
 
 class PeerLost(dist.DistError):
@@ -159,20 +170,8 @@ class ConnectionWatch:
         self._epoll = select.epoll()
         self._lost = threading.Event()
         self._closed = threading.Event()
-        for fd, link in sockets:
-            try:
-                if os.readlink(f"/proc/self/fd/{fd}") != link:  # closed since, the number taken by another
-                    continue
-                s = socket.socket(fileno=fd)
-            except OSError:
-                continue
-            try:
-                if not s.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN):
-                    self._epoll.register(fd, select.EPOLLRDHUP | select.EPOLLHUP | select.EPOLLERR)
-            except OSError:
-                pass
-            finally:
-                s.detach()
+        for s in _connected(sockets):
+            self._epoll.register(s.fileno(), select.EPOLLRDHUP | select.EPOLLHUP | select.EPOLLERR)
         threading.Thread(target=self._run, daemon=True, name="shoal-connection-watch").start()
 
     def _run(self) -> None:
