@@ -156,8 +156,8 @@ class PeerLost(dist.DistError):
 
 
 class ConnectionWatch:
-    """Notices within milliseconds that the far end of one of `sockets` (from open_sockets) closed or reset
-    it, or that this rank cut it: a peer's process ended (the kernel closes its sockets at once) or gave
+    """Notices, with no traffic on them, that the far end of one of `sockets` (from open_sockets) closed
+    or reset it, or that this rank cut it: a peer's process ended (the kernel closes its sockets at once) or gave
     up. gloo itself learns of it only at its next collective on that connection, which in a DDP step is the
     gradient all-reduce at the end of backward; a live run's layers ask `check()` as they run
     (comm/phase.py), so that a survivor stops computing a step that can no longer complete. A daemon thread

@@ -8,6 +8,7 @@ import subprocess
 import sys
 import threading
 import time
+from dataclasses import dataclass
 
 import pytest
 import torch
@@ -16,15 +17,41 @@ from shoal import dist
 from shoal.comm.phase import Phase
 
 
-def connected_to_a_child():
-    """A TCP connection on loopback whose far end is a child process; and a listening socket."""
+@dataclass
+class Watched:
+    """A TCP connection on loopback whose far end is a child process, a listening socket, the sockets
+    they opened (from dist.open_sockets), a ConnectionWatch over them, and a model whose two layers'
+    hooks (comm/phase.py) ask it."""
+
+    child: subprocess.Popen
+    opened: set
+    watch: dist.ConnectionWatch
+    phase: Phase
+    model: torch.nn.Module
+
+
+@pytest.fixture
+def watched():
+    before = dist.open_sockets()
     listener = socket.create_server(("127.0.0.1", 0))
     port = listener.getsockname()[1]
     child = subprocess.Popen([sys.executable, "-c", f"import socket, time\ns = socket.create_connection(('127.0.0.1', "
                               f"{port}))\nprint('up', flush=True)\ntime.sleep(60)"], stdout=subprocess.PIPE, text=True)
     conn, _ = listener.accept()
     assert child.stdout.readline().strip() == "up"
-    return listener, conn, child
+    opened = dist.open_sockets() - before
+    watch = dist.ConnectionWatch(opened)
+    phase, model = Phase(), torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 1))
+    phase.track(model, (torch.nn.Linear,))
+    phase.check = watch.check
+    try:
+        yield Watched(child, opened, watch, phase, model)
+    finally:
+        watch.close()
+        child.kill()
+        child.wait()
+        conn.close()
+        listener.close()
 
 
 def soon(predicate, within: float = 2.0) -> None:
@@ -34,51 +61,25 @@ def soon(predicate, within: float = 2.0) -> None:
         time.sleep(0.001)
 
 
-def test_a_killed_peer_is_noticed_at_once_and_the_next_layer_raises():
-    opened = dist.open_sockets()
-    listener, conn, child = connected_to_a_child()
-    watch = dist.ConnectionWatch(dist.open_sockets() - opened)  # the connection and the listener
-    try:
-        time.sleep(0.3)
-        assert not watch.lost()  # an idle connection, a listener: nothing
-        watch.check()
-        os.kill(child.pid, signal.SIGKILL)
-        soon(watch.lost)  # with no collective on the connection (gloo would learn of it only at its next)
-        phase, model = Phase(), torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 1))
-        phase.track(model, (torch.nn.Linear,))
-        phase.check = watch.check
-        with pytest.raises(dist.PeerLost):
-            model(torch.randn(2, 4))
-        assert phase.direction == "forward" and phase.layer == "0"  # the first layer's forward
-    finally:
-        watch.close()
-        child.kill()
-        child.wait()
-        conn.close()
-        listener.close()
+def test_a_killed_peer_is_noticed_and_the_next_layer_raises(watched):
+    time.sleep(0.3)
+    assert not watched.watch.lost()  # an idle connection, a listener: nothing
+    watched.model(torch.randn(2, 4))  # the layers run while nothing is lost
+    os.kill(watched.child.pid, signal.SIGKILL)
+    soon(watched.watch.lost)  # with no traffic on the connection (gloo would learn of it only at its next collective)
+    with pytest.raises(dist.PeerLost):
+        watched.model(torch.randn(2, 4))
+    assert watched.phase.direction == "forward" and watched.phase.layer == "0"  # the first layer's forward
 
 
-def test_a_cut_of_our_own_is_noticed_and_a_backward_stops_at_its_next_layer():
-    opened = dist.open_sockets()
-    listener, conn, child = connected_to_a_child()
-    watch = dist.ConnectionWatch(dist.open_sockets() - opened)
-    phase, model = Phase(), torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 1))
-    phase.track(model, (torch.nn.Linear,))
-    phase.check = watch.check
-    try:
-        loss = model(torch.randn(2, 4)).sum()
-        assert dist.cut_connections(dist.open_sockets() - opened) == 1  # the connection, not the listener
-        soon(watch.lost)
-        with pytest.raises(dist.PeerLost):
-            loss.backward()
-        assert phase.direction == "backward" and phase.layer == "1"  # the last layer's backward comes first
-        assert model[0].weight.grad is None  # the step stopped before the first layer's gradients
-    finally:
-        watch.close()
-        child.kill()
-        child.wait()
-        conn.close()
-        listener.close()
+def test_a_cut_of_our_own_is_noticed_and_a_backward_stops_at_its_next_layer(watched):
+    loss = watched.model(torch.randn(2, 4)).sum()
+    assert dist.cut_connections(watched.opened) == 1  # the connection, not the listener
+    soon(watched.watch.lost)
+    with pytest.raises(dist.PeerLost):
+        loss.backward()
+    assert watched.phase.direction == "backward" and watched.phase.layer == "1"  # the last layer's comes first
+    assert watched.model[0].weight.grad is None  # the step stopped before the first layer's gradients
 
 
 def test_closing_the_watch_ends_its_thread():

@@ -1,16 +1,17 @@
 """What a live elastic run (`--nnodes MIN:MAX`) adds to a rank's run: its state held in memory across
 a change of the group, and the exception that ends one generation of the group.
 
-When a member dies, the survivors' collective fails; when one leaves or a joiner waits, the step's
+When a member dies, the survivors' collective fails, or sooner a layer of their step does once a
+connection of the group has closed (dist.ConnectionWatch); when one leaves or a joiner waits, the step's
 flags say so and every rank stops at the same step boundary. Either way the rank's state at its last
 completed step (sampler.step: the optimizer has applied exactly that many updates; a peer's failure
-can only surface in a collective, and none runs between the update and the step count) is captured
-as a Snapshot, not copied (its tensors are the live ones), and raised in Regroup out of the training
-code, so that nothing holds the broken process group any more and destroying it closes its
-connections (which is what unblocks a survivor still waiting on a peer that has already given up:
-gloo does not notice otherwise until its timeout). The worker then forms the next generation and
-runs the same training again from the Snapshot: built without initialising, restored in memory, or
-healed from a peer's Snapshot over the new group (comm/transfer.py).
+surfaces only in a collective or a layer of the forward/backward, and neither runs between the update
+and the step count) is captured as a Snapshot, not copied (its tensors are the live ones), and raised
+in Regroup out of the training code, so that nothing holds the broken process group any more and
+destroying it closes its connections (which is what unblocks a survivor still waiting on a peer that
+has already given up: gloo does not notice otherwise until its timeout). The worker then forms the
+next generation and runs the same training again from the Snapshot: built without initialising,
+restored in memory, or healed from a peer's Snapshot over the new group (comm/transfer.py).
 """
 
 from __future__ import annotations
