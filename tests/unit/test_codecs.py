@@ -88,6 +88,47 @@ def test_powersgd_state_round_trips():
     assert torch.equal(other.q["w"], codec.q["w"]) and torch.equal(other.residuals["w"], codec.residuals["w"])
 
 
+def test_merged_residuals_keep_the_mean_update_s_dropped_part_on_any_world():
+    """Three ranks' residuals merged for a new world: every rank gets their mean, so the new world's mean
+    residual (what the all-reduced update still owes) is the old one, whatever its size."""
+    old = [{"residual/w": torch.tensor([3.0, -6.0])}, {"residual/w": torch.tensor([0.0, 3.0])},
+           {"residual/w": torch.tensor([1.5, 0.0])}]
+    merged = Int8.merge_state_tensors(old, world=3)
+    assert merged["residual/w"].tolist() == [1.5, -1.0]
+    for new_world in (1, 2, 4):
+        assert torch.equal(sum([merged["residual/w"]] * new_world) / new_world, sum(s["residual/w"] for s in old) / 3)
+    # a rank that was lost counts as zero: its part of what the update owes is lost with it
+    assert Int8.merge_state_tensors(old[:2], world=3)["residual/w"].tolist() == [1.0, -1.0]
+    assert old[0]["residual/w"].tolist() == [3.0, -6.0]  # the inputs are left as they were
+
+
+def test_merged_powersgd_state_keeps_q_which_every_rank_shares():
+    q = torch.randn(5, 2)
+    old = [{"residual/w": torch.ones(10), "q/w": q}, {"residual/w": torch.zeros(10), "q/w": q.clone()}]
+    merged = PowerSGD.merge_state_tensors(old, world=2)
+    assert torch.equal(merged["q/w"], q) and merged["residual/w"].eq(0.5).all()
+
+
+def test_every_step_holds_the_codec_state_of_the_last_completed_step():
+    """A step's backward replaces residuals bucket by bucket: what a checkpoint or a live run's snapshot
+    takes (rank_state) is the state at the last completed step, and a skipped step's changes are undone."""
+    from shoal.parallel.sync import EveryStep
+
+    sync = EveryStep(Int8(comm=None))
+    x = sync.codec._fed("w", torch.tensor([0.011, 1.0]))
+    sync.codec._keep("w", x, sync.codec.decode(sync.codec.encode(x), 2))
+    assert sync.rank_state() == {}  # no step has completed
+    sync.after_step(1)
+    done = sync.codec.residuals["w"]
+    assert torch.equal(sync.rank_state()["residual/w"], done)
+    x = sync.codec._fed("w", torch.tensor([0.5, -0.013]))  # the next step, midway: its residual is new
+    sync.codec._keep("w", x, sync.codec.decode(sync.codec.encode(x), 2))
+    assert not torch.equal(sync.codec.residuals["w"], done)
+    assert torch.equal(sync.rank_state()["residual/w"], done)
+    sync.skipped()  # the step was bad: the next one starts from the last completed step's residuals
+    assert torch.equal(sync.codec.residuals["w"], done)
+
+
 def test_ring_bytes():
     n = 1000
     assert ring_bytes("all_reduce", n, 2) == n  # 2 (w - 1) / w

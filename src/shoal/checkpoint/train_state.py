@@ -9,7 +9,8 @@ CUDA) in a file of its own. Tensors that differ per rank go to the rank's own sa
 (state_rank<r>.safetensors): a part's `rank_state()` (error-feedback residuals, DiLoCo's anchor and
 outer momentum) and, when the dp replicas differ between synchronisations (local SGD, DiLoCo), the
 rank's own parameters and optimizer state (DCP holds one replica's). They are restored on the same
-world size; on another, the parts start them afresh from the restored model.
+world size. On another, a part that offers `merge_rank_states` gets what it makes of every old rank's
+(error feedback: their mean, comm/codecs.py); the others start theirs afresh from the restored model.
 
 Formats (train_state.json's "format"): 3 keeps the JSON parts under "parts"; 2 (written before the
 step synchronisation had state) kept them at the top level and still loads. Any other is refused in
@@ -117,11 +118,42 @@ class TrainState:
         changed, and they were reseeded)."""
         from safetensors.torch import load_file  # tensors only: nothing is unpickled
 
-        same_world = mf.read_manifest(path)["world_size"] == world_size
+        saved_world = mf.read_manifest(path)["world_size"]
+        same_world = saved_world == world_size
         file = path / rank_state_file(rank)
-        mine = (load_file(file) if file.exists() else {}) if same_world else None
+        mine = (load_file(file) if file.exists() else {}) if same_world else self._merged_from(path, saved_world)
         rng = read_json(path / rng_file(rank)) if same_world else None
         return self.load(saved, mine, rng, rank, seed, keep, where=str(path))
+
+    def _merged_from(self, path: Path, world: int) -> dict[str, torch.Tensor] | None:
+        """This rank's own tensors on a new world size, merged from the `world` rank files at `path`
+        (read one tensor at a time from each); None when no part merges any."""
+        from safetensors import safe_open
+
+        files = [path / rank_state_file(r) for r in range(world)]
+        if not all(f.exists() for f in files) or not self._merging():
+            return None
+        handles = [safe_open(str(f), framework="pt") for f in files]
+        out: dict[str, torch.Tensor] = {}
+        for key in handles[0].keys():  # noqa: SIM118 - a safetensors handle, not a dict
+            out.update(self.merge_rank_tensors([{key: h.get_tensor(key)} for h in handles], world))
+        return out
+
+    def _merging(self) -> bool:
+        return any(hasattr(part, "merge_rank_states") for part in self.parts.values())
+
+    def merge_rank_tensors(self, states: list[dict[str, torch.Tensor]], world: int) -> dict[str, torch.Tensor]:
+        """This rank's own tensors on another world size, from `states`: rank_tensors() of the ranks of a
+        world of `world` (those still known, in rank order), as each part's merge_rank_states makes them.
+        A part without one, or a key it does not merge, starts afresh."""
+        out = {}
+        for name, part in self.parts.items():
+            if hasattr(part, "merge_rank_states"):
+                prefix = f"{name}/"
+                mine = [{k.removeprefix(prefix): v for k, v in s.items() if k.startswith(prefix)} for s in states]
+                if any(mine):
+                    out.update({prefix + k: v for k, v in part.merge_rank_states(mine, world).items()})
+        return out
 
     def load(self, saved: dict, rank_tensors: dict | None, rng: dict | None, rank: int, seed: int,
              keep: tuple[str, ...] = (), where: str = "") -> bool:

@@ -19,7 +19,8 @@ reduce-scatter or all-to-all of n input bytes (w-1)/w n.
 Everything is per tensor, never per bucket, so results do not depend on how DDP buckets the
 gradients (it rebuilds its buckets after the first step, and again after a resume). Error feedback
 (int8, topk, powersgd): what compression dropped from this rank's tensor is kept per tensor and
-added to the next one (`residuals`, checkpointed per rank with the step synchronisation's state).
+added to the next one (`residuals`, checkpointed per rank with the step synchronisation's state; on
+another world size every rank takes the old ranks' mean, merge_state_tensors).
 Decoding is deterministic and sums the ranks in rank order, so every rank gets the same result.
 """
 
@@ -114,6 +115,23 @@ class Codec:
     def load_state_tensors(self, tensors: dict[str, torch.Tensor]) -> None:
         self.residuals = {k.removeprefix("residual/"): v.clone() for k, v in tensors.items()
                           if k.startswith("residual/")}
+
+    @staticmethod
+    def merge_state_tensors(states: list[dict[str, torch.Tensor]], world: int) -> dict[str, torch.Tensor]:
+        """A rank's state on another world size, from `states`: what the ranks of a world of `world` held
+        (those still known, in rank order). Each residual is their sum over `world`: the update all-reduced
+        is the mean of the ranks' compressed tensors, so what compression left out of it is the mean of the
+        residuals, and giving every rank of any new world that mean keeps it the same. A lost rank's
+        residual is lost (counted as zero). Summed in rank order, so a merge from a checkpoint's files and
+        one over the live group give the same bits."""
+        out: dict[str, torch.Tensor] = {}
+        for key in states[0] if states else ():
+            if key.startswith("residual/"):
+                total = states[0][key].clone()
+                for s in states[1:]:
+                    total += s[key]
+                out[key] = total.div_(world)
+        return out
 
 
 class HalfPrecision(Codec):
@@ -284,6 +302,13 @@ class PowerSGD(Codec):
     def load_state_tensors(self, tensors: dict[str, torch.Tensor]) -> None:
         super().load_state_tensors(tensors)
         self.q = {k.removeprefix("q/"): v.clone() for k, v in tensors.items() if k.startswith("q/")}
+
+    @staticmethod
+    def merge_state_tensors(states: list[dict[str, torch.Tensor]], world: int) -> dict[str, torch.Tensor]:
+        """The residuals as Codec's; Q, the same on every rank (it is all-reduced), the first rank's."""
+        out = Codec.merge_state_tensors(states, world)
+        out.update({k: v.clone() for k, v in (states[0] if states else {}).items() if k.startswith("q/")})
+        return out
 
 
 class DDPState:

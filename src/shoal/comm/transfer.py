@@ -11,7 +11,7 @@ import torch.distributed as dist
 
 from shoal.comm.collectives import Comm
 
-_DTYPES = {str(d): d for d in (torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64,
+DTYPES = {str(d): d for d in (torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64,
                                torch.int32, torch.int8, torch.uint8, torch.bool)}
 
 
@@ -27,7 +27,7 @@ def broadcast_state(comm: Comm, src: int, tensors: dict[str, torch.Tensor] | Non
     raw = torch.frombuffer(bytearray(header), dtype=torch.uint8) if mine else torch.empty(int(size), dtype=torch.uint8)
     _broadcast(comm, raw, src, "heal, header")
     got = json.loads(bytes(raw.numpy()).decode())
-    specs = [(k, _DTYPES[d], torch.Size(s)) for k, d, s in got["tensors"]]
+    specs = [(k, DTYPES[d], torch.Size(s)) for k, d, s in got["tensors"]]
     out: dict[str, torch.Tensor] = {}
     for dtype in sorted({d for _, d, _ in specs}, key=str):
         names = [(k, s) for k, d, s in specs if d == dtype]

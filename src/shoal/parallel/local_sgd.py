@@ -81,6 +81,9 @@ class PeriodicSync:
         if step % self.every == 0 or step == self.last_step:
             self.sync()
 
+    def skipped(self) -> None:
+        pass  # its codec runs only in sync(), after a step that was not skipped
+
     @torch.no_grad()
     def sync(self) -> None:
         """Collective over the dp group: average the pseudo-gradients, step the anchor, copy it back."""

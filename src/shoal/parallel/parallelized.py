@@ -70,6 +70,10 @@ class Parallelized:
         """The optimizer stepped; `step` steps are done."""
         self.sync.after_step(step)
 
+    def skipped(self) -> None:
+        """The optimizer skipped the step (a bad step)."""
+        self.sync.skipped()
+
     def norm_params(self) -> list[tuple[torch.Tensor, bool]]:
         """Parameters with gradients, and whether each counts in the gradient norm."""
         return [(p, True) for p in self.model.parameters() if p.grad is not None]

@@ -54,6 +54,9 @@ class StepSync(Protocol):
     def after_step(self, step: int) -> None:
         """The optimizer has stepped; `step` steps are done."""
 
+    def skipped(self) -> None:
+        """The step's update was skipped (a bad step): undo what its backward changed in this state."""
+
     def state_dict(self) -> dict: ...
 
     def load_state_dict(self, state: dict) -> None: ...
@@ -62,8 +65,10 @@ class StepSync(Protocol):
         """Tensors that differ per rank, for this rank's checkpoint file."""
 
     def load_rank_state(self, tensors: dict[str, torch.Tensor] | None) -> None:
-        """This rank's saved tensors; None when there are none for it (another world size, or a
-        checkpoint of another sync mode): start them afresh from the restored model."""
+        """This rank's saved tensors; None when there are none for it (another world size and no
+        merge_rank_states, or a checkpoint of another sync mode): start them afresh from the restored model.
+        A mode may also offer merge_rank_states(states, world): this rank's tensors on another world size
+        from the old world's ranks' (checkpoint/train_state.py)."""
 
 
 class EveryStep:
@@ -75,6 +80,9 @@ class EveryStep:
 
     def __init__(self, codec: Codec):
         self.codec = codec
+        # the codec's state at the last completed step: a step's backward changes the codec's residuals
+        # bucket by bucket, so a step that fails or is skipped midway leaves them part new, part old
+        self.held: dict[str, torch.Tensor] = {}
 
     def install(self, module: torch.nn.Module, dp_group, log: CollectiveLog) -> None:
         if isinstance(module, DDP):  # in the collective log, whatever the codec
@@ -96,7 +104,11 @@ class EveryStep:
         pass
 
     def after_step(self, step: int) -> None:
-        pass
+        # references, not copies: a codec replaces its tensors each step and never changes them in place
+        self.held = self.codec.state_tensors()
+
+    def skipped(self) -> None:
+        self.codec.load_state_tensors(self.held)
 
     def state_dict(self) -> dict:
         return {}
@@ -105,10 +117,14 @@ class EveryStep:
         pass
 
     def rank_state(self) -> dict[str, torch.Tensor]:
-        return self.codec.state_tensors()
+        return self.held
 
     def load_rank_state(self, tensors: dict[str, torch.Tensor] | None) -> None:
         self.codec.load_state_tensors(tensors or {})
+        self.held = self.codec.state_tensors()
+
+    def merge_rank_states(self, states: list[dict[str, torch.Tensor]], world: int) -> dict[str, torch.Tensor]:
+        return self.codec.merge_state_tensors(states, world)
 
 
 class CodecReduceScatter(ReduceScatter):

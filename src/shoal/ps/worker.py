@@ -79,6 +79,9 @@ class PushPull:
     def after_step(self, step: int) -> None:
         pass
 
+    def skipped(self) -> None:
+        pass  # the servers are told in skip()
+
     def state_dict(self) -> dict:
         return {}
 

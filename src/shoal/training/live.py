@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 import torch
 
 from shoal.checkpoint.tensors import apply_tensor_state, tensor_state
+from shoal.comm.transfer import DTYPES, broadcast_state
 from shoal.dist import ConnectionWatch, open_sockets
 
 
@@ -98,17 +99,48 @@ def capture(state, step: int, config_toml: str, data_spec: dict, rank: int, worl
 
 
 def restore(state, snapshot: Snapshot, rank: int, world: int, seed: int, own: bool) -> bool:
-    """Put `snapshot` into `state`'s live parts. `own`: it is this rank's own (not a peer's); its rank
-    tensors and RNG streams are kept only then and on the same rank and world, as a resume on another
-    world size does. Returns whether the RNG streams are the snapshot's."""
+    """Put `snapshot` into `state`'s live parts. `own`: it is this rank's own (not a peer's); its RNG
+    streams are kept only then and on the same rank and world, as a resume on another world size does,
+    and so are its rank tensors unless they were merged for any rank (pooled()). Returns whether the RNG
+    streams are the snapshot's."""
     t, m = snapshot.tensors, snapshot.meta
     model = {k.removeprefix("model/"): v for k, v in t.items() if k.startswith("model/")}
     optim = {**{k.removeprefix("optim/"): v for k, v in t.items() if k.startswith("optim/")},
              **{k: tuple(v) if k.endswith(".betas") else v for k, v in m["optim_values"].items()}}
     apply_tensor_state(state.model, state.optimizer, {"model": model, "optim": optim})
     same = own and m["rank"] == rank and m["world"] == world
-    mine = {k.removeprefix("rank/"): v for k, v in t.items() if k.startswith("rank/")} if same else None
+    mine = rank_tensors(snapshot) if same or m.get("pooled") else None
     return state.load(m["shared"], mine, m["rng"] if same else None, rank, seed, where="a peer's state")
+
+
+def rank_tensors(snapshot: Snapshot) -> dict[str, torch.Tensor]:
+    return {k.removeprefix("rank/"): v for k, v in snapshot.tensors.items() if k.startswith("rank/")}
+
+
+def pooled(comm, state, snapshot: Snapshot, gives: bool) -> Snapshot:
+    """Collective: `snapshot` with its rank tensors (error-feedback residuals) replaced by what every rank of
+    any world goes on with: state.merge_rank_tensors over the ranks that give theirs (`gives`), in rank
+    order, for the world they were taken at. Called at a planned change over the old group, where every
+    rank gives, so a member that leaves takes nothing with it; and at the start of every generation, where
+    a failure's survivors give theirs (the lost member's are lost) and ranks that hold a merge already or a
+    peer's state give none. When no rank gives, `snapshot` as it is."""
+    mine = rank_tensors(snapshot) if gives else {}
+    have = torch.tensor([int(bool(mine)), snapshot.meta["world"]], dtype=torch.int64)
+    every = [g.tolist() for g in comm.all_gather(have, label="world, regroup: who gives rank tensors")]
+    givers = [r for r, (gave, _) in enumerate(every) if gave]
+    if not givers:
+        return snapshot
+    first, world = givers[0], every[givers[0]][1]
+    spec = {"keys": [[k, str(v.dtype), list(v.shape)] for k, v in mine.items()]} if comm.rank == first else None
+    _, spec = broadcast_state(comm, first, {} if comm.rank == first else None, spec)
+    merged: dict[str, torch.Tensor] = {}
+    for key, dtype, shape in spec["keys"]:  # one tensor at a time: world x its size in memory, not the model's
+        t = mine[key].contiguous() if mine else torch.zeros(shape, dtype=DTYPES[dtype])
+        rows = comm.all_gather(t, label=f"world, regroup: rank tensor {key}")
+        merged.update(state.merge_rank_tensors([{key: rows[r]} for r in givers], world))
+    kept = {k: v for k, v in snapshot.tensors.items() if not k.startswith("rank/")}
+    return Snapshot(snapshot.step, {**kept, **{f"rank/{k}": v for k, v in merged.items()}},
+                    {**snapshot.meta, "pooled": True})
 
 
 def heal(comm, held: Snapshot | None) -> tuple[Snapshot | None, int | None]:
@@ -117,8 +149,6 @@ def heal(comm, held: Snapshot | None) -> tuple[Snapshot | None, int | None]:
     holds none; a survivor may have missed the update its peers applied just before the failure), the
     lowest rank holding the newest step sends its Snapshot to all. (None, None): no rank holds any,
     as when every member was lost: the run resumes from its newest checkpoint."""
-    from shoal.comm.transfer import broadcast_state
-
     mine = torch.tensor([held.step if held is not None else -1], dtype=torch.int64)
     steps = [int(t.item()) for t in comm.all_gather(mine, label="world, heal: the step each rank holds")]
     best = max(steps)

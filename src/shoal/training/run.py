@@ -44,7 +44,7 @@ from shoal.rundir import RunDir, read_json, write_json
 from shoal.training.bad_steps import BadStepPolicy
 from shoal.training.build import build_on, freeze, plain_model
 from shoal.training.feed import Steps
-from shoal.training.live import Live, Regroup, capture, peer_failed
+from shoal.training.live import Live, Regroup, capture, peer_failed, pooled
 from shoal.training.live import restore as restore_live
 from shoal.training.loop import Hooks, Trainer, Watch
 from shoal.training.optim import Schedule, optimizer_groups
@@ -151,7 +151,9 @@ def restore(parts: Parts, live: Live | None = None) -> dict | None:
     from). Returns what the summary reports about the recovery (None on a fresh start)."""
     path, run, env = parts.resume_path, parts.run, parts.env
     if live is not None and live.held is not None:
-        snap = live.held
+        # a failure's survivors merge their residuals for the new world (a planned change merged them already)
+        snap = pooled(parts.comm, parts.state, live.held,
+                      gives=live.held.meta.get("own", True) and not live.held.meta.get("pooled"))
         restore_live(parts.state, snap, env.rank, env.world_size, parts.cfg.train.seed, own=snap.meta.get("own", True))
         return None
     if path is None:  # a fresh start; after an elastic restart with no checkpoint yet, all steps are redone
@@ -202,7 +204,9 @@ def loop(parts: Parts, recovery: dict | None, live: Live | None = None) -> tuple
         ended = trainer.run(strategy.feed(steps, parts.step.schedule))
         if ended == "regroup":
             checkpoints.close()  # an async save in flight is part of the run
-            raise Regroup(snapshot(parts), "the group changes: a member leaves or a joiner waits")
+            # every member gives its residuals to the merge while the group still holds them all
+            raise Regroup(pooled(parts.comm, parts.state, snapshot(parts), gives=True),
+                          "the group changes: a member leaves or a joiner waits")
         if ended == "stop":  # asked to stop: keep the work done so far, then leave
             stop(parts, checkpoints)
         strategy.finish()

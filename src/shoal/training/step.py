@@ -108,6 +108,7 @@ class Stepper:
         bad = self.bad_steps.is_bad(loss, math.nan if agreed.bad_norm else norm.item())  # both inputs are global
         if bad:
             precision.skip(optimizer)
+            par.skipped()
         else:
             self.before_update()  # e.g. an async checkpoint still copying the weights
             precision.step(optimizer)

@@ -1,0 +1,63 @@
+"""A live run's heal carries the sync state: with int8 compression and error feedback, a node that leaves
+cleanly (SIGTERM) gives its residuals to the merge before it goes, and the run goes on exactly as one
+resumed from disk at the same step on the new world size (every rank then takes the mean of the old
+ranks' residuals, from their files). The same resume with the residuals dropped differs: the merge is
+what makes them equal."""
+
+import shutil
+import signal
+
+import pytest
+
+from conftest import read_weights
+from harness import train as train_on_ranks
+from live_runs import RUN, end_all, membership, progress, start_node, wait_for
+from shoal.ps.roles import free_port
+
+pytestmark = pytest.mark.timeout(240)
+
+STEPS = 80
+# RUN with int8 compression and a constant learning rate (the reference trains to the leave's step in
+# one run and on from its checkpoint in another, so the schedule must not depend on train.steps)
+INT8 = [*RUN, "--set", f"train.steps={STEPS}", "--set", 'comm.compression="int8"', "--set", "train.warmup_steps=0",
+        "--set", "train.min_lr_ratio=1.0"]
+
+
+def overrides(steps: int) -> list[str]:
+    return [a for a in INT8 if a != "--set"] + [f"train.steps={steps}"]
+
+
+def worst(got: dict, want: dict) -> float:
+    return max((got[k] - want[k]).abs().max().item() for k in want)
+
+
+def test_a_clean_leave_with_int8_equals_a_resume_from_disk(tmp_path, ranks):
+    run_dir, port = tmp_path / "live", free_port()
+    nodes = [start_node(i, run_dir, port, max_restarts=0, run=INT8) for i in range(3)]
+    try:
+        wait_for("step 10", lambda: progress(run_dir) >= 10, 120, nodes)
+        nodes[2].send_signal(signal.SIGTERM)
+        wait_for("the leave", lambda: membership(run_dir), 60, nodes)
+        outs = [p.communicate(timeout=120)[0] for p in nodes]
+    finally:
+        end_all(nodes)
+    assert [p.returncode for p in nodes] == [0, 0, 128 + signal.SIGTERM], "\n".join(outs)
+    changes = membership(run_dir)
+    assert [m["world"] for m in changes] == [2], changes
+    step = int(changes[0]["membership"].split(":")[0].removeprefix("step "))
+
+    # the reference: 3 ranks to that step, then 2 ranks on from its checkpoint
+    ref = tmp_path / "ref"
+    ranks(3).run(train_on_ranks, overrides(step), str(ref))
+    dropped = tmp_path / "dropped"
+    shutil.copytree(ref, dropped)
+    ranks(2).run(train_on_ranks, overrides(STEPS), str(ref))
+    for f in (dropped / "checkpoints" / f"step_{step:08d}").glob("state_rank*.safetensors"):
+        f.unlink()  # the residuals: without them the resume starts error feedback afresh
+    ranks(2).run(train_on_ranks, overrides(STEPS), str(dropped))
+
+    live, from_disk = read_weights(run_dir), read_weights(ref)
+    print(f"leave at step {step}: live vs resume from disk {worst(live, from_disk):.3g}, "
+          f"vs the resume without residuals {worst(live, read_weights(dropped)):.3g}")
+    assert worst(live, from_disk) <= 1e-5, f"the live run differs from the resume from disk by {worst(live, from_disk)}"
+    assert worst(live, read_weights(dropped)) > 1e-4, "dropping the residuals changed nothing: the test shows nothing"
