@@ -55,11 +55,13 @@ def wait_for(what, until, timeout: float, nodes) -> None:
 
 
 def start_node(i: int, run_dir, port: int, max_restarts: int, run: list[str] = RUN,
-               env: dict | None = None) -> subprocess.Popen:
+               env: dict | None = None, host: str | None = None, address: str = "127.0.0.1") -> subprocess.Popen:
     """Node `i` of a live run of `run` on 2 to 3 one-worker nodes, its own session (signalled whole); the
-    test fixtures importable (a user model of tests/fixtures); `env`: more environment."""
-    return subprocess.Popen([sys.executable, "-m", "shoal", "train", *run, "--run-dir", str(run_dir),
-                             "--nnodes", "2:3", "--nproc", "1", "--rdzv-endpoint", f"127.0.0.1:{port}",
+    test fixtures importable (a user model of tests/fixtures); `env`: more environment. `host`: a host of
+    `shoal cluster` to run in (its network namespace), node 0's at `address`."""
+    inside = ["ip", "netns", "exec", f"shoal-{host}"] if host else []  # exec's the command: the pid is the node's
+    return subprocess.Popen([*inside, sys.executable, "-m", "shoal", "train", *run, "--run-dir", str(run_dir),
+                             "--nnodes", "2:3", "--nproc", "1", "--rdzv-endpoint", f"{address}:{port}",
                              "--node-rank", str(i), "--max-restarts", str(max_restarts)],
                             cwd=ROOT, env={**os.environ, **(env or {}), "PYTHONUNBUFFERED": "1",
                                            "PYTHONPATH": f"{FIXTURES}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"},

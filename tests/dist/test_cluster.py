@@ -59,6 +59,14 @@ else:
     print(f"seconds {time.perf_counter() - start:.3f}")
 """
 
+JOIN_ASKED = """
+import sys, time
+from shoal.membership import PREFIX, connect
+store = connect(sys.argv[1])
+while int(store.add(PREFIX + "join_requests", 0)) == 0:
+    time.sleep(0.05)
+"""
+
 SLEEPER = """
 import os, signal, sys, time
 out = sys.argv[1] + "/" + os.environ["SHOAL_CLUSTER_HOST"]
@@ -310,3 +318,46 @@ def test_real_scripts_run_unchanged_across_two_hosts(cluster, tmp_path, launch, 
     assert r.returncode == 0, r.output
     for line in expected:
         assert line in r.stdout, r.output
+
+
+@pytest.mark.timeout(240)
+def test_a_live_run_across_hosts_loses_rejoins_and_leaves_and_equals_one_process(cluster, tmp_path, shared_dir):
+    """The live elastic story (tests/dist/test_live_elastic.py) across the shaped link: nodes 0 and 2 on h0,
+    node 1 on h1. Node 1's worker is killed at a random step and its replacement heals from a peer over the
+    link; then node 2 leaves (SIGTERM). The weights equal one process's within 1e-5."""
+    import random
+
+    from live_runs import RUN, end_all, equals_one_process, membership, progress, start_node, wait_for, worker_of
+    from shoal.ps.roles import free_port
+
+    run = [*RUN, "--set", "train.steps=60"]
+    run_dir, port, gate = tmp_path / "live", free_port(), tmp_path / "gate"
+    kill_at = random.Random().randrange(5, 20)
+    print(f"killing node 1's worker after step {kill_at}")
+    nodes = [start_node(i, run_dir, port, max_restarts=1, run=run, env={"SHOAL_TEST_GATE": str(gate)},
+                        host="h1" if i == 1 else "h0", address="10.200.0.1") for i in range(3)]
+    asked = None
+    try:
+        wait_for(f"step {kill_at}", lambda: progress(run_dir) >= kill_at, 120, nodes)
+        gate.touch()  # the survivors wait at their next forward until the replacement asks to join
+        os.kill(worker_of(nodes[1]), signal.SIGKILL)
+        # the store is reachable only from inside the cluster: a watcher there ends once the request is made
+        asked = subprocess.Popen(["ip", "netns", "exec", "shoal-h0", sys.executable, "-c", JOIN_ASKED,
+                                  f"10.200.0.1:{port}"])
+        wait_for("the replacement's request to join", lambda: asked.poll() is not None, 120, nodes)
+        gate.unlink()
+        wait_for("the replacement's join", lambda: any("joined" in m["membership"] for m in membership(run_dir)),
+                 120, nodes)
+        nodes[2].send_signal(signal.SIGTERM)
+        outs = [p.communicate(timeout=120)[0] for p in nodes]
+    finally:
+        end_all(nodes)
+        if asked is not None and asked.poll() is None:
+            asked.kill()
+    assert [p.returncode for p in nodes] == [0, 0, 128 + signal.SIGTERM], "\n".join(outs)
+    events = [m["membership"] for m in membership(run_dir)]
+    # across hosts a node is named with its address: "node 1 (10.200.0.2) local rank 0"
+    assert "node 1 (10.200.0.2) local rank 0 left (its process ended)" in events[0], events
+    assert "node 1 (10.200.0.2) local rank 0 joined (healed from rank" in events[-2], events
+    assert "node 2 (10.200.0.1) local rank 0 left (it was asked to stop)" in events[-1], events
+    equals_one_process(run_dir, shared_dir, run)

@@ -14,7 +14,7 @@ from harness import train as train_on_ranks
 from live_runs import RUN, end_all, membership, progress, start_node, wait_for
 from shoal.ps.roles import free_port
 
-pytestmark = pytest.mark.timeout(240)
+pytestmark = [pytest.mark.timeout(240), pytest.mark.slow]  # the CLI, besides the harness
 
 STEPS = 80
 # RUN with int8 compression and a constant learning rate (the reference trains to the leave's step in
