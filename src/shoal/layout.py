@@ -173,11 +173,12 @@ def check_live(cfg: Config, nodes: tuple[int, int], nproc: int) -> None:
                         f"{need} one replica needs; raise MIN to {-(-need // nproc)} or more")
     why = (f"parallel.tp = {p.tp} and parallel.pp = {p.pp} split a replica over several workers"
            if need > 1 else f"parallel.zero = {p.zero} shards each replica's state over the workers" if p.zero else
-           f'sync.mode = "{cfg.sync.mode}" keeps replicas apart' if cfg.sync.mode != "every-step" else
+           f"sync.replicas = {cfg.sync.replicas} makes one replica of several workers" if cfg.sync.replicas else
+           f'sync.mode = "{cfg.sync.mode}" sends through parameter servers' if cfg.sync.mode == "parameter-server" else
            f'balance.mode = "{cfg.balance.mode}" splits the batch by measured throughput'
            if cfg.balance.mode != "uniform" else None)
     if why:
         raise UserError(f"--nnodes {text}: {why}, which cannot heal live yet (a live run needs every worker to hold "
-                        f"a whole replica: data parallel, parallel.zero = 0, sync.mode = \"every-step\"); give a fixed "
-                        f"--nnodes instead: a failure then restarts every worker from the newest checkpoint "
+                        f"a whole replica: data parallel, parallel.zero = 0, each worker its own replica); give a "
+                        f"fixed --nnodes instead: a failure then restarts every worker from the newest checkpoint "
                         f"(--max-restarts)")

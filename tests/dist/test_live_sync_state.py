@@ -4,6 +4,8 @@ resumed from disk at the same step on the new world size (every rank then takes 
 ranks' residuals, from their files). The same resume with the residuals dropped differs: the merge is
 what makes them equal."""
 
+import os
+import random
 import shutil
 import signal
 
@@ -11,7 +13,7 @@ import pytest
 
 from conftest import read_weights
 from harness import train as train_on_ranks
-from live_runs import RUN, end_all, membership, progress, start_node, wait_for
+from live_runs import RUN, end_all, membership, progress, start_node, wait_for, worker_of
 from shoal.ps.roles import free_port
 
 pytestmark = [pytest.mark.timeout(240), pytest.mark.slow]  # the CLI, besides the harness
@@ -61,3 +63,38 @@ def test_a_clean_leave_with_int8_equals_a_resume_from_disk(tmp_path, ranks):
           f"vs the resume without residuals {worst(live, read_weights(dropped)):.3g}")
     assert worst(live, from_disk) <= 1e-5, f"the live run differs from the resume from disk by {worst(live, from_disk)}"
     assert worst(live, read_weights(dropped)) > 1e-4, "dropping the residuals changed nothing: the test shows nothing"
+
+
+# DiLoCo: 3 inner steps per round, the paper's outer lr and Nesterov momentum
+DILOCO = [*RUN, "--set", f"train.steps={STEPS}", "--set", 'sync.mode="diloco"', "--set", "sync.every=3",
+          "--set", "train.warmup_steps=0", "--set", "train.min_lr_ratio=1.0"]
+
+
+def test_diloco_survivors_redo_the_round_and_equal_a_resume_from_its_start(tmp_path, ranks):
+    """DiLoCo's replicas differ within a round, so a worker killed mid-round takes the round's work with it:
+    the survivors go back to the round's start (where the replicas were one model) and redo it between them,
+    each replica from the lowest survivor's inner optimizer state, with the outer state (anchor, Nesterov
+    momentum) carried. That equals a resume from a checkpoint at the round's start on the new world size."""
+    run_dir, port = tmp_path / "live", free_port()
+    kill_at = random.Random().randrange(10, 40)
+    print(f"killing node 1's worker after step {kill_at}")
+    nodes = [start_node(i, run_dir, port, max_restarts=0, run=DILOCO) for i in range(3)]
+    try:
+        wait_for(f"step {kill_at}", lambda: progress(run_dir) >= kill_at, 120, nodes)
+        os.kill(worker_of(nodes[1]), signal.SIGKILL)
+        outs = [p.communicate(timeout=120)[0] for p in nodes]
+    finally:
+        end_all(nodes)
+    assert [p.returncode for p in nodes] == [0, 137, 0], "\n".join(outs)
+    changes = membership(run_dir)
+    assert [m["world"] for m in changes] == [2], changes
+    start = int(changes[0]["membership"].split(":")[0].removeprefix("step "))
+    assert start % 3 == 0 and start <= progress(run_dir), changes  # a round's start
+
+    ref = tmp_path / "ref"
+    sets = [a for a in DILOCO if a != "--set"]
+    ranks(3).run(train_on_ranks, [*sets, f"train.steps={start}"], str(ref))
+    ranks(2).run(train_on_ranks, sets, str(ref))
+    live, from_disk = read_weights(run_dir), read_weights(ref)
+    print(f"killed in the round from step {start}: live vs resume from disk {worst(live, from_disk):.3g}")
+    assert worst(live, from_disk) <= 1e-5, f"the live run differs from the resume from disk by {worst(live, from_disk)}"

@@ -26,8 +26,8 @@ CASES = {
     "elastic range that cannot heal live": (
         ["--nnodes", "1:2", "--nproc", "2", "--rdzv-endpoint", "127.0.0.1:29400", "--set", "parallel.zero=1"],
         "--nnodes 1:2: parallel.zero = 1 shards each replica's state over the workers, which cannot heal live yet "
-        "(a live run needs every worker to hold a whole replica: data parallel, parallel.zero = 0, sync.mode = "
-        '"every-step"); give a fixed --nnodes instead: a failure then restarts every worker from the newest '
+        "(a live run needs every worker to hold a whole replica: data parallel, parallel.zero = 0, each worker its "
+        "own replica); give a fixed --nnodes instead: a failure then restarts every worker from the newest "
         "checkpoint (--max-restarts)"),
     "multi-node without endpoint": (["--nnodes", "2"], "--nnodes 2 needs --rdzv-endpoint"),
     "bad --rdzv-timeout": (["--rdzv-timeout", "0"], "--rdzv-timeout (0) must be > 0 seconds"),

@@ -127,17 +127,35 @@ class TrainState:
 
     def _merged_from(self, path: Path, world: int) -> dict[str, torch.Tensor] | None:
         """This rank's own tensors on a new world size, merged from the `world` rank files at `path`
-        (read one tensor at a time from each); None when no part merges any."""
+        (read one tensor at a time from each), and, where replicas differ, rank 0's replica; None when
+        there is nothing of either."""
         from safetensors import safe_open
 
         files = [path / rank_state_file(r) for r in range(world)]
-        if not all(f.exists() for f in files) or not self._merging():
+        if not all(f.exists() for f in files):
             return None
         handles = [safe_open(str(f), framework="pt") for f in files]
-        out: dict[str, torch.Tensor] = {}
-        for key in handles[0].keys():  # noqa: SIM118 - a safetensors handle, not a dict
-            out.update(self.merge_rank_tensors([{key: h.get_tensor(key)} for h in handles], world))
-        return out
+        out = self._replica_of(handles[0])
+        if self._merging():
+            for key in handles[0].keys():  # noqa: SIM118 - a safetensors handle, not a dict
+                out.update(self.merge_rank_tensors([{key: h.get_tensor(key)} for h in handles], world))
+        return out or None
+
+    def _replica_of(self, saved) -> dict[str, torch.Tensor]:
+        """Where replicas differ (local SGD, DiLoCo), one rank's own replica (its model and optimizer
+        state) from its file `saved`, for every rank to go on from: DCP writes each replicated tensor from
+        one rank chosen to balance the writes, so what it holds of replicas that differ is a mix of them.
+        Only where this rank holds whole tensors of the same shapes (a replica split over several ranks
+        saved shards); else {} (DCP's)."""
+        from torch.distributed.tensor import DTensor
+
+        if not self.replicas_differ or any(isinstance(p, DTensor) for p in self.model.parameters()):
+            return {}
+        mine, keys = replica_tensors(self.model, self.optimizer), set(saved.keys())
+        if any(k not in keys for k in mine):
+            return {}
+        out = {k: saved.get_tensor(k) for k in mine}
+        return out if all(out[k].shape == v.shape for k, v in mine.items()) else {}
 
     def _merging(self) -> bool:
         return any(hasattr(part, "merge_rank_states") for part in self.parts.values())

@@ -18,8 +18,10 @@ averages what each replica scores on its share of the batch. Between syncs the r
 differ, and so do their inner optimizers' states: the checkpoint keeps each rank's parameters and
 optimizer state in its own file (TrainState, replicas_differ), and the anchor, the outer momentum and
 the codec's residuals through rank_state(); a killed run resumes bitwise. Resumed on another world
-size (or from a checkpoint of another sync mode), every replica starts from the checkpoint's model
-(rank 0's replica), which becomes the anchor.
+size, every replica starts from the checkpoint's model and inner optimizer state (rank 0's replica),
+with the anchor and the outer momentum as saved and the codec's residuals merged (merge_rank_states);
+from a checkpoint of another sync mode, the model becomes the anchor. A live run changes its group only
+where the replicas are one model (in_sync), and after a failure goes back to the round's start.
 
 With H = 1, outer lr 1 and no momentum both equal every-step data parallelism for an optimizer that
 is linear in the gradient (SGD, with or without momentum): the mean of the replicas' updates is the
@@ -52,6 +54,7 @@ class PeriodicSync:
         self.outer: torch.optim.SGD | None = None
         self.group, self.replicas = None, 1  # the dp group (None: the default group) and its size
         self.syncs = 0
+        self.synced = 0  # the step of the last sync (0: the start, where the replicas are one model)
 
     def attach(self, model: torch.nn.Module, dp_group, dp: int) -> None:
         """This rank's whole model (all its stages), after wrapping; the anchor is its parameters now."""
@@ -80,6 +83,10 @@ class PeriodicSync:
     def after_step(self, step: int) -> None:
         if step % self.every == 0 or step == self.last_step:
             self.sync()
+            self.synced = step
+
+    def in_sync(self, step: int) -> bool:
+        return step == self.synced  # not at a step skipped as bad where a sync was due: it did not run
 
     def skipped(self) -> None:
         pass  # its codec runs only in sync(), after a step that was not skipped
@@ -106,10 +113,10 @@ class PeriodicSync:
     # --- checkpointed state ----------------------------------------------------------------------------
 
     def state_dict(self) -> dict:
-        return {"syncs": self.syncs}
+        return {"syncs": self.syncs, "synced": self.synced}
 
     def load_state_dict(self, state: dict) -> None:
-        self.syncs = int(state.get("syncs", 0))
+        self.syncs, self.synced = int(state.get("syncs", 0)), int(state.get("synced", 0))
 
     def rank_state(self) -> dict[str, torch.Tensor]:
         out = {f"anchor/{n}": a for n, a in zip(self.names, self.anchor, strict=True)}
@@ -131,3 +138,11 @@ class PeriodicSync:
             if self.outer is not None and f"momentum/{n}" in tensors:
                 self.outer.state[a]["momentum_buffer"] = tensors[f"momentum/{n}"].clone()
         self.codec.load_state_tensors({k: v for k, v in tensors.items() if not k.startswith(("anchor/", "momentum/"))})
+
+    def merge_rank_states(self, states: list[dict[str, torch.Tensor]], world: int) -> dict[str, torch.Tensor]:
+        """On another world size: the anchor and the outer momentum, the same on every rank, are the first's;
+        the codec's residuals its merge (their mean)."""
+        out = {k: v.clone() for k, v in states[0].items() if k.startswith(("anchor/", "momentum/"))}
+        out.update(self.codec.merge_state_tensors(
+            [{k: v for k, v in s.items() if not k.startswith(("anchor/", "momentum/"))} for s in states], world))
+        return out

@@ -70,6 +70,10 @@ class Parallelized:
         """The optimizer stepped; `step` steps are done."""
         self.sync.after_step(step)
 
+    def in_sync(self, step: int) -> bool:
+        """Whether the dp replicas are one model once `step` steps are done."""
+        return self.sync.in_sync(step)
+
     def skipped(self) -> None:
         """The optimizer skipped the step (a bad step)."""
         self.sync.skipped()

@@ -48,6 +48,10 @@ class StepSync(Protocol):
     def reduces(self, index: int, count: int) -> bool:
         """Whether micro-batch `index` of a step's `count` reduces gradients over dp in its backward."""
 
+    def in_sync(self, step: int) -> bool:
+        """Whether the replicas are one model once `step` steps are done: where a live run may change its
+        group at a step's end (training/live.py)."""
+
     def after_backward(self) -> None:
         """The step's gradients are complete on this rank."""
 
@@ -99,6 +103,9 @@ class EveryStep:
 
     def reduces(self, index: int, count: int) -> bool:
         return index == count - 1
+
+    def in_sync(self, step: int) -> bool:
+        return True
 
     def after_backward(self) -> None:
         pass

@@ -79,6 +79,9 @@ class PushPull:
     def after_step(self, step: int) -> None:
         pass
 
+    def in_sync(self, step: int) -> bool:
+        return True
+
     def skipped(self) -> None:
         pass  # the servers are told in skip()
 

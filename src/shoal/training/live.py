@@ -17,6 +17,7 @@ restored in memory, or healed from a peer's Snapshot over the new group (comm/tr
 from __future__ import annotations
 
 import contextlib
+import copy
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -48,6 +49,9 @@ class Live:
     record: object = None  # the loop's Record, kept across generations (training/loop.py)
     started: float = 0.0  # perf_counter when this process began training
     opened: set = field(default_factory=set)  # the sockets open before this generation (dist.open_sockets)
+    # replicas that differ between synchronisations: a copy of the state at the last step where they were
+    # one model, to go back to when a peer fails mid-round (its round's work cannot be recovered)
+    round: Snapshot | None = None
 
     @contextlib.contextmanager
     def watching(self, phase):
@@ -64,9 +68,10 @@ class Live:
 
 
 class Regroup(Exception):  # noqa: N818 - not an error: the group changes
-    """The current generation of the group ends; `snapshot` is this rank's state at its last step."""
+    """The current generation of the group ends; `snapshot` is the state this rank goes on from (its last
+    step's; a round's start where replicas differ; None: from the newest checkpoint, or the start)."""
 
-    def __init__(self, snapshot: Snapshot, why: str):
+    def __init__(self, snapshot: Snapshot | None, why: str):
         super().__init__(why)
         self.snapshot, self.why = snapshot, why
 
@@ -92,7 +97,8 @@ def capture(state, step: int, config_toml: str, data_spec: dict, rank: int, worl
             tensors[f"optim/{k}"] = v
         else:
             values[k] = list(v) if isinstance(v, tuple) else v
-    tensors.update({f"rank/{k}": v for k, v in state.rank_tensors().items()})
+    # a rank's own replica (local SGD, DiLoCo) is already under model/ and optim/
+    tensors.update({f"rank/{k}": v for k, v in state.rank_tensors().items() if not k.startswith(("model/", "optim/"))})
     meta = {"shared": state.capture(step, config_toml, data_spec), "optim_values": values,
             "rng": state.rng.state_dict(), "rank": rank, "world": world}
     return Snapshot(step, tensors, meta)
@@ -143,18 +149,21 @@ def pooled(comm, state, snapshot: Snapshot, gives: bool) -> Snapshot:
                     {**snapshot.meta, "pooled": True})
 
 
-def heal(comm, held: Snapshot | None) -> tuple[Snapshot | None, int | None]:
+def heal(comm, held: Snapshot | None, from_one: bool = False) -> tuple[Snapshot | None, int | None]:
     """Collective, at the start of a new generation: the state each rank goes on from, and the rank it
     was healed from (None: its own). The ranks say which step they hold; when they differ (a joiner
     holds none; a survivor may have missed the update its peers applied just before the failure), the
-    lowest rank holding the newest step sends its Snapshot to all. (None, None): no rank holds any,
-    as when every member was lost: the run resumes from its newest checkpoint."""
+    lowest rank holding the newest step sends its Snapshot to all. `from_one` (replicas that differ
+    between synchronisations: local SGD, DiLoCo): it sends it whatever the others hold, and every
+    replica goes on from its model and inner optimizer state, as a resume on another world size goes on
+    from rank 0's; a rank that held the same step keeps its own rank tensors and RNG streams. (None,
+    None): no rank holds any, as when every member was lost: the run resumes from its newest checkpoint."""
     mine = torch.tensor([held.step if held is not None else -1], dtype=torch.int64)
     steps = [int(t.item()) for t in comm.all_gather(mine, label="world, heal: the step each rank holds")]
     best = max(steps)
     if best < 0:
         return None, None
-    if all(s == best for s in steps):
+    if all(s == best for s in steps) and not from_one:
         return held, None
     src = steps.index(best)
     sending = comm.rank == src
@@ -162,4 +171,22 @@ def heal(comm, held: Snapshot | None) -> tuple[Snapshot | None, int | None]:
                                     {**held.meta, "step": held.step} if sending else None)
     if sending:
         return held, src
-    return Snapshot(meta.pop("step"), tensors, {**meta, "own": False}), src
+    step = meta.pop("step")
+    if held is not None and held.step == best:  # the peer's replica, this rank's own rank tensors
+        kept = {k: v for k, v in tensors.items() if not k.startswith("rank/")}
+        return Snapshot(step, {**kept, **rank_part(held)},
+                        {**meta, "rank": held.meta["rank"], "world": held.meta["world"], "rng": held.meta["rng"],
+                         "own": held.meta.get("own", True), "pooled": held.meta.get("pooled", False)}), src
+    return Snapshot(step, tensors, {**meta, "own": False}), src
+
+
+def rank_part(snapshot: Snapshot) -> dict[str, torch.Tensor]:
+    return {k: v for k, v in snapshot.tensors.items() if k.startswith("rank/")}
+
+
+def copied(snapshot: Snapshot | None) -> Snapshot | None:
+    """A Snapshot that stays as it is while training goes on (its tensors cloned, its meta deep-copied)."""
+    if snapshot is None:
+        return None
+    return Snapshot(snapshot.step, {k: v.detach().clone() for k, v in snapshot.tensors.items()},
+                    copy.deepcopy(snapshot.meta))

@@ -44,7 +44,7 @@ from shoal.rundir import RunDir, read_json, write_json
 from shoal.training.bad_steps import BadStepPolicy
 from shoal.training.build import build_on, freeze, plain_model
 from shoal.training.feed import Steps
-from shoal.training.live import Live, Regroup, capture, peer_failed, pooled
+from shoal.training.live import Live, Regroup, capture, copied, peer_failed, pooled
 from shoal.training.live import restore as restore_live
 from shoal.training.loop import Hooks, Trainer, Watch
 from shoal.training.optim import Schedule, optimizer_groups
@@ -79,7 +79,9 @@ def run_training(cfg: Config, layout: Layout, source, run_dir: Path, env: DistEn
     except Exception as e:
         if live is None or not peer_failed(e):
             raise
-        lost = Regroup(snapshot(parts), f"a peer failed ({str(e).splitlines()[0][:160]})")
+        # replicas that differ go back to where they were one model: the round's work died with the peer
+        held = live.round if parts.state.replicas_differ else snapshot(parts)
+        lost = Regroup(held, f"a peer failed ({str(e).splitlines()[0][:160]})")
     if lost is not None:  # raised here, outside the handler: nothing keeps the failed collective's frames
         raise lost
     summary = summarize(trainer.record, parts.bundle.items_name, model_name=cfg.model.name, n_params=parts.n_params,
@@ -96,9 +98,27 @@ def run_training(cfg: Config, layout: Layout, source, run_dir: Path, env: DistEn
     return summary
 
 
+def hold_rounds(parts: Parts, live: Live, on: Hooks) -> None:
+    """Keep a copy of this rank's state wherever the replicas are one model (the start, if they are, and
+    each synchronisation): where a live run of replicas that differ goes back to when a peer fails. None
+    (the start, or a resume that began mid-round): back to the newest checkpoint, or the start."""
+    live.round = copied(snapshot(parts)) if parts.step.par.in_sync(parts.sampler.step) else None
+
+    def keep(m: dict, last: bool, by_time: bool) -> None:
+        if parts.step.par.in_sync(m["step"]):
+            live.round = copied(snapshot(parts))
+
+    on.after_step.append(keep)
+
+
 def snapshot(parts: Parts):
-    """This rank's state at its last completed step, as a live run's Snapshot (training/live.py)."""
+    """This rank's state at its last completed step, as a live run's Snapshot (training/live.py); None
+    before its first: nothing is learned yet, and DCP's state dict of an optimizer that has not stepped
+    would initialise its state by a step of lr 0, which AdamW counts (its bias correction is then one
+    step off)."""
     step = parts.sampler.step
+    if step == 0:
+        return None
     return capture(parts.state, step, parts.cfg.to_toml(), dataclasses.asdict(parts.source.spec), parts.env.rank,
                    parts.env.world_size)
 
@@ -190,6 +210,8 @@ def loop(parts: Parts, recovery: dict | None, live: Live | None = None) -> tuple
                       sinks=sinks, validates=strategy.validates)
     if live is not None:
         parts.step.regroup_wanted = live.regroup_wanted
+        if parts.state.replicas_differ:
+            hold_rounds(parts, live, trainer.hooks)
         if live.record is not None:  # the history of the generations before this one
             trainer.record = live.record
         live.record = trainer.record

@@ -118,6 +118,7 @@ class Stepper:
         optimizer.zero_grad(set_to_none=True)
         timer.mark("optimizer_s")
         stop, regroup = stop_or_regroup(agreed, self.comm.world_size, live=self.regroup_wanted is not None)
+        regroup = regroup and par.in_sync(step + 1)  # else at the end of the first step where they are
         return StepResult(loss=loss, grad_norm=norm.item(), items=int(total()), bad=bad, stop=stop,
                           save=agreed.save, held=held, comm_bytes=self.comm.sync_bytes - sent, regroup=regroup)
 
