@@ -2,6 +2,7 @@
 PyTorchJob pod's RANK / WORLD_SIZE never make shoal think it is a worker (launch/environment.py)."""
 
 import os
+import re
 import stat
 
 import pytest
@@ -122,9 +123,33 @@ def test_trainer_v2_pet_master_address_and_nproc_auto():
     assert node_args(*NO_FLAGS, env=env, gpus=8)[0].nproc == 8  # torchrun's auto: one worker per GPU
 
 
-def test_an_elastic_pytorchjob_is_refused_in_one_line():
-    with pytest.raises(UserError, match=r"^PET_NNODES=1:3: elastic node ranges \(a PyTorchJob's elasticPolicy\)"):
-        node_args(*NO_FLAGS, env={"PET_NNODES": "1:3", "PET_RDZV_ENDPOINT": "m:29400"})
+# what the Kubeflow training operator sets in a pod of a PyTorchJob named "train" with an elasticPolicy
+# (minReplicas 1, maxReplicas 3, nProcPerNode 2; pkg/controller.v1/pytorch/elastic.go): no node rank
+ELASTIC_POD = {"PET_RDZV_ENDPOINT": "train-worker-0:23456", "PET_RDZV_BACKEND": "c10d", "PET_NNODES": "1:3",
+               "PET_N_PROC_PER_NODE": "2", "PYTHONUNBUFFERED": "0"}
+
+
+@pytest.mark.parametrize("pod, rank", [("train-worker-0", 0), ("train-worker-2", 2)])
+def test_an_elastic_pytorchjob_pod_takes_its_rank_from_its_name(pod, rank):
+    args, line = node_args(*NO_FLAGS, env={**ELASTIC_POD, "HOSTNAME": pod})
+    assert args == NodeArgs("1:3", rank, "train-worker-0:23456", 2)
+    assert line == (f"shoal: from torchrun variables (PET_*): 1:3 nodes, node rank {rank}, rendezvous "
+                    f"train-worker-0:23456, 2 workers per node (PET_N_PROC_PER_NODE)")
+    # PET_NODE_RANK, where something sets it, wins
+    assert node_args(*NO_FLAGS, env={**ELASTIC_POD, "HOSTNAME": pod, "PET_NODE_RANK": "1"})[0].node_rank == 1
+
+
+@pytest.mark.parametrize("env, expected", [
+    ({**ELASTIC_POD, "HOSTNAME": "laptop"}, "PET_NNODES=1:3 gives no node rank, and this pod's hostname (laptop) is "
+                                            "not <name>-<index> beside the rendezvous host train-worker-0"),
+    ({**ELASTIC_POD, "PET_RDZV_ENDPOINT": "store:23456", "HOSTNAME": "train-worker-1"},
+     "PET_NNODES=1:3 gives no node rank, and this pod's hostname (train-worker-1) is not <name>-<index> beside"),
+    ({"PET_NNODES": "1:3", "HOSTNAME": "train-worker-1"}, "PET_NNODES=1:3 but no PET_RDZV_ENDPOINT says where"),
+])
+def test_an_elastic_pod_without_a_rank_is_one_line(env, expected):
+    with pytest.raises(UserError, match="^" + re.escape(expected)):
+        node_args(*NO_FLAGS, env=env)
+    assert node_args("1:3", 1, "h:1", 1, env=env)[0] == NodeArgs("1:3", 1, "h:1", 1)  # flags need nothing of it
 
 
 def test_sagemaker_sorts_the_hosts_and_the_first_is_node_0():

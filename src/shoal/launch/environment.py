@@ -27,6 +27,7 @@ import json
 import os
 import re
 import shutil
+import socket
 import subprocess
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -42,7 +43,7 @@ class Found:
     """What one environment says; None where it says nothing."""
 
     source: str  # "Slurm (job 4242)", for the line printed at start
-    nnodes: int | None = None
+    nnodes: int | str | None = None  # a str: a range, MIN:MAX
     node_rank: int | None = None
     endpoint: str | None = None
     nproc: int | None = None
@@ -112,9 +113,7 @@ def torchrun(env: Mapping[str, str], gpus: int = 0) -> Found:
     pet = "PET_NNODES" in env
     source = "torchrun variables (PET_*)" if pet else "torchrun variables (WORLD_SIZE, RANK, MASTER_ADDR)"
     if pet and ":" in env["PET_NNODES"]:
-        return Found(source, refusal=f"PET_NNODES={env['PET_NNODES']}: elastic node ranges (a PyTorchJob's "
-                                     f"elasticPolicy) are not supported yet; give a fixed number of nodes (remove "
-                                     f"elasticPolicy, or pass --nnodes N)")
+        return elastic_pod(env, source, gpus)
     nodes_key = "PET_NNODES" if pet else "WORLD_SIZE"
     rank_key = next((k for k in ("PET_NODE_RANK", "RANK") if k in env), None)
     nnodes = _int(env, nodes_key, low=1)
@@ -129,13 +128,43 @@ def torchrun(env: Mapping[str, str], gpus: int = 0) -> Found:
         host = env.get("PET_MASTER_ADDR") or env.get("MASTER_ADDR")
         port = env.get("PET_MASTER_PORT") or env.get("MASTER_PORT") or str(DEFAULT_PORT)
         endpoint = f"{host}:{port}" if host else None
-    nproc, nproc_from = None, ""
-    per_node = env.get("PET_NPROC_PER_NODE", "")
+    return Found(source, nnodes, node_rank, endpoint, *_nproc(env, gpus))
+
+
+def _nproc(env: Mapping[str, str], gpus: int) -> tuple[int | None, str]:
+    """Workers per node from torchrun's variable (the operator's elasticPolicy writes PET_N_PROC_PER_NODE)."""
+    key = next((k for k in ("PET_NPROC_PER_NODE", "PET_N_PROC_PER_NODE") if k in env), "PET_NPROC_PER_NODE")
+    per_node = env.get(key, "")
     if per_node.isdigit() and int(per_node) >= 1:
-        nproc, nproc_from = int(per_node), "PET_NPROC_PER_NODE"
-    elif per_node in ("auto", "gpu") and gpus > 0:  # torchrun's meaning: one worker per GPU
-        nproc, nproc_from = gpus, f"PET_NPROC_PER_NODE={per_node}: the GPUs here"
-    return Found(source, nnodes, node_rank, endpoint, nproc, nproc_from)
+        return int(per_node), key
+    if per_node in ("auto", "gpu") and gpus > 0:  # torchrun's meaning: one worker per GPU
+        return gpus, f"{key}={per_node}: the GPUs here"
+    return None, ""
+
+
+def elastic_pod(env: Mapping[str, str], source: str, gpus: int) -> Found:
+    """A pod of a PyTorchJob with an elasticPolicy: PET_NNODES=MIN:MAX and the rendezvous endpoint
+    PET_RDZV_ENDPOINT (the operator's default host is the pod <job>-worker-0), but no node rank, since
+    torch elastic's rendezvous assigns them. shoal's live run needs one: node 0 hosts its store. It is
+    PET_NODE_RANK where set, else the index in this pod's hostname (the operator names the pods
+    <job>-worker-<index>, and a pod's hostname is its name) beside the endpoint's <job>-worker-0."""
+    nnodes, endpoint = env["PET_NNODES"], env.get("PET_RDZV_ENDPOINT")
+    if not endpoint:
+        return Found(source, refusal=f"PET_NNODES={nnodes} but no PET_RDZV_ENDPOINT says where node 0's store "
+                                     f"is; set it (HOST:PORT of the pod that hosts it) or pass --rdzv-endpoint")
+    if "PET_NODE_RANK" in env:
+        node_rank = _int(env, "PET_NODE_RANK", low=0)
+    else:
+        host, name = endpoint.rpartition(":")[0], env.get("HOSTNAME") or socket.gethostname()
+        stem = host.split(".")[0].removesuffix("-0")
+        index = name.removeprefix(f"{stem}-") if host.split(".")[0].endswith("-0") else ""
+        if not index.isdigit():
+            return Found(source, refusal=f"PET_NNODES={nnodes} gives no node rank, and this pod's hostname "
+                                         f"({name}) is not <name>-<index> beside the rendezvous host {host} "
+                                         f"(<name>-0, which hosts the run's store); pass --node-rank (0 on the "
+                                         f"pod at PET_RDZV_ENDPOINT)")
+        node_rank = int(index)
+    return Found(source, nnodes, node_rank, endpoint, *_nproc(env, gpus))
 
 
 def slurm(env: Mapping[str, str]) -> Found:

@@ -174,14 +174,10 @@ def heal(comm, held: Snapshot | None, from_one: bool = False) -> tuple[Snapshot 
     step = meta.pop("step")
     if held is not None and held.step == best:  # the peer's replica, this rank's own rank tensors
         kept = {k: v for k, v in tensors.items() if not k.startswith("rank/")}
-        return Snapshot(step, {**kept, **rank_part(held)},
+        return Snapshot(step, {**kept, **{f"rank/{k}": v for k, v in rank_tensors(held).items()}},
                         {**meta, "rank": held.meta["rank"], "world": held.meta["world"], "rng": held.meta["rng"],
                          "own": held.meta.get("own", True), "pooled": held.meta.get("pooled", False)}), src
     return Snapshot(step, tensors, {**meta, "own": False}), src
-
-
-def rank_part(snapshot: Snapshot) -> dict[str, torch.Tensor]:
-    return {k: v for k, v in snapshot.tensors.items() if k.startswith("rank/")}
 
 
 def copied(snapshot: Snapshot | None) -> Snapshot | None:
