@@ -16,10 +16,16 @@ Modes:
                    job ends on every node, and all four nodes are started again (resume from the newest
                    checkpoint) once the replacement host is there: what a scheduler's requeue does
   restart-default  the same at the default checkpoint cadence (every 10 minutes)
-and, first, `failure-free`: the live launch with no failure, for `--baseline-minutes` (1.5).
+  torchft          the same job under torchft 0.2.0 (benchmarks/torchft_ddp.py: a replica group per host,
+                   its lighthouse on h0 as its README starts it): the survivors go on without the dead
+                   replica's share of the batch, and the replacement heals from a live peer; left out, in
+                   one line, where torchft is not installed (pip install torchft==0.2.0)
+and, first, `failure-free`: the live launch with no failure, for `--baseline-minutes` (1.5), and the
+same for torchft (its goodput is over its own failure-free run).
 
 Per mode: useful samples (the step the run's own trajectory has reached when the time is up, times the
-global batch: work lost to a restart is not counted) per second of training (from the first step), and
+global batch: work lost to a restart is not counted; for torchft, each committed step's participants x
+a replica's share: a dropped share is not counted) per second of training (from the first step), and
 goodput = that / the failure-free run's samples per second over its own window. For the live mode also,
 from rank 0's metrics.jsonl (a line per step): each failure's stall (the gap between the step before the
 group changed and the step after, less the median step: in seconds and in steps), the pause when the
@@ -31,7 +37,7 @@ had reached when the worker died, and a restarted job's time from start to its f
                                       [--modes live,restart-30s,restart-default]
 
 Last line:
-    RESULT goodput_live=<x> goodput_restart=<y> stall_s=<median> join_s=<median>
+    RESULT goodput_live=<x> goodput_restart=<y> stall_s=<median> join_s=<median> goodput_torchft=<z>
 goodput_restart is the 30 s checkpoint mode (the default cadence's is printed in the table). Targets:
 goodput_live >= 0.85; stall_s <= 2 steps' time (the median step is printed); join_s <= 15.
 """
@@ -39,6 +45,7 @@ goodput_live >= 0.85; stall_s <= 2 steps' time (the median step is printed); joi
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import random
@@ -67,8 +74,13 @@ MODES = {
     "live": (["--nnodes", "2:4", "--max-restarts", "0"], []),
     "restart-30s": (["--nnodes", "4", "--max-restarts", "0"], ["checkpoint.interval_minutes=0.5"]),
     "restart-default": (["--nnodes", "4", "--max-restarts", "0"], []),
+    "torchft": ([], []),  # benchmarks/torchft_ddp.py on each host, torchft's lighthouse on h0
 }
 POLL_S = 0.1
+MICRO = 4
+# torchft's lighthouse as its README starts it (a quorum every 100 ms, stragglers awaited up to 10 s); a
+# replica is dead once its heartbeat has been silent for heartbeat_timeout_ms (its default, 5 s)
+LIGHTHOUSE = ["--min_replicas", "1", "--quorum_tick_ms", "100", "--join_timeout_ms", "10000"]
 
 
 def shoal(*args: str, **kw) -> subprocess.CompletedProcess:
@@ -92,6 +104,10 @@ class Job:
                 "--nproc", "1", "--node-rank", str(i), "--rdzv-endpoint", self.endpoint, "--run-dir", str(self.run_dir),
                 *(["--resume", "auto"] if resume else []), *[a for kv in [*SETS, *sets] for a in ("--set", kv)]]
         env = {**os.environ, "GLOO_SOCKET_IFNAME": host.ifname, "PYTHONUNBUFFERED": "1"}
+        if self.mode == "torchft":  # one replica group per host, its share of the global batch
+            argv = [*netns_exec(host.netns), sys.executable, str(ROOT / "benchmarks" / "torchft_ddp.py")]
+            env.update(REPLICA_GROUP_ID=str(i), HOST_ADDR=host.addr, TORCHFT_LIGHTHOUSE=f"http://{self.endpoint}",
+                       RUN_DIR=str(self.run_dir), BATCH=str(BATCH // len(self.cluster.hosts)), MICRO=str(MICRO))
         out = open(self.log.with_suffix(f".h{i}.{len(self.starts)}.log"), "w")  # noqa: SIM115 - the node's own file
         self.nodes[i] = subprocess.Popen(argv, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT,
                                          start_new_session=True)
@@ -109,7 +125,11 @@ class Job:
 
     def kill_worker(self, i: int) -> bool:
         """SIGKILL the worker of the node on host i (its launcher sees it end): the process a worker names
-        "shoal rank N" once it is in its group. False: none yet (the node is still starting)."""
+        "shoal rank N" once it is in its group. False: none yet (the node is still starting). A torchft
+        replica is the node's process itself."""
+        if self.mode == "torchft":
+            os.kill(self.nodes[i].pid, signal.SIGKILL)
+            return True
         for pid in descendants(self.nodes[i].pid):
             try:
                 name = Path(f"/proc/{pid}/comm").read_text()
@@ -149,7 +169,14 @@ def run_mode(cluster, mode: str, tmp: Path, minutes: float, kills: list, replace
     run_dir = tmp / mode
     tmp.mkdir(parents=True, exist_ok=True)
     job = Job(cluster, mode, run_dir, tmp / f"{mode}.log")
+    lighthouse = None
     try:  # the nodes end with the mode, however it ends (SIGTERM to this script included: see main)
+        if mode == "torchft":
+            binary = Path(sys.executable).parent / "torchft_lighthouse"
+            port = job.endpoint.rpartition(":")[2]
+            lighthouse = subprocess.Popen([*netns_exec(cluster.hosts[0].netns), str(binary), *LIGHTHOUSE, "--bind",
+                                           f"0.0.0.0:{port}"], stderr=subprocess.STDOUT,
+                                          stdout=open(tmp / f"{run_dir.name}.lighthouse.log", "w"))  # noqa: SIM115
         for i in range(len(cluster.hosts)):
             job.start(i)
         while job.poll() == 0:  # the window starts at the first step
@@ -167,7 +194,7 @@ def run_mode(cluster, mode: str, tmp: Path, minutes: float, kills: list, replace
                 if not job.kill_worker(victim):  # its node is still starting: no failure to inflict
                     continue
                 events.append({"kill": time.time(), "host": victim, "step": job.poll()})
-                if mode == "live":
+                if mode in ("live", "torchft"):  # the survivors go on; a replacement joins
                     replacements.append((time.time() + replace_after, victim))
                 else:  # today's way: the job ends on every node; all start again once the new host is there
                     restart_at = time.time() + replace_after
@@ -184,12 +211,15 @@ def run_mode(cluster, mode: str, tmp: Path, minutes: float, kills: list, replace
             job.poll()
             time.sleep(POLL_S)
         reached = job.poll()
-        if job.starts[-1][0] > job.progress[-1][0]:  # a restarted job that has not stepped yet: its checkpoint's step
+        if restarts and job.starts[-1][0] > job.progress[-1][0]:  # restarted, not stepped yet: its checkpoint's step
             saved = [int(p.name.split("_")[-1]) for p in (run_dir / "checkpoints").glob("step_*")
                      if p.name[-1].isdigit()]
             reached = max(saved, default=0)
     finally:
         job.kill_all()
+        if lighthouse is not None:
+            lighthouse.kill()
+            lighthouse.wait()
     return {"mode": mode, "t0": t0, "window_s": minutes * 60, "steps": reached, "events": events,
             "progress": job.progress, "starts": job.starts, "restarts": restarts, "run_dir": run_dir}
 
@@ -197,6 +227,38 @@ def run_mode(cluster, mode: str, tmp: Path, minutes: float, kills: list, replace
 def steps_per_s(r: dict) -> float:
     """Steps per second over the window."""
     return r["steps"] / r["window_s"]
+
+
+def samples_per_s(r: dict) -> float:
+    """Useful samples per second over the window: the global batch per step of a shoal run's trajectory; for
+    torchft, each committed step's participants x a replica's share (a lost replica's share is dropped)."""
+    if r["mode"] != "torchft":
+        return steps_per_s(r) * BATCH
+    share = BATCH // 4
+    lines = [json.loads(x) for x in (r["run_dir"] / "metrics.jsonl").read_text().splitlines() if x]
+    end = r["t0"] + r["window_s"]
+    return sum(m["participants"] * share for m in lines if r["t0"] < m["time"] <= end) / r["window_s"]
+
+
+def torchft_numbers(r: dict) -> dict:
+    """Per failure, the survivors' stall: the gap before the first step committed without the killed
+    replica (fewer participants than before the kill), less the median step; a replacement's time from its
+    start to the first step committed with it (the participants back up)."""
+    lines = [json.loads(x) for x in (r["run_dir"] / "metrics.jsonl").read_text().splitlines() if x]
+    steps = [(m["time"], m["step"], m["participants"]) for m in lines]
+    step_s = statistics.median(b[0] - a[0] for a, b in zip(steps, steps[1:], strict=False) if b[1] == a[1] + 1)
+    stalls, joins = [], []
+    for e in r["events"]:
+        before = [s for s in steps if s[0] <= e["kill"]]
+        i = next((i for i, s in enumerate(steps) if before and s[0] > e["kill"] and s[2] < before[-1][2]), None)
+        if i:
+            stalls.append(steps[i][0] - steps[i - 1][0] - step_s)
+    for t in sorted(t for t, _ in r["starts"] if t > r["t0"]):
+        before = [s for s in steps if s[0] <= t]
+        grown = [s for s in steps if before and s[0] > t and s[2] > before[-1][2]]
+        if grown:
+            joins.append(grown[0][0] - t)
+    return {"step_s": step_s, "stalls": stalls, "joins": joins}
 
 
 def live_numbers(r: dict) -> dict:
@@ -264,6 +326,9 @@ def main() -> int:
     unknown = [m for m in modes if m not in MODES]
     if unknown:
         sys.exit(f"unknown mode {unknown[0]}; modes: {', '.join(MODES)}")
+    if "torchft" in modes and importlib.util.find_spec("torchft") is None:
+        print("torchft is not installed (pip install torchft==0.2.0): the torchft mode is left out", file=sys.stderr)
+        modes.remove("torchft")
     up = shoal("cluster", "up", "--hosts", "4", capture_output=True)
     if up.returncode:
         print(up.stderr.strip(), file=sys.stderr)
@@ -275,6 +340,9 @@ def main() -> int:
         tmp = Path(tempfile.mkdtemp(prefix="shoal-elastic-"))
         runs["failure-free"] = run_mode(cluster, "live", tmp / "ff", args.baseline_minutes, [], args.replace_after)
         print(f"failure-free: {runs['failure-free']['steps']} steps", file=sys.stderr, flush=True)
+        if "torchft" in modes:  # torchft against its own failure-free run
+            runs["failure-free-torchft"] = run_mode(cluster, "torchft", tmp / "ff-torchft", args.baseline_minutes, [],
+                                                    args.replace_after)
         for mode in modes:
             runs[mode] = run_mode(cluster, mode, tmp, args.minutes, kills, args.replace_after)
             print(f"{mode}: {runs[mode]['steps']} steps", file=sys.stderr, flush=True)
@@ -288,18 +356,24 @@ def report(runs: dict, args, kills: list, tmp: Path) -> int:
     print(f"4 hosts x 1 worker (1 thread), configs/gpt-tiny.toml, global batch {BATCH}; {len(kills)} failures "
           f"planned in {args.minutes:g} min (a worker SIGKILLed every {args.every:g} s on hosts "
           f"{sorted({h for _, h in kills})}, a replacement node {args.replace_after:g} s later); failure-free: "
-          f"{base * BATCH:.1f} samples/s; logs in {tmp}")
+          f"{base * BATCH:.1f} samples/s" + (f" (torchft: {samples_per_s(runs['failure-free-torchft']):.1f})"
+                                             if "failure-free-torchft" in runs else "") + f"; logs in {tmp}")
     print("| mode | failures | steps | samples/s | goodput | stall per failure | pause per join | start to first "
           "step |")
     print("|---|---|---|---|---|---|---|---|")
     result = {}
     for mode, r in runs.items():
-        if mode == "failure-free":
+        if mode.startswith("failure-free"):
             continue
-        rate = steps_per_s(r)
-        result[mode] = rate / base
-        row = f"| {mode} | {len(r['events'])} | {r['steps']} | {rate * BATCH:.1f} | {result[mode]:.3f} |"
-        if mode == "live":
+        rate = samples_per_s(r)  # over the failure-free run of the same system
+        result[mode] = rate / samples_per_s(runs["failure-free-torchft" if mode == "torchft" else "failure-free"])
+        row = f"| {mode} | {len(r['events'])} | {r['steps']} | {rate:.1f} | {result[mode]:.3f} |"
+        if mode == "torchft":
+            n = torchft_numbers(r)
+            st = med(n["stalls"])
+            steps = f" ({st / n['step_s']:.1f} steps of {n['step_s'] * 1000:.0f} ms)" if st is not None else ""
+            print(f"{row} {fmt(st)}{steps} | - | {fmt(med(n['joins']))} (a replacement) |")
+        elif mode == "live":
             n = live_numbers(r)
             st = med(n["stalls"])
             result.update(stall_s=st, join_s=med(n["joins"]), step_s=n["step_s"], stalls=n["stalls"])
@@ -316,7 +390,7 @@ def report(runs: dict, args, kills: list, tmp: Path) -> int:
     good_restart = result.get("restart-30s")
     print("RESULT " + " ".join(f"{k}={v:.3f}" if isinstance(v, float) else f"{k}=-" for k, v in {
         "goodput_live": result.get("live"), "goodput_restart": good_restart, "stall_s": result.get("stall_s"),
-        "join_s": result.get("join_s")}.items()))
+        "join_s": result.get("join_s"), "goodput_torchft": result.get("torchft")}.items()))
     return 0
 
 
