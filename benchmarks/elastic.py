@@ -19,7 +19,7 @@ Modes:
   torchft          the same job under torchft 0.2.0 (benchmarks/torchft_ddp.py: a replica group per host,
                    its lighthouse on h0 as its README starts it): the survivors go on without the dead
                    replica's share of the batch, and the replacement heals from a live peer; left out, in
-                   one line, where torchft is not installed (pip install torchft==0.2.0)
+                   one line, where torchft is not installed (pip install -e '.[torchft]')
 and, first, `failure-free`: the live launch with no failure, for `--baseline-minutes` (1.5), and the
 same for torchft (its goodput is over its own failure-free run).
 
@@ -327,7 +327,8 @@ def main() -> int:
     if unknown:
         sys.exit(f"unknown mode {unknown[0]}; modes: {', '.join(MODES)}")
     if "torchft" in modes and importlib.util.find_spec("torchft") is None:
-        print("torchft is not installed (pip install torchft==0.2.0): the torchft mode is left out", file=sys.stderr)
+        print("torchft is not installed (.venv/bin/pip install -e '.[torchft]'): the torchft mode is left out",
+              file=sys.stderr)
         modes.remove("torchft")
     up = shoal("cluster", "up", "--hosts", "4", capture_output=True)
     if up.returncode:

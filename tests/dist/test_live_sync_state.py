@@ -8,6 +8,7 @@ import os
 import random
 import shutil
 import signal
+import time
 
 import pytest
 
@@ -15,6 +16,7 @@ from conftest import read_weights
 from harness import train as train_on_ranks
 from live_runs import RUN, end_all, membership, progress, start_node, wait_for, worker_of
 from shoal.ps.roles import free_port
+from shoal.training.step import LEAVE_GRACE_S
 
 pytestmark = [pytest.mark.timeout(240), pytest.mark.slow]  # the CLI, besides the harness
 
@@ -97,4 +99,36 @@ def test_diloco_survivors_redo_the_round_and_equal_a_resume_from_its_start(tmp_p
     ranks(2).run(train_on_ranks, sets, str(ref))
     live, from_disk = read_weights(run_dir), read_weights(ref)
     print(f"killed in the round from step {start}: live vs resume from disk {worst(live, from_disk):.3g}")
+    assert worst(live, from_disk) <= 1e-5, f"the live run differs from the resume from disk by {worst(live, from_disk)}"
+
+
+def test_a_diloco_leave_waits_for_the_round_s_end_and_equals_a_resume_from_there(tmp_path, ranks):
+    """A node asked to stop leaves at the end of a round, where the replicas are one model (a leave mid-round
+    would take its replica's work with it), and the run goes on as one resumed from disk there."""
+    run_dir, port, gate = tmp_path / "live", free_port(), tmp_path / "gate"
+    nodes = [start_node(i, run_dir, port, max_restarts=0, run=DILOCO, env={"SHOAL_TEST_GATE": str(gate)})
+             for i in range(3)]
+    try:
+        wait_for("step 10", lambda: progress(run_dir) >= 10, 120, nodes)
+        # held at their next forward while the request ages past LEAVE_GRACE_S (2 s): else the 80 short steps
+        # could end first, and the leave fall on the last step, which ends a round anyway
+        gate.touch()
+        nodes[2].send_signal(signal.SIGTERM)
+        time.sleep(LEAVE_GRACE_S + 0.5)
+        gate.unlink()
+        outs = [p.communicate(timeout=120)[0] for p in nodes]
+    finally:
+        end_all(nodes)
+    assert [p.returncode for p in nodes] == [0, 0, 128 + signal.SIGTERM], "\n".join(outs)
+    changes = membership(run_dir)
+    assert [m["world"] for m in changes] == [2] and "left (it was asked to stop)" in changes[0]["membership"], changes
+    step = int(changes[0]["membership"].split(":")[0].removeprefix("step "))
+    assert step % 3 == 0 and step < STEPS, changes  # a round's end, not the run's
+
+    ref = tmp_path / "ref"
+    sets = [a for a in DILOCO if a != "--set"]
+    ranks(3).run(train_on_ranks, [*sets, f"train.steps={step}"], str(ref))
+    ranks(2).run(train_on_ranks, sets, str(ref))
+    live, from_disk = read_weights(run_dir), read_weights(ref)
+    print(f"left at step {step}: live vs resume from disk {worst(live, from_disk):.3g}")
     assert worst(live, from_disk) <= 1e-5, f"the live run differs from the resume from disk by {worst(live, from_disk)}"
