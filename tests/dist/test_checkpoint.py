@@ -9,6 +9,7 @@ resuming runs in the harness.
 import json
 import random
 import shutil
+import time
 from pathlib import Path
 
 import pytest
@@ -105,6 +106,34 @@ def test_one_process_crashed_and_resumed_equals_uninterrupted(tmp_path, ranks, r
     assert "(step 8)" in out or (mode == "async" and "(step 4)" in out), out
     assert_bitwise(read_weights(run_dir), reference[1][1])
     assert losses_by_step(read_metrics(run_dir)) == losses_by_step(reference[1][0])
+
+
+def crash_then_resume_sealing_slowly(env, crashing: list[str], clean: list[str], run_dir: str):
+    """crash_then_resume, each async save sealed 2 s after it is written: the crashed run's save of step 8
+    is still sealing in this process when the resumed run saves step 8 again."""
+    from shoal.checkpoint.manager import CheckpointManager
+
+    seal = CheckpointManager._seal_when_written
+
+    def slowly(self, *args):
+        time.sleep(2)
+        seal(self, *args)
+
+    CheckpointManager._seal_when_written = slowly
+    try:
+        return crash_then_resume(env, crashing, clean, run_dir)
+    finally:
+        CheckpointManager._seal_when_written = seal
+
+
+def test_a_save_still_sealing_after_a_crash_is_not_raced_by_the_resume(tmp_path, ranks, reference):
+    """Seen once in a full suite: the resumed run removed step 8's .tmp while the crashed run's save (its
+    process lives on) was renaming it. The resume now lets that save end first."""
+    run_dir = tmp_path / "run"
+    crash = ["model.rank=0", 'model.mode="crash"', f"model.at_call={9 * 2 * FORWARDS_PER_STEP + 1}"]  # step 10
+    flag = "checkpoint.async=true"
+    ranks(1).run(crash_then_resume_sealing_slowly, [*CONFIG, flag, *crash], [*CONFIG, flag], str(run_dir))
+    assert_bitwise(read_weights(run_dir), reference[1][1])
 
 
 @pytest.mark.slow  # runs the CLI

@@ -14,6 +14,7 @@ the step's flags all-reduce (train/flags.py) and every rank saves at the same st
 
 from __future__ import annotations
 
+import contextlib
 import shutil
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -31,6 +32,12 @@ from shoal.checkpoint.train_state import TRAIN_STATE, TrainState, rank_state_fil
 from shoal.comm.collectives import Comm
 from shoal.config import CheckpointConfig
 from shoal.rundir import write_json
+
+# async saves still being written or sealed in this process, by their .tmp folder: a run that ended in an
+# exception leaves its save running in the background (its process lives on, as under a Session or the
+# tests' harness), and a new run in the same folder must not remove or reuse that .tmp under it (seen: its
+# rmtree failed as the earlier save renamed the folder away)
+_SEALING: dict[str, Future] = {}
 
 
 @dataclass
@@ -86,6 +93,10 @@ class CheckpointManager:
         name = mf.step_dir_name(step)
         tmp, final = self.root / (name + ".tmp"), self.root / name
         if self.rank == 0:
+            earlier = _SEALING.get(str(tmp))
+            if earlier is not None:  # an earlier run's save of this step, in this process: let it end first
+                with contextlib.suppress(Exception):
+                    earlier.result()
             if tmp.exists():  # left by a save that crashed
                 shutil.rmtree(tmp)
             tmp.mkdir(parents=True)
@@ -112,6 +123,8 @@ class CheckpointManager:
                 response = dcp.async_save(state, storage_writer=FileSystemWriter(tmp), process_group=self.group,
                                           async_stager=self.stager)
             sealed = self.sealer.submit(self._seal_when_written, response.upload_completion, tmp, final, info, t0)
+            _SEALING[str(tmp)] = sealed
+            sealed.add_done_callback(lambda _, key=str(tmp): _SEALING.pop(key, None))
             self.pending = _Pending(response.staging_completion, sealed)
         else:
             with self.comm.record("dcp.save", "world"):
