@@ -127,6 +127,24 @@ def test_sagemaker_script_submits_an_estimator_and_is_its_entry_point(config, tm
     assert open(os.path.join(kw["source_dir"], "my-job.toml")).read() == CONFIG
 
 
+def test_a_range_is_an_elastic_pytorchjob_whose_pods_run_live(config):
+    """--nodes MIN:MAX: Workers only and an elasticPolicy; the variables the operator then sets in a pod
+    (PET_NNODES=MIN:MAX, PET_RDZV_ENDPOINT on <job>-worker-0, its name as hostname) make a live run's node."""
+    from shoal.launch.environment import NodeArgs, node_args
+
+    assert launch("--target", "kubernetes", config, "--nodes", "1:2", "--nproc", 2, "--image", "i") == 0
+    _, job = yaml.safe_load_all(open("my-job-pytorchjob.yaml"))
+    name, spec = job["metadata"]["name"], job["spec"]
+    assert spec["elasticPolicy"] == {"minReplicas": 1, "maxReplicas": 2, "rdzvBackend": "c10d", "nProcPerNode": 2}
+    assert {k: r["replicas"] for k, r in spec["pytorchReplicaSpecs"].items()} == {"Worker": 2}
+    (container,) = spec["pytorchReplicaSpecs"]["Worker"]["template"]["spec"]["containers"]
+    assert train_args(container["command"]).nnodes is None  # taken from the operator's variables
+    port = container["ports"][0]["containerPort"]
+    pod = {"PET_NNODES": "1:2", "PET_RDZV_ENDPOINT": f"{name}-worker-0:{port}", "PET_N_PROC_PER_NODE": "2",
+           "HOSTNAME": f"{name}-worker-1"}
+    assert node_args(None, None, None, 2, env=pod)[0] == NodeArgs("1:2", 1, f"{name}-worker-0:{port}", 2)
+
+
 @pytest.mark.parametrize("target, args, expected", [
     ("slurm", ["--nodes", 0], "--nodes (0) must be >= 1"),
     ("slurm", ["--nodes", 2, "--nproc", 0], "--nproc (0) must be >= 1"),
@@ -135,6 +153,10 @@ def test_sagemaker_script_submits_an_estimator_and_is_its_entry_point(config, tm
     ("slurm", ["--nodes", 3], "train.global_batch_size (16) must be divisible by train.micro_batch_size (4) x dp (3)"),
     ("slurm", ["--nodes", 2, "--set", "train.stepz=3"], "unknown key train.stepz; did you mean train.steps?"),
     ("slurm", ["--nodes", 2, "--nproc", 4, "--gpus-per-node", 2], "--nproc 4 workers per node but --gpus-per-node 2"),
+    ("slurm", ["--nodes", "1:2"], "--nodes 1:2: a range is for --target kubernetes (an elastic PyTorchJob)"),
+    ("kubernetes", ["--nodes", "3:1", "--image", "i"], "--nodes 3:1: MIN (3) is above MAX (1); give --nodes 1:3"),
+    ("kubernetes", ["--nodes", "1:3", "--image", "i"], "must be divisible by train.micro_batch_size (4) x dp (3)"),
+    ("kubernetes", ["--nodes", "1:2", "--image", "i", "--set", "parallel.zero=1"], "which cannot heal live yet"),
 ])
 def test_bad_input_is_one_line_and_exit_2(config, capsys, target, args, expected):
     assert launch("--target", target, config, *args) == 2

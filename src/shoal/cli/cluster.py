@@ -16,7 +16,8 @@ def add_parsers(sub) -> None:
                                       "Kubeflow PyTorchJob manifest or a SageMaker estimator script")
     j.add_argument("config", help="TOML config file (shipped with the job; see docs/your-cluster.md)")
     j.add_argument("--target", required=True, choices=("slurm", "kubernetes", "sagemaker"))
-    j.add_argument("--nodes", type=int, required=True, help="nodes (Slurm nodes, pods, instances)")
+    j.add_argument("--nodes", required=True, help="nodes (Slurm nodes, pods, instances); kubernetes also takes a "
+                   "range MIN:MAX, an elastic PyTorchJob that runs live (docs/elastic.md)")
     j.add_argument("--nproc", type=int, default=1, help="worker processes per node (default 1)")
     j.add_argument("--out", help="the file to write; - for stdout (default: <config name>.sbatch, "
                                  "<config name>-pytorchjob.yaml or <config name>_sagemaker.py here)")
@@ -49,8 +50,10 @@ def launch_job(args: argparse.Namespace) -> int:
     config = Path(args.config)
     if not config.is_file():
         raise UserError(f"config file {config} does not exist; pass the path of a .toml file")
-    spec = jobs.JobSpec(args.target, args.config, config.read_text(encoding="utf-8"), tuple(args.set), args.nodes,
-                        args.nproc, args.image, args.gpus_per_node, args.cpus_per_node, args.instance_type, args.pvc)
+    least, nodes = jobs.parse_nodes(args.nodes)
+    spec = jobs.JobSpec(args.target, args.config, config.read_text(encoding="utf-8"), tuple(args.set), nodes,
+                        args.nproc, args.image, args.gpus_per_node, args.cpus_per_node, args.instance_type, args.pvc,
+                        min_nodes=least)
     jobs.check(spec)
     text = jobs.render(spec)
     if args.out == "-":

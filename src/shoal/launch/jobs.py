@@ -6,7 +6,9 @@
               stable default run dir there is where a requeued job finds its checkpoints
   kubernetes  a Kubeflow PyTorchJob (Master 1 + Worker N-1, containers named "pytorch" as the operator
               requires) and a ConfigMap carrying the config's text, mounted into every pod; runs go to a
-              volume (a PersistentVolumeClaim, or an emptyDir that outlives a container restart)
+              volume (a PersistentVolumeClaim, or an emptyDir that outlives a container restart). For a
+              range MIN:MAX: MAX Workers and an elasticPolicy; each pod's shoal then runs live, node 0 on
+              <job>-worker-0 (launch/environment.py)
   sagemaker   a Python script that submits a sagemaker.pytorch.PyTorch estimator (instance_count N) and
               is also its entry point: on each instance it runs `shoal train`, which reads SM_HOSTS; the
               config travels beside it in the job's source_dir
@@ -24,7 +26,7 @@ from pathlib import Path
 
 from shoal.config import load_config
 from shoal.errors import UserError, require
-from shoal.layout import resolve_layout
+from shoal.layout import check_live, resolve_layout
 
 TARGETS = ("slurm", "kubernetes", "sagemaker")
 CONFIG_DIR = "/etc/shoal"  # where a PyTorchJob's pods see the config (the ConfigMap's mount)
@@ -46,6 +48,7 @@ class JobSpec:
     cpus_per_node: int | None = None
     instance_type: str = "ml.g5.xlarge"
     pvc: str | None = None
+    min_nodes: int | None = None  # a range min_nodes:nodes (an elastic PyTorchJob); None: exactly `nodes`
 
     @property
     def stem(self) -> str:
@@ -61,12 +64,25 @@ class JobSpec:
                 *[a for s in self.sets for a in ("--set", s)]]
 
 
+def parse_nodes(text: str) -> tuple[int | None, int]:
+    """--nodes: N as (None, N), or a range MIN:MAX as (MIN, MAX)."""
+    lo, colon, hi = text.partition(":")
+    try:
+        least, most = (int(lo), int(hi)) if colon else (int(text), int(text))
+    except ValueError:
+        raise UserError(f"--nodes {text!r}: expected a number of nodes, or for --target kubernetes a range MIN:MAX "
+                        f"(--nodes 2, --nodes 1:4)") from None
+    if least > most:
+        raise UserError(f"--nodes {text}: MIN ({least}) is above MAX ({most}); give --nodes {most}:{least}")
+    return (least if least < most else None), most
+
+
 def check(spec: JobSpec) -> None:
     """Refuse, in one line, a job that could not run: before it waits in a queue."""
     if spec.target not in TARGETS:
         raise UserError(f"--target {spec.target}: expected one of {', '.join(TARGETS)}")
-    if spec.nodes < 1:
-        raise UserError(f"--nodes ({spec.nodes}) must be >= 1")
+    if min(spec.nodes, spec.min_nodes or spec.nodes) < 1:
+        raise UserError(f"--nodes ({spec.min_nodes or spec.nodes}) must be >= 1")
     if spec.nproc < 1:
         raise UserError(f"--nproc ({spec.nproc}) must be >= 1")
     if spec.gpus_per_node < 0:
@@ -81,9 +97,15 @@ def check(spec: JobSpec) -> None:
                         f"(and the data the config reads)")
     if spec.pvc and spec.target != "kubernetes":
         raise UserError("--pvc names a Kubernetes PersistentVolumeClaim; it is for --target kubernetes")
+    if spec.min_nodes is not None and spec.target != "kubernetes":
+        raise UserError(f"--nodes {spec.min_nodes}:{spec.nodes}: a range is for --target kubernetes (an elastic "
+                        f"PyTorchJob); a {spec.target} job's node count is fixed when it is submitted: give --nodes N")
     cfg = load_config(spec.config, list(spec.sets))
     cuda = spec.gpus_per_node > 0 or (spec.target == "sagemaker" and spec.instance_type.startswith(("ml.p", "ml.g")))
-    resolve_layout(cfg, spec.nodes * spec.nproc, cuda)  # its UserError names the keys and a value that works
+    if spec.min_nodes is not None:  # every world the range allows, and a layout that heals live
+        check_live(cfg, (spec.min_nodes, spec.nodes), spec.nproc)
+    for nodes in range(spec.min_nodes or spec.nodes, spec.nodes + 1):
+        resolve_layout(cfg, nodes * spec.nproc, cuda)  # its UserError names the keys and a value that works
 
 
 def render(spec: JobSpec) -> str:
@@ -159,14 +181,20 @@ def pytorchjob_manifest(spec: JobSpec) -> str:
                 "template": {"spec": {"containers": [container], "volumes": volumes}}}
 
     replicas = {"Master": replica(1), **({"Worker": replica(spec.nodes - 1)} if spec.nodes > 1 else {})}
+    elastic = {}
+    if spec.min_nodes is not None:  # Workers only: the operator's rendezvous host is <job>-worker-0
+        replicas = {"Worker": replica(spec.nodes)}
+        elastic = {"elasticPolicy": {"minReplicas": spec.min_nodes, "maxReplicas": spec.nodes, "rdzvBackend": "c10d",
+                                     "nProcPerNode": spec.nproc}}
     config_map = {"apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": f"{spec.name}-config"},
                   "data": {config_name: spec.config_text}}
     job = {"apiVersion": "kubeflow.org/v1", "kind": "PyTorchJob", "metadata": {"name": spec.name},
-           "spec": {"nprocPerNode": str(spec.nproc), "pytorchReplicaSpecs": replicas}}
-    header = (f"# {spec.config} on {spec.nodes} pod(s) x {spec.nproc} worker(s), written by `shoal launch --target "
+           "spec": {"nprocPerNode": str(spec.nproc), **elastic, "pytorchReplicaSpecs": replicas}}
+    pods = f"{spec.min_nodes}:{spec.nodes}" if spec.min_nodes is not None else str(spec.nodes)
+    header = (f"# {spec.config} on {pods} pod(s) x {spec.nproc} worker(s), written by `shoal launch --target "
               f"kubernetes`.\n# kubectl apply -f THIS_FILE (needs the Kubeflow training operator). Each pod's shoal "
               f"reads its node rank\n# and the master's address from the operator's variables (PET_NNODES, "
-              f"PET_NODE_RANK or RANK, MASTER_ADDR).\n")
+              f"PET_NODE_RANK or RANK, MASTER_ADDR; an elastic job: PET_RDZV_ENDPOINT and the pod's name).\n")
     return header + yaml.dump_all([config_map, job], Dumper=_dumper(yaml), sort_keys=False)
 
 
