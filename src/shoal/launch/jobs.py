@@ -190,12 +190,15 @@ def pytorchjob_manifest(spec: JobSpec) -> str:
                   "data": {config_name: spec.config_text}}
     job = {"apiVersion": "kubeflow.org/v1", "kind": "PyTorchJob", "metadata": {"name": spec.name},
            "spec": {"nprocPerNode": str(spec.nproc), **elastic, "pytorchReplicaSpecs": replicas}}
+    return _manifest_header(spec) + yaml.dump_all([config_map, job], Dumper=_dumper(yaml), sort_keys=False)
+
+
+def _manifest_header(spec: JobSpec) -> str:
     pods = f"{spec.min_nodes}:{spec.nodes}" if spec.min_nodes is not None else str(spec.nodes)
-    header = (f"# {spec.config} on {pods} pod(s) x {spec.nproc} worker(s), written by `shoal launch --target "
-              f"kubernetes`.\n# kubectl apply -f THIS_FILE (needs the Kubeflow training operator). Each pod's shoal "
-              f"reads its node rank\n# and the master's address from the operator's variables (PET_NNODES, "
-              f"PET_NODE_RANK or RANK, MASTER_ADDR; an elastic job: PET_RDZV_ENDPOINT and the pod's name).\n")
-    return header + yaml.dump_all([config_map, job], Dumper=_dumper(yaml), sort_keys=False)
+    return (f"# {spec.config} on {pods} pod(s) x {spec.nproc} worker(s), written by `shoal launch --target "
+            f"kubernetes`.\n# kubectl apply -f THIS_FILE (needs the Kubeflow training operator). Each pod's shoal "
+            f"reads its node rank\n# and the master's address from the operator's variables (PET_NNODES, "
+            f"PET_NODE_RANK or RANK, MASTER_ADDR; an elastic job: PET_RDZV_ENDPOINT and the pod's name).\n")
 
 
 def _dumper(yaml):
