@@ -136,8 +136,9 @@ class TrainState:
             return None
         handles = [safe_open(str(f), framework="pt") for f in files]
         out = self._replica_of(handles[0])
-        if self._merging():
-            for key in handles[0].keys():  # noqa: SIM118 - a safetensors handle, not a dict
+        merging = tuple(f"{name}/" for name, part in self.parts.items() if hasattr(part, "merge_rank_states"))
+        for key in handles[0].keys():  # noqa: SIM118 - a safetensors handle, not a dict
+            if key.startswith(merging):  # not a replica's tensors, read from rank 0's file alone
                 out.update(self.merge_rank_tensors([{key: h.get_tensor(key)} for h in handles], world))
         return out or None
 
@@ -156,9 +157,6 @@ class TrainState:
             return {}
         out = {k: saved.get_tensor(k) for k in mine}
         return out if all(out[k].shape == v.shape for k, v in mine.items()) else {}
-
-    def _merging(self) -> bool:
-        return any(hasattr(part, "merge_rank_states") for part in self.parts.values())
 
     def merge_rank_tensors(self, states: list[dict[str, torch.Tensor]], world: int) -> dict[str, torch.Tensor]:
         """This rank's own tensors on another world size, from `states`: rank_tensors() of the ranks of a
