@@ -10,7 +10,17 @@ import signal
 
 import pytest
 
-from live_runs import end_all, equals_one_process, gloo_loops, membership, progress, start_node, wait_for, worker_of
+from live_runs import (
+    RUN,
+    end_all,
+    equals_one_process,
+    gloo_loops,
+    membership,
+    progress,
+    start_node,
+    wait_for,
+    worker_of,
+)
 from shoal.cli import main
 from shoal.membership import PREFIX
 from shoal.membership import connect as membership_store
@@ -71,3 +81,26 @@ def test_a_worker_killed_rejoined_and_a_node_leaving_equal_one_process(tmp_path,
     shown = page.read_text()
     assert all(html.escape(e["line"]) in shown for e in events), events
     equals_one_process(run_dir, shared_dir)
+
+
+def test_a_worker_killed_in_the_first_step_sends_the_survivors_back_to_the_start(tmp_path, shared_dir):
+    """Nothing is held before the first step completes (DCP's state dict of an optimizer that has not
+    stepped would initialise AdamW by a counted step of lr 0): the survivors start again from the start,
+    and the weights still equal one process's."""
+    run = [*RUN, "--set", "train.steps=30"]
+    run_dir, port, gate = tmp_path / "live", free_port(), tmp_path / "gate"
+    gate.touch()  # every worker waits at its first forward
+    nodes = [start_node(i, run_dir, port, max_restarts=0, run=run, env={"SHOAL_TEST_GATE": str(gate)})
+             for i in range(3)]
+    try:
+        # rank 0 writes the resolved config once the group has formed and every worker is building
+        wait_for("the group", lambda: (run_dir / "config.toml").exists(), 120, nodes)
+        os.kill(worker_of(nodes[1]), signal.SIGKILL)
+        gate.unlink()
+        outs = [p.communicate(timeout=120)[0] for p in nodes]
+    finally:
+        end_all(nodes)
+    assert [p.returncode for p in nodes] == [0, 137, 0], "\n".join(outs)
+    events = json.loads((run_dir / "summary.json").read_text())["membership"]
+    assert [(e["step"], e["world"]) for e in events] == [(0, 2)], events
+    equals_one_process(run_dir, shared_dir, run)
