@@ -109,21 +109,28 @@ def test_one_process_crashed_and_resumed_equals_uninterrupted(tmp_path, ranks, r
 
 
 def crash_then_resume_sealing_slowly(env, crashing: list[str], clean: list[str], run_dir: str):
-    """crash_then_resume, each async save sealed 2 s after it is written: the crashed run's save of step 8
-    is still sealing in this process when the resumed run saves step 8 again."""
+    """crash_then_resume, every async save sealed a second after it is written: the crashed run's save of
+    step 8 is still sealing in this process when the resumed run saves step 8 again."""
+    from shoal.checkpoint import manager
+    from shoal.checkpoint import manifest as mf
     from shoal.checkpoint.manager import CheckpointManager
 
     seal = CheckpointManager._seal_when_written
 
     def slowly(self, *args):
-        time.sleep(2)
+        time.sleep(1)
         seal(self, *args)
 
     CheckpointManager._seal_when_written = slowly
     try:
-        return crash_then_resume(env, crashing, clean, run_dir)
+        with pytest.raises(RuntimeError, match="injected failure"):
+            train_on_ranks(env, crashing, run_dir)
+        train_on_ranks(env, clean, run_dir)
     finally:
         CheckpointManager._seal_when_written = seal
+    for earlier in list(manager._SEALING.values()):  # whatever is still sealing in this process has ended
+        earlier.exception()
+    return [(c.step, c.problem) for c in mf.list_checkpoints(Path(run_dir) / "checkpoints")]
 
 
 def test_a_save_still_sealing_after_a_crash_is_not_raced_by_the_resume(tmp_path, ranks, reference):
@@ -132,7 +139,8 @@ def test_a_save_still_sealing_after_a_crash_is_not_raced_by_the_resume(tmp_path,
     run_dir = tmp_path / "run"
     crash = ["model.rank=0", 'model.mode="crash"', f"model.at_call={9 * 2 * FORWARDS_PER_STEP + 1}"]  # step 10
     flag = "checkpoint.async=true"
-    ranks(1).run(crash_then_resume_sealing_slowly, [*CONFIG, flag, *crash], [*CONFIG, flag], str(run_dir))
+    [saved] = ranks(1).run(crash_then_resume_sealing_slowly, [*CONFIG, flag, *crash], [*CONFIG, flag], str(run_dir))
+    assert saved[-2:] == [(8, None), (12, None)], saved  # the resumed run's checkpoints, whole and valid
     assert_bitwise(read_weights(run_dir), reference[1][1])
 
 

@@ -330,7 +330,7 @@ def test_a_live_run_across_hosts_loses_rejoins_and_leaves_and_equals_one_process
     from live_runs import RUN, end_all, equals_one_process, membership, progress, start_node, wait_for, worker_of
     from shoal.ps.roles import free_port
 
-    run = [*RUN, "--set", "train.steps=60"]
+    run = [*RUN, "--set", "train.steps=40"]
     run_dir, port, gate = tmp_path / "live", free_port(), tmp_path / "gate"
     kill_at = random.Random().randrange(5, 20)
     print(f"killing node 1's worker after step {kill_at}")
