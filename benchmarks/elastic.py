@@ -229,13 +229,18 @@ def steps_per_s(r: dict) -> float:
     return r["steps"] / r["window_s"]
 
 
+def metrics(r: dict) -> list[dict]:
+    """The lines of a mode's metrics.jsonl (shoal's rank 0; torchft's replica group 0)."""
+    return [json.loads(x) for x in (r["run_dir"] / "metrics.jsonl").read_text().splitlines() if x]
+
+
 def samples_per_s(r: dict) -> float:
     """Useful samples per second over the window: the global batch per step of a shoal run's trajectory; for
     torchft, each committed step's participants x a replica's share (a lost replica's share is dropped)."""
     if r["mode"] != "torchft":
         return steps_per_s(r) * BATCH
     share = BATCH // 4
-    lines = [json.loads(x) for x in (r["run_dir"] / "metrics.jsonl").read_text().splitlines() if x]
+    lines = metrics(r)
     end = r["t0"] + r["window_s"]
     return sum(m["participants"] * share for m in lines if r["t0"] < m["time"] <= end) / r["window_s"]
 
@@ -244,7 +249,7 @@ def torchft_numbers(r: dict) -> dict:
     """Per failure, the survivors' stall: the gap before the first step committed without the killed
     replica (fewer participants than before the kill), less the median step; a replacement's time from its
     start to the first step committed with it (the participants back up)."""
-    lines = [json.loads(x) for x in (r["run_dir"] / "metrics.jsonl").read_text().splitlines() if x]
+    lines = metrics(r)
     steps = [(m["time"], m["step"], m["participants"]) for m in lines]
     step_s = statistics.median(b[0] - a[0] for a, b in zip(steps, steps[1:], strict=False) if b[1] == a[1] + 1)
     stalls, joins = [], []
@@ -266,7 +271,7 @@ def live_numbers(r: dict) -> dict:
     the time between the last step logged before the group changed and the first after, less the steps
     taken in between at the median step time (the step in flight when a worker died is redone, and its
     line may be missing when the update landed but the step's end did not)."""
-    lines = [json.loads(x) for x in (r["run_dir"] / "metrics.jsonl").read_text().splitlines() if x]
+    lines = metrics(r)
     steps = sorted((m["time"], m["step"]) for m in lines if "loss" in m)
     gaps = [b[0] - a[0] for a, b in zip(steps, steps[1:], strict=False) if b[1] == a[1] + 1]
     step_s = statistics.median(gaps)

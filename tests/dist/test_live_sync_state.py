@@ -35,13 +35,16 @@ def worst(got: dict, want: dict) -> float:
     return max((got[k] - want[k]).abs().max().item() for k in want)
 
 
-def test_a_clean_leave_with_int8_equals_a_resume_from_disk(tmp_path, ranks):
-    run_dir, port, gate = tmp_path / "live", free_port(), tmp_path / "gate"
-    nodes = [start_node(i, run_dir, port, max_restarts=0, run=INT8, env={"SHOAL_TEST_GATE": str(gate)})
+def node_2_leaves(run_dir, gate, run: list[str]) -> int:
+    """A live run of `run` on 3 nodes from which node 2 leaves on SIGTERM after step 10; the step it left at.
+    The workers are held at their next forward while the request ages past LEAVE_GRACE_S: the short run could
+    end first otherwise."""
+    port = free_port()
+    nodes = [start_node(i, run_dir, port, max_restarts=0, run=run, env={"SHOAL_TEST_GATE": str(gate)})
              for i in range(3)]
     try:
         wait_for("step 10", lambda: progress(run_dir) >= 10, 120, nodes)
-        gate.touch()  # held while the request ages past LEAVE_GRACE_S: the short run could end first
+        gate.touch()
         nodes[2].send_signal(signal.SIGTERM)
         time.sleep(LEAVE_GRACE_S + 0.5)
         gate.unlink()
@@ -50,8 +53,20 @@ def test_a_clean_leave_with_int8_equals_a_resume_from_disk(tmp_path, ranks):
         end_all(nodes)
     assert [p.returncode for p in nodes] == [0, 0, 128 + signal.SIGTERM], "\n".join(outs)
     changes = membership(run_dir)
-    assert [m["world"] for m in changes] == [2], changes
-    step = int(changes[0]["membership"].split(":")[0].removeprefix("step "))
+    assert [m["world"] for m in changes] == [2] and "left (it was asked to stop)" in changes[0]["membership"], changes
+    return changes[0]["step"]
+
+
+def resumed_from_disk(ranks, run: list[str], step: int, ref) -> None:
+    """The reference of a change at `step`: 3 ranks to that step, then 2 ranks on from its checkpoint."""
+    sets = [a for a in run if a != "--set"]
+    ranks(3).run(train_on_ranks, [*sets, f"train.steps={step}"], str(ref))
+    ranks(2).run(train_on_ranks, sets, str(ref))
+
+
+def test_a_clean_leave_with_int8_equals_a_resume_from_disk(tmp_path, ranks):
+    run_dir = tmp_path / "live"
+    step = node_2_leaves(run_dir, tmp_path / "gate", INT8)
 
     # the reference: 3 ranks to that step, then 2 ranks on from its checkpoint
     ref = tmp_path / "ref"
@@ -93,13 +108,11 @@ def test_diloco_survivors_redo_the_round_and_equal_a_resume_from_its_start(tmp_p
     assert [p.returncode for p in nodes] == [0, 137, 0], "\n".join(outs)
     changes = membership(run_dir)
     assert [m["world"] for m in changes] == [2], changes
-    start = int(changes[0]["membership"].split(":")[0].removeprefix("step "))
+    start = changes[0]["step"]
     assert start % 3 == 0 and start <= progress(run_dir), changes  # a round's start
 
     ref = tmp_path / "ref"
-    sets = [a for a in DILOCO if a != "--set"]
-    ranks(3).run(train_on_ranks, [*sets, f"train.steps={start}"], str(ref))
-    ranks(2).run(train_on_ranks, sets, str(ref))
+    resumed_from_disk(ranks, DILOCO, start, ref)
     live, from_disk = read_weights(run_dir), read_weights(ref)
     print(f"killed in the round from step {start}: live vs resume from disk {worst(live, from_disk):.3g}")
     assert worst(live, from_disk) <= 1e-5, f"the live run differs from the resume from disk by {worst(live, from_disk)}"
@@ -108,30 +121,10 @@ def test_diloco_survivors_redo_the_round_and_equal_a_resume_from_its_start(tmp_p
 def test_a_diloco_leave_waits_for_the_round_s_end_and_equals_a_resume_from_there(tmp_path, ranks):
     """A node asked to stop leaves at the end of a round, where the replicas are one model (a leave mid-round
     would take its replica's work with it), and the run goes on as one resumed from disk there."""
-    run_dir, port, gate = tmp_path / "live", free_port(), tmp_path / "gate"
-    nodes = [start_node(i, run_dir, port, max_restarts=0, run=DILOCO, env={"SHOAL_TEST_GATE": str(gate)})
-             for i in range(3)]
-    try:
-        wait_for("step 10", lambda: progress(run_dir) >= 10, 120, nodes)
-        # held at their next forward while the request ages past LEAVE_GRACE_S (2 s): else the 80 short steps
-        # could end first, and the leave fall on the last step, which ends a round anyway
-        gate.touch()
-        nodes[2].send_signal(signal.SIGTERM)
-        time.sleep(LEAVE_GRACE_S + 0.5)
-        gate.unlink()
-        outs = [p.communicate(timeout=120)[0] for p in nodes]
-    finally:
-        end_all(nodes)
-    assert [p.returncode for p in nodes] == [0, 0, 128 + signal.SIGTERM], "\n".join(outs)
-    changes = membership(run_dir)
-    assert [m["world"] for m in changes] == [2] and "left (it was asked to stop)" in changes[0]["membership"], changes
-    step = int(changes[0]["membership"].split(":")[0].removeprefix("step "))
-    assert step % 3 == 0 and step < STEPS, changes  # a round's end, not the run's
-
-    ref = tmp_path / "ref"
-    sets = [a for a in DILOCO if a != "--set"]
-    ranks(3).run(train_on_ranks, [*sets, f"train.steps={step}"], str(ref))
-    ranks(2).run(train_on_ranks, sets, str(ref))
+    run_dir, ref = tmp_path / "live", tmp_path / "ref"
+    step = node_2_leaves(run_dir, tmp_path / "gate", DILOCO)
+    assert step % 3 == 0 and step < STEPS, step  # a round's end, not the run's
+    resumed_from_disk(ranks, DILOCO, step, ref)
     live, from_disk = read_weights(run_dir), read_weights(ref)
     print(f"left at step {step}: live vs resume from disk {worst(live, from_disk):.3g}")
     assert worst(live, from_disk) <= 1e-5, f"the live run differs from the resume from disk by {worst(live, from_disk)}"
