@@ -36,17 +36,19 @@ def worst(got: dict, want: dict) -> float:
 
 
 def node_2_leaves(run_dir, gate, run: list[str]) -> int:
-    """A live run of `run` on 3 nodes from which node 2 leaves on SIGTERM after step 10; the step it left at.
-    The workers are held at their next forward while the request ages past LEAVE_GRACE_S: the short run could
-    end first otherwise."""
+    """A live run of `run` on 3 nodes from which node 2 leaves on SIGTERM; the step it left at. The workers
+    hold themselves at a random step while the request ages past LEAVE_GRACE_S (tests/fixtures/gate.py): a
+    loaded machine once ran the short run to its end between the test's looks at its progress."""
+    hold = random.Random().randrange(8, 30)
+    forwards = 48 // (2 * 3)  # per step and rank: RUN's global batch 48 in micro-batches of 2 on 3 ranks
     port = free_port()
-    nodes = [start_node(i, run_dir, port, max_restarts=0, run=run, env={"SHOAL_TEST_GATE": str(gate)})
-             for i in range(3)]
+    env = {"SHOAL_TEST_GATE": str(gate), "SHOAL_TEST_HOLD_AT": str(hold * forwards + 1)}
+    nodes = [start_node(i, run_dir, port, max_restarts=0, run=run, env=env) for i in range(3)]
     try:
-        wait_for("step 10", lambda: progress(run_dir) >= 10, 120, nodes)
-        gate.touch()
+        wait_for(f"the hold after step {hold}", gate.exists, 120, nodes)
         nodes[2].send_signal(signal.SIGTERM)
         time.sleep(LEAVE_GRACE_S + 0.5)
+        gate.with_name(gate.name + ".released").touch()
         gate.unlink()
         outs = [p.communicate(timeout=120)[0] for p in nodes]
     finally:
@@ -54,6 +56,7 @@ def node_2_leaves(run_dir, gate, run: list[str]) -> int:
     assert [p.returncode for p in nodes] == [0, 0, 128 + signal.SIGTERM], "\n".join(outs)
     changes = membership(run_dir)
     assert [m["world"] for m in changes] == [2] and "left (it was asked to stop)" in changes[0]["membership"], changes
+    assert hold < changes[0]["step"] <= hold + 3, (hold, changes)  # the held step's end, or its round's
     return changes[0]["step"]
 
 
