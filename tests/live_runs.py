@@ -16,6 +16,7 @@ import pytest
 
 from conftest import FIXTURES, ROOT, TINY_GPT, read_weights, train_in_process
 from shoal.launch.supervisor import descendants
+from shoal.training.step import LEAVE_GRACE_S
 
 # the tests' tiny GPT as a user model that a test can hold at its next forward (tests/fixtures/gate.py)
 RUN = [*TINY_GPT, "--set", 'model.name="gate:build"', "--set", "train.steps=160", "--set",
@@ -52,6 +53,17 @@ def wait_for(what, until, timeout: float, nodes) -> None:
             outs = "\n".join(f"--- node {i}\n{p.communicate()[0]}" for i, p in enumerate(nodes))
             pytest.fail(f"{what} did not happen within {timeout} s\n{outs}")
         time.sleep(0.05)
+
+
+def leave_while_held(node: subprocess.Popen, gate: Path) -> None:
+    """Ask `node` to stop (SIGTERM) while the workers wait at the gate (tests/fixtures/gate.py) until the
+    request is old enough to count (LEAVE_GRACE_S): the others would otherwise finish a short or fast run
+    before the node leaves. Opens the gate (for good: a hold at a set forward will not close it again)."""
+    gate.touch()
+    node.send_signal(signal.SIGTERM)
+    time.sleep(LEAVE_GRACE_S + 0.5)
+    gate.with_name(gate.name + ".released").touch()
+    gate.unlink()
 
 
 def start_node(i: int, run_dir, port: int, max_restarts: int, run: list[str] = RUN,

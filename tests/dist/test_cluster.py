@@ -327,7 +327,17 @@ def test_a_live_run_across_hosts_loses_rejoins_and_leaves_and_equals_one_process
     link; then node 2 leaves (SIGTERM). The weights equal one process's within 1e-5."""
     import random
 
-    from live_runs import RUN, end_all, equals_one_process, membership, progress, start_node, wait_for, worker_of
+    from live_runs import (
+        RUN,
+        end_all,
+        equals_one_process,
+        leave_while_held,
+        membership,
+        progress,
+        start_node,
+        wait_for,
+        worker_of,
+    )
     from shoal.ps.roles import free_port
 
     run = [*RUN, "--set", "train.steps=40"]
@@ -348,7 +358,7 @@ def test_a_live_run_across_hosts_loses_rejoins_and_leaves_and_equals_one_process
         gate.unlink()
         wait_for("the replacement's join", lambda: any("joined" in m["membership"] for m in membership(run_dir)),
                  120, nodes)
-        nodes[2].send_signal(signal.SIGTERM)
+        leave_while_held(nodes[2], gate)
         outs = [p.communicate(timeout=120)[0] for p in nodes]
     finally:
         end_all(nodes)

@@ -15,6 +15,7 @@ from live_runs import (
     end_all,
     equals_one_process,
     gloo_loops,
+    leave_while_held,
     membership,
     progress,
     start_node,
@@ -54,7 +55,7 @@ def test_a_worker_killed_rejoined_and_a_node_leaving_equal_one_process(tmp_path,
         # each ended generation's groups were freed: a survivor runs no more gloo event loops than at the
         # start (a mesh kept across generations once kept them all, and their loops spun on cut sockets)
         assert gloo_loops(worker_of(nodes[0])) == loops
-        nodes[2].send_signal(signal.SIGTERM)  # node 2 leaves; the others finish the run
+        leave_while_held(nodes[2], gate)  # node 2 leaves; the others finish the run
         outs = [p.communicate(timeout=120)[0] for p in nodes]
     finally:
         end_all(nodes)

@@ -8,15 +8,13 @@ import os
 import random
 import shutil
 import signal
-import time
 
 import pytest
 
 from conftest import read_weights
 from harness import train as train_on_ranks
-from live_runs import RUN, end_all, membership, progress, start_node, wait_for, worker_of
+from live_runs import RUN, end_all, leave_while_held, membership, progress, start_node, wait_for, worker_of
 from shoal.ps.roles import free_port
-from shoal.training.step import LEAVE_GRACE_S
 
 pytestmark = [pytest.mark.timeout(240), pytest.mark.slow]  # the CLI, besides the harness
 
@@ -37,8 +35,8 @@ def worst(got: dict, want: dict) -> float:
 
 def node_2_leaves(run_dir, gate, run: list[str]) -> int:
     """A live run of `run` on 3 nodes from which node 2 leaves on SIGTERM; the step it left at. The workers
-    hold themselves at a random step while the request ages past LEAVE_GRACE_S (tests/fixtures/gate.py): a
-    loaded machine once ran the short run to its end between the test's looks at its progress."""
+    hold themselves at a random step (tests/fixtures/gate.py) where the request is made: a loaded machine
+    once ran the short run to its end between the test's looks at its progress."""
     hold = random.Random().randrange(8, 30)
     forwards = 48 // (2 * 3)  # per step and rank: RUN's global batch 48 in micro-batches of 2 on 3 ranks
     port = free_port()
@@ -46,10 +44,7 @@ def node_2_leaves(run_dir, gate, run: list[str]) -> int:
     nodes = [start_node(i, run_dir, port, max_restarts=0, run=run, env=env) for i in range(3)]
     try:
         wait_for(f"the hold after step {hold}", gate.exists, 120, nodes)
-        nodes[2].send_signal(signal.SIGTERM)
-        time.sleep(LEAVE_GRACE_S + 0.5)
-        gate.with_name(gate.name + ".released").touch()
-        gate.unlink()
+        leave_while_held(nodes[2], gate)
         outs = [p.communicate(timeout=120)[0] for p in nodes]
     finally:
         end_all(nodes)
