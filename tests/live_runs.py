@@ -19,7 +19,7 @@ from shoal.launch.supervisor import descendants
 from shoal.training.step import LEAVE_GRACE_S
 
 # the tests' tiny GPT as a user model that a test can hold at its next forward (tests/fixtures/gate.py)
-RUN = [*TINY_GPT, "--set", 'model.name="gate:build"', "--set", "train.steps=160", "--set",
+RUN = [*TINY_GPT, "--set", 'model.name="gate:build"', "--set", "train.steps=100", "--set",
        "train.global_batch_size=48", "--set", "train.micro_batch_size=2", "--set", "train.val_interval=0", "--set", "checkpoint.interval=50",
        "--set", "metrics.log_interval=20"]
 
@@ -55,15 +55,27 @@ def wait_for(what, until, timeout: float, nodes) -> None:
         time.sleep(0.05)
 
 
+def held_after(gate: Path, step: int) -> dict:
+    """The environment of nodes of RUN at world 3 whose workers hold themselves at the gate after `step` steps
+    (tests/fixtures/gate.py): a test acts at a known point of the run, however late it looks (a loaded
+    machine once ran a short run to its end between two looks at its progress)."""
+    forwards = 48 // (2 * 3)  # per step and rank: RUN's global batch 48 in micro-batches of 2 on 3 ranks
+    return {"SHOAL_TEST_GATE": str(gate), "SHOAL_TEST_HOLD_AT": str(step * forwards + 1)}
+
+
+def release(gate: Path) -> None:
+    """Open the gate for good: a hold at a set forward (held_after) will not close it again."""
+    gate.with_name(gate.name + ".released").touch()
+    gate.unlink()
+
+
 def leave_while_held(node: subprocess.Popen, gate: Path) -> None:
-    """Ask `node` to stop (SIGTERM) while the workers wait at the gate (tests/fixtures/gate.py) until the
-    request is old enough to count (LEAVE_GRACE_S): the others would otherwise finish a short or fast run
-    before the node leaves. Opens the gate (for good: a hold at a set forward will not close it again)."""
+    """Ask `node` to stop (SIGTERM) while the workers wait at the gate until the request is old enough to
+    count (LEAVE_GRACE_S): the others would otherwise finish a short or fast run before the node leaves."""
     gate.touch()
     node.send_signal(signal.SIGTERM)
     time.sleep(LEAVE_GRACE_S + 0.5)
-    gate.with_name(gate.name + ".released").touch()
-    gate.unlink()
+    release(gate)
 
 
 def start_node(i: int, run_dir, port: int, max_restarts: int, run: list[str] = RUN,

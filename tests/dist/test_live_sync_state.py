@@ -13,7 +13,17 @@ import pytest
 
 from conftest import read_weights
 from harness import train as train_on_ranks
-from live_runs import RUN, end_all, leave_while_held, membership, progress, start_node, wait_for, worker_of
+from live_runs import (
+    RUN,
+    end_all,
+    held_after,
+    leave_while_held,
+    membership,
+    release,
+    start_node,
+    wait_for,
+    worker_of,
+)
 from shoal.ps.roles import free_port
 
 pytestmark = [pytest.mark.timeout(240), pytest.mark.slow]  # the CLI, besides the harness
@@ -34,14 +44,10 @@ def worst(got: dict, want: dict) -> float:
 
 
 def node_2_leaves(run_dir, gate, run: list[str]) -> int:
-    """A live run of `run` on 3 nodes from which node 2 leaves on SIGTERM; the step it left at. The workers
-    hold themselves at a random step (tests/fixtures/gate.py) where the request is made: a loaded machine
-    once ran the short run to its end between the test's looks at its progress."""
-    hold = random.Random().randrange(8, 30)
-    forwards = 48 // (2 * 3)  # per step and rank: RUN's global batch 48 in micro-batches of 2 on 3 ranks
-    port = free_port()
-    env = {"SHOAL_TEST_GATE": str(gate), "SHOAL_TEST_HOLD_AT": str(hold * forwards + 1)}
-    nodes = [start_node(i, run_dir, port, max_restarts=0, run=run, env=env) for i in range(3)]
+    """A live run of `run` on 3 nodes from which node 2 leaves on SIGTERM, asked while the workers hold
+    after a random step; the step it left at."""
+    hold, port = random.Random().randrange(8, 30), free_port()
+    nodes = [start_node(i, run_dir, port, max_restarts=0, run=run, env=held_after(gate, hold)) for i in range(3)]
     try:
         wait_for(f"the hold after step {hold}", gate.exists, 120, nodes)
         leave_while_held(nodes[2], gate)
@@ -93,13 +99,15 @@ def test_diloco_survivors_redo_the_round_and_equal_a_resume_from_its_start(tmp_p
     the survivors go back to the round's start (where the replicas were one model) and redo it between them,
     each replica from the lowest survivor's inner optimizer state, with the outer state (anchor, Nesterov
     momentum) carried. That equals a resume from a checkpoint at the round's start on the new world size."""
-    run_dir, port = tmp_path / "live", free_port()
+    run_dir, port, gate = tmp_path / "live", free_port(), tmp_path / "gate"
     kill_at = random.Random().randrange(10, 30)
     print(f"killing node 1's worker after step {kill_at}")
-    nodes = [start_node(i, run_dir, port, max_restarts=0, run=DILOCO) for i in range(3)]
+    nodes = [start_node(i, run_dir, port, max_restarts=0, run=DILOCO, env=held_after(gate, kill_at))
+             for i in range(3)]
     try:
-        wait_for(f"step {kill_at}", lambda: progress(run_dir) >= kill_at, 120, nodes)
+        wait_for(f"the hold after step {kill_at}", gate.exists, 120, nodes)
         os.kill(worker_of(nodes[1]), signal.SIGKILL)
+        release(gate)
         outs = [p.communicate(timeout=120)[0] for p in nodes]
     finally:
         end_all(nodes)
@@ -107,7 +115,7 @@ def test_diloco_survivors_redo_the_round_and_equal_a_resume_from_its_start(tmp_p
     changes = membership(run_dir)
     assert [m["world"] for m in changes] == [2], changes
     start = changes[0]["step"]
-    assert start % 3 == 0 and start <= progress(run_dir), changes  # a round's start
+    assert start == kill_at - kill_at % 3, changes  # the start of the round the kill fell in
 
     ref = tmp_path / "ref"
     resumed_from_disk(ranks, DILOCO, start, ref)
