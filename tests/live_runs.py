@@ -55,11 +55,11 @@ def wait_for(what, until, timeout: float, nodes) -> None:
         time.sleep(0.05)
 
 
-def held_after(gate: Path, step: int) -> dict:
-    """The environment of nodes of RUN at world 3 whose workers hold themselves at the gate after `step` steps
+def held_after(gate: Path, step: int, world: int = 3) -> dict:
+    """The environment of nodes of RUN at `world` whose workers hold themselves at the gate after `step` steps
     (tests/fixtures/gate.py): a test acts at a known point of the run, however late it looks (a loaded
     machine once ran a short run to its end between two looks at its progress)."""
-    forwards = 48 // (2 * 3)  # per step and rank: RUN's global batch 48 in micro-batches of 2 on 3 ranks
+    forwards = 48 // (2 * world)  # per step and rank: RUN's global batch 48 in micro-batches of 2
     return {"SHOAL_TEST_GATE": str(gate), "SHOAL_TEST_HOLD_AT": str(step * forwards + 1)}
 
 

@@ -23,7 +23,9 @@ of every node on any failure. A live run therefore keeps its own membership, on 
   them to see the roster complete closes it with compare-and-set, so all read one list. Complete:
   every member of g is in it, leaving, gone, or still (or, alive but absent for `evict_s` seconds,
   evicted and named), there are at least `min_world`, and (the first generation) `max_world` came or
-  no one arrived for LAST_CALL_S. Members of g come first, in their old order, then joiners by id.
+  no one arrived for LAST_CALL_S; where the scheduler says how many nodes it started (a Slurm step over
+  a node range), that many workers came or no one arrived for START_CALL_S. Members of g come first,
+  in their old order, then joiners by id.
   A candidate left out (a late joiner, more than `max_world`) tries the next generation.
 """
 
@@ -41,7 +43,7 @@ import torch.distributed as dist
 
 PREFIX = "shoal/live/"
 STORE_ENV = "SHOAL_LIVE_STORE"  # host:port of the membership store (node 0's launcher)
-WORLD_ENV = "SHOAL_LIVE_WORLD"  # "min:max" workers
+WORLD_ENV = "SHOAL_LIVE_WORLD"  # "min:max" workers, or "min:max:start" (start: the scheduler started so many)
 ID_ENV = "SHOAL_LIVE_ID"  # this worker's member id, drawn by its launcher
 EVICTED = "stalled past parallel.timeout_s, evicted"
 BEAT_S = 0.2  # a member's heartbeat period
@@ -51,6 +53,9 @@ STALE_S = 1.5  # a beat unchanged this long: a regroup does not wait for the mem
 # and a joiner's start), and marking it gone then cut a working group
 SILENT_S = 10.0
 LAST_CALL_S = 2.0  # the first generation waits this long after the last arrival for more (up to max)
+# ... or this long for the workers a scheduler started (torchrun's last call): a host capped at half a core
+# took 3 s longer than the others to start its worker, and the run began without it
+START_CALL_S = 30.0
 LOST_KEY = PREFIX + "lost"  # how many members have gone by failure so far
 
 
@@ -160,6 +165,7 @@ class Member:
     min_world: int
     max_world: int
     evict_s: float  # an alive member absent this long from a regroup is evicted (parallel.timeout_s)
+    start_world: int | None = None  # the workers a scheduler started together: the first generation waits for them
     join_timeout_s: float = 600.0  # below min_world: how long to wait for joiners
     _stop: threading.Event = field(default_factory=threading.Event)
     _join_requests: int = 0  # as the heartbeat thread last read it
@@ -170,8 +176,9 @@ class Member:
     @classmethod
     def from_env(cls, evict_s: float) -> Member:
         endpoint = os.environ[STORE_ENV]
-        lo, _, hi = os.environ[WORLD_ENV].partition(":")
-        member = cls(connect(endpoint), endpoint, int(os.environ[ID_ENV]), int(lo), int(hi), evict_s)
+        lo, hi, *start = os.environ[WORLD_ENV].split(":")
+        member = cls(connect(endpoint), endpoint, int(os.environ[ID_ENV]), int(lo), int(hi), evict_s,
+                     int(start[0]) if start else None)
         member.start_beating()
         return member
 
@@ -301,8 +308,10 @@ class Member:
                 evicted.append(m)  # alive (its beat goes on) but it never came: stalled
         if len(roster) < self.min_world:
             return None, []
-        if previous is None and len(roster) < self.max_world and now - last_arrival < LAST_CALL_S:
-            return None, []
+        if previous is None:
+            wanted, wait = (self.start_world, START_CALL_S) if self.start_world else (self.max_world, LAST_CALL_S)
+            if len(roster) < wanted and now - last_arrival < wait:
+                return None, []
         old = [m for m in (previous.members if previous else ()) if m in roster]
         new = sorted(m for m in roster if m not in old)
         return (old + new)[:self.max_world], evicted

@@ -6,6 +6,8 @@ and say why. Every test that makes a cluster removes it (`shoal cluster down`), 
 
 from __future__ import annotations
 
+import contextlib
+import json
 import os
 import shutil
 import signal
@@ -177,14 +179,18 @@ def test_up_after_a_half_made_cluster_then_down_removes_everything(down_after):
     assert "no cluster is up" in cluster_cli("status").stdout
 
 
-# --- one shared cluster: 2 hosts, 20 Mbit/s links, h1 capped at half a core ---
+# --- one shared cluster: 2 hosts, 20 Mbit/s links, h1 capped at half a core; Slurm on them where installed ---
+
+SLURM = all(shutil.which(d) or Path(f"/usr/sbin/{d}").exists() for d in ("munged", "slurmctld", "slurmd", "sbatch"))
+needs_slurm = pytest.mark.skipif(not SLURM, reason="Slurm is not installed (apt-get install slurm-wlm munge; "
+                                                   ".ci/run installs it)")
 
 @pytest.fixture(scope="module")
 def cluster():
     if WHY_NOT:
         pytest.skip(f"cannot make network namespaces: {WHY_NOT}")
     try:
-        r = cluster_cli("up", "--hosts", "2", "--rate", "20mbit", "--cpu", "1,0.5")
+        r = cluster_cli("up", "--hosts", "2", "--rate", "20mbit", "--cpu", "1,0.5", *(["--slurm"] if SLURM else []))
         assert r.returncode == 0, r.output
         yield r.stdout
     finally:
@@ -370,4 +376,97 @@ def test_a_live_run_across_hosts_loses_rejoins_and_leaves_and_equals_one_process
     assert "node 1 (10.200.0.2) local rank 0 left (its process ended)" in events[0], events
     assert "node 1 (10.200.0.2) local rank 0 joined (healed from rank" in events[-2], events
     assert "node 2 (10.200.0.1) local rank 0 left (it was asked to stop)" in events[-1], events
+    equals_one_process(run_dir, shared_dir, run)
+
+
+def cmdline(pid: str) -> bytes:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return f.read()
+    except OSError:  # it ended
+        return b""
+
+
+def slurm_job(cluster_up, script: Path, env: dict, timeout: float = 150) -> str:
+    """Submit `script` with sbatch from its directory (the job gets `env`, as sbatch passes the submitter's on)
+    and wait for the job to end; returns its output file's text."""
+    from shoal.testbed import hosts, slurm
+
+    cluster_now = hosts.require_up()
+    job = slurm.client(cluster_now, ["sbatch", "--parsable", "--output", "job-%j.out", script.name], cwd=script.parent,
+                       env={**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}",
+                            "PYTHONPATH": f"{FIXTURES}{os.pathsep}{os.environ.get('PYTHONPATH', '')}", **env}
+                       ).stdout.strip()
+    deadline = time.monotonic() + timeout
+    while slurm.client(cluster_now, ["squeue", "--noheader", "--jobs", job], check=False).stdout.strip():
+        if time.monotonic() > deadline:
+            slurm.client(cluster_now, ["scancel", job], check=False)
+            pytest.fail(f"Slurm job {job} still running after {timeout} s")
+        time.sleep(0.5)
+    return (script.parent / f"job-{job}.out").read_text()
+
+
+@needs_slurm
+@pytest.mark.timeout(180)
+def test_a_heterogeneous_slurm_job_trains_across_both_hosts_as_on_loopback(cluster, tmp_path, ranks):
+    """A real Slurm heterogeneous job: one component per host, one srun step over both (--het-group=0,1).
+    Slurm sets that step's variables over all components (SLURM_STEP_NUM_NODES 2, SLURM_NODEID 0 and 1), so
+    each shoal finds the job; node 0's name (h0) resolves nowhere, and its address comes from Slurm's NodeAddr.
+    The per-step losses equal two ranks on loopback."""
+    common = [*TINY_GPT, "--set", "train.steps=3", "--set", "metrics.log_interval=1", "--set", "checkpoint.enabled=false"]
+    script = tmp_path / "het.sbatch"
+    script.write_text("\n".join([
+        "#!/bin/bash", "#SBATCH --nodes=1 --ntasks-per-node=1", "#SBATCH hetjob", "#SBATCH --nodes=1 --ntasks-per-node=1",
+        f"srun --het-group=0,1 shoal train --nproc 1 --run-dir {tmp_path / 'het'} {' '.join(common)}", ""]))
+    out = slurm_job(cluster, script, {})
+    assert "shoal: from Slurm" in out and "2 nodes, node rank 1, rendezvous 10.200.0.1:" in out, out
+    ranks(2).run(train_on_ranks, common[1::2], str(tmp_path / "loopback"))
+    on_slurm, on_loopback = read_metrics(tmp_path / "het"), read_metrics(tmp_path / "loopback")
+    assert [(m["loss"], m["grad_norm"]) for m in on_slurm] == [(m["loss"], m["grad_norm"]) for m in on_loopback]
+
+
+@needs_slurm
+@pytest.mark.timeout(240)
+def test_a_slurm_node_range_job_loses_a_node_and_finishes_equal_to_one_process(cluster, tmp_path, shared_dir):
+    """`shoal launch --target slurm --nodes 1:2`, submitted to the real Slurm: it starts on both free hosts,
+    live. Node 1 dies whole (its shoal and its worker SIGKILLed while the workers hold after a random step);
+    node 0 goes on alone, within the range, and the weights equal one process's within 1e-5."""
+    import random
+
+    from live_runs import RUN, equals_one_process, held_after, membership, release
+
+    run = [*RUN, "--set", "train.steps=40"]
+    (tmp_path / "job.toml").write_text("")  # the defaults, as `shoal train` without a config
+    r = run_cli(["launch", "--target", "slurm", "--nodes", "1:2", "--nproc", "1", "job.toml", *run,
+                 "--out", "job.sbatch"], timeout=60, cwd=tmp_path)
+    assert r.returncode == 0, r.output
+    kill_at, gate = random.Random().randrange(5, 20), tmp_path / "gate"
+    print(f"node 1 dies after step {kill_at}")
+
+    def kill_node_1_when_held():
+        deadline = time.monotonic() + 120
+        while not gate.exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        for _ in range(20):  # node 1's launcher and worker (again, should the launcher have started one meanwhile)
+            shoal = [int(pid) for pid in subprocess.run(["ip", "netns", "pids", "shoal-h1"], capture_output=True,
+                                                        text=True).stdout.split() if b"shoal\x00train" in cmdline(pid)]
+            if not shoal:
+                break
+            for pid in shoal:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+            time.sleep(0.1)
+        release(gate)
+
+    import threading
+
+    killer = threading.Thread(target=kill_node_1_when_held)
+    killer.start()
+    out = slurm_job(cluster, tmp_path / "job.sbatch", held_after(gate, kill_at, world=2))
+    killer.join()
+    run_dir = next((tmp_path / "runs").iterdir())
+    changes = membership(run_dir)
+    assert [m["world"] for m in changes] == [1], (changes, out)
+    assert "node 1 (10.200.0.2) local rank 0 left" in changes[0]["membership"], (changes, out)
+    assert json.loads((run_dir / "summary.json").read_text())["steps"] == 40, out
     equals_one_process(run_dir, shared_dir, run)

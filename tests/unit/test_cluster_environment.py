@@ -172,3 +172,36 @@ def test_flags_win_field_by_field():
 def test_no_scheduler_leaves_the_defaults():
     assert node_args(*NO_FLAGS, env={"HOME": "/root"}) == (NodeArgs("1", 0, None, 1), None)
     assert detect({"SLURM_JOB_ID": "7", "SLURM_JOB_NUM_NODES": "1", "SLURM_NODEID": "0"}).endpoint is None
+
+
+def test_a_node_range_in_a_slurm_step_waits_for_the_nodes_slurm_started():
+    """`--nnodes 1:4` (a live run) inside a step Slurm started on 4 nodes: node rank and rendezvous from Slurm,
+    and the first generation waits for all 4 (membership.START_CALL_S), not just the first to arrive."""
+    args, line = node_args("1:4", None, None, None, env=SLURM)
+    assert args == NodeArgs("1:4", 2, "gpu07:24242", 1, started=4)
+    assert line == "shoal: from Slurm (job 4242): node rank 2, rendezvous gpu07:24242"
+    one = {**SLURM, "SLURM_JOB_NUM_NODES": "1", "SLURM_STEP_NUM_NODES": "1", "SLURM_STEP_NUM_TASKS": "1",
+           "SLURM_NODEID": "0"}
+    assert node_args("1:4", None, None, None, env=one)[0] == NodeArgs("1:4", 0, "gpu07:24242", 1, started=1)
+
+
+def test_a_heterogeneous_jobs_step_reads_as_one_job():
+    """The variables Slurm 22.05 set in the second component's task of `srun --het-group=0,1` (measured):
+    the step's count and node ids run over both components."""
+    het = {"SLURM_JOB_ID": "1", "SLURM_STEP_ID": "0", "SLURM_HET_SIZE": "2", "SLURM_JOB_NUM_NODES": "2",
+           "SLURM_JOB_NUM_NODES_HET_GROUP_0": "1", "SLURM_JOB_NUM_NODES_HET_GROUP_1": "1",
+           "SLURM_JOB_NODELIST": "h[0-1]", "SLURM_JOB_NODELIST_HET_GROUP_0": "h0",
+           "SLURM_JOB_NODELIST_HET_GROUP_1": "h1", "SLURM_STEP_NODELIST": "h[0-1]", "SLURM_STEP_NUM_NODES": "2",
+           "SLURM_STEP_NUM_TASKS": "2", "SLURM_NODEID": "1", "SLURM_PROCID": "1", "SLURMD_NODENAME": "h1"}
+    assert node_args(*NO_FLAGS, env=het)[0] == NodeArgs("2", 1, "h0:20001", 1)
+
+
+def test_a_node_name_no_resolver_knows_becomes_slurms_node_addr(monkeypatch, tmp_path):
+    fake = tmp_path / "scontrol"
+    fake.write_text('#!/bin/sh\n[ "$1 $2 $4" = "show node --oneliner" ] && '
+                    'echo "NodeName=$3 Arch=x86_64 CoresPerSocket=1 NodeAddr=10.200.0.1 NodeHostName=$3"\n')
+    fake.chmod(fake.stat().st_mode | stat.S_IEXEC)
+    monkeypatch.setattr(environment.shutil, "which", lambda name: str(fake) if name == "scontrol" else None)
+    monkeypatch.setenv("PATH", f"{tmp_path}{os.pathsep}{os.environ['PATH']}")
+    assert environment.node_address("h0.invalid") == "10.200.0.1"  # .invalid never resolves (RFC 2606)
+    assert environment.node_address("localhost") == "localhost"

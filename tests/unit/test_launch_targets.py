@@ -145,6 +145,22 @@ def test_a_range_is_an_elastic_pytorchjob_whose_pods_run_live(config):
     assert node_args(None, None, None, 2, env=pod)[0] == NodeArgs("1:2", 1, f"{name}-worker-0:{port}", 2)
 
 
+def test_a_slurm_range_starts_on_what_is_free_and_survives_a_lost_node(config):
+    """--nodes MIN:MAX for Slurm: `--nodes=MIN-MAX` without --ntasks-per-node (with it, Slurm 22.05 gives MIN
+    nodes with MAX free: measured), --no-kill and srun --kill-on-bad-exit=0 (a node lost leaves the others
+    running), and shoal live over the range (the real Slurm story: tests/dist/test_cluster.py)."""
+    assert launch("--target", "slurm", config, "--nodes", "1:2", "--nproc", 2) == 0
+    text = open("my-job.sbatch").read()
+    assert subprocess.run(["bash", "-n", "my-job.sbatch"]).returncode == 0
+    directives = dict(re.findall(r"^#SBATCH --([\w-]+)=?(\S*)", text, re.M))
+    assert directives["nodes"] == "1-2" and "no-kill" in directives and "ntasks-per-node" not in directives
+    command = shlex.split(text.split("srun ", 1)[1].replace("\\\n", " "))
+    assert command[:3] == ["--ntasks-per-node=1", "--cpus-per-task=${SLURM_CPUS_PER_TASK:-$SLURM_CPUS_ON_NODE}",
+                           "--kill-on-bad-exit=0"]
+    args = train_args(command[3:])
+    assert (args.nnodes, args.nproc, args.max_restarts) == ("1:2", 2, 3)
+
+
 @pytest.mark.parametrize("target, args, expected", [
     ("slurm", ["--nodes", 0], "--nodes (0) must be >= 1"),
     ("slurm", ["--nodes", 2, "--nproc", 0], "--nproc (0) must be >= 1"),
@@ -153,7 +169,8 @@ def test_a_range_is_an_elastic_pytorchjob_whose_pods_run_live(config):
     ("slurm", ["--nodes", 3], "train.global_batch_size (16) must be divisible by train.micro_batch_size (4) x dp (3)"),
     ("slurm", ["--nodes", 2, "--set", "train.stepz=3"], "unknown key train.stepz; did you mean train.steps?"),
     ("slurm", ["--nodes", 2, "--nproc", 4, "--gpus-per-node", 2], "--nproc 4 workers per node but --gpus-per-node 2"),
-    ("slurm", ["--nodes", "1:2"], "--nodes 1:2: a range is for --target kubernetes (an elastic PyTorchJob)"),
+    ("sagemaker", ["--nodes", "1:2", "--image", "i"], "--nodes 1:2: a SageMaker job's instance count is fixed"),
+    ("slurm", ["--nodes", "1:2", "--set", "parallel.zero=1"], "which cannot heal live yet"),
     ("kubernetes", ["--nodes", "3:1", "--image", "i"], "--nodes 3:1: MIN (3) is above MAX (1); give --nodes 1:3"),
     ("kubernetes", ["--nodes", "1:3", "--image", "i"], "must be divisible by train.micro_batch_size (4) x dp (3)"),
     ("kubernetes", ["--nodes", "1:2", "--image", "i", "--set", "parallel.zero=1"], "which cannot heal live yet"),

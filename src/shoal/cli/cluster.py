@@ -36,6 +36,8 @@ def add_parsers(sub) -> None:
     up.add_argument("--delay", help="one-way delay between two hosts, e.g. 20ms (tc netem, if the kernel has it)")
     up.add_argument("--cpu", metavar="SHARES", help="each host's share of one core, e.g. 1,0.5 (or one for all; a "
                                                     "cgroup cpu quota)")
+    up.add_argument("--slurm", action="store_true", help="also start Slurm on the hosts (munge, slurmctld on h0, a "
+                                                         "slurmd per host): a real scheduler to submit job files to")
     ksub.add_parser("down", help="remove the cluster and everything it made")
     ksub.add_parser("status", help="list the hosts, their addresses and limits")
     r = ksub.add_parser("run", help="run a command on every host (shoal train gets --nnodes, --node-rank and "
@@ -84,5 +86,12 @@ def cluster(args: argparse.Namespace) -> int:
         removed = hosts.down()
         print(f"removed {', '.join(removed)}" if removed else "no cluster to remove")
         return 0
-    print(hosts.status_text(hosts.up(args.hosts, args.rate, args.delay, args.cpu)))
+    if args.slurm:
+        from shoal.testbed import slurm
+
+        slurm.require_slurm()
+    made = hosts.up(args.hosts, args.rate, args.delay, args.cpu)
+    if args.slurm:
+        slurm.up(made)
+    print(hosts.status_text(made))
     return 0

@@ -62,6 +62,7 @@ def node_flags(args: argparse.Namespace) -> tuple[int, int]:
         print(taken, file=sys.stderr, flush=True)
     args.nnodes, args.node_rank, args.rdzv_endpoint, args.nproc = (node.nnodes, node.node_rank, node.rdzv_endpoint,
                                                                    node.nproc)
+    args.started_nodes = node.started
     nodes = parse_nnodes(args.nnodes)
     check_launch_args(args.nproc, nodes, args.node_rank, args.rdzv_endpoint, args.max_restarts, args.rdzv_timeout)
     return nodes
@@ -116,7 +117,8 @@ def start(args: argparse.Namespace, cfg, job, run_dir: Path, nodes: tuple[int, i
 
         return launch_live(fresh, args.nproc, nodes, args.node_rank,
                            args.rdzv_endpoint or f"127.0.0.1:{roles.free_port()}",
-                           threads_per_worker(cfg, args.nproc), args.max_restarts, args.rdzv_timeout or 600)
+                           threads_per_worker(cfg, args.nproc), args.max_restarts, args.rdzv_timeout or 600,
+                           getattr(args, "started_nodes", None))
     if args.fresh_workers:  # called from Python: fresh interpreters ([Note: forked workers])
         worker = fresh
     else:

@@ -5,9 +5,12 @@ rendezvous endpoint and (where the scheduler knows it) how many workers to start
 
   Slurm       srun with one task per node: SLURM_STEP_NUM_NODES (or SLURM_JOB_NUM_NODES / SLURM_NNODES),
               SLURM_NODEID, and the first host of SLURM_STEP_NODELIST (or SLURM_JOB_NODELIST /
-              SLURM_NODELIST, expanded by `scontrol show hostnames` where it exists, else parsed here);
+              SLURM_NODELIST, expanded by `scontrol show hostnames` where it exists, else parsed here;
+              a name that does not resolve is replaced by the NodeAddr `scontrol show node` gives);
               MASTER_ADDR / MASTER_PORT where set, else a port derived from the job's id, so every node
-              computes the same one
+              computes the same one. A heterogeneous job's step over several components (srun
+              --het-group=0,1) reads the same: Slurm 22.05 sets the step's variables over all of them
+              (SLURM_STEP_NUM_NODES their sum, SLURM_NODEID counted across them), measured
   torchrun    a Kubeflow PyTorchJob pod, or anything that sets torchrun's own variables: PET_NNODES,
               PET_NODE_RANK, PET_RDZV_ENDPOINT or PET_MASTER_ADDR / PET_MASTER_PORT, PET_NPROC_PER_NODE;
               else the pod-level WORLD_SIZE (nodes), RANK (node rank), MASTER_ADDR and MASTER_PORT
@@ -59,6 +62,7 @@ class NodeArgs:
     node_rank: int
     rdzv_endpoint: str | None
     nproc: int
+    started: int | None = None  # a range's nodes the scheduler started together (a Slurm step), where known
 
 
 def node_args(nnodes: str | None, node_rank: int | None, rdzv_endpoint: str | None, nproc: int | None,
@@ -66,9 +70,11 @@ def node_args(nnodes: str | None, node_rank: int | None, rdzv_endpoint: str | No
     """The flags given (None where not), completed from the environment; and the line saying what was
     taken from where (None when nothing was). `gpus`: CUDA devices here (PET_NPROC_PER_NODE=auto)."""
 
+    started = None
+
     def completed() -> NodeArgs:  # the values as they stand when called; a flag given as 0 stays 0 (refused later)
         return NodeArgs("1" if nnodes is None else nnodes, 0 if node_rank is None else node_rank, rdzv_endpoint,
-                        1 if nproc is None else nproc)
+                        1 if nproc is None else nproc, started)
 
     if nproc is not None and (nnodes == "1" or None not in (nnodes, node_rank, rdzv_endpoint)):
         return completed(), None  # nothing left to take
@@ -82,6 +88,8 @@ def node_args(nnodes: str | None, node_rank: int | None, rdzv_endpoint: str | No
         nnodes = str(found.nnodes)
         taken.append(f"{found.nnodes} node{'s' if found.nnodes != 1 else ''}")
     several = int(nnodes) > 1 if nnodes and nnodes.isdigit() else True
+    if ":" in (nnodes or "") and isinstance(found.nnodes, int):
+        started = found.nnodes  # a range given, and the scheduler started so many nodes (a Slurm step)
     if several and node_rank is None and found.node_rank is not None:
         node_rank = found.node_rank
         taken.append(f"node rank {node_rank}")
@@ -188,18 +196,14 @@ def slurm(env: Mapping[str, str]) -> Found:
         refusal = f"Slurm job {job} has {nnodes} nodes but no SLURM_NODEID says which this is; pass --node-rank"
     if node_rank is not None and node_rank >= nnodes:
         raise UserError(f"SLURM_NODEID={node_rank} must be below the job's {nnodes} nodes ({key})")
-    endpoint = None
-    if nnodes > 1:
-        host = env.get("MASTER_ADDR")
-        if not host:
-            listed = next((k for k in ("SLURM_STEP_NODELIST", "SLURM_JOB_NODELIST", "SLURM_NODELIST") if k in env),
-                          None)
-            if listed is None:
-                raise UserError(f"Slurm job {job}: no SLURM_JOB_NODELIST to find node 0 in; pass --rdzv-endpoint "
-                                f"HOST:PORT")
-            host = first_host(env[listed])
+    endpoint = None  # wanted on one node too by a live run (--nnodes MIN:MAX) that Slurm started on MIN = 1
+    listed = next((k for k in ("SLURM_STEP_NODELIST", "SLURM_JOB_NODELIST", "SLURM_NODELIST") if k in env), None)
+    if env.get("MASTER_ADDR") or listed:
+        host = env.get("MASTER_ADDR") or node_address(first_host(env[listed]))
         port = env.get("MASTER_PORT") or str(slurm_port(job, env.get("SLURM_STEP_ID", env.get("SLURM_STEPID", "0"))))
         endpoint = f"{host}:{port}"
+    elif nnodes > 1:
+        raise UserError(f"Slurm job {job}: no SLURM_JOB_NODELIST to find node 0 in; pass --rdzv-endpoint HOST:PORT")
     nproc = None
     gpus = env.get("SLURM_GPUS_ON_NODE", "")
     if gpus.isdigit() and int(gpus) > 0:
@@ -213,6 +217,21 @@ def slurm_port(job_id: str, step_id: str = "0") -> int:
     first, count = SLURM_PORTS
     job = int(job_id) if job_id.isdigit() else sum(map(ord, job_id))
     return first + (job + (int(step_id) if step_id.isdigit() else 0)) % count
+
+
+def node_address(host: str) -> str:
+    """`host` where it resolves; else the NodeAddr Slurm has for it (clusters that declare their nodes
+    by address have names no DNS knows: srun reaches them, a rendezvous could not); else `host`."""
+    if not shutil.which("scontrol"):
+        return host
+    try:
+        socket.getaddrinfo(host, None)
+        return host
+    except OSError:
+        pass
+    out = subprocess.run(["scontrol", "show", "node", host, "--oneliner"], capture_output=True, text=True)
+    found = re.search(r"\bNodeAddr=(\S+)", out.stdout) if out.returncode == 0 else None
+    return found.group(1) if found else host
 
 
 def first_host(nodelist: str) -> str:

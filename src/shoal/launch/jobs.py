@@ -3,7 +3,10 @@
   slurm       an sbatch script: N nodes, one task per node, `srun shoal train CONFIG --nproc M`; each
               task reads its node rank and node 0's address from Slurm (launch/environment.py). The
               config is read where the job is submitted from (a filesystem every node sees), and the
-              stable default run dir there is where a requeued job finds its checkpoints
+              stable default run dir there is where a requeued job finds its checkpoints. For a range
+              MIN:MAX: `--nodes=MIN-MAX` (Slurm starts it on as many as are free), --no-kill and srun
+              --kill-on-bad-exit=0 (a lost node leaves the job running), and `--nnodes MIN:MAX`: live.
+              Slurm adds no node to a running job, so such a job shrinks and never grows
   kubernetes  a Kubeflow PyTorchJob (Master 1 + Worker N-1, containers named "pytorch" as the operator
               requires) and a ConfigMap carrying the config's text, mounted into every pod; runs go to a
               volume (a PersistentVolumeClaim, or an emptyDir that outlives a container restart). For a
@@ -70,8 +73,8 @@ def parse_nodes(text: str) -> tuple[int | None, int]:
     try:
         least, most = (int(lo), int(hi)) if colon else (int(text), int(text))
     except ValueError:
-        raise UserError(f"--nodes {text!r}: expected a number of nodes, or for --target kubernetes a range MIN:MAX "
-                        f"(--nodes 2, --nodes 1:4)") from None
+        raise UserError(f"--nodes {text!r}: expected a number of nodes, or for --target slurm or kubernetes a "
+                        f"range MIN:MAX (--nodes 2, --nodes 1:4)") from None
     if least > most:
         raise UserError(f"--nodes {text}: MIN ({least}) is above MAX ({most}); give --nodes {most}:{least}")
     return (least if least < most else None), most
@@ -97,9 +100,9 @@ def check(spec: JobSpec) -> None:
                         f"(and the data the config reads)")
     if spec.pvc and spec.target != "kubernetes":
         raise UserError("--pvc names a Kubernetes PersistentVolumeClaim; it is for --target kubernetes")
-    if spec.min_nodes is not None and spec.target != "kubernetes":
-        raise UserError(f"--nodes {spec.min_nodes}:{spec.nodes}: a range is for --target kubernetes (an elastic "
-                        f"PyTorchJob); a {spec.target} job's node count is fixed when it is submitted: give --nodes N")
+    if spec.min_nodes is not None and spec.target == "sagemaker":
+        raise UserError(f"--nodes {spec.min_nodes}:{spec.nodes}: a SageMaker job's instance count is fixed when it "
+                        f"is submitted: give --nodes N (a range is for --target slurm or kubernetes)")
     cfg = load_config(spec.config, list(spec.sets))
     cuda = spec.gpus_per_node > 0 or (spec.target == "sagemaker" and spec.instance_type.startswith(("ml.p", "ml.g")))
     if spec.min_nodes is not None:  # every world the range allows, and a layout that heals live
@@ -130,16 +133,25 @@ def how_to_run(spec: JobSpec, out: str) -> str:
 
 
 def sbatch_script(spec: JobSpec) -> str:
+    live = spec.min_nodes is not None
+    nodes = f"{spec.min_nodes} to {spec.nodes}" if live else str(spec.nodes)
+    train = [*spec.train_argv(spec.config), *(["--nnodes", f"{spec.min_nodes}:{spec.nodes}", "--max-restarts", "3"]
+                                              if live else [])]
     cpus = (f"#SBATCH --cpus-per-task={spec.cpus_per_node}" if spec.cpus_per_node else
             "#SBATCH --exclusive                    # the one task per node gets the whole node")
+    if live:  # no --ntasks-per-node: with it, Slurm 22.05 gives a range MIN nodes with MAX free (measured)
+        size = [f"#SBATCH --nodes={spec.min_nodes}-{spec.nodes}".ljust(39) + "# as many as are free, within the range",
+                "#SBATCH --no-kill                      # a node that fails leaves the job running on the others"]
+    else:
+        size = [f"#SBATCH --nodes={spec.nodes}",
+                "#SBATCH --ntasks-per-node=1            # one shoal per node; it starts --nproc workers itself"]
     lines = [
         "#!/bin/bash",
-        f"# {spec.config} on {spec.nodes} node(s) x {spec.nproc} worker(s), written by `shoal launch --target slurm`.",
+        f"# {spec.config} on {nodes} node(s) x {spec.nproc} worker(s), written by `shoal launch --target slurm`.",
         "# Submit from the directory holding the config (a filesystem every node sees): sbatch THIS_FILE.",
         "# Add --partition, --account or --time as your cluster asks.",
         f"#SBATCH --job-name={spec.name}",
-        f"#SBATCH --nodes={spec.nodes}",
-        "#SBATCH --ntasks-per-node=1            # one shoal per node; it starts --nproc workers itself",
+        *size,
         cpus,
         *([f"#SBATCH --gpus-per-node={spec.gpus_per_node}"] if spec.gpus_per_node else []),
         "#SBATCH --output=%x-%j.out",
@@ -148,8 +160,12 @@ def sbatch_script(spec: JobSpec) -> str:
         "",
         "# Each task reads the node count, its node rank (SLURM_NODEID) and node 0's address (the first host",
         "# of SLURM_JOB_NODELIST) from Slurm; the rendezvous port comes from the job id unless MASTER_PORT is set.",
-        'srun --ntasks-per-node=1 --cpus-per-task="${SLURM_CPUS_PER_TASK:-$SLURM_CPUS_ON_NODE}" \\',
-        f"    {shlex.join(spec.train_argv(spec.config))}",
+        *(["# A live run (--nnodes MIN:MAX): the others go on without a node whose task ends; a worker that",
+           "# fails is replaced on its node (--max-restarts); a requeue resumes the run from its checkpoint."]
+          if live else []),
+        'srun --ntasks-per-node=1 --cpus-per-task="${SLURM_CPUS_PER_TASK:-$SLURM_CPUS_ON_NODE}"'
+        + (" --kill-on-bad-exit=0" if live else "") + " \\",
+        f"    {shlex.join(train)}",
     ]
     return "\n".join(lines) + "\n"
 

@@ -35,10 +35,11 @@ class _Worker:
 
 
 def launch_live(worker: list[str], nproc: int, nnodes: tuple[int, int], node_rank: int, endpoint: str,
-                threads: int | None, max_restarts: int, rdzv_timeout: float) -> int:
+                threads: int | None, max_restarts: int, rdzv_timeout: float, start_nodes: int | None = None) -> int:
     """Run this node's `nproc` workers (`python <worker>`) in the live run at `endpoint`; returns the node's
     exit code: 0 when its workers finished the run, 128 + N when they left on signal N, else 1 (2 when
-    every failure was a user error)."""
+    every failure was a user error). `start_nodes`: the nodes a scheduler started together (the first
+    generation waits for them all)."""
     host, port = split_endpoint(endpoint)
     server = None
     if node_rank == 0:  # the store lives as long as this launcher: losing it ends the run (resume from disk)
@@ -53,7 +54,8 @@ def launch_live(worker: list[str], nproc: int, nnodes: tuple[int, int], node_ran
         os.environ["OMP_NUM_THREADS"] = str(threads)
     store = membership.connect(endpoint, rdzv_timeout)
     name = f"node {node_rank}" + (f" ({addr})" if addr != "127.0.0.1" else "")
-    env = {membership.STORE_ENV: endpoint, membership.WORLD_ENV: f"{nnodes[0] * nproc}:{nnodes[1] * nproc}",
+    world = f"{nnodes[0] * nproc}:{nnodes[1] * nproc}" + (f":{start_nodes * nproc}" if start_nodes else "")
+    env = {membership.STORE_ENV: endpoint, membership.WORLD_ENV: world,
            "LOCAL_WORLD_SIZE": str(nproc)}
     stop = _Signals()
 

@@ -205,6 +205,10 @@ def down() -> list[str]:
                 time.sleep(0.1)
     if groups:
         removed.append(f"{len(groups) - 1} cpu group{'s' * (len(groups) != 2)}")
+    from shoal.testbed import slurm  # its daemons ran in the namespaces: stopped above
+
+    if slurm.down():
+        removed.append("Slurm's files")
     if STATE_FILE.exists():
         STATE_FILE.unlink()
     return removed
@@ -240,4 +244,8 @@ def status_text(cluster: Cluster | None) -> str:
                      + ("" if there else "  MISSING: run `shoal cluster up` again"))
     lines.append(f"rate: each host's link, in each direction (tbf on its {HOST_IF} for what it sends and on its "
                  f"bridge port for what it receives); delay between two hosts: {delay}; cpu: cgroup cpu quota")
+    from shoal.testbed import slurm
+
+    if slurm.CONF.exists():
+        lines.append(slurm.status_line(cluster))
     return "\n".join(lines)
