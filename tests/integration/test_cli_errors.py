@@ -58,3 +58,11 @@ def test_the_real_command_prints_no_traceback(tmp_path):
     assert r.returncode == 2
     assert r.stderr.splitlines() == ["shoal: error: --set: train.lr = 0: must be greater than 0"]
     assert "Traceback" not in r.output
+
+
+def test_a_range_of_workers_per_node_is_refused_naming_the_node_range(capsys):
+    """--nproc takes one number (argparse's usage line, then the reason): a live run's range is --nnodes."""
+    with pytest.raises(SystemExit) as e:
+        main(["train", "--nproc", "1:2", "--nnodes", "1:2"])
+    assert e.value.code == 2
+    assert "argument --nproc: '1:2': --nproc takes one number" in capsys.readouterr().err

@@ -11,9 +11,23 @@ def add_set(parser: argparse.ArgumentParser, help: str = SET_HELP) -> None:
     parser.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE", help=help)
 
 
+def workers(text: str) -> int:
+    """--nproc: one number. A range is refused: a node starts the workers it has devices for, and a live
+    run's range (--nnodes MIN:MAX) already counts workers (a node whose worker fails goes on with fewer)."""
+    if ":" in text:
+        raise argparse.ArgumentTypeError(
+            f"{text!r}: --nproc takes one number, the workers this node starts; for a run that goes on with "
+            f"fewer workers give --nnodes MIN:MAX (a live run's range counts workers: a node whose worker fails "
+            f"goes on with fewer, and --max-restarts replaces it)")
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected a whole number of workers") from None
+
+
 def add_launch(parser: argparse.ArgumentParser, restarts: str) -> None:
     """The flags of a command that starts workers through torch elastic (`shoal train`, `shoal run`)."""
-    parser.add_argument("--nproc", type=int, help="worker processes on this node (default 1, or what the scheduler "
+    parser.add_argument("--nproc", type=workers, help="worker processes on this node (default 1, or what the scheduler "
                                                   "says: PET_NPROC_PER_NODE, SM_NUM_GPUS, SLURM_GPUS_ON_NODE)")
     parser.add_argument("--max-restarts", type=int, default=0, help=restarts)
     parser.add_argument("--nnodes", metavar="N", help="nodes in the job (default 1, or what Slurm, a PyTorchJob or "
