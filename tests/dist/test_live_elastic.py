@@ -104,4 +104,5 @@ def test_a_worker_killed_in_the_first_step_sends_the_survivors_back_to_the_start
     assert [p.returncode for p in nodes] == [0, 137, 0], "\n".join(outs)
     events = json.loads((run_dir / "summary.json").read_text())["membership"]
     assert [(e["step"], e["world"]) for e in events] == [(0, 2)], events
+    assert [m["world"] for m in membership(run_dir)] == [2]  # said in metrics.jsonl too, though it began again
     equals_one_process(run_dir, shared_dir, run)

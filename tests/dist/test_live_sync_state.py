@@ -94,16 +94,12 @@ DILOCO = [*RUN, "--set", f"train.steps={STEPS}", "--set", 'sync.mode="diloco"', 
           "--set", "train.warmup_steps=0", "--set", "train.min_lr_ratio=1.0"]
 
 
-def test_diloco_survivors_redo_the_round_and_equal_a_resume_from_its_start(tmp_path, ranks):
-    """DiLoCo's replicas differ within a round, so a worker killed mid-round takes the round's work with it:
-    the survivors go back to the round's start (where the replicas were one model) and redo it between them,
-    each replica from the lowest survivor's inner optimizer state, with the outer state (anchor, Nesterov
-    momentum) carried. That equals a resume from a checkpoint at the round's start on the new world size."""
-    run_dir, port, gate = tmp_path / "live", free_port(), tmp_path / "gate"
-    kill_at = random.Random().randrange(10, 30)
+def node_1_killed(run_dir, gate, run: list[str], kill_at: int) -> int:
+    """A live run of `run` on 3 nodes whose node 1 worker is SIGKILLed while the workers hold after step
+    `kill_at`; the step the survivors' world of 2 started from."""
     print(f"killing node 1's worker after step {kill_at}")
-    nodes = [start_node(i, run_dir, port, max_restarts=0, run=DILOCO, env=held_after(gate, kill_at))
-             for i in range(3)]
+    port = free_port()
+    nodes = [start_node(i, run_dir, port, max_restarts=0, run=run, env=held_after(gate, kill_at)) for i in range(3)]
     try:
         wait_for(f"the hold after step {kill_at}", gate.exists, 120, nodes)
         os.kill(worker_of(nodes[1]), signal.SIGKILL)
@@ -114,14 +110,33 @@ def test_diloco_survivors_redo_the_round_and_equal_a_resume_from_its_start(tmp_p
     assert [p.returncode for p in nodes] == [0, 137, 0], "\n".join(outs)
     changes = membership(run_dir)
     assert [m["world"] for m in changes] == [2], changes
-    start = changes[0]["step"]
-    assert start == kill_at - kill_at % 3, changes  # the start of the round the kill fell in
+    return changes[0]["step"]
 
+
+def test_diloco_survivors_redo_the_round_and_equal_a_resume_from_its_start(tmp_path, ranks):
+    """DiLoCo's replicas differ within a round, so a worker killed mid-round takes the round's work with it:
+    the survivors go back to the round's start (where the replicas were one model) and redo it between them,
+    each replica from the lowest survivor's inner optimizer state, with the outer state (anchor, Nesterov
+    momentum) carried. That equals a resume from a checkpoint at the round's start on the new world size."""
+    kill_at = random.Random().randrange(10, 30)
+    start = node_1_killed(tmp_path / "live", tmp_path / "gate", DILOCO, kill_at)
+    assert start == kill_at - kill_at % 3, start  # the start of the round the kill fell in
     ref = tmp_path / "ref"
     resumed_from_disk(ranks, DILOCO, start, ref)
-    live, from_disk = read_weights(run_dir), read_weights(ref)
+    live, from_disk = read_weights(tmp_path / "live"), read_weights(ref)
     print(f"killed in the round from step {start}: live vs resume from disk {worst(live, from_disk):.3g}")
     assert worst(live, from_disk) <= 1e-5, f"the live run differs from the resume from disk by {worst(live, from_disk)}"
+
+
+def test_a_diloco_worker_killed_in_the_first_round_sends_the_survivors_back_to_the_start(tmp_path, ranks):
+    """Nothing is copied before the first step (DCP's state dict of an optimizer that has not stepped would
+    initialise AdamW by a counted step of lr 0): a loss in the first round starts the survivors afresh,
+    equal to 2 ranks trained from the start."""
+    run = [*DILOCO, "--set", "train.steps=12"]
+    assert node_1_killed(tmp_path / "live", tmp_path / "gate", run, random.Random().randrange(1, 3)) == 0
+    ranks(2).run(train_on_ranks, [a for a in run if a != "--set"], str(tmp_path / "ref"))
+    live, fresh = read_weights(tmp_path / "live"), read_weights(tmp_path / "ref")
+    assert worst(live, fresh) <= 1e-5, f"the live run differs from 2 ranks from the start by {worst(live, fresh)}"
 
 
 def test_a_diloco_leave_waits_for_the_round_s_end_and_equals_a_resume_from_there(tmp_path, ranks):

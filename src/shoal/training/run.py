@@ -215,12 +215,12 @@ def loop(parts: Parts, recovery: dict | None, live: Live | None = None) -> tuple
         if live.record is not None:  # the history of the generations before this one
             trainer.record = live.record
         live.record = trainer.record
-    if live is not None and live.held is not None and live.events:  # a new generation: what changed, not the start
+    if live is None or live.held is None:  # a start (or, lost before the first step, a start again)
+        announce(parts, sinks, recovery, profile_line)
+    if live is not None and live.events:  # a new generation: what changed
         event = live.events[-1]
         sinks.print(event["line"])
         sinks.event({"step": sampler.step, "time": event["time"], "membership": event["line"], "world": event["world"]})
-    else:
-        announce(parts, sinks, recovery, profile_line)
     try:
         steps = Steps(sampler, cfg.train.steps, batches(parts), cfg.data.prefetch)
         ended = trainer.run(strategy.feed(steps, parts.step.schedule))
