@@ -263,16 +263,6 @@ def test_a_failed_node_stops_the_others(cluster, monkeypatch, capsys):
     assert "h1 failed (exit code 4) 1 s ago; stopping h0" in capsys.readouterr().err
 
 
-@pytest.mark.timeout(150)
-def test_two_srun_tasks_on_two_hosts_form_one_job_from_slurm_variables_alone(cluster, tmp_path):
-    """A Slurm job's two tasks, one per host, each given only the job's variables: they find node 0
-    (10.200.0.1, the node list's first host) and train as one world across the shaped link."""
-    from test_scheduler_env import two_slurm_nodes
-
-    two_slurm_nodes(tmp_path, "10.200.0", launchers=[["ip", "netns", "exec", f"shoal-h{i}", sys.executable, "-m",
-                                                      "shoal"] for i in range(2)])
-
-
 @pytest.mark.timeout(60)
 def test_a_node_that_cannot_reach_the_endpoint_says_so_in_one_line(cluster, tmp_path):
     """Node 1 in its namespace, node 0's endpoint an address nobody has: one line within the timeout."""
@@ -387,23 +377,50 @@ def cmdline(pid: str) -> bytes:
         return b""
 
 
-def slurm_job(cluster_up, script: Path, env: dict, timeout: float = 150) -> str:
-    """Submit `script` with sbatch from its directory (the job gets `env`, as sbatch passes the submitter's on)
-    and wait for the job to end; returns its output file's text."""
-    from shoal.testbed import hosts, slurm
+class SlurmJob:
+    """`script` submitted with sbatch from its directory to the cluster's Slurm; the job gets `env` (sbatch
+    passes the submitter's environment on), this Python's shoal on its PATH and the test fixtures."""
 
-    cluster_now = hosts.require_up()
-    job = slurm.client(cluster_now, ["sbatch", "--parsable", "--output", "job-%j.out", script.name], cwd=script.parent,
-                       env={**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}",
-                            "PYTHONPATH": f"{FIXTURES}{os.pathsep}{os.environ.get('PYTHONPATH', '')}", **env}
-                       ).stdout.strip()
-    deadline = time.monotonic() + timeout
-    while slurm.client(cluster_now, ["squeue", "--noheader", "--jobs", job], check=False).stdout.strip():
-        if time.monotonic() > deadline:
-            slurm.client(cluster_now, ["scancel", job], check=False)
-            pytest.fail(f"Slurm job {job} still running after {timeout} s")
-        time.sleep(0.5)
-    return (script.parent / f"job-{job}.out").read_text()
+    def __init__(self, script: Path, env: dict):
+        from shoal.testbed import hosts, slurm
+
+        self.slurm, self.cluster, self.script = slurm, hosts.require_up(), script
+        self.id = self.ctl(["sbatch", "--parsable", "--output", "job-%j.out", script.name], cwd=script.parent,
+                           env={**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}",
+                                "PYTHONPATH": f"{FIXTURES}{os.pathsep}{os.environ.get('PYTHONPATH', '')}", **env})
+
+    def ctl(self, argv: list[str], **kw) -> str:
+        return self.slurm.client(self.cluster, argv, **kw).stdout.strip()
+
+    def state(self) -> str:
+        """RUNNING, PENDING, ...; "" once the job has left the queue."""
+        return self.ctl(["squeue", "--noheader", "--jobs", self.id, "--format=%T"], check=False)
+
+    def wait(self, until=lambda state: state == "", what: str = "its end", timeout: float = 150) -> str:
+        deadline = time.monotonic() + timeout
+        while not until(state := self.state()):
+            if time.monotonic() > deadline:
+                self.ctl(["scancel", self.id], check=False)
+                pytest.fail(f"Slurm job {self.id}: no {what} within {timeout} s (state {state or 'gone'})")
+            time.sleep(0.3)
+        return state
+
+    def output(self) -> str:
+        return (self.script.parent / f"job-{self.id}.out").read_text()
+
+
+def slurm_job(script: Path, env: dict) -> str:
+    """Run `script` on the cluster's Slurm to its end; its output."""
+    job = SlurmJob(script, env)
+    job.wait()
+    return job.output()
+
+
+def shoal_on_hosts() -> list[int]:
+    """The shoal processes (launchers and workers) running in the cluster's hosts."""
+    return [int(pid) for ns in ("shoal-h0", "shoal-h1")
+            for pid in subprocess.run(["ip", "netns", "pids", ns], capture_output=True, text=True).stdout.split()
+            if b"shoal\x00train" in cmdline(pid)]
 
 
 @needs_slurm
@@ -418,7 +435,7 @@ def test_a_heterogeneous_slurm_job_trains_across_both_hosts_as_on_loopback(clust
     script.write_text("\n".join([
         "#!/bin/bash", "#SBATCH --nodes=1 --ntasks-per-node=1", "#SBATCH hetjob", "#SBATCH --nodes=1 --ntasks-per-node=1",
         f"srun --het-group=0,1 shoal train --nproc 1 --run-dir {tmp_path / 'het'} {' '.join(common)}", ""]))
-    out = slurm_job(cluster, script, {})
+    out = slurm_job(script, {})
     assert "shoal: from Slurm" in out and "2 nodes, node rank 1, rendezvous 10.200.0.1:" in out, out
     ranks(2).run(train_on_ranks, common[1::2], str(tmp_path / "loopback"))
     on_slurm, on_loopback = read_metrics(tmp_path / "het"), read_metrics(tmp_path / "loopback")
@@ -462,7 +479,7 @@ def test_a_slurm_node_range_job_loses_a_node_and_finishes_equal_to_one_process(c
 
     killer = threading.Thread(target=kill_node_1_when_held)
     killer.start()
-    out = slurm_job(cluster, tmp_path / "job.sbatch", held_after(gate, kill_at, world=2))
+    out = slurm_job(tmp_path / "job.sbatch", held_after(gate, kill_at, world=2))
     killer.join()
     run_dir = next((tmp_path / "runs").iterdir())
     changes = membership(run_dir)
@@ -470,3 +487,69 @@ def test_a_slurm_node_range_job_loses_a_node_and_finishes_equal_to_one_process(c
     assert "node 1 (10.200.0.2) local rank 0 left" in changes[0]["membership"], (changes, out)
     assert json.loads((run_dir / "summary.json").read_text())["steps"] == 40, out
     equals_one_process(run_dir, shared_dir, run)
+
+
+@needs_slurm
+@pytest.mark.timeout(240)
+def test_the_sbatch_script_trains_across_hosts_and_a_requeue_resumes_it_bitwise(cluster, tmp_path, ranks):
+    """The script `shoal launch --target slurm --nodes 2` writes, submitted with sbatch: one task per host.
+    `scontrol requeue` mid-run (SIGTERM: every rank saves) makes Slurm run the script again, which resumes
+    from that checkpoint; the weights equal an uninterrupted 2-rank run bitwise."""
+    import random
+
+    import torch
+
+    from conftest import read_weights
+    from live_runs import RUN, held_after, release
+
+    run = [*RUN, "--set", "train.steps=12", "--set", "metrics.log_interval=1"]
+    (tmp_path / "job.toml").write_text("")  # the defaults, as `shoal train` without a config
+    r = run_cli(["launch", "--target", "slurm", "--nodes", "2", "--nproc", "1", "job.toml", *run,
+                 "--out", "job.sbatch"], timeout=60, cwd=tmp_path)
+    assert r.returncode == 0, r.output
+    assert "--kill-on-bad-exit=1" in (tmp_path / "job.sbatch").read_text()  # a failed node ends the others
+    hold, gate = random.Random().randrange(3, 9), tmp_path / "gate"
+    job = SlurmJob(tmp_path / "job.sbatch", held_after(gate, hold, world=2))
+    deadline = time.monotonic() + 120
+    while not gate.exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    job.ctl(["scontrol", "requeue", job.id])
+    time.sleep(2)  # the SIGTERM reaches the held workers: they stop at the end of the step they are in
+    release(gate)
+    # a requeued job waits out a begin time (about 2 minutes); the test lets it start now
+    job.wait(lambda state: state == "PENDING", "requeue")
+    job.ctl(["scontrol", "update", f"JobId={job.id}", "StartTime=now"])
+    job.wait()
+    out, run_dir = job.output(), next((tmp_path / "runs").iterdir())  # the second run's output
+    saved = f"checkpoints/step_{hold + 1:08d}"
+    assert f"resumed from {run_dir.relative_to(tmp_path)}/{saved} (step {hold + 1})" in out, out
+    assert json.loads((run_dir / "summary.json").read_text())["steps"] == 12, out
+    ranks(2).run(train_on_ranks, [a for a in run if a != "--set"], str(tmp_path / "uninterrupted"))
+    got, want = read_weights(run_dir), read_weights(tmp_path / "uninterrupted")
+    assert all(torch.equal(got[k], want[k]) for k in want), "the requeued run differs from the uninterrupted one"
+
+
+@needs_slurm
+@pytest.mark.timeout(180)
+def test_scancel_stops_every_worker_on_every_host_and_leaves_a_valid_checkpoint(cluster, tmp_path):
+    from live_runs import RUN, held_after, release
+    from shoal.checkpoint.resume import newest_valid
+
+    run = [*RUN, "--set", "train.steps=12"]
+    (tmp_path / "job.toml").write_text("")
+    r = run_cli(["launch", "--target", "slurm", "--nodes", "2", "--nproc", "1", "job.toml", *run,
+                 "--out", "job.sbatch"], timeout=60, cwd=tmp_path)
+    assert r.returncode == 0, r.output
+    gate = tmp_path / "gate"
+    job = SlurmJob(tmp_path / "job.sbatch", held_after(gate, 4, world=2))
+    deadline = time.monotonic() + 120
+    while not gate.exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert len(shoal_on_hosts()) == 4  # a launcher and a worker on each host
+    job.ctl(["scancel", job.id])
+    time.sleep(2)
+    release(gate)
+    job.wait()
+    assert shoal_on_hosts() == [], job.output()
+    run_dir = next((tmp_path / "runs").iterdir())
+    assert newest_valid(run_dir / "checkpoints") == run_dir / "checkpoints" / "step_00000005", job.output()

@@ -54,8 +54,9 @@ def test_slurm_script_asks_for_one_task_per_node_and_srun_starts_shoal(config, c
     assert directives["nodes"] == "2" and directives["ntasks-per-node"] == "1"
     assert directives["gpus-per-node"] == "2" and "exclusive" in directives  # no --cpus-per-node: the whole node
     command = shlex.split(text.split("srun ", 1)[1].replace("\\\n", " "))
-    assert command[:2] == ["--ntasks-per-node=1", "--cpus-per-task=${SLURM_CPUS_PER_TASK:-$SLURM_CPUS_ON_NODE}"]
-    args = train_args(command[2:])
+    assert command[:3] == ["--ntasks-per-node=1", "--cpus-per-task=${SLURM_CPUS_PER_TASK:-$SLURM_CPUS_ON_NODE}",
+                           "--kill-on-bad-exit=1"]  # a node that fails ends the others, which would wait for it
+    args = train_args(command[3:])
     assert (args.config, args.nproc, args.set, args.nnodes) == (config, 2, ["train.steps=50"], None)
 
 

@@ -160,11 +160,12 @@ def sbatch_script(spec: JobSpec) -> str:
         "",
         "# Each task reads the node count, its node rank (SLURM_NODEID) and node 0's address (the first host",
         "# of SLURM_JOB_NODELIST) from Slurm; the rendezvous port comes from the job id unless MASTER_PORT is set.",
+        *([] if live else ["# A node that fails ends the others' tasks (--kill-on-bad-exit=1): they would wait."]),
         *(["# A live run (--nnodes MIN:MAX): the others go on without a node whose task ends; a worker that",
            "# fails is replaced on its node (--max-restarts); a requeue resumes the run from its checkpoint."]
           if live else []),
         'srun --ntasks-per-node=1 --cpus-per-task="${SLURM_CPUS_PER_TASK:-$SLURM_CPUS_ON_NODE}"'
-        + (" --kill-on-bad-exit=0" if live else "") + " \\",
+        + (" --kill-on-bad-exit=0" if live else " --kill-on-bad-exit=1") + " \\",
         f"    {shlex.join(train)}",
     ]
     return "\n".join(lines) + "\n"
