@@ -117,6 +117,18 @@ def test_not_root_or_no_tc_is_one_line(monkeypatch, capsys):
     assert err.count("\n") == 1 and "needs the `tc` command (package iproute2)" in err, err
 
 
+def test_slurm_without_its_packages_is_one_line_and_makes_nothing(monkeypatch, capsys):
+    from shoal.testbed import hosts, slurm
+
+    monkeypatch.setattr(os, "geteuid", lambda: 0)
+    monkeypatch.setattr(slurm, "find", lambda name: None if name in ("slurmctld", "munged") else f"/usr/bin/{name}")
+    monkeypatch.setattr(hosts, "up", lambda *a: pytest.fail("hosts made before Slurm was found missing"))
+    assert main(["cluster", "up", "--hosts", "2", "--slurm"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "--slurm needs Slurm and munge (munged, slurmctld not found): install them, " \
+        "e.g. apt-get install slurm-wlm munge" in err, err
+
+
 @needs_namespaces
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("args, expected", [
@@ -416,9 +428,9 @@ def slurm_job(script: Path, env: dict) -> str:
     return job.output()
 
 
-def shoal_on_hosts() -> list[int]:
+def shoal_on_hosts(namespaces=("shoal-h0", "shoal-h1")) -> list[int]:
     """The shoal processes (launchers and workers) running in the cluster's hosts."""
-    return [int(pid) for ns in ("shoal-h0", "shoal-h1")
+    return [int(pid) for ns in namespaces
             for pid in subprocess.run(["ip", "netns", "pids", ns], capture_output=True, text=True).stdout.split()
             if b"shoal\x00train" in cmdline(pid)]
 
@@ -465,8 +477,7 @@ def test_a_slurm_node_range_job_loses_a_node_and_finishes_equal_to_one_process(c
         while not gate.exists() and time.monotonic() < deadline:
             time.sleep(0.05)
         for _ in range(20):  # node 1's launcher and worker (again, should the launcher have started one meanwhile)
-            shoal = [int(pid) for pid in subprocess.run(["ip", "netns", "pids", "shoal-h1"], capture_output=True,
-                                                        text=True).stdout.split() if b"shoal\x00train" in cmdline(pid)]
+            shoal = shoal_on_hosts(("shoal-h1",))
             if not shoal:
                 break
             for pid in shoal:

@@ -30,8 +30,13 @@ DAEMONS = ("munged", "slurmctld", "slurmd", "sinfo")
 UP_TIMEOUT_S = 60.0
 
 
+def find(name: str) -> str | None:
+    """A Slurm or munge program: on PATH, or in /usr/sbin (where Debian puts the daemons, off a user's PATH)."""
+    return shutil.which(name) or (f"/usr/sbin/{name}" if Path(f"/usr/sbin/{name}").exists() else None)
+
+
 def require_slurm() -> None:
-    missing = [d for d in DAEMONS if shutil.which(d) is None and not Path(f"/usr/sbin/{d}").exists()]
+    missing = [d for d in DAEMONS if find(d) is None]
     try:
         pwd.getpwnam("munge")  # munged runs as it; the package makes it
     except KeyError:
@@ -42,7 +47,7 @@ def require_slurm() -> None:
 
 
 def _exe(name: str) -> str:
-    return shutil.which(name) or f"/usr/sbin/{name}"
+    return find(name) or name
 
 
 def conf_text(hosts, cpus: int) -> str:
