@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import shlex
 import shutil
 import signal
 import subprocess
@@ -436,25 +437,6 @@ def shoal_on_hosts(namespaces=("shoal-h0", "shoal-h1")) -> list[int]:
 
 
 @needs_slurm
-@pytest.mark.timeout(180)
-def test_a_heterogeneous_slurm_job_trains_across_both_hosts_as_on_loopback(cluster, tmp_path, ranks):
-    """A real Slurm heterogeneous job: one component per host, one srun step over both (--het-group=0,1).
-    Slurm sets that step's variables over all components (SLURM_STEP_NUM_NODES 2, SLURM_NODEID 0 and 1), so
-    each shoal finds the job; node 0's name (h0) resolves nowhere, and its address comes from Slurm's NodeAddr.
-    The per-step losses equal two ranks on loopback."""
-    common = [*TINY_GPT, "--set", "train.steps=3", "--set", "metrics.log_interval=1", "--set", "checkpoint.enabled=false"]
-    script = tmp_path / "het.sbatch"
-    script.write_text("\n".join([
-        "#!/bin/bash", "#SBATCH --nodes=1 --ntasks-per-node=1", "#SBATCH hetjob", "#SBATCH --nodes=1 --ntasks-per-node=1",
-        f"srun --het-group=0,1 shoal train --nproc 1 --run-dir {tmp_path / 'het'} {' '.join(common)}", ""]))
-    out = slurm_job(script, {})
-    assert "shoal: from Slurm" in out and "2 nodes, node rank 1, rendezvous 10.200.0.1:" in out, out
-    ranks(2).run(train_on_ranks, common[1::2], str(tmp_path / "loopback"))
-    on_slurm, on_loopback = read_metrics(tmp_path / "het"), read_metrics(tmp_path / "loopback")
-    assert [(m["loss"], m["grad_norm"]) for m in on_slurm] == [(m["loss"], m["grad_norm"]) for m in on_loopback]
-
-
-@needs_slurm
 @pytest.mark.timeout(240)
 def test_a_slurm_node_range_job_loses_a_node_and_finishes_equal_to_one_process(cluster, tmp_path, shared_dir):
     """`shoal launch --target slurm --nodes 1:2`, submitted to the real Slurm: it starts on both free hosts,
@@ -542,25 +524,38 @@ def test_the_sbatch_script_trains_across_hosts_and_a_requeue_resumes_it_bitwise(
 
 @needs_slurm
 @pytest.mark.timeout(180)
-def test_scancel_stops_every_worker_on_every_host_and_leaves_a_valid_checkpoint(cluster, tmp_path):
+def test_a_heterogeneous_job_trains_as_on_loopback_and_scancel_stops_it_with_a_valid_checkpoint(cluster, tmp_path,
+                                                                                                ranks):
+    """A real Slurm heterogeneous job: one component per host, one srun step over both (--het-group=0,1).
+    Slurm sets that step's variables over all components (SLURM_STEP_NUM_NODES 2, SLURM_NODEID 0 and 1), so
+    each shoal finds the job; node 0's name (h0) resolves nowhere, and its address comes from Slurm's NodeAddr.
+    `scancel` while the workers hold after step 4: every worker on both hosts stops, the checkpoint written
+    on the way (step 5) is valid, and the steps trained equal two ranks on loopback, loss for loss."""
     from live_runs import RUN, held_after, release
     from shoal.checkpoint.resume import newest_valid
 
-    run = [*RUN, "--set", "train.steps=12"]
-    (tmp_path / "job.toml").write_text("")
-    r = run_cli(["launch", "--target", "slurm", "--nodes", "2", "--nproc", "1", "job.toml", *run,
-                 "--out", "job.sbatch"], timeout=60, cwd=tmp_path)
-    assert r.returncode == 0, r.output
+    # a constant learning rate: the loopback run's 5 steps follow the same schedule as the job's first 5
+    run = [*RUN, "--set", "train.steps=12", "--set", "metrics.log_interval=1", "--set", "train.warmup_steps=0",
+           "--set", "train.min_lr_ratio=1.0"]
+    script = tmp_path / "het.sbatch"
+    script.write_text("\n".join([
+        "#!/bin/bash", "#SBATCH --nodes=1 --ntasks-per-node=1", "#SBATCH hetjob", "#SBATCH --nodes=1 --ntasks-per-node=1",
+        f"srun --het-group=0,1 shoal train --nproc 1 --run-dir {tmp_path / 'het'} {shlex.join(run)}", ""]))
     gate = tmp_path / "gate"
-    job = SlurmJob(tmp_path / "job.sbatch", held_after(gate, 4, world=2))
+    job = SlurmJob(script, held_after(gate, 4, world=2))
     deadline = time.monotonic() + 120
     while not gate.exists() and time.monotonic() < deadline:
         time.sleep(0.05)
-    assert len(shoal_on_hosts()) == 4  # a launcher and a worker on each host
+    assert len(shoal_on_hosts()) == 4, job.output()  # a launcher and a worker on each host
     job.ctl(["scancel", job.id])
-    time.sleep(2)
+    time.sleep(2)  # the SIGTERM reaches the held workers: they stop at the end of the step they are in
     release(gate)
     job.wait()
-    assert shoal_on_hosts() == [], job.output()
-    run_dir = next((tmp_path / "runs").iterdir())
-    assert newest_valid(run_dir / "checkpoints") == run_dir / "checkpoints" / "step_00000005", job.output()
+    out = job.output()
+    assert "2 nodes, node rank 1, rendezvous 10.200.0.1:" in out, out
+    assert shoal_on_hosts() == [], out
+    assert newest_valid(tmp_path / "het" / "checkpoints") == tmp_path / "het" / "checkpoints" / "step_00000005", out
+    ranks(2).run(train_on_ranks, [*[a for a in run if a != "--set"], "train.steps=5"], str(tmp_path / "loopback"))
+    on_slurm, on_loopback = ([(m["loss"], m["grad_norm"]) for m in read_metrics(d) if "loss" in m]
+                             for d in (tmp_path / "het", tmp_path / "loopback"))
+    assert len(on_slurm) == 5 and on_slurm == on_loopback, out
