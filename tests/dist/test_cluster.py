@@ -419,15 +419,26 @@ class SlurmJob:
             time.sleep(0.3)
         return state
 
+    def held(self, gate: Path, timeout: float = 120) -> None:
+        """Wait until the job's workers hold at `gate` (tests/fixtures/gate.py, live_runs.held_after)."""
+        deadline = time.monotonic() + timeout
+        while not gate.exists():
+            if time.monotonic() > deadline:
+                self.ctl(["scancel", self.id], check=False)
+                pytest.fail(f"Slurm job {self.id}: its workers did not hold within {timeout} s\n{self.output()}")
+            time.sleep(0.05)
+
+    def signal_while_held(self, argv: list[str], gate: Path) -> None:
+        """`argv` (scancel, scontrol requeue: SIGTERM to every task) while the workers hold, then let them
+        go on: they stop at the end of the step they are in."""
+        from live_runs import release
+
+        self.ctl(argv)
+        time.sleep(2)  # the SIGTERM reaches the held workers
+        release(gate)
+
     def output(self) -> str:
         return (self.script.parent / f"job-{self.id}.out").read_text()
-
-
-def slurm_job(script: Path, env: dict) -> str:
-    """Run `script` on the cluster's Slurm to its end; its output."""
-    job = SlurmJob(script, env)
-    job.wait()
-    return job.output()
 
 
 def shoal_on_hosts(namespaces=("shoal-h0", "shoal-h1")) -> list[int]:
@@ -455,26 +466,19 @@ def test_a_slurm_node_range_job_loses_a_node_and_finishes_equal_to_one_process(c
     kill_at, gate = random.Random().randrange(5, 20), tmp_path / "gate"
     print(f"node 1 dies after step {kill_at}")
 
-    def kill_node_1_when_held():
-        deadline = time.monotonic() + 120
-        while not gate.exists() and time.monotonic() < deadline:
-            time.sleep(0.05)
-        for _ in range(20):  # node 1's launcher and worker (again, should the launcher have started one meanwhile)
-            shoal = shoal_on_hosts(("shoal-h1",))
-            if not shoal:
-                break
-            for pid in shoal:
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(pid, signal.SIGKILL)
-            time.sleep(0.1)
-        release(gate)
-
-    import threading
-
-    killer = threading.Thread(target=kill_node_1_when_held)
-    killer.start()
-    out = slurm_job(tmp_path / "job.sbatch", held_after(gate, kill_at, world=2))
-    killer.join()
+    job = SlurmJob(tmp_path / "job.sbatch", held_after(gate, kill_at, world=2))
+    job.held(gate)
+    for _ in range(20):  # node 1's launcher and worker (again, should the launcher have started one meanwhile)
+        shoal = shoal_on_hosts(("shoal-h1",))
+        if not shoal:
+            break
+        for pid in shoal:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        time.sleep(0.1)
+    release(gate)
+    job.wait()
+    out = job.output()
     run_dir = next((tmp_path / "runs").iterdir())
     changes = membership(run_dir)
     assert [m["world"] for m in changes] == [1], (changes, out)
@@ -494,7 +498,7 @@ def test_the_sbatch_script_trains_across_hosts_and_a_requeue_resumes_it_bitwise(
     import torch
 
     from conftest import read_weights
-    from live_runs import RUN, held_after, release
+    from live_runs import RUN, held_after
 
     run = [*RUN, "--set", "train.steps=12", "--set", "metrics.log_interval=1"]
     (tmp_path / "job.toml").write_text("")  # the defaults, as `shoal train` without a config
@@ -504,12 +508,8 @@ def test_the_sbatch_script_trains_across_hosts_and_a_requeue_resumes_it_bitwise(
     assert "--kill-on-bad-exit=1" in (tmp_path / "job.sbatch").read_text()  # a failed node ends the others
     hold, gate = random.Random().randrange(3, 9), tmp_path / "gate"
     job = SlurmJob(tmp_path / "job.sbatch", held_after(gate, hold, world=2))
-    deadline = time.monotonic() + 120
-    while not gate.exists() and time.monotonic() < deadline:
-        time.sleep(0.05)
-    job.ctl(["scontrol", "requeue", job.id])
-    time.sleep(2)  # the SIGTERM reaches the held workers: they stop at the end of the step they are in
-    release(gate)
+    job.held(gate)
+    job.signal_while_held(["scontrol", "requeue", job.id], gate)
     # a requeued job waits out a begin time (about 2 minutes); the test lets it start now
     job.wait(lambda state: state == "PENDING", "requeue")
     job.ctl(["scontrol", "update", f"JobId={job.id}", "StartTime=now"])
@@ -532,7 +532,7 @@ def test_a_heterogeneous_job_trains_as_on_loopback_and_scancel_stops_it_with_a_v
     each shoal finds the job; node 0's name (h0) resolves nowhere, and its address comes from Slurm's NodeAddr.
     `scancel` while the workers hold after step 4: every worker on both hosts stops, the checkpoint written
     on the way (step 5) is valid, and the steps trained equal two ranks on loopback, loss for loss."""
-    from live_runs import RUN, held_after, release
+    from live_runs import RUN, held_after
     from shoal.checkpoint.resume import newest_valid
 
     # a constant learning rate: the loopback run's 5 steps follow the same schedule as the job's first 5
@@ -544,13 +544,9 @@ def test_a_heterogeneous_job_trains_as_on_loopback_and_scancel_stops_it_with_a_v
         f"srun --het-group=0,1 shoal train --nproc 1 --run-dir {tmp_path / 'het'} {shlex.join(run)}", ""]))
     gate = tmp_path / "gate"
     job = SlurmJob(script, held_after(gate, 4, world=2))
-    deadline = time.monotonic() + 120
-    while not gate.exists() and time.monotonic() < deadline:
-        time.sleep(0.05)
+    job.held(gate)
     assert len(shoal_on_hosts()) == 4, job.output()  # a launcher and a worker on each host
-    job.ctl(["scancel", job.id])
-    time.sleep(2)  # the SIGTERM reaches the held workers: they stop at the end of the step they are in
-    release(gate)
+    job.signal_while_held(["scancel", job.id], gate)
     job.wait()
     out = job.output()
     assert "2 nodes, node rank 1, rendezvous 10.200.0.1:" in out, out

@@ -16,8 +16,8 @@ def add_parsers(sub) -> None:
                                       "Kubeflow PyTorchJob manifest or a SageMaker estimator script")
     j.add_argument("config", help="TOML config file (shipped with the job; see docs/your-cluster.md)")
     j.add_argument("--target", required=True, choices=("slurm", "kubernetes", "sagemaker"))
-    j.add_argument("--nodes", required=True, help="nodes (Slurm nodes, pods, instances); kubernetes also takes a "
-                   "range MIN:MAX, an elastic PyTorchJob that runs live (docs/elastic.md)")
+    j.add_argument("--nodes", required=True, help="nodes (Slurm nodes, pods, instances); slurm and kubernetes also "
+                   "take a range MIN:MAX, a job that runs live (docs/elastic.md)")
     j.add_argument("--nproc", type=int, default=1, help="worker processes per node (default 1)")
     j.add_argument("--out", help="the file to write; - for stdout (default: <config name>.sbatch, "
                                  "<config name>-pytorchjob.yaml or <config name>_sagemaker.py here)")

@@ -118,7 +118,7 @@ def start(args: argparse.Namespace, cfg, job, run_dir: Path, nodes: tuple[int, i
         return launch_live(fresh, args.nproc, nodes, args.node_rank,
                            args.rdzv_endpoint or f"127.0.0.1:{roles.free_port()}",
                            threads_per_worker(cfg, args.nproc), args.max_restarts, args.rdzv_timeout or 600,
-                           getattr(args, "started_nodes", None))
+                           args.started_nodes)
     if args.fresh_workers:  # called from Python: fresh interpreters ([Note: forked workers])
         worker = fresh
     else:

@@ -22,7 +22,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from shoal.errors import UserError
-from shoal.testbed import shape
+from shoal.testbed import shape, slurm
 from shoal.testbed.system import netns_exec, sh
 
 STATE_FILE = Path("/run/shoal-cluster/state.json")
@@ -205,9 +205,7 @@ def down() -> list[str]:
                 time.sleep(0.1)
     if groups:
         removed.append(f"{len(groups) - 1} cpu group{'s' * (len(groups) != 2)}")
-    from shoal.testbed import slurm  # its daemons ran in the namespaces: stopped above
-
-    if slurm.down():
+    if slurm.down():  # its daemons ran in the namespaces: stopped above
         removed.append("Slurm's files")
     if STATE_FILE.exists():
         STATE_FILE.unlink()
@@ -244,8 +242,6 @@ def status_text(cluster: Cluster | None) -> str:
                      + ("" if there else "  MISSING: run `shoal cluster up` again"))
     lines.append(f"rate: each host's link, in each direction (tbf on its {HOST_IF} for what it sends and on its "
                  f"bridge port for what it receives); delay between two hosts: {delay}; cpu: cgroup cpu quota")
-    from shoal.testbed import slurm
-
     if slurm.CONF.exists():
         lines.append(slurm.status_line(cluster))
     return "\n".join(lines)
