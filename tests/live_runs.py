@@ -18,9 +18,12 @@ from conftest import FIXTURES, ROOT, TINY_GPT, read_weights, train_in_process
 from shoal.launch.supervisor import descendants
 from shoal.training.step import LEAVE_GRACE_S
 
-# the tests' tiny GPT as a user model that a test can hold at its next forward (tests/fixtures/gate.py)
+# the tests' tiny GPT as a user model that a test can hold at its next forward (tests/fixtures/gate.py); the
+# global batch splits evenly over 2 and 3 ranks (micro-batches of 4 rather than 2: half the forwards, half
+# the time of every live test, as the cost of a step here is per forward)
+GLOBAL, MICRO = 48, 4
 RUN = [*TINY_GPT, "--set", 'model.name="gate:build"', "--set", "train.steps=100", "--set",
-       "train.global_batch_size=48", "--set", "train.micro_batch_size=2", "--set", "train.val_interval=0", "--set", "checkpoint.interval=50",
+       f"train.global_batch_size={GLOBAL}", "--set", f"train.micro_batch_size={MICRO}", "--set", "train.val_interval=0", "--set", "checkpoint.interval=50",
        "--set", "metrics.log_interval=20"]
 
 
@@ -59,7 +62,7 @@ def held_after(gate: Path, step: int, world: int = 3) -> dict:
     """The environment of nodes of RUN at `world` whose workers hold themselves at the gate after `step` steps
     (tests/fixtures/gate.py): a test acts at a known point of the run, however late it looks (a loaded
     machine once ran a short run to its end between two looks at its progress)."""
-    forwards = 48 // (2 * world)  # per step and rank: RUN's global batch 48 in micro-batches of 2
+    forwards = GLOBAL // (MICRO * world)  # per step and rank
     return {"SHOAL_TEST_GATE": str(gate), "SHOAL_TEST_HOLD_AT": str(step * forwards + 1)}
 
 
@@ -103,7 +106,7 @@ def end_all(nodes) -> None:
 
 def one_process(shared: Path, run: list[str] = RUN) -> dict:
     """The final weights of `run` trained by one process: the reference of a story. Trained once per test
-    session (RUN: ~24 s) in `shared` (conftest's shared_dir), by the first pytest worker that asks; the
+    session (RUN: 5 s alone here, 10 s in micro-batches of 2) in `shared` (conftest's shared_dir), by the first pytest worker that asks; the
     others wait on the lock and read the same weights."""
     reference = shared / f"live-one-process-{hashlib.sha1(' '.join(run).encode()).hexdigest()[:12]}"
     with open(f"{reference}.lock", "w") as lock:

@@ -14,10 +14,10 @@ from shoal.ps.roles import free_port
 pytestmark = pytest.mark.timeout(240)
 
 # the user model of tests/fixtures/stall.py (gpt-tiny's shape, 2 layers): the worker that is rank 2 stalls
-# in its 40th block forward, in step 5 (8 micro-batches a step among 3 workers). Rank 2, since a world of
-# 2 has none: a survivor that became rank 1 could otherwise reach its own 40th forward in the redone step
+# in its 20th block forward, in step 5 (4 micro-batches a step among 3 workers). Rank 2, since a world of
+# 2 has none: a survivor that became rank 1 could otherwise reach its own 20th forward in the redone step
 STALL = [*RUN, "--set", "train.steps=30", "--set", 'model.name="stall:build"', "--set", "model.rank=2",
-         "--set", "model.at_call=40", "--set", "parallel.timeout_s=5"]
+         "--set", "model.at_call=20", "--set", "parallel.timeout_s=5"]
 
 
 def test_a_stalled_worker_is_evicted_named_and_ended_and_the_others_equal_one_process(tmp_path, shared_dir):
