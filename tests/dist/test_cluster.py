@@ -348,7 +348,7 @@ def test_a_live_run_across_hosts_loses_rejoins_and_leaves_and_equals_one_process
         wait_for,
         worker_of,
     )
-    from shoal.ps.roles import free_port
+    from shoal.launch.ports import free_port
 
     run = [*RUN, "--set", "train.steps=40"]
     run_dir, port, gate = tmp_path / "live", free_port(), tmp_path / "gate"

@@ -10,7 +10,7 @@ import sys
 import pytest
 
 from conftest import FIXTURES, ROOT
-from shoal.ps.roles import free_port
+from shoal.launch.ports import free_port
 
 pytestmark = pytest.mark.timeout(120)
 

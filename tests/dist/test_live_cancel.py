@@ -11,8 +11,8 @@ import signal
 import pytest
 
 from live_runs import end_all, equals_one_process, membership, progress, start_node, wait_for, worker_of
+from shoal.launch.ports import free_port
 from shoal.launch.supervisor import descendants
-from shoal.ps.roles import free_port
 
 pytestmark = pytest.mark.timeout(240)
 

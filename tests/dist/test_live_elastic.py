@@ -23,9 +23,9 @@ from live_runs import (
     worker_of,
 )
 from shoal.cli import main
+from shoal.launch.ports import free_port
 from shoal.membership import PREFIX
 from shoal.membership import connect as membership_store
-from shoal.ps.roles import free_port
 
 pytestmark = pytest.mark.timeout(240)
 

@@ -9,7 +9,7 @@ import signal
 import pytest
 
 from live_runs import RUN, end_all, equals_one_process, membership, start_node, wait_for
-from shoal.ps.roles import free_port
+from shoal.launch.ports import free_port
 
 pytestmark = pytest.mark.timeout(240)
 

@@ -24,7 +24,7 @@ from live_runs import (
     wait_for,
     worker_of,
 )
-from shoal.ps.roles import free_port
+from shoal.launch.ports import free_port
 
 pytestmark = [pytest.mark.timeout(240), pytest.mark.slow]  # the CLI, besides the harness
 

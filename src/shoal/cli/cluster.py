@@ -38,6 +38,8 @@ def add_parsers(sub) -> None:
                                                     "cgroup cpu quota)")
     up.add_argument("--slurm", action="store_true", help="also start Slurm on the hosts (munge, slurmctld on h0, a "
                                                          "slurmd per host): a real scheduler to submit job files to")
+    up.add_argument("--ray", action="store_true", help="also start a Ray cluster on the hosts (the head on h0, a node "
+                                                       "per host): a real Ray to run `shoal train --ray` on")
     ksub.add_parser("down", help="remove the cluster and everything it made")
     ksub.add_parser("status", help="list the hosts, their addresses and limits")
     r = ksub.add_parser("run", help="run a command on every host (shoal train gets --nnodes, --node-rank and "
@@ -86,12 +88,16 @@ def cluster(args: argparse.Namespace) -> int:
         removed = hosts.down()
         print(f"removed {', '.join(removed)}" if removed else "no cluster to remove")
         return 0
-    if args.slurm:
-        from shoal.testbed import slurm
+    from shoal.testbed import ray, slurm
 
+    if args.slurm:
         slurm.require_slurm()
+    if args.ray:
+        ray.require_ray()
     made = hosts.up(args.hosts, args.rate, args.delay, args.cpu)
     if args.slurm:
         slurm.up(made)
+    if args.ray:
+        ray.up(made)
     print(hosts.status_text(made))
     return 0

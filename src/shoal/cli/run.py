@@ -43,6 +43,8 @@ def run(args: argparse.Namespace) -> int:
                         f"shoal run -m {args.script})")
     if args.np is not None or args.hosts:
         horovodrun_flags(args)
+    if args.ray is not None:
+        return run_on_ray(args)
     if args.cluster:
         return run_on_cluster(args)
     nodes = node_flags(args)
@@ -71,6 +73,23 @@ def horovodrun_flags(args: argparse.Namespace) -> None:
     where = placement(args.np, args.hosts, args.nproc, args.cluster,
                       [(h.name, h.addr) for h in cluster.hosts] if cluster else None)
     args.nproc, args.cluster = where.nproc, where.cluster
+
+
+def run_on_ray(args: argparse.Namespace) -> int:
+    """`shoal run ... --ray [ADDRESS]`: the same command, as one node per node of a Ray cluster
+    (launch/ray_nodes.py), in this working directory (which every node must share)."""
+    from shoal.cli.options import fixed_nodes
+    from shoal.launch import ray_nodes
+
+    ray_nodes.check_address(args.ray)
+    nnodes = fixed_nodes(args, "--ray")
+    at = len(args.argv) - len(args.script_args) - 1  # the script: the flags before it are shoal's
+    if args.np is not None or args.hosts:
+        raise UserError("-np and -H place Horovod's processes on this machine or the cluster here; with --ray give "
+                        "--nproc (workers per Ray node) and --nnodes")
+    command = [*ray_nodes.without_ray(args.argv[:at], args.ray), *args.argv[at:]]
+    return ray_nodes.run(command, args.ray, nnodes, args.nproc, [Path.cwd()], ray_nodes.node_env(),
+                         args.rdzv_timeout or 600)
 
 
 def run_on_cluster(args: argparse.Namespace) -> int:

@@ -39,6 +39,8 @@ def train(args: argparse.Namespace) -> int:
         from shoal import worker
 
         worker.main(cfg, args.run_dir, args.config, args.resume)  # does not return
+    if args.ray is not None:
+        return train_on_ray(args, cfg)
     if args.cluster:
         return train_on_cluster(args)
     nodes = node_flags(args)
@@ -100,12 +102,12 @@ def start(args: argparse.Namespace, cfg, job, run_dir: Path, nodes: tuple[int, i
     of its own: workers that come and go); returns the exit code."""
     from shoal.launch.elastic import RESUME_COMMAND, Forked, launch
     from shoal.ps import roles
-    from shoal.testbed.run import NODE_ENV
     from shoal.worker import PRELOAD, forked, threads_per_worker
 
     sets = [a for s in args.set for a in ("--set", s)]
-    if NODE_ENV not in os.environ:  # on a cluster's host, the cluster run set the command that continues it
-        os.environ[RESUME_COMMAND] = resume_command(args.argv)
+    # a launcher that placed this node (the testbed's cluster run, a Ray driver) has set the command that
+    # continues the whole job
+    os.environ.setdefault(RESUME_COMMAND, resume_command(args.argv))
     if job.layout.servers and cfg.ps.mode == "async" and nodes == (1, 1) and not roles.role():
         role_argv = ["train", *([args.config] if args.config else []), *sets, "--run-dir", str(run_dir),
                      "--resume", "auto", "--nnodes", "1"]
@@ -114,9 +116,10 @@ def start(args: argparse.Namespace, cfg, job, run_dir: Path, nodes: tuple[int, i
              "--resume", args.resume]
     if nodes[0] < nodes[1]:  # a live run: shoal's own node launcher ([Note: live membership] in membership.py)
         from shoal.launch.live import launch_live
+        from shoal.launch.ports import free_port
 
         return launch_live(fresh, args.nproc, nodes, args.node_rank,
-                           args.rdzv_endpoint or f"127.0.0.1:{roles.free_port()}",
+                           args.rdzv_endpoint or f"127.0.0.1:{free_port()}",
                            threads_per_worker(cfg, args.nproc), args.max_restarts, args.rdzv_timeout or 600,
                            args.started_nodes)
     if args.fresh_workers:  # called from Python: fresh interpreters ([Note: forked workers])
@@ -136,6 +139,23 @@ def train_on_cluster(args: argparse.Namespace) -> int:
         raise UserError("--cluster sets --nnodes, --node-rank and --rdzv-endpoint for each host; leave them out")
     node_argv = [a for a in args.argv if not (len(a) > 4 and "--cluster".startswith(a))]
     return run(["shoal", *node_argv], resume_command=resume_command(args.argv))
+
+
+def train_on_ray(args: argparse.Namespace, cfg) -> int:
+    """`shoal train ... --ray [ADDRESS]`: the same command, as one node per node of a Ray cluster
+    (launch/ray_nodes.py); the working directory and the run dir must be shared by every node."""
+    from shoal.cli.options import fixed_nodes
+    from shoal.launch import ray_nodes
+    from shoal.launch.elastic import RESUME_COMMAND
+    from shoal.rundir import default_run_dir
+
+    ray_nodes.check_address(args.ray)
+    nnodes = fixed_nodes(args, "--ray")
+    cwd = Path.cwd()
+    run_dir = cwd / (Path(args.run_dir) if args.run_dir else default_run_dir(args.config, cfg))
+    env = {**ray_nodes.node_env(), RESUME_COMMAND: resume_command(args.argv)}
+    return ray_nodes.run(ray_nodes.without_ray(args.argv, args.ray), args.ray, nnodes, args.nproc,
+                         [cwd, run_dir.parent], env, args.rdzv_timeout or 600)
 
 
 def resume_command(argv: list[str]) -> str:

@@ -2,7 +2,8 @@
 one job, signals reach all of them, and the worst exit code wins.
 
 Used for the asynchronous parameter server's roles (ps/roles.py: the servers' job and one job per
-worker) and for the hosts of the one-machine testbed (testbed/run.py: a node agent per host). Each
+worker), for the hosts of the one-machine testbed (testbed/run.py: a node agent per host) and for the
+nodes of a Ray cluster (launch/ray_nodes.py: a node agent per Ray node, started by an actor there). Each
 child is, or runs, a torch elastic agent, which restarts its own workers (`--max-restarts`), so
 restarts stay with the engine; what this adds is the job of several agents:
 
@@ -30,6 +31,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Protocol
 
 
 @dataclass
@@ -41,20 +43,62 @@ class Child:
     preexec_fn: Callable[[], None] | None = None  # runs in the child before exec (e.g. joining a cgroup)
 
 
+class Process(Protocol):
+    """What the supervisor needs of a started child, wherever it runs."""
+
+    returncode: int | None  # as Popen's: negative when a signal ended it
+
+    def poll(self) -> int | None: ...
+
+    def signal(self, signum: int) -> None: ...  # to its whole tree
+
+    def kill(self) -> None: ...  # its whole tree, at once
+
+    def wait(self) -> int: ...
+
+
+class LocalProcess:
+    """A child on this machine, in a session of its own: its process group is its tree (a signal to the
+    group reaches the agent and the workers it spawned)."""
+
+    def __init__(self, popen: subprocess.Popen):
+        self.popen = popen
+
+    @classmethod
+    def start(cls, _index: int, child: Child) -> LocalProcess:
+        return cls(subprocess.Popen(child.argv, env=child.env, start_new_session=True, preexec_fn=child.preexec_fn))
+
+    @property
+    def returncode(self) -> int | None:
+        return self.popen.returncode
+
+    def poll(self) -> int | None:
+        return self.popen.poll()
+
+    def signal(self, signum: int) -> None:
+        _signal_group(self.popen.pid, signum)
+
+    def kill(self) -> None:
+        kill_tree(self.popen.pid)
+
+    def wait(self) -> int:
+        return self.popen.wait()
+
+
 class Supervisor:
     def __init__(self, label: str, grace_s: float, kill_after_s: float = 15.0):
         """`label`: how its lines begin ("shoal", "shoal cluster")."""
         self.label, self.grace_s, self.kill_after_s = label, grace_s, kill_after_s
 
-    def run(self, children: list[Child]) -> int:
-        """Start `children` and wait until every one has ended; returns the job's exit code."""
-        procs = [subprocess.Popen(c.argv, env=c.env, start_new_session=True, preexec_fn=c.preexec_fn)
-                 for c in children]
+    def run(self, children: list[Child], start: Callable[[int, Child], Process] | None = None) -> int:
+        """Start `children` and wait until every one has ended; returns the job's exit code. `start(i, child)`
+        starts one elsewhere (default: a local process in a session of its own, LocalProcess)."""
+        procs = [(start or LocalProcess.start)(i, c) for i, c in enumerate(children)]
 
         def forward(signum, _frame=None) -> None:
             for p in procs:
                 if p.poll() is None:
-                    _signal_group(p.pid, signum)
+                    p.signal(signum)
 
         old = {s: signal.signal(s, forward) for s in (signal.SIGINT, signal.SIGTERM)}
         try:
@@ -65,7 +109,7 @@ class Supervisor:
         return max((exit_code(p.returncode) for i, (c, p) in enumerate(zip(children, procs, strict=True))
                     if c.required and i not in stopped), default=0)
 
-    def _wait(self, children: list[Child], procs: list[subprocess.Popen], forward) -> set[int]:
+    def _wait(self, children: list[Child], procs: list[Process], forward) -> set[int]:
         """Poll until every child has ended, acting on failures and completion; returns the indices of
         the children stopped here (their exit codes say nothing new)."""
         failed_at = stopped_at = None
@@ -96,7 +140,7 @@ class Supervisor:
                                          if c.required):
                 for p in procs:  # the job is done: the rest are not needed
                     if p.returncode is None:
-                        kill_tree(p.pid)
+                        p.kill()
                 for p in procs:
                     p.wait()
             time.sleep(0.1)

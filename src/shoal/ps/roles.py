@@ -24,11 +24,9 @@ from __future__ import annotations
 
 import datetime
 import os
-import random
-import socket
 import sys
-from pathlib import Path
 
+from shoal.launch.ports import free_port
 from shoal.launch.supervisor import Child, Supervisor
 
 ROLE, STORE, SLOT, WORKERS = "SHOAL_PS_ROLE", "SHOAL_PS_STORE", "SHOAL_PS_SLOT", "SHOAL_PS_WORKERS"
@@ -58,34 +56,6 @@ def open_store(host_it: bool, timeout_s: float):
     host, port = os.environ[STORE].rsplit(":", 1)
     return TCPStore(host, int(port), is_master=host_it, wait_for_workers=False,
                     timeout=datetime.timedelta(seconds=timeout_s))
-
-
-def free_port() -> int:
-    """A loopback port free now, for a store bound a moment later by another process. Chosen at random
-    below the kernel's ephemeral range, never from it: the kernel hands ephemeral ports to every
-    outgoing connection and every bind to port 0 (gloo's listeners), so a port freed from that range
-    was once taken between the pick and the store's bind (EADDRINUSE, with a suite of runs beside it).
-    Below the range only another explicit pick can take it."""
-    picker, low = random.SystemRandom(), _ephemeral_low()
-    for _ in range(64 if low > 2048 else 0):
-        port = picker.randrange(max(1024, low - 20000), low)
-        with socket.socket() as s:
-            try:
-                s.bind(("127.0.0.1", port))
-            except OSError:
-                continue
-            return port
-    with socket.socket() as s:  # 64 taken ports in a row: let the kernel choose
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _ephemeral_low() -> int:
-    """The first port of the kernel's ephemeral range (Linux's setting; IANA's 49152 elsewhere)."""
-    try:
-        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
-    except (OSError, ValueError, IndexError):
-        return 49152
 
 
 def launch_roles(train_argv: list[str], nproc: int, servers: int, max_restarts: int) -> int:

@@ -22,7 +22,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from shoal.errors import UserError
-from shoal.testbed import shape, slurm
+from shoal.testbed import ray, shape, slurm
 from shoal.testbed.system import netns_exec, sh
 
 STATE_FILE = Path("/run/shoal-cluster/state.json")
@@ -207,6 +207,8 @@ def down() -> list[str]:
         removed.append(f"{len(groups) - 1} cpu group{'s' * (len(groups) != 2)}")
     if slurm.down():  # its daemons ran in the namespaces: stopped above
         removed.append("Slurm's files")
+    if ray.down():  # the same
+        removed.append("Ray's files")
     if STATE_FILE.exists():
         STATE_FILE.unlink()
     return removed
@@ -244,4 +246,6 @@ def status_text(cluster: Cluster | None) -> str:
                  f"bridge port for what it receives); delay between two hosts: {delay}; cpu: cgroup cpu quota")
     if slurm.CONF.exists():
         lines.append(slurm.status_line(cluster))
+    if ray.running():
+        lines.append(ray.status_line(cluster))
     return "\n".join(lines)
