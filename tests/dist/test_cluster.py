@@ -7,6 +7,7 @@ and say why. Every test that makes a cluster removes it (`shoal cluster down`), 
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import json
 import os
 import shlex
@@ -556,3 +557,98 @@ def test_a_heterogeneous_job_trains_as_on_loopback_and_scancel_stops_it_with_a_v
     on_slurm, on_loopback = ([(m["loss"], m["grad_norm"]) for m in read_metrics(d) if "loss" in m]
                              for d in (tmp_path / "het", tmp_path / "loopback"))
     assert len(on_slurm) == 5 and on_slurm == on_loopback, out
+
+
+# --- a real Ray on the hosts: `ray start --head` in h0, `ray start --address` in h1 (shoal cluster up --ray) ---
+
+RAY = importlib.util.find_spec("ray") is not None
+needs_ray = pytest.mark.skipif(not RAY, reason="ray is not installed (pip install 'shoal[ray]'; make test installs it)")
+
+
+@pytest.fixture(scope="module")
+def ray_cluster(cluster):
+    """Ray on the module's cluster, for its last tests only (its daemons idle at ~1 GB)."""
+    from shoal.testbed import hosts, ray
+
+    try:
+        ray.up(hosts.require_up())
+        yield ray.address(hosts.require_up())
+    finally:
+        ray.stop()
+
+
+def in_h0(argv: list, env: dict | None = None, timeout: float = 150, cwd=None) -> subprocess.CompletedProcess:
+    """`argv` run in host 0's namespace (a driver on a Ray node), the test fixtures importable."""
+    return subprocess.run(["ip", "netns", "exec", "shoal-h0", sys.executable, *map(str, argv)], capture_output=True,
+                          text=True, timeout=timeout, cwd=cwd, env={
+                              **os.environ, **(env or {}),
+                              "PYTHONPATH": f"{FIXTURES}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"})
+
+
+@needs_ray
+@pytest.mark.timeout(240)
+def test_shoal_train_on_ray_equals_loopback_and_a_sigterm_to_the_driver_resumes_bitwise(cluster, ray_cluster, tmp_path,
+                                                                                      ranks):
+    """`shoal train --ray ADDRESS` from a driver on h0: one node agent per Ray node (a STRICT_SPREAD placement
+    group), rendezvous on actor 0's node. SIGTERM to the driver while the workers hold at a random step:
+    every node saves and exits 143; the same command resumes from that checkpoint, and the weights equal an
+    uninterrupted 2-rank run on loopback bitwise. More nodes than the cluster has: one line, exit 2."""
+    import random
+
+    import torch
+
+    from conftest import read_weights
+    from live_runs import RUN, held_after, release
+
+    run = [*RUN, "--set", "train.steps=12", "--set", "metrics.log_interval=1"]
+    command = ["-m", "shoal", "train", *run, "--run-dir", tmp_path / "ray", "--ray", ray_cluster]
+    r = in_h0([*command, "--nnodes", "3"], timeout=60)
+    assert r.returncode == 2 and r.stderr.count("\n") == 1, r.stderr
+    assert "3 nodes of 1 CPU each were asked for, one per Ray node (STRICT_SPREAD), but 2 of the cluster's 2" in r.stderr
+
+    hold, gate = random.Random().randrange(3, 9), tmp_path / "gate"
+    env = {**os.environ, **held_after(gate, hold, world=2),
+           "PYTHONPATH": f"{FIXTURES}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    driver = subprocess.Popen(["ip", "netns", "exec", "shoal-h0", sys.executable, *map(str, command)], env=env,
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.monotonic() + 120
+        while not gate.exists() and driver.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert gate.exists(), "the workers did not hold"
+        driver.send_signal(signal.SIGTERM)
+        time.sleep(2)  # the SIGTERM reaches the held workers through the actors and the agents
+        release(gate)
+        out = driver.communicate(timeout=90)[0]
+    finally:
+        if driver.poll() is None:
+            driver.kill()
+    assert driver.returncode == 128 + signal.SIGTERM, out
+    assert "shoal: 2 nodes on the Ray cluster at 10.200.0.1:6379 (" in out, out
+    saved = tmp_path / "ray" / "checkpoints" / f"step_{hold + 1:08d}"
+    assert f"checkpoint {saved}; to resume, run: shoal train " in out and f"--ray {ray_cluster}" in out, out
+    assert shoal_on_hosts() == [], out
+
+    again = in_h0(command, timeout=150)
+    assert again.returncode == 0, again.stdout + again.stderr
+    assert f"resumed from {saved} (step {hold + 1})" in again.stdout + again.stderr
+    ranks(2).run(train_on_ranks, [a for a in run if a != "--set"], str(tmp_path / "uninterrupted"))
+    got, want = read_weights(tmp_path / "ray"), read_weights(tmp_path / "uninterrupted")
+    assert all(torch.equal(got[k], want[k]) for k in want), "the run on Ray differs from the uninterrupted one"
+
+
+@needs_ray
+@pytest.mark.timeout(240)
+def test_ray_trains_torchtrainer_loop_over_a_session_equals_shoal_run_on_loopback(cluster, ray_cluster, tmp_path):
+    """Ray Train's side: TorchTrainer runs a train_loop_per_worker that is a shoal.Session loop
+    (tests/fixtures/ray_train_session.py) on two workers, one per Ray node; the Session uses the process group
+    Ray made. Loss for loss it equals the same loop under `shoal run --nproc 2` on loopback."""
+    r = in_h0([FIXTURES / "ray_train_session.py", ray_cluster, tmp_path / "ray", tmp_path / "ray-storage"])
+    assert r.returncode == 0, r.stdout + r.stderr
+    loop = run_cli(["run", "--nproc", "2", FIXTURES / "session_script.py", tmp_path / "loopback"], timeout=120,
+                   cwd=tmp_path)
+    assert loop.returncode == 0, loop.output
+    on_ray, on_loopback = ([(m["step"], m["loss"]) for m in read_metrics(d) if "loss" in m]
+                           for d in (tmp_path / "ray", tmp_path / "loopback"))
+    assert len(on_ray) == 8 and on_ray == on_loopback, r.stdout + r.stderr
+    assert json.loads((tmp_path / "ray" / "summary.json").read_text())["world_size"] == 2

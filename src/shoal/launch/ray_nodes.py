@@ -17,6 +17,11 @@ Files: every node runs in the driver's working directory and writes to the run d
 Ray node sees (a shared filesystem: NFS, a cluster's home). This is checked before anything starts:
 node 0 writes a mark file, the others look for it; a node that does not see it is named in one line.
 
+Output: each actor reads its node agent's stdout and stderr, and the driver prints them, each line after
+`[node i]`, on the same stream (RemoteProcess); a node counts as ended only when all of its output is
+printed. Ray's own log streaming is off for this job: it lagged, and a driver that ended at once lost
+the nodes' last lines (the checkpoint and the command that resumes it).
+
 Each node agent gets the driver's PYTHONPATH and its SHOAL_* variables (as sbatch passes on the submitting
 shell's environment); everything else is the Ray node's own (GLOO_SOCKET_IFNAME, CUDA_VISIBLE_DEVICES as
 Ray sets it for the actor's GPUs).
@@ -41,6 +46,7 @@ from shoal.launch.supervisor import Child, Supervisor, exit_code, kill_tree
 
 FAIL_GRACE_S = 30.0
 KILL_AFTER_S = 15.0
+OUTPUT_EVERY_S = 0.2  # how often the driver fetches each node's new output
 MARK = ".shoal-ray-"  # + a token: the mark file of the shared-directory check
 PR_SET_PDEATHSIG = 1  # prctl(2): the signal a process gets when the thread that started it ends
 
@@ -50,7 +56,6 @@ def run(command: list[str], address: str, nnodes: int | None, nproc: int | None,
     """Run `shoal <command>` (`train ...` or `run ...`, without node flags) as one node per Ray node of the
     cluster at `address`; `shared`: the directories every node must see (the working directory first).
     Returns the worst node's exit code."""
-    os.environ.setdefault("RAY_DEDUP_LOGS", "0")  # Ray folds alike lines of several nodes into one otherwise
     ray = require("ray", "ray", "shoal --ray")
     from ray.util.placement_group import placement_group, remove_placement_group
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
@@ -79,7 +84,7 @@ def run(command: list[str], address: str, nnodes: int | None, nproc: int | None,
                     for i, ip in enumerate(addresses)]
         cwd = str(shared[0])
         return Supervisor("shoal ray", grace_s=FAIL_GRACE_S, kill_after_s=KILL_AFTER_S).run(
-            children, start=lambda i, child: RemoteProcess(ray, agents[i], child, cwd))
+            children, start=lambda i, child: RemoteProcess(ray, agents[i], child, cwd, f"[node {i}]"))
     finally:
         for a in agents:
             with contextlib.suppress(Exception):
@@ -118,9 +123,11 @@ def _connect(ray, address: str) -> None:
     import logging
 
     try:
-        ray.init(address=address, log_to_driver=True, logging_level=logging.WARNING)
+        # the nodes' output comes through the actors (RemoteProcess), not Ray's log streaming
+        ray.init(address=address, log_to_driver=False, logging_level=logging.WARNING)
     except ConnectionError as e:
-        raise UserError(f"--ray {address}: no Ray cluster reached ({str(e).splitlines()[0][:120]}): start one with "
+        why = str(e).splitlines()[0].split(". ")[0][:120]
+        raise UserError(f"--ray {address}: no Ray cluster reached ({why}): start one with "
                         f"`ray start --head` (and `ray start --address HEAD:6379` on each other node), or give "
                         f"its address, e.g. --ray 10.0.0.1:6379") from None
 
@@ -164,15 +171,24 @@ def _check_shared(ray, agents, addresses: list[str], paths: list[str]) -> None:
 
 
 class RemoteProcess:
-    """A node agent started by its actor, as the supervisor sees a process (launch/supervisor.Process)."""
+    """A node agent started by its actor, as the supervisor sees a process (launch/supervisor.Process). Its
+    output is fetched from the actor and printed here, each line after `[node i]`, on the stream it was
+    written to; all of it before the node counts as ended (Ray's own log streaming lags: a driver that
+    left at once lost the nodes' last lines)."""
 
-    def __init__(self, ray, agent, child: Child, cwd: str):
-        self.ray, self.agent, self.name = ray, agent, child.name
+    def __init__(self, ray, agent, child: Child, cwd: str, label: str):
+        self.ray, self.agent, self.name, self.label = ray, agent, child.name, label
         self.ref = agent.run.remote(child.argv, child.env, cwd)
         self.returncode: int | None = None
+        self.seen, self.fetched_at = 0, 0.0
 
     def poll(self) -> int | None:
-        if self.returncode is None and self.ray.wait([self.ref], timeout=0)[0]:
+        if self.returncode is not None:
+            return self.returncode
+        done = bool(self.ray.wait([self.ref], timeout=0)[0])
+        if done or time.monotonic() - self.fetched_at > OUTPUT_EVERY_S:
+            self._print_output()
+        if done:
             try:
                 self.returncode = self.ray.get(self.ref)
             except self.ray.exceptions.RayError as e:  # its actor or its node died
@@ -180,6 +196,16 @@ class RemoteProcess:
                       file=sys.stderr, flush=True)
                 self.returncode = -signal.SIGKILL
         return self.returncode
+
+    def _print_output(self) -> None:
+        self.fetched_at = time.monotonic()
+        try:
+            lines = self.ray.get(self.agent.output.remote(self.seen), timeout=10)
+        except self.ray.exceptions.RayError:
+            return
+        self.seen += len(lines)
+        for to_stderr, line in lines:
+            print(f"{self.label} {line}", end="", file=sys.stderr if to_stderr else sys.stdout, flush=True)
 
     def signal(self, signum: int) -> None:
         self.agent.signal.remote(signum)
@@ -200,6 +226,7 @@ class NodeAgent:
         self.proc: subprocess.Popen | None = None
         self.pending: int | None = None  # a signal that came before the node agent started
         self.lock = threading.Lock()
+        self.lines: list[tuple[bool, str]] = []  # (written to stderr, the line) in the order read
 
     def address(self) -> str:
         import ray
@@ -232,8 +259,25 @@ class NodeAgent:
             if self.pending is not None:
                 return exit_code(-self.pending)
             self.proc = subprocess.Popen([sys.executable, "-m", "shoal", *argv], cwd=cwd, env={**os.environ, **env},
+                                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, errors="replace",
                                          start_new_session=True, preexec_fn=_end_with_parent)
-        return exit_code(self.proc.wait())
+        readers = [threading.Thread(target=self._read, args=(stream, to_stderr), daemon=True)
+                   for stream, to_stderr in ((self.proc.stdout, False), (self.proc.stderr, True))]
+        for r in readers:
+            r.start()
+        code = self.proc.wait()
+        for r in readers:
+            r.join()
+        return exit_code(code)
+
+    def _read(self, stream, to_stderr: bool) -> None:
+        for line in stream:
+            with self.lock:
+                self.lines.append((to_stderr, line))
+
+    def output(self, since: int) -> list[tuple[bool, str]]:
+        with self.lock:
+            return self.lines[since:]
 
     def signal(self, signum: int) -> None:
         with self.lock:

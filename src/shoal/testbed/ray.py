@@ -86,7 +86,7 @@ def running() -> bool:
     return RAY_DIR.exists()
 
 
-def stop(grace_s: float = 5.0) -> bool:
+def stop(grace_s: float = 2.0) -> bool:
     """End the Ray nodes up() started (SIGTERM to each node's process group, SIGKILL what is left after
     `grace_s`) and remove Ray's files; the hosts stay up."""
     if not RAY_DIR.exists():
