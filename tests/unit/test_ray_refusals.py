@@ -1,0 +1,42 @@
+"""`shoal train --ray` and `shoal run --ray` refuse what cannot work in one line, exit 2, before any Ray node
+is touched (launch/ray_nodes.py; the runs on a real Ray cluster are in tests/dist/test_cluster.py)."""
+
+import sys
+
+import pytest
+
+from shoal.cli import main
+
+
+@pytest.mark.parametrize("argv, expected", [
+    (["train", "--ray", "configs/gpt-tiny.toml"], "--ray took 'configs/gpt-tiny.toml' as the Ray cluster's address: "
+                                                  "put the config before --ray"),
+    (["train", "--ray", "auto", "--node-rank", "1"], "--ray sets --node-rank and --rdzv-endpoint for each node"),
+    (["train", "--ray", "auto", "--nnodes", "1:2"], "--nnodes 1:2: --ray takes a fixed number of nodes"),
+    (["train", "--ray", "auto", "--cluster"], "--cluster and --ray both place the nodes: give one"),
+    (["run", "--ray", "auto", "--horovod", "-np", "2", "x.py"], "with --ray give --nproc (workers per Ray node)"),
+])
+def test_refusals_are_one_line(argv, expected, capsys, tmp_path, monkeypatch):
+    (tmp_path / "x.py").write_text("")
+    monkeypatch.chdir(tmp_path if argv[0] == "run" else ".")
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and expected in err, err
+
+
+def test_without_ray_installed_it_names_the_install(capsys, monkeypatch):
+    monkeypatch.setitem(sys.modules, "ray", None)  # import ray raises ImportError
+    assert main(["train", "--ray"]) == 2
+    assert capsys.readouterr().err == ("shoal: error: shoal --ray needs the ray package; install it with: "
+                                       "pip install 'shoal[ray]'\n")
+
+
+@pytest.mark.slow  # imports Ray and asks for its cluster
+def test_no_ray_cluster_is_one_line(capsys, monkeypatch, tmp_path):
+    pytest.importorskip("ray", reason="ray is not installed (make test installs it)")
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    monkeypatch.setenv("RAY_TMPDIR", str(tmp_path))  # where `auto` looks for a cluster started on this machine
+    assert main(["train", "--ray"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "--ray auto: no Ray cluster reached (Could not find any running Ray instance): " \
+        "start one with `ray start --head`" in err, err
