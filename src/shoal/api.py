@@ -19,11 +19,13 @@ from shoal.errors import TrainingError
 
 
 def train(config: str | Path | None = None, overrides: Mapping[str, object] | None = None, nproc: int | None = None,
-          run_dir: str | Path | None = None, resume: str = "auto", max_restarts: int = 0) -> dict:
+          run_dir: str | Path | None = None, resume: str = "auto", max_restarts: int = 0, ray: str | None = None,
+          nnodes: int | None = None) -> dict:
     """Train as `shoal train CONFIG --nproc N --set KEY=VALUE ...` would; returns the run's summary
     (summary.json). `nproc` None: as the command without --nproc (1, or what a scheduler's environment
-    says: launch/environment.py). Raises UserError for a bad config or arguments, TrainingError if the
-    run fails."""
+    says: launch/environment.py). `ray`: a Ray cluster's address ("auto": the one this machine belongs
+    to), as --ray: one node per Ray node (`nnodes` of them, default every node), the run dir on a path
+    they share. Raises UserError for a bad config or arguments, TrainingError if the run fails."""
     from shoal.cli import build_parser
     from shoal.cli.train import train as train_command
     from shoal.config import load_config
@@ -32,7 +34,8 @@ def train(config: str | Path | None = None, overrides: Mapping[str, object] | No
     sets = overrides_as_sets(overrides)
     argv = ["train", *([str(config)] if config is not None else []), *[a for s in sets for a in ("--set", s)],
             *(["--nproc", str(nproc)] if nproc is not None else []), "--resume", resume,
-            "--max-restarts", str(max_restarts)]
+            "--max-restarts", str(max_restarts), *(["--ray", ray] if ray is not None else []),
+            *(["--nnodes", str(nnodes)] if nnodes is not None else [])]
     cfg = load_config(config, sets)  # raises the command's UserError
     where = Path(run_dir) if run_dir is not None else default_run_dir(str(config) if config else None, cfg)
     argv += ["--run-dir", str(where)]

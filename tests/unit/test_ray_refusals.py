@@ -40,3 +40,10 @@ def test_no_ray_cluster_is_one_line(capsys, monkeypatch, tmp_path):
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "--ray auto: no Ray cluster reached (Could not find any running Ray instance): " \
         "start one with `ray start --head`" in err, err
+
+
+def test_shoal_train_from_python_takes_ray_as_the_command_does():
+    import shoal
+
+    with pytest.raises(shoal.UserError, match="--nnodes 1:2: --ray takes a fixed number of nodes"):
+        shoal.train(ray="auto", nnodes="1:2")
