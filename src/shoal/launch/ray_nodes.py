@@ -57,18 +57,13 @@ def run(command: list[str], address: str, nnodes: int | None, nproc: int | None,
     cluster at `address`; `shared`: the directories every node must see (the working directory first).
     Returns the worst node's exit code."""
     ray = require("ray", "ray", "shoal --ray")
-    from ray.util.placement_group import placement_group, remove_placement_group
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
     _connect(ray, address)
     pg, agents = None, []
     try:
         bundle, nnodes, nproc = _bundles(ray, address, nnodes, nproc)
-        pg = placement_group([bundle] * nnodes, strategy="STRICT_SPREAD")
-        if not ray.wait([pg.ready()], timeout=timeout_s)[0]:
-            raise UserError(f"--ray {address}: {nnodes} Ray nodes with {_describe(bundle)} free each were not "
-                            f"free within {timeout_s:g} s (other work holds them: `ray status` shows it; "
-                            f"--rdzv-timeout waits longer)")
+        pg = _reserve(ray, address, bundle, nnodes, timeout_s)
         actor = ray.remote(NodeAgent)
         agents = [actor.options(max_concurrency=2, num_cpus=bundle["CPU"], num_gpus=bundle.get("GPU", 0),
                                 scheduling_strategy=PlacementGroupSchedulingStrategy(pg, i)).remote()
@@ -86,13 +81,32 @@ def run(command: list[str], address: str, nnodes: int | None, nproc: int | None,
         return Supervisor("shoal ray", grace_s=FAIL_GRACE_S, kill_after_s=KILL_AFTER_S).run(
             children, start=lambda i, child: RemoteProcess(ray, agents[i], child, cwd, f"[node {i}]"))
     finally:
-        for a in agents:
-            with contextlib.suppress(Exception):
-                ray.kill(a)
-        if pg is not None:
-            with contextlib.suppress(Exception):
-                remove_placement_group(pg)
-        ray.shutdown()
+        _release(ray, agents, pg)
+
+
+def _reserve(ray, address: str, bundle: dict, nnodes: int, timeout_s: float):
+    """A placement group of `nnodes` bundles on as many nodes, once Ray has placed it."""
+    from ray.util.placement_group import placement_group
+
+    pg = placement_group([bundle] * nnodes, strategy="STRICT_SPREAD")
+    if not ray.wait([pg.ready()], timeout=timeout_s)[0]:
+        _release(ray, [], pg)
+        raise UserError(f"--ray {address}: {nnodes} Ray nodes with {_describe(bundle)} free each were not free "
+                        f"within {timeout_s:g} s (other work holds them: `ray status` shows it; --rdzv-timeout "
+                        f"waits longer)")
+    return pg
+
+
+def _release(ray, agents: list, pg) -> None:
+    from ray.util.placement_group import remove_placement_group
+
+    for a in agents:
+        with contextlib.suppress(Exception):
+            ray.kill(a)
+    if pg is not None:
+        with contextlib.suppress(Exception):
+            remove_placement_group(pg)
+    ray.shutdown()
 
 
 def without_ray(argv: list[str], address: str) -> list[str]:
