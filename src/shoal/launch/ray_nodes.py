@@ -33,6 +33,7 @@ import contextlib
 import ctypes
 import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -46,6 +47,7 @@ from shoal.launch.supervisor import Child, Supervisor, exit_code, kill_tree
 
 FAIL_GRACE_S = 30.0
 KILL_AFTER_S = 15.0
+REACH_TIMEOUT_S = 10.0  # to connect to the head's port
 OUTPUT_EVERY_S = 0.2  # how often the driver fetches each node's new output
 MARK = ".shoal-ray-"  # + a token: the mark file of the shared-directory check
 PR_SET_PDEATHSIG = 1  # prctl(2): the signal a process gets when the thread that started it ends
@@ -136,6 +138,7 @@ def node_env() -> dict[str, str]:
 def _connect(ray, address: str) -> None:
     import logging
 
+    _check_reachable(address)
     try:
         # the nodes' output comes through the actors (RemoteProcess), not Ray's log streaming
         ray.init(address=address, log_to_driver=False, logging_level=logging.WARNING)
@@ -144,6 +147,19 @@ def _connect(ray, address: str) -> None:
         raise UserError(f"--ray {address}: no Ray cluster reached ({why}): start one with "
                         f"`ray start --head` (and `ray start --address HEAD:6379` on each other node), or give "
                         f"its address, e.g. --ray 10.0.0.1:6379") from None
+
+
+def _check_reachable(address: str) -> None:
+    """A head's HOST:PORT that nothing answers on is one line: ray.init retried such an address without end
+    (measured with Ray 2.60: 127.0.0.1 on a closed port, still waiting after 10 minutes)."""
+    host, _, port = address.rpartition(":")
+    if address == "auto" or "://" in address or not port.isdigit():
+        return
+    try:
+        socket.create_connection((host, int(port)), timeout=REACH_TIMEOUT_S).close()
+    except OSError as e:
+        raise UserError(f"--ray {address}: nothing answers there ({e.strerror or e}): give the head's address as "
+                        f"`ray start --head` printed it (port 6379 by default), or --ray auto on a Ray node") from None
 
 
 def _bundles(ray, address: str, nnodes: int | None, nproc: int | None) -> tuple[dict, int, int]:
