@@ -49,3 +49,29 @@ def test_shoal_train_from_python_takes_ray_as_the_command_does():
 
     with pytest.raises(shoal.UserError, match="--nnodes 1:2: --ray takes a fixed number of nodes"):
         shoal.train(ray="auto", nnodes="1:2")
+
+
+class Nodes:
+    """What ray.nodes() says of a cluster: each node's liveness and resources."""
+
+    def __init__(self, *resources, dead=()):
+        self.list = [{"Alive": i not in dead, "Resources": r} for i, r in enumerate(resources)]
+
+    def nodes(self):
+        return self.list
+
+
+def test_the_bundle_and_the_node_count_come_from_the_cluster():
+    from shoal.errors import UserError
+    from shoal.launch.ray_nodes import _bundles
+
+    # a head without CPUs for work (ray start --num-cpus 0) and a dead node are not counted
+    assert _bundles(Nodes({"CPU": 0}, {"CPU": 2}, {"CPU": 1}, {"CPU": 4}, dead=[3]), "a", None, None) == \
+        ({"CPU": 1.0}, 2, 1)
+    assert _bundles(Nodes({"CPU": 2}, {"CPU": 2}), "a", 1, 2) == ({"CPU": 2.0}, 1, 2)
+    # GPUs: a worker per GPU of the smallest GPU node, each bundle that many GPUs and CPUs
+    assert _bundles(Nodes({"CPU": 16, "GPU": 8}, {"CPU": 16, "GPU": 4}), "a", None, None) == \
+        ({"CPU": 4.0, "GPU": 4.0}, 2, 4)
+    with pytest.raises(UserError, match=r"3 nodes of 1 CPU each were asked for, one per Ray node \(STRICT_SPREAD\), "
+                                        r"but 2 of the cluster's 2 alive nodes have that much"):
+        _bundles(Nodes({"CPU": 1}, {"CPU": 1}), "a", 3, None)
