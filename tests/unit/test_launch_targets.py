@@ -127,6 +127,12 @@ def test_sagemaker_script_submits_an_estimator_and_is_its_entry_point(config, tm
     assert sorted(os.listdir(kw["source_dir"])) == ["my-job.toml", "my-job_sagemaker.py"]  # what ships
     assert open(os.path.join(kw["source_dir"], "my-job.toml")).read() == CONFIG
 
+    # SDK v3 (sagemaker 3.x, the current release) has no sagemaker.pytorch: one line naming the SDK it needs
+    del fake.pytorch
+    monkeypatch.setitem(sys.modules, "sagemaker.pytorch", None)
+    with pytest.raises(SystemExit, match=r"SDK v3 no longer has: pip install 'sagemaker>=2.200,<3'"):
+        namespace["submit"]()
+
 
 def test_a_range_is_an_elastic_pytorchjob_whose_pods_run_live(config):
     """--nodes MIN:MAX: Workers only and an elasticPolicy; the variables the operator then sets in a pod

@@ -236,8 +236,9 @@ SAGEMAKER = '''"""{config} on SageMaker: {nodes} instance(s) x {nproc} worker(s)
 
 Written by `shoal launch --target sagemaker`.
 
-    python THIS_FILE   submits the training job (needs the sagemaker package and AWS credentials;
-                       SAGEMAKER_ROLE names the IAM role, else sagemaker.get_execution_role() is asked)
+    python THIS_FILE   submits the training job (needs the SageMaker Python SDK v2, pip install
+                       'sagemaker>=2.200,<3', and AWS credentials; SAGEMAKER_ROLE names the IAM role,
+                       else sagemaker.get_execution_role() is asked)
 
 SageMaker then runs this same file as the entry point on every instance: it starts `shoal train`,
 which reads SM_HOSTS and SM_CURRENT_HOST for the node count, its node rank and node 0's address, and
@@ -274,7 +275,11 @@ def train_here() -> int:
 
 def submit() -> int:
     import sagemaker
-    from sagemaker.pytorch import PyTorch
+    try:
+        from sagemaker.pytorch import PyTorch
+    except ImportError:  # SDK v3 (sagemaker 3.x) has no framework estimators: its ModelTrainer replaces them
+        sys.exit("this script submits a SageMaker Python SDK v2 estimator (sagemaker.pytorch.PyTorch), which "
+                 "SDK v3 no longer has: pip install 'sagemaker>=2.200,<3'")
 
     source_dir = tempfile.mkdtemp(prefix="shoal-sagemaker-")
     shutil.copy(os.path.abspath(__file__), source_dir)
