@@ -2,6 +2,7 @@
 is touched (launch/ray_nodes.py; the runs on a real Ray cluster are in tests/dist/test_cluster.py)."""
 
 import sys
+import types
 
 import pytest
 
@@ -75,3 +76,36 @@ def test_the_bundle_and_the_node_count_come_from_the_cluster():
     with pytest.raises(UserError, match=r"3 nodes of 1 CPU each were asked for, one per Ray node \(STRICT_SPREAD\), "
                                         r"but 2 of the cluster's 2 alive nodes have that much"):
         _bundles(Nodes({"CPU": 1}, {"CPU": 1}), "a", 3, None)
+
+
+class Local:
+    """A NodeAgent called in this process, as `agent.method.remote(...)`; `root` maps the paths it is given
+    under another folder (a node whose filesystem is not the driver's)."""
+
+    def __init__(self, root=None):
+        from shoal.launch.ray_nodes import NodeAgent
+
+        agent, self.root = NodeAgent(), root
+        for name in ("mark", "unseen", "unmark"):
+            method = getattr(agent, name)
+            setattr(self, name, types.SimpleNamespace(remote=lambda paths, token, m=method:
+                                                      self.unmapped(m(self.mapped(paths), token), paths)))
+
+    def mapped(self, paths):
+        return [f"{self.root}{p}" for p in paths] if self.root else paths
+
+    def unmapped(self, answer, paths):  # a path named in an answer, as the driver gave it
+        return paths[self.mapped(paths).index(answer)] if answer in self.mapped(paths) else answer
+
+
+def test_a_node_that_does_not_see_the_run_dir_is_named(tmp_path):
+    from shoal.errors import UserError
+    from shoal.launch.ray_nodes import MARK, _check_shared
+
+    ray = types.SimpleNamespace(get=lambda value: value)  # the stand-ins answer at once
+    shared = [str(tmp_path / "work"), str(tmp_path / "work" / "runs")]
+    _check_shared(ray, [Local(), Local()], ["10.0.0.1", "10.0.0.2"], shared)  # one filesystem: passes
+    assert not list((tmp_path / "work").rglob(f"{MARK}*"))  # and leaves no mark behind
+    with pytest.raises(UserError, match=rf"the Ray node 10.0.0.2 does not see {tmp_path}/work as node 0 "
+                                        r"\(10.0.0.1\) does"):
+        _check_shared(ray, [Local(), Local(root=tmp_path / "elsewhere")], ["10.0.0.1", "10.0.0.2"], shared)

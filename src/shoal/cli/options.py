@@ -25,22 +25,6 @@ def workers(text: str) -> int:
         raise argparse.ArgumentTypeError(f"{text!r}: expected a whole number of workers") from None
 
 
-def fixed_nodes(args: argparse.Namespace, flag: str) -> int | None:
-    """--nnodes for a launch that places every node itself (--cluster, --ray): one number or none;
-    --node-rank and --rdzv-endpoint are its to set."""
-    from shoal.errors import UserError
-
-    if args.node_rank is not None or args.rdzv_endpoint:
-        raise UserError(f"{flag} sets --node-rank and --rdzv-endpoint for each node; leave them out")
-    if args.cluster and args.ray is not None:
-        raise UserError("--cluster and --ray both place the nodes: give one")
-    if args.nnodes is None:
-        return None
-    if not args.nnodes.isdigit() or int(args.nnodes) < 1:
-        raise UserError(f"--nnodes {args.nnodes}: {flag} takes a fixed number of nodes (its nodes are placed once)")
-    return int(args.nnodes)
-
-
 def add_launch(parser: argparse.ArgumentParser, restarts: str) -> None:
     """The flags of a command that starts workers through torch elastic (`shoal train`, `shoal run`)."""
     parser.add_argument("--nproc", type=workers, help="worker processes on this node (default 1, or what the scheduler "

@@ -41,10 +41,10 @@ def run(args: argparse.Namespace) -> int:
     if not args.module and not Path(args.script).is_file():
         raise UserError(f"script {args.script!r} does not exist (a module to run as python -m takes -m: "
                         f"shoal run -m {args.script})")
+    if args.ray is not None:  # before horovodrun's flags, which place processes here or on the testbed
+        return run_on_ray(args)
     if args.np is not None or args.hosts:
         horovodrun_flags(args)
-    if args.ray is not None:
-        return run_on_ray(args)
     if args.cluster:
         return run_on_cluster(args)
     nodes = node_flags(args)
@@ -78,11 +78,9 @@ def horovodrun_flags(args: argparse.Namespace) -> None:
 def run_on_ray(args: argparse.Namespace) -> int:
     """`shoal run ... --ray [ADDRESS]`: the same command, as one node per node of a Ray cluster
     (launch/ray_nodes.py), in this working directory (which every node must share)."""
-    from shoal.cli.options import fixed_nodes
     from shoal.launch import ray_nodes
 
-    ray_nodes.check_address(args.ray)
-    nnodes = fixed_nodes(args, "--ray")
+    nnodes = ray_nodes.launch_args(args)
     at = len(args.argv) - len(args.script_args) - 1  # the script: the flags before it are shoal's
     if args.np is not None or args.hosts:
         raise UserError("-np and -H place Horovod's processes on this machine or the cluster here; with --ray give "

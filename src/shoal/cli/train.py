@@ -144,13 +144,11 @@ def train_on_cluster(args: argparse.Namespace) -> int:
 def train_on_ray(args: argparse.Namespace, cfg) -> int:
     """`shoal train ... --ray [ADDRESS]`: the same command, as one node per node of a Ray cluster
     (launch/ray_nodes.py); the working directory and the run dir must be shared by every node."""
-    from shoal.cli.options import fixed_nodes
     from shoal.launch import ray_nodes
     from shoal.launch.elastic import RESUME_COMMAND
     from shoal.rundir import default_run_dir
 
-    ray_nodes.check_address(args.ray)
-    nnodes = fixed_nodes(args, "--ray")
+    nnodes = ray_nodes.launch_args(args)
     cwd = Path.cwd()
     run_dir = cwd / (Path(args.run_dir) if args.run_dir else default_run_dir(args.config, cfg))
     env = {**ray_nodes.node_env(), RESUME_COMMAND: resume_command(args.argv)}

@@ -59,13 +59,15 @@ def run(command: list[str], address: str, nnodes: int | None, nproc: int | None,
     cluster at `address`; `shared`: the directories every node must see (the working directory first).
     Returns the worst node's exit code."""
     ray = require("ray", "ray", "shoal --ray")
+    from ray.util.placement_group import placement_group
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
     _connect(ray, address)
     pg, agents = None, []
     try:
         bundle, nnodes, nproc = _bundles(ray, address, nnodes, nproc)
-        pg = _reserve(ray, address, bundle, nnodes, timeout_s)
+        pg = placement_group([bundle] * nnodes, strategy="STRICT_SPREAD")
+        _wait_placed(ray, pg, address, bundle, nnodes, timeout_s)
         actor = ray.remote(NodeAgent)
         agents = [actor.options(max_concurrency=2, num_cpus=bundle["CPU"], num_gpus=bundle.get("GPU", 0),
                                 scheduling_strategy=PlacementGroupSchedulingStrategy(pg, i)).remote()
@@ -86,17 +88,11 @@ def run(command: list[str], address: str, nnodes: int | None, nproc: int | None,
         _release(ray, agents, pg)
 
 
-def _reserve(ray, address: str, bundle: dict, nnodes: int, timeout_s: float):
-    """A placement group of `nnodes` bundles on as many nodes, once Ray has placed it."""
-    from ray.util.placement_group import placement_group
-
-    pg = placement_group([bundle] * nnodes, strategy="STRICT_SPREAD")
+def _wait_placed(ray, pg, address: str, bundle: dict, nnodes: int, timeout_s: float) -> None:
     if not ray.wait([pg.ready()], timeout=timeout_s)[0]:
-        _release(ray, [], pg)
         raise UserError(f"--ray {address}: {nnodes} Ray nodes with {_describe(bundle)} free each were not free "
                         f"within {timeout_s:g} s (other work holds them: `ray status` shows it; --rdzv-timeout "
                         f"waits longer)")
-    return pg
 
 
 def _release(ray, agents: list, pg) -> None:
@@ -124,10 +120,22 @@ def without_ray(argv: list[str], address: str) -> list[str]:
     return out
 
 
-def check_address(address: str) -> None:
+def launch_args(args) -> int | None:
+    """What `--ray` takes from the command's flags, checked: the address, and --nnodes (one number, or none:
+    every node). --node-rank and --rdzv-endpoint are its to set, and --cluster places nodes too."""
+    address = args.ray
     if address.endswith(".toml") or Path(address).is_file():
         raise UserError(f"--ray took {address!r} as the Ray cluster's address: put the config before --ray "
                         f"(shoal train cfg.toml --ray), or give the address (--ray auto, --ray HEAD:6379)")
+    if args.node_rank is not None or args.rdzv_endpoint:
+        raise UserError("--ray sets --node-rank and --rdzv-endpoint for each node; leave them out")
+    if args.cluster:
+        raise UserError("--cluster and --ray both place the nodes: give one")
+    if args.nnodes is None:
+        return None
+    if not args.nnodes.isdigit() or int(args.nnodes) < 1:
+        raise UserError(f"--nnodes {args.nnodes}: --ray takes a fixed number of nodes (its nodes are placed once)")
+    return int(args.nnodes)
 
 
 def node_env() -> dict[str, str]:

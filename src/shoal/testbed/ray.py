@@ -26,12 +26,11 @@ from pathlib import Path
 
 from shoal.errors import UserError
 from shoal.testbed import shape
-from shoal.testbed.system import netns_exec
+from shoal.testbed.system import netns_exec, wait_up
 
 RAY_DIR = Path("/run/shoal-cluster/ray")
 PORT = 6379
 OBJECT_STORE_BYTES = 100 * 2 ** 20  # Ray's default is 30% of memory per node
-UP_TIMEOUT_S = 60.0
 STARTED = "Ray runtime started"  # what `ray start` prints once its node is up
 
 
@@ -64,17 +63,8 @@ def up(cluster) -> None:
                                     start_new_session=True, preexec_fn=join)
         with open(RAY_DIR / "pgids", "a") as f:
             f.write(f"{node.pid}\n")
-        _wait_started(log)
-
-
-def _wait_started(log: Path) -> None:
-    deadline = time.monotonic() + UP_TIMEOUT_S
-    while STARTED not in log.read_text(errors="replace"):
-        if time.monotonic() > deadline:
-            tail = log.read_text(errors="replace").strip().splitlines()[-3:] or ["(no output)"]
-            raise UserError(f"Ray did not come up within {UP_TIMEOUT_S:g} s; {log} ends: {' | '.join(tail)} "
-                            f"(`shoal cluster down` removes what was made)")
-        time.sleep(0.2)
+        wait_up("Ray", lambda log=log: STARTED in log.read_text(errors="replace"), f"{STARTED!r} from {host.name}",
+                log)
 
 
 def status_line(cluster) -> str:

@@ -16,18 +16,16 @@ import pwd
 import shutil
 import socket
 import subprocess
-import time
 from pathlib import Path
 
 from shoal.errors import UserError
 from shoal.testbed import shape
-from shoal.testbed.system import netns_exec
+from shoal.testbed.system import netns_exec, wait_up
 
 SLURM_DIR = Path("/run/shoal-cluster/slurm")
 CONF = SLURM_DIR / "slurm.conf"
 PARTITION = "shoal"
 DAEMONS = ("munged", "slurmctld", "slurmd", "sinfo")
-UP_TIMEOUT_S = 60.0
 
 
 def find(name: str) -> str | None:
@@ -105,13 +103,13 @@ def up(cluster) -> None:
                          f"--socket={munge_dir / 'munge.socket'}", f"--key-file={key}",
                          f"--log-file={munge_dir / 'munged.log'}", f"--pid-file={munge_dir / 'munged.pid'}",
                          f"--seed-file={munge_dir / 'munged.seed'}"], SLURM_DIR / "munged.out")
-    _wait(lambda: (munge_dir / "munge.socket").exists(), "munged's socket", munge_dir / "munged.log")
+    wait_up("Slurm", lambda: (munge_dir / "munge.socket").exists(), "munged's socket", munge_dir / "munged.log")
     _start(host0.netns, [_exe("slurmctld"), "-D", "-f", str(CONF)], SLURM_DIR / "slurmctld.out")
     for host in cluster.hosts:
         join = (lambda g=host.cgroup: shape.join_cpu_group(g)) if host.cgroup else None
         _start(host.netns, [_exe("slurmd"), "-D", "-f", str(CONF), "-N", host.name], SLURM_DIR / f"{host.name}.out",
                join)
-    _wait(lambda: _idle(cluster) == len(cluster.hosts), f"{len(cluster.hosts)} idle Slurm nodes",
+    wait_up("Slurm", lambda: _idle(cluster) == len(cluster.hosts), f"{len(cluster.hosts)} idle Slurm nodes",
           SLURM_DIR / "slurmctld.log")
 
 
@@ -119,16 +117,6 @@ def _start(netns: str, argv: list[str], out: Path, preexec_fn=None) -> None:
     with open(out, "w") as log:
         subprocess.Popen([*netns_exec(netns), *argv], stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                          start_new_session=True, preexec_fn=preexec_fn)
-
-
-def _wait(until, what: str, log: Path) -> None:
-    deadline = time.monotonic() + UP_TIMEOUT_S
-    while not until():
-        if time.monotonic() > deadline:
-            tail = log.read_text(errors="replace").strip().splitlines()[-3:] if log.exists() else ["(no log)"]
-            raise UserError(f"Slurm did not come up: no {what} after {UP_TIMEOUT_S:g} s; {log} ends: "
-                            f"{' | '.join(tail)} (`shoal cluster down` removes what was made)")
-        time.sleep(0.5)
 
 
 def _idle(cluster) -> int:

@@ -5,6 +5,8 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
+import time
+from pathlib import Path
 
 from shoal.errors import UserError
 
@@ -32,3 +34,14 @@ def sh(*argv: str, check: bool = True) -> subprocess.CompletedProcess:
 def netns_exec(netns: str) -> list[str]:
     """The prefix that runs a command inside network namespace `netns`."""
     return ["ip", "netns", "exec", netns]
+
+
+def wait_up(system: str, until, what: str, log: Path, timeout_s: float = 60.0) -> None:
+    """Wait until `until()` holds for a daemon the testbed started, or fail in one line with its log's end."""
+    deadline = time.monotonic() + timeout_s
+    while not until():
+        if time.monotonic() > deadline:
+            tail = log.read_text(errors="replace").strip().splitlines()[-3:] if log.exists() else []
+            raise UserError(f"{system} did not come up: no {what} after {timeout_s:g} s; {log} ends: "
+                            f"{' | '.join(tail) or '(nothing)'} (`shoal cluster down` removes what was made)")
+        time.sleep(0.2)
