@@ -58,11 +58,12 @@ def wait_for(what, until, timeout: float, nodes) -> None:
         time.sleep(0.05)
 
 
-def held_after(gate: Path, step: int, world: int = 3) -> dict:
-    """The environment of nodes of RUN at `world` whose workers hold themselves at the gate after `step` steps
-    (tests/fixtures/gate.py): a test acts at a known point of the run, however late it looks (a loaded
-    machine once ran a short run to its end between two looks at its progress)."""
-    forwards = GLOBAL // (MICRO * world)  # per step and rank
+def held_after(gate: Path, step: int, world: int = 3, run: list[str] = RUN) -> dict:
+    """The environment of nodes of `run` at `world` whose workers hold themselves at the gate after `step`
+    steps (tests/fixtures/gate.py): a test acts at a known point of the run, however late it looks (a
+    loaded machine once ran a short run to its end between two looks at its progress)."""
+    sets = dict(a.split("=", 1) for a in run if "=" in a and not a.startswith("model.name"))
+    forwards = int(sets["train.global_batch_size"]) // (int(sets["train.micro_batch_size"]) * world)  # per step, rank
     return {"SHOAL_TEST_GATE": str(gate), "SHOAL_TEST_HOLD_AT": str(step * forwards + 1)}
 
 
