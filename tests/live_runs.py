@@ -136,6 +136,15 @@ def gloo_loops(pid: int) -> int:
     return names.count("gloo_tcp_loop")
 
 
+def node_of_rank(nodes, rank: int) -> int:
+    """Which of `nodes` (one worker each) runs the worker of rank `rank` now (worker.name_process names it)."""
+    for i, p in enumerate(nodes):
+        with open(f"/proc/{worker_of(p)}/comm") as f:
+            if f.read().strip() == f"shoal rank {rank}":
+                return i
+    raise AssertionError(f"no node runs rank {rank}")
+
+
 def worker_of(node: subprocess.Popen) -> int:
     """The pid of the one worker a node's launcher runs."""
     for pid in descendants(node.pid):

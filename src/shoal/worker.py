@@ -326,7 +326,8 @@ def describe_change(member, gen, source: int | None, lost_s: float, heal_s: floa
     line = (f"step {step}: world {before.world if before else '?'} -> {gen.world}: {'; '.join(parts) or 'regrouped'}; "
             f"regrouped in {lost_s:.1f} s")
     return {"step": step, "time": time.time(), "generation": gen.number, "world": gen.world,
-            "left": [member.where(m) for m in left], "joined": [member.where(m) for m in came],
+            "left": [member.where(m) for m in left], "left_ranks": [before.rank_of(m) for m in left],
+            "joined": [member.where(m) for m in came],
             "why": [why[m] for m in left], "regroup_s": round(lost_s, 3), "heal_s": round(heal_s, 3),
             "healed_from": source, "line": line}
 

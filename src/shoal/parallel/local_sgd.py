@@ -21,7 +21,9 @@ the codec's residuals through rank_state(); a killed run resumes bitwise. Resume
 size, every replica starts from the checkpoint's model and inner optimizer state (rank 0's replica),
 with the anchor and the outer momentum as saved and the codec's residuals merged (merge_rank_states);
 from a checkpoint of another sync mode, the model becomes the anchor. A live run changes its group only
-where the replicas are one model (in_sync), and after a failure goes back to the round's start.
+where the replicas are one model (in_sync), and after a failure goes back to the round's start; every
+replica then goes on from one replica's inner state (rank 0's at a planned change, as from disk; the
+lowest survivor's after a failure: training/live.py).
 
 With H = 1, outer lr 1 and no momentum both equal every-step data parallelism for an optimizer that
 is linear in the gradient (SGD, with or without momentum): the mean of the replicas' updates is the

@@ -156,14 +156,17 @@ def heal(comm, held: Snapshot | None, from_one: bool = False) -> tuple[Snapshot 
     lowest rank holding the newest step sends its Snapshot to all. `from_one` (replicas that differ
     between synchronisations: local SGD, DiLoCo): it sends it whatever the others hold, and every
     replica goes on from its model and inner optimizer state, as a resume on another world size goes on
-    from rank 0's; a rank that held the same step keeps its own rank tensors and RNG streams. (None,
-    None): no rank holds any, as when every member was lost: the run resumes from its newest checkpoint."""
-    mine = torch.tensor([held.step if held is not None else -1], dtype=torch.int64)
-    steps = [int(t.item()) for t in comm.all_gather(mine, label="world, heal: the step each rank holds")]
+    from rank 0's (unless every rank holds one replica already: one_replica()); a rank that held the same
+    step keeps its own rank tensors and RNG streams. (None, None): no rank holds any, as when every member
+    was lost: the run resumes from its newest checkpoint."""
+    mine = torch.tensor([held.step if held is not None else -1, int(held is not None and held.meta.get("one", False))],
+                        dtype=torch.int64)
+    every = [t.tolist() for t in comm.all_gather(mine, label="world, heal: the step each rank holds")]
+    steps = [s for s, _ in every]
     best = max(steps)
     if best < 0:
         return None, None
-    if all(s == best for s in steps) and not from_one:
+    if all(s == best for s in steps) and (not from_one or all(one for _, one in every)):
         return held, None
     src = steps.index(best)
     sending = comm.rank == src
@@ -178,6 +181,17 @@ def heal(comm, held: Snapshot | None, from_one: bool = False) -> tuple[Snapshot 
                         {**meta, "rank": held.meta["rank"], "world": held.meta["world"], "rng": held.meta["rng"],
                          "own": held.meta.get("own", True), "pooled": held.meta.get("pooled", False)}), src
     return Snapshot(step, tensors, {**meta, "own": False}), src
+
+
+def one_replica(comm, snapshot: Snapshot) -> Snapshot:
+    """Collective over the old group at a planned change where replicas differ (local SGD, DiLoCo: at a
+    round's end they are one model, but each inner optimizer's state is its own): every member takes rank
+    0's replica while rank 0 is still in the group, even when rank 0 is the member that leaves, so that the
+    run goes on as a resume from disk on the new world size does (from rank 0's file). After a failure the
+    survivors can only go on from the lowest survivor's (heal(from_one)); marked, so that the next
+    generation does not send it again."""
+    got, _ = heal(comm, snapshot, from_one=True)
+    return Snapshot(got.step, got.tensors, {**got.meta, "one": True})
 
 
 def copied(snapshot: Snapshot | None) -> Snapshot | None:

@@ -44,7 +44,7 @@ from shoal.rundir import RunDir, read_json, write_json
 from shoal.training.bad_steps import BadStepPolicy
 from shoal.training.build import build_on, freeze, plain_model
 from shoal.training.feed import Steps
-from shoal.training.live import Live, Regroup, capture, copied, peer_failed, pooled
+from shoal.training.live import Live, Regroup, capture, copied, one_replica, peer_failed, pooled
 from shoal.training.live import restore as restore_live
 from shoal.training.loop import Hooks, Trainer, Watch
 from shoal.training.optim import Schedule, optimizer_groups
@@ -227,8 +227,10 @@ def loop(parts: Parts, recovery: dict | None, live: Live | None = None) -> tuple
         if ended == "regroup":
             checkpoints.close()  # an async save in flight is part of the run
             # every member gives its residuals to the merge while the group still holds them all
-            raise Regroup(pooled(parts.comm, parts.state, snapshot(parts), gives=True),
-                          "the group changes: a member leaves or a joiner waits")
+            held = pooled(parts.comm, parts.state, snapshot(parts), gives=True)
+            if parts.state.replicas_differ:  # and rank 0's replica, even if rank 0 is the member that leaves
+                held = one_replica(parts.comm, held)
+            raise Regroup(held, "the group changes: a member leaves or a joiner waits")
         if ended == "stop":  # asked to stop: keep the work done so far, then leave
             stop(parts, checkpoints)
         strategy.finish()
