@@ -226,11 +226,7 @@ def loop(parts: Parts, recovery: dict | None, live: Live | None = None) -> tuple
         ended = trainer.run(strategy.feed(steps, parts.step.schedule))
         if ended == "regroup":
             checkpoints.close()  # an async save in flight is part of the run
-            # every member gives its residuals to the merge while the group still holds them all
-            held = pooled(parts.comm, parts.state, snapshot(parts), gives=True)
-            if parts.state.replicas_differ:  # and rank 0's replica, even if rank 0 is the member that leaves
-                held = one_replica(parts.comm, held)
-            raise Regroup(held, "the group changes: a member leaves or a joiner waits")
+            raise Regroup(handed_over(parts), "the group changes: a member leaves or a joiner waits")
         if ended == "stop":  # asked to stop: keep the work done so far, then leave
             stop(parts, checkpoints)
         strategy.finish()
@@ -238,6 +234,14 @@ def loop(parts: Parts, recovery: dict | None, live: Live | None = None) -> tuple
     finally:
         sinks.close()
     return trainer, checkpoints
+
+
+def handed_over(parts: Parts):
+    """Collective over the old group at a planned change: the state this rank goes on from. Every member gives
+    its residuals to the merge while the group still holds them all; where replicas differ, rank 0 hands its
+    replica to the others, even when rank 0 is the member that leaves (training/live.py, one_replica)."""
+    held = pooled(parts.comm, parts.state, snapshot(parts), gives=True)
+    return one_replica(parts.comm, held) if parts.state.replicas_differ else held
 
 
 def batches(parts: Parts):
