@@ -41,8 +41,18 @@ from shoal.comm import flight
 def is_launched() -> bool:
     """True inside a worker started by torch elastic (shoal --nproc, torchrun) or a similar per-process
     launcher. LOCAL_RANK tells a worker from a Kubeflow PyTorchJob pod, which gets the other four for the
-    node ([Note: pod or worker] in launch/environment.py)."""
-    return all(k in os.environ for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK"))
+    node; an Azure ML node gets all five, and is told apart by its variables ([Note: pod or worker] in
+    launch/environment.py)."""
+    return (all(k in os.environ for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK"))
+            and not azureml_node(os.environ))
+
+
+def azureml_node(env) -> bool:
+    """A node of an Azure ML job with the PyTorch distribution (it sets RANK, LOCAL_RANK, WORLD_SIZE,
+    MASTER_ADDR, MASTER_PORT and NODE_RANK on each), as opposed to a worker that a launcher on it started
+    (torch elastic's carry TORCHELASTIC_RUN_ID; shoal's live workers SHOAL_LIVE_ID)."""
+    return ("AZUREML_RUN_ID" in env and "NODE_RANK" in env and "TORCHELASTIC_RUN_ID" not in env
+            and "SHOAL_LIVE_ID" not in env)
 
 
 @dataclass(frozen=True)

@@ -1,12 +1,16 @@
 """A scheduler's environment gives `shoal train` its nodes, node rank and rendezvous (flags win), and a
 PyTorchJob pod's RANK / WORLD_SIZE never make shoal think it is a worker (launch/environment.py)."""
 
+import json
 import os
 import re
 import stat
+import subprocess
+import sys
 
 import pytest
 
+from conftest import FIXTURES
 from shoal import dist
 from shoal.errors import UserError
 from shoal.launch import environment
@@ -159,6 +163,69 @@ def test_sagemaker_sorts_the_hosts_and_the_first_is_node_0():
     assert line == "shoal: from SageMaker: 2 nodes, node rank 1, rendezvous algo-1:29400, 4 workers per node (SM_NUM_GPUS)"
     with pytest.raises(UserError, match="SM_CURRENT_HOST='algo-9' is not one of SM_HOSTS"):
         detect({**env, "SM_CURRENT_HOST": "algo-9"})
+
+
+def test_a_sagemaker_instance_reads_what_the_sdk_s_own_driver_writes(tmp_path):
+    """SageMaker Python SDK v3's ModelTrainer ships scripts/environment.py to every instance, which writes the
+    SM_* variables the entry script then runs with (tests/fixtures/sagemaker, unchanged, 3.27.0): run it for
+    the second instance of a two-instance job, source what it wrote as its train script does, and read."""
+    drivers = FIXTURES / "sagemaker" / "container_drivers"
+    resource = {"current_host": "algo-2", "current_instance_type": "ml.g5.12xlarge", "current_group_name": "homogeneousCluster",
+                "hosts": ["algo-2", "algo-1"], "network_interface_name": "eth0"}
+    written = tmp_path / "sm_training.env"
+    subprocess.run([sys.executable, "-c", "import json, sys; sys.path.insert(0, sys.argv[1]); import environment; "
+                    "environment.set_env(json.loads(sys.argv[2]), {}, {}, output_file=sys.argv[3])",
+                    str(drivers / "scripts"), json.dumps(resource), str(written)],
+                   check=True, capture_output=True, env={**os.environ, "TRAINING_JOB_NAME": "my-job"})
+    shell = subprocess.run(["bash", "-c", f"set -a; source {written}; env -0"], check=True, capture_output=True,
+                           env={"PATH": os.environ["PATH"]}).stdout.decode()
+    env = dict(line.split("=", 1) for line in shell.split("\0") if "=" in line)
+    assert json.loads(env["SM_HOSTS"]) == ["algo-1", "algo-2"] and env["SM_CURRENT_HOST"] == "algo-2"
+    args, line = node_args(*NO_FLAGS, env=env)
+    assert args == NodeArgs("2", 1, "algo-1:29400", 1)  # no GPU here (SM_NUM_GPUS=0): one worker, as --nproc says
+    assert line.startswith("shoal: from SageMaker: 2 nodes, node rank 1, rendezvous algo-1:29400")
+
+
+AZUREML = {"AZUREML_RUN_ID": "shoal_1700000000_ab12", "NODE_RANK": "1", "RANK": "1", "LOCAL_RANK": "0",
+           "WORLD_SIZE": "2", "MASTER_ADDR": "10.0.0.4", "MASTER_PORT": "6105"}
+
+
+def test_an_azureml_node_is_a_node_not_a_worker(monkeypatch):
+    """Azure ML's PyTorch distribution sets RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR / MASTER_PORT and
+    NODE_RANK for the process it starts on each instance (one, as `shoal launch --target azureml` asks)."""
+    args, line = node_args(*NO_FLAGS, env=AZUREML)
+    assert args == NodeArgs("2", 1, "10.0.0.4:6105", 1)
+    assert line == "shoal: from Azure ML (run shoal_1700000000_ab12): 2 nodes, node rank 1, rendezvous 10.0.0.4:6105"
+    monkeypatch.setattr(os, "environ", dict(AZUREML))
+    assert not dist.is_launched()  # the node: it starts the workers
+    monkeypatch.setattr(os, "environ", {**AZUREML, "TORCHELASTIC_RUN_ID": "x", "LOCAL_RANK": "1"})
+    assert dist.is_launched()  # a worker the node's launcher started, its variables inherited
+    with pytest.raises(UserError, match=r"^Azure ML started several processes per instance \(LOCAL_RANK=3, "):
+        detect({**AZUREML, "LOCAL_RANK": "3", "RANK": "7"})
+    with pytest.raises(UserError, match="several processes per instance"):  # node 1's first of 4: RANK 4
+        detect({**AZUREML, "RANK": "4", "WORLD_SIZE": "8"})
+
+
+def cluster_spec(kind: str, index: int) -> str:
+    """CLUSTER_SPEC as Vertex AI sets it for a replica of a job of 1 + 2 replicas."""
+    return json.dumps({"cluster": {"workerpool0": ["cmle-training-workerpool0-0:2222"],
+                                   "workerpool1": ["cmle-training-workerpool1-0:2222", "cmle-training-workerpool1-1:2222"]},
+                       "environment": "cloud", "task": {"type": kind, "index": index}})
+
+
+def test_vertex_ai_s_worker_pools_are_the_nodes_the_primary_replica_node_0():
+    args, line = node_args(*NO_FLAGS, env={"CLUSTER_SPEC": cluster_spec("workerpool1", 1)})
+    assert args == NodeArgs("3", 2, "cmle-training-workerpool0-0:29400", 1)
+    assert line == "shoal: from Vertex AI (CLUSTER_SPEC): 3 nodes, node rank 2, rendezvous cmle-training-workerpool0-0:29400"
+    assert detect({"CLUSTER_SPEC": cluster_spec("workerpool0", 0)}).node_rank == 0
+    # Vertex's PyTorch images also set torchrun's four per node: CLUSTER_SPEC is read first, and they agree
+    assert detect({"CLUSTER_SPEC": cluster_spec("workerpool1", 0), "RANK": "1", "WORLD_SIZE": "3",
+                   "MASTER_ADDR": "cmle-training-workerpool0-0", "MASTER_PORT": "3333"}).endpoint \
+        == "cmle-training-workerpool0-0:3333"
+    with pytest.raises(UserError, match="^this replica is in Vertex AI's workerpool2: shoal trains on worker pools 0"):
+        detect({"CLUSTER_SPEC": cluster_spec("workerpool2", 0)})
+    with pytest.raises(UserError, match="^CLUSTER_SPEC='{oops' is not Vertex AI's cluster spec"):
+        detect({"CLUSTER_SPEC": "{oops"})
 
 
 def test_flags_win_field_by_field():

@@ -2,6 +2,7 @@
 starts `shoal train` with the config; bad input is one line and exit code 2 (launch/jobs.py)."""
 
 import ast
+import json
 import os
 import re
 import shlex
@@ -9,9 +10,12 @@ import subprocess
 import sys
 import types
 
+import jsonschema
 import pytest
 import yaml
+from jsonschema.exceptions import best_match
 
+from conftest import FIXTURES
 from shoal.cli import build_parser, main
 
 CONFIG = """# a job for 2 nodes x 2 workers
@@ -99,38 +103,67 @@ def test_a_one_node_pytorchjob_has_no_workers(config):
     assert {"name": "runs", "emptyDir": {}} in pod["volumes"]  # outlives a container restart (OnFailure)
 
 
-def test_sagemaker_script_submits_an_estimator_and_is_its_entry_point(config, tmp_path, monkeypatch):
+def sdk_v3(calls: list) -> dict:
+    """Stand-ins for the modules of the SageMaker Python SDK v3 the script imports: ModelTrainer records its
+    keyword arguments, each config its fields, as the JSON the SDK's pydantic models validate."""
+    train, configs = types.ModuleType("sagemaker.train"), types.ModuleType("sagemaker.train.configs")
+    configs.SourceCode = configs.Compute = configs.CheckpointConfig = lambda **fields: fields
+    train.ModelTrainer = lambda **kw: calls.append(kw) or types.SimpleNamespace(train=lambda wait=True: None)
+    return {"sagemaker": types.ModuleType("sagemaker"), "sagemaker.train": train, "sagemaker.train.configs": configs}
+
+
+def model_trainer_errors(kwargs: dict) -> list[str]:
+    """What the SDK's own schema of ModelTrainer (3.27.0: tests/fixtures/sagemaker) refuses in `kwargs`."""
+    schema = json.loads((FIXTURES / "sagemaker" / "model_trainer.schema.json").read_text())
+    found = (best_match([e]) for e in jsonschema.Draft202012Validator(schema).iter_errors(kwargs))  # within anyOf
+    return [f"{'/'.join(map(str, e.absolute_path)) or '(top)'}: {e.message}" for e in found]
+
+
+def test_sagemaker_script_submits_a_model_trainer_the_sdk_s_schema_accepts(config, tmp_path, monkeypatch):
     assert launch("--target", "sagemaker", config, "--nodes", 2, "--nproc", 2, "--image", "123.dkr.ecr/shoal:1",
                   "--instance-type", "ml.g5.12xlarge") == 0
     text = open("my-job_sagemaker.py").read()
-    code = compile(text, "my-job_sagemaker.py", "exec")
     constants = {n.targets[0].id: ast.literal_eval(n.value) for n in ast.parse(text).body
                  if isinstance(n, ast.Assign) and isinstance(n.targets[0], ast.Name)}
     assert constants["INSTANCE_COUNT"] == 2 and constants["INSTANCE_TYPE"] == "ml.g5.12xlarge"
     args = train_args(constants["TRAIN"])
     assert (args.config, args.nproc, args.nnodes) == ("my-job.toml", 2, None)
 
-    calls = []  # a stand-in sagemaker package records the estimator it is given
-    fake = types.ModuleType("sagemaker")
-    fake.get_execution_role = lambda: "arn:aws:iam::1:role/default"
-    fake.pytorch = types.ModuleType("sagemaker.pytorch")
-    fake.pytorch.PyTorch = lambda **kw: calls.append(kw) or types.SimpleNamespace(fit=lambda: None)
-    monkeypatch.setitem(sys.modules, "sagemaker", fake)
-    monkeypatch.setitem(sys.modules, "sagemaker.pytorch", fake.pytorch)
-    monkeypatch.delenv("SAGEMAKER_ROLE", raising=False)
+    calls: list[dict] = []
+    for name, module in sdk_v3(calls).items():
+        monkeypatch.setitem(sys.modules, name, module)
+    monkeypatch.setenv("SAGEMAKER_ROLE", "arn:aws:iam::1:role/shoal")
     namespace = {"__name__": "generated", "__file__": str(tmp_path / "my-job_sagemaker.py")}
-    exec(code, namespace)
+    exec(compile(text, "my-job_sagemaker.py", "exec"), namespace)
     assert namespace["submit"]() == 0
-    (kw,) = calls
-    assert kw["instance_count"] == 2 and kw["image_uri"] == "123.dkr.ecr/shoal:1"
-    assert kw["entry_point"] == "my-job_sagemaker.py" and kw["role"] == "arn:aws:iam::1:role/default"
-    assert sorted(os.listdir(kw["source_dir"])) == ["my-job.toml", "my-job_sagemaker.py"]  # what ships
-    assert open(os.path.join(kw["source_dir"], "my-job.toml")).read() == CONFIG
+    namespace["CHECKPOINT_S3_URI"] = "s3://bucket/shoal/my-job"  # as a user sets it: SageMaker keeps the run dir
+    monkeypatch.delenv("SAGEMAKER_ROLE")  # then the SDK finds the default role itself
+    assert namespace["submit"]() == 0
+    plain, kept = calls
+    for kw in calls:
+        assert model_trainer_errors(kw) == []
+    assert plain["compute"] == {"instance_type": "ml.g5.12xlarge", "instance_count": 2}
+    assert plain["training_image"] == "123.dkr.ecr/shoal:1" and plain["role"] == "arn:aws:iam::1:role/shoal"
+    assert plain["source_code"]["entry_script"] == "my-job_sagemaker.py" and plain["checkpoint_config"] is None
+    source_dir = plain["source_code"]["source_dir"]
+    assert sorted(os.listdir(source_dir)) == ["my-job.toml", "my-job_sagemaker.py"]  # what ships
+    assert open(os.path.join(source_dir, "my-job.toml")).read() == CONFIG
+    assert kept["role"] is None
+    assert kept["checkpoint_config"] == {"s3_uri": "s3://bucket/shoal/my-job", "local_path": "/opt/ml/checkpoints"}
+    assert constants["RUN_DIR"].startswith("/opt/ml/checkpoints/")  # the folder SageMaker copies to S3 and back
 
-    # SDK v3 (sagemaker 3.x, the current release) has no sagemaker.pytorch: one line naming the SDK it needs
-    del fake.pytorch
-    monkeypatch.setitem(sys.modules, "sagemaker.pytorch", None)
-    with pytest.raises(SystemExit, match=r"SDK v3 no longer has: pip install 'sagemaker>=2.200,<3'"):
+    # the schema check can fail: a required field removed, a misspelled one, a value of the wrong type
+    broken = {**kept, "checkpoint_config": {"local_path": "/opt/ml/checkpoints"}}
+    assert model_trainer_errors(broken) == ["checkpoint_config: 's3_uri' is a required property"]
+    broken = {**kept, "compute": {"instance_type": "ml.g5.12xlarge", "instance_cont": 2}}
+    assert model_trainer_errors(broken) == ["compute: Additional properties are not allowed ('instance_cont' was unexpected)"]
+    assert model_trainer_errors({**kept, "image_uri": "x"}) == [
+        "(top): Additional properties are not allowed ('image_uri' was unexpected)"]  # SDK v2's name for it
+    assert len(model_trainer_errors({**kept, "compute": {**kept["compute"], "instance_count": "2"}})) == 1
+
+    # the SDK v2 (sagemaker 2.x) has no sagemaker.train: one line naming the SDK the script needs
+    monkeypatch.setitem(sys.modules, "sagemaker.train", None)
+    with pytest.raises(SystemExit, match=r"SDK v3 \(sagemaker.train.ModelTrainer\): pip install 'sagemaker>=3'"):
         namespace["submit"]()
 
 

@@ -13,18 +13,23 @@ from shoal.errors import UserError
 
 def add_parsers(sub) -> None:
     j = sub.add_parser("launch", help="write the job file that runs a config on your cluster: an sbatch script, a "
-                                      "Kubeflow PyTorchJob manifest or a SageMaker estimator script")
+                                      "Kubeflow PyTorchJob manifest, a SageMaker script, an Azure ML command job or a "
+                                      "Vertex AI CustomJob spec")
     j.add_argument("config", help="TOML config file (shipped with the job; see docs/your-cluster.md)")
-    j.add_argument("--target", required=True, choices=("slurm", "kubernetes", "sagemaker"))
+    j.add_argument("--target", required=True, choices=("slurm", "kubernetes", "sagemaker", "azureml", "vertex"))
     j.add_argument("--nodes", required=True, help="nodes (Slurm nodes, pods, instances); slurm and kubernetes also "
                    "take a range MIN:MAX, a job that runs live (docs/elastic.md)")
     j.add_argument("--nproc", type=int, default=1, help="worker processes per node (default 1)")
     j.add_argument("--out", help="the file to write; - for stdout (default: <config name>.sbatch, "
-                                 "<config name>-pytorchjob.yaml or <config name>_sagemaker.py here)")
-    j.add_argument("--image", help="container image with shoal installed (kubernetes, sagemaker)")
-    j.add_argument("--gpus-per-node", type=int, default=0, help="GPUs per node to ask for (slurm, kubernetes)")
+                                 "<config name>-pytorchjob.yaml, _sagemaker.py, -azureml.yaml or -vertex.yaml here)")
+    j.add_argument("--image", help="container image with shoal installed (all but slurm)")
+    j.add_argument("--gpus-per-node", type=int, default=0, help="GPUs per node to ask for (slurm, kubernetes, vertex)")
     j.add_argument("--cpus-per-node", type=int, help="CPUs per node to ask for (slurm: default the whole node)")
-    j.add_argument("--instance-type", default="ml.g5.xlarge", help="SageMaker instance type (default ml.g5.xlarge)")
+    j.add_argument("--instance-type", help="SageMaker instance type (default ml.g5.xlarge) or Vertex AI machine type "
+                   "(default n1-standard-8)")
+    j.add_argument("--compute", help="Azure ML compute cluster (azureml)")
+    j.add_argument("--accelerator", help="Vertex AI accelerator type with --gpus-per-node, e.g. NVIDIA_L4 (vertex)")
+    j.add_argument("--output", help="Vertex AI base output directory gs://BUCKET/PATH, where the run dir goes (vertex)")
     j.add_argument("--pvc", help="Kubernetes PersistentVolumeClaim for the run dirs (default: an emptyDir per pod)")
     add_set(j, "override a config value in the job (repeatable)")
     k = sub.add_parser("cluster", help="a multi-host cluster on this machine: network namespaces with rate-limited "
@@ -57,13 +62,13 @@ def launch_job(args: argparse.Namespace) -> int:
     least, nodes = jobs.parse_nodes(args.nodes)
     spec = jobs.JobSpec(args.target, args.config, config.read_text(encoding="utf-8"), tuple(args.set), nodes,
                         args.nproc, args.image, args.gpus_per_node, args.cpus_per_node, args.instance_type, args.pvc,
-                        min_nodes=least)
+                        min_nodes=least, compute=args.compute, accelerator=args.accelerator, output=args.output)
     jobs.check(spec)
-    text = jobs.render(spec)
+    out = Path(args.out) if args.out not in (None, "-") else jobs.default_out(spec)
+    text = jobs.render(spec, out.parent)
     if args.out == "-":
         print(text, end="")
         return 0
-    out = Path(args.out) if args.out else jobs.default_out(spec)
     out.write_text(text, encoding="utf-8")
     if args.target == "slurm":
         out.chmod(0o755)

@@ -15,13 +15,21 @@ rendezvous endpoint and (where the scheduler knows it) how many workers to start
               PET_NODE_RANK, PET_RDZV_ENDPOINT or PET_MASTER_ADDR / PET_MASTER_PORT, PET_NPROC_PER_NODE;
               else the pod-level WORLD_SIZE (nodes), RANK (node rank), MASTER_ADDR and MASTER_PORT
   SageMaker   SM_HOSTS (a JSON list) and SM_CURRENT_HOST: the hosts sorted, the first is node 0; SM_NUM_GPUS
+  Azure ML    a command job with the PyTorch distribution and one process per instance (AZUREML_RUN_ID):
+              WORLD_SIZE (then the nodes), NODE_RANK, MASTER_ADDR and MASTER_PORT, set on each node; the
+              RANK and LOCAL_RANK it also sets per process do not make shoal a worker (dist.is_launched)
+  Vertex AI   a CustomJob's CLUSTER_SPEC (JSON: "cluster" {workerpool0: [host:port], workerpool1: [...]},
+              "task" {type, index}): the hosts of worker pools 0 (the primary replica) and 1, in order;
+              node 0's host on port 29400 (its listed port is for TensorFlow) unless MASTER_PORT
 
 [Note: pod or worker] RANK / WORLD_SIZE / MASTER_ADDR / MASTER_PORT mean two things. The torch elastic
 agent (ours, torchrun's) sets them for each *worker process*, with LOCAL_RANK; Kubeflow's older
 PyTorchJob operator sets the same four for the *pod* (WORLD_SIZE = pods, RANK = pod index, meant for
 torchrun's --nnodes / --node_rank) and never LOCAL_RANK; the newer one sets WORLD_SIZE = pods x
 nprocPerNode beside PET_NNODES and PET_NODE_RANK. So a process is a worker only when LOCAL_RANK is
-set too (shoal.dist.is_launched); the others are read here, PET_* first.
+set too (shoal.dist.is_launched); the others are read here, PET_* first. Azure ML's PyTorch distribution
+sets all five and NODE_RANK for each process it starts: with one per instance that process is the node
+(dist.azureml_node), unless a launcher's variables say it is a worker started on it.
 """
 
 from __future__ import annotations
@@ -35,6 +43,7 @@ import subprocess
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+from shoal.dist import azureml_node
 from shoal.errors import UserError
 
 DEFAULT_PORT = 29400  # torch elastic's c10d rendezvous port, where the environment names none
@@ -104,8 +113,15 @@ def node_args(nnodes: str | None, node_rank: int | None, rdzv_endpoint: str | No
 
 def detect(env: Mapping[str, str] = os.environ, gpus: int = 0) -> Found | None:
     """The first environment that says something: torchrun's variables (set for this very process by a
-    launcher), then Slurm, then SageMaker. Called outside a worker ([Note: pod or worker])."""
-    if "PET_NNODES" in env or all(k in env for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")):
+    launcher), then Azure ML and Vertex AI (whose nodes get torchrun's four too), Slurm, SageMaker. Called
+    outside a worker ([Note: pod or worker])."""
+    if "PET_NNODES" in env:
+        return torchrun(env, gpus)
+    if azureml_node(env):
+        return azureml(env)
+    if "CLUSTER_SPEC" in env:
+        return vertex(env)
+    if all(k in env for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")):
         return torchrun(env, gpus)
     if "SLURM_JOB_ID" in env and any(k in env for k in ("SLURM_STEP_NUM_NODES", "SLURM_JOB_NUM_NODES",
                                                         "SLURM_NNODES")):
@@ -298,6 +314,44 @@ def sagemaker(env: Mapping[str, str]) -> Found:
     nproc = int(gpus) if gpus.isdigit() and int(gpus) > 0 else None
     return Found("SageMaker", len(hosts), hosts.index(current), f"{hosts[0]}:{port}" if len(hosts) > 1 else None,
                  nproc, "SM_NUM_GPUS" if nproc else "")
+
+
+def azureml(env: Mapping[str, str]) -> Found:
+    """An Azure ML command job (distribution: pytorch): shoal starts the workers, so one process per
+    instance, whose WORLD_SIZE is then the number of nodes."""
+    local, rank, node = env.get("LOCAL_RANK", "0"), env.get("RANK"), env.get("NODE_RANK")
+    if local != "0" or (rank is not None and rank != node):
+        raise UserError(f"Azure ML started several processes per instance (LOCAL_RANK={local}, RANK={rank}, "
+                        f"NODE_RANK={node}): set distribution.process_count_per_instance: 1 and give shoal --nproc, "
+                        "as `shoal launch --target azureml` writes")
+    nnodes, node_rank = _int(env, "WORLD_SIZE", low=1), _int(env, "NODE_RANK", low=0)
+    if node_rank >= nnodes:
+        raise UserError(f"NODE_RANK={node_rank} must be below WORLD_SIZE={nnodes}")
+    host = env.get("MASTER_ADDR")
+    endpoint = f"{host}:{env.get('MASTER_PORT') or DEFAULT_PORT}" if host and nnodes > 1 else None
+    return Found(f"Azure ML (run {env['AZUREML_RUN_ID']})", nnodes, node_rank, endpoint)
+
+
+def vertex(env: Mapping[str, str]) -> Found:
+    """A Vertex AI CustomJob: worker pool 0 (its one primary replica) is node 0, worker pool 1's replicas
+    the others; pools 2 and 3 (parameter servers, evaluators) take no part."""
+    try:
+        spec = json.loads(env["CLUSTER_SPEC"])
+        pools, task = spec["cluster"], spec["task"]
+        kind, index = task["type"], int(task["index"])
+        hosts = list(pools.get("workerpool0", [])) + list(pools.get("workerpool1", []))
+    except (ValueError, TypeError, KeyError):
+        raise UserError(f"CLUSTER_SPEC={env['CLUSTER_SPEC']!r} is not Vertex AI's cluster spec (JSON with "
+                        '"cluster" and "task": {"type", "index"})') from None
+    if kind not in ("workerpool0", "workerpool1") or not hosts:
+        raise UserError(f"this replica is in Vertex AI's {kind}: shoal trains on worker pools 0 and 1 only; "
+                        "leave pools 2 and 3 (parameter servers, evaluators) out of the job")
+    node_rank = index + (len(pools.get("workerpool0", [])) if kind == "workerpool1" else 0)
+    if node_rank >= len(hosts):
+        raise UserError(f"CLUSTER_SPEC's task {kind} {index} is not among its {len(hosts)} hosts")
+    host = hosts[0].rsplit(":", 1)[0]
+    endpoint = f"{host}:{env.get('MASTER_PORT') or DEFAULT_PORT}" if len(hosts) > 1 else None
+    return Found("Vertex AI (CLUSTER_SPEC)", len(hosts), node_rank, endpoint)
 
 
 def _int(env: Mapping[str, str], key: str, low: int) -> int:

@@ -12,9 +12,9 @@
               volume (a PersistentVolumeClaim, or an emptyDir that outlives a container restart). For a
               range MIN:MAX: MAX Workers and an elasticPolicy; each pod's shoal then runs live, node 0 on
               <job>-worker-0 (launch/environment.py)
-  sagemaker   a Python script that submits a sagemaker.pytorch.PyTorch estimator (instance_count N) and
-              is also its entry point: on each instance it runs `shoal train`, which reads SM_HOSTS; the
-              config travels beside it in the job's source_dir
+  sagemaker   a Python script that submits a training job with the SageMaker Python SDK v3's ModelTrainer
+              (instance_count N) and is also its entry script: on each instance it runs `shoal train`,
+              which reads SM_HOSTS; the config travels beside it in the job's source_dir
 
 Every file starts `shoal train` with the config and the --set overrides given here, checked before
 the file is written (the config loads, and its layout fits N x M processes).
@@ -29,13 +29,15 @@ from pathlib import Path
 
 from shoal.config import load_config
 from shoal.errors import UserError, require
+from shoal.launch.cloud_jobs import VERTEX_MACHINE, azureml_job, literal_dumper, vertex_job
 from shoal.layout import check_live, resolve_layout
 
-TARGETS = ("slurm", "kubernetes", "sagemaker")
+TARGETS = ("slurm", "kubernetes", "sagemaker", "azureml", "vertex")
+SAGEMAKER_INSTANCE = "ml.g5.xlarge"
 CONFIG_DIR = "/etc/shoal"  # where a PyTorchJob's pods see the config (the ConfigMap's mount)
 RUNS_DIR = "/runs"  # a PyTorchJob's run dirs (its volume)
 MASTER_PORT = 23456  # the PyTorchJob operator's default port; it sets MASTER_PORT from the named container port
-SAGEMAKER_RUNS = "/opt/ml/checkpoints"  # SageMaker copies it to and from checkpoint_s3_uri when one is given
+SAGEMAKER_RUNS = "/opt/ml/checkpoints"  # SageMaker copies it to and from the checkpoint S3 URI when one is given
 
 
 @dataclass(frozen=True)
@@ -49,9 +51,12 @@ class JobSpec:
     image: str | None = None
     gpus_per_node: int = 0
     cpus_per_node: int | None = None
-    instance_type: str = "ml.g5.xlarge"
+    instance_type: str | None = None  # SageMaker's instance type, Vertex AI's machine type (None: a default)
     pvc: str | None = None
     min_nodes: int | None = None  # a range min_nodes:nodes (an elastic PyTorchJob); None: exactly `nodes`
+    compute: str | None = None  # Azure ML's compute cluster
+    accelerator: str | None = None  # Vertex AI's accelerator type, with gpus_per_node
+    output: str | None = None  # Vertex AI's base output directory, gs://...
 
     @property
     def stem(self) -> str:
@@ -95,29 +100,59 @@ def check(spec: JobSpec) -> None:
     if spec.gpus_per_node and spec.nproc > spec.gpus_per_node:
         raise UserError(f"--nproc {spec.nproc} workers per node but --gpus-per-node {spec.gpus_per_node}: each GPU "
                         f"worker needs its own GPU; give --nproc {spec.gpus_per_node} or more GPUs")
-    if spec.target in ("kubernetes", "sagemaker") and not spec.image:
+    if spec.target != "slurm" and not spec.image:
         raise UserError(f"--target {spec.target} needs --image IMAGE: a container image with shoal installed "
                         f"(and the data the config reads)")
     if spec.pvc and spec.target != "kubernetes":
         raise UserError("--pvc names a Kubernetes PersistentVolumeClaim; it is for --target kubernetes")
-    if spec.min_nodes is not None and spec.target == "sagemaker":
-        raise UserError(f"--nodes {spec.min_nodes}:{spec.nodes}: a SageMaker job's instance count is fixed when it "
+    if spec.min_nodes is not None and spec.target in ("sagemaker", "azureml", "vertex"):
+        service = {"sagemaker": "SageMaker", "azureml": "Azure ML", "vertex": "Vertex AI"}[spec.target]
+        raise UserError(f"--nodes {spec.min_nodes}:{spec.nodes}: a {service} job's instance count is fixed when it "
                         f"is submitted: give --nodes N (a range is for --target slurm or kubernetes)")
+    check_cloud_flags(spec)
     cfg = load_config(spec.config, list(spec.sets))
-    cuda = spec.gpus_per_node > 0 or (spec.target == "sagemaker" and spec.instance_type.startswith(("ml.p", "ml.g")))
+    cuda = spec.gpus_per_node > 0 or (spec.target == "sagemaker" and instance_type(spec).startswith(("ml.p", "ml.g")))
     if spec.min_nodes is not None:  # every world the range allows, and a layout that heals live
         check_live(cfg, (spec.min_nodes, spec.nodes), spec.nproc)
     for nodes in range(spec.min_nodes or spec.nodes, spec.nodes + 1):
         resolve_layout(cfg, nodes * spec.nproc, cuda)  # its UserError names the keys and a value that works
 
 
-def render(spec: JobSpec) -> str:
-    return {"slurm": sbatch_script, "kubernetes": pytorchjob_manifest, "sagemaker": sagemaker_script}[spec.target](spec)
+def check_cloud_flags(spec: JobSpec) -> None:
+    """The flags only some targets take, each where it belongs."""
+    if spec.target == "azureml" and not spec.compute:
+        raise UserError("--target azureml needs --compute NAME: the Azure ML compute cluster to run on")
+    if spec.compute and spec.target != "azureml":
+        raise UserError("--compute names an Azure ML compute cluster; it is for --target azureml")
+    if spec.target == "vertex" and spec.gpus_per_node and not spec.accelerator:
+        raise UserError("--target vertex with --gpus-per-node needs --accelerator TYPE (Vertex AI's accelerator "
+                        "type, e.g. NVIDIA_L4)")
+    if spec.accelerator and spec.target != "vertex":
+        raise UserError("--accelerator is Vertex AI's accelerator type; it is for --target vertex")
+    if spec.output and (spec.target != "vertex" or not spec.output.startswith("gs://")):
+        raise UserError(f"--output {spec.output}: a Vertex AI base output directory, gs://BUCKET/PATH, "
+                        "for --target vertex")
+    if spec.instance_type and spec.target not in ("sagemaker", "vertex"):
+        raise UserError("--instance-type is a SageMaker instance type or a Vertex AI machine type; it is for "
+                        "--target sagemaker or vertex")
+
+
+def instance_type(spec: JobSpec) -> str:
+    return spec.instance_type or {"sagemaker": SAGEMAKER_INSTANCE, "vertex": VERTEX_MACHINE}.get(spec.target, "")
+
+
+def render(spec: JobSpec, out_dir: Path = Path(".")) -> str:
+    """The job file's text; `out_dir`: where it is written (an Azure ML job's code path is relative to it)."""
+    if spec.target == "azureml":
+        return azureml_job(spec, out_dir)
+    return {"slurm": sbatch_script, "kubernetes": pytorchjob_manifest, "sagemaker": sagemaker_script,
+            "vertex": vertex_job}[spec.target](spec)
 
 
 def default_out(spec: JobSpec) -> Path:
     return Path({"slurm": f"{spec.stem}.sbatch", "kubernetes": f"{spec.stem}-pytorchjob.yaml",
-                 "sagemaker": f"{spec.stem}_sagemaker.py"}[spec.target])
+                 "sagemaker": f"{spec.stem}_sagemaker.py", "azureml": f"{spec.stem}-azureml.yaml",
+                 "vertex": f"{spec.stem}-vertex.yaml"}[spec.target])
 
 
 def how_to_run(spec: JobSpec, out: str) -> str:
@@ -128,7 +163,15 @@ def how_to_run(spec: JobSpec, out: str) -> str:
     if spec.target == "kubernetes":
         return (f"start it with `kubectl apply -f {out}`: the config travels in the ConfigMap {spec.name}-config "
                 f"(mounted at {CONFIG_DIR}); the image {spec.image} must hold shoal and the data the config reads")
-    return (f"submit it with `python {out}` (the sagemaker package and AWS credentials; SAGEMAKER_ROLE names the "
+    if spec.target == "azureml":
+        return (f"submit it with `az ml job create --file {out}`: the config's folder is uploaded as the job's code, "
+                f"and the image {spec.image} must hold shoal")
+    if spec.target == "vertex":
+        where = (f"the run dir under {spec.output}/checkpoints" if spec.output else
+                 "no --output given, so the run dir stays in the containers")
+        return (f"submit it with `gcloud ai custom-jobs create --region=REGION --display-name={spec.stem} "
+                f"--config={out}`: the config travels in the spec; {where}")
+    return (f"submit it with `python {out}` (the SageMaker Python SDK v3 and AWS credentials; SAGEMAKER_ROLE names the "
             f"IAM role): {spec.config} is shipped beside it in the job's source_dir")
 
 
@@ -207,7 +250,7 @@ def pytorchjob_manifest(spec: JobSpec) -> str:
                   "data": {config_name: spec.config_text}}
     job = {"apiVersion": "kubeflow.org/v1", "kind": "PyTorchJob", "metadata": {"name": spec.name},
            "spec": {"nprocPerNode": str(spec.nproc), **elastic, "pytorchReplicaSpecs": replicas}}
-    return _manifest_header(spec) + yaml.dump_all([config_map, job], Dumper=_dumper(yaml), sort_keys=False)
+    return _manifest_header(spec) + yaml.dump_all([config_map, job], Dumper=literal_dumper(yaml), sort_keys=False)
 
 
 def _manifest_header(spec: JobSpec) -> str:
@@ -218,32 +261,18 @@ def _manifest_header(spec: JobSpec) -> str:
             f"PET_NODE_RANK or RANK, MASTER_ADDR; an elastic job: PET_RDZV_ENDPOINT and the pod's name).\n")
 
 
-def _dumper(yaml):
-    """PyYAML's safe dumper, writing multi-line strings (the config) as literal blocks, as written."""
-
-    class Dumper(yaml.SafeDumper):
-        def ignore_aliases(self, data) -> bool:  # each pod spec written out whole, no &anchors
-            return True
-
-    def text(dumper, value: str):
-        return dumper.represent_scalar("tag:yaml.org,2002:str", value, style="|" if "\n" in value else None)
-
-    Dumper.add_representer(str, text)
-    return Dumper
-
-
 SAGEMAKER = '''"""{config} on SageMaker: {nodes} instance(s) x {nproc} worker(s).
 
 Written by `shoal launch --target sagemaker`.
 
-    python THIS_FILE   submits the training job (needs the SageMaker Python SDK v2, pip install
-                       'sagemaker>=2.200,<3', and AWS credentials; SAGEMAKER_ROLE names the IAM role,
-                       else sagemaker.get_execution_role() is asked)
+    python THIS_FILE   submits the training job (needs the SageMaker Python SDK v3, pip install
+                       'sagemaker>=3', and AWS credentials; SAGEMAKER_ROLE names the IAM role, else the
+                       SDK finds the default one)
 
-SageMaker then runs this same file as the entry point on every instance: it starts `shoal train`,
-which reads SM_HOSTS and SM_CURRENT_HOST for the node count, its node rank and node 0's address, and
-copies the run's results to SM_MODEL_DIR. The image must hold shoal (built FROM a SageMaker PyTorch
-training image, so that it runs entry points); the config travels beside this file in source_dir.
+SageMaker then runs this same file on every instance (ModelTrainer's script driver, in source_dir):
+it starts `shoal train`, which reads SM_HOSTS and SM_CURRENT_HOST for the node count, its node rank
+and node 0's address, and copies the run's results to SM_MODEL_DIR. The image needs bash, python3
+and shoal (ModelTrainer runs its own driver scripts in it); the config travels beside this file.
 """
 
 import os
@@ -274,27 +303,26 @@ def train_here() -> int:
 
 
 def submit() -> int:
-    import sagemaker
     try:
-        from sagemaker.pytorch import PyTorch
-    except ImportError:  # SDK v3 (sagemaker 3.x) has no framework estimators: its ModelTrainer replaces them
-        sys.exit("this script submits a SageMaker Python SDK v2 estimator (sagemaker.pytorch.PyTorch), which "
-                 "SDK v3 no longer has: pip install 'sagemaker>=2.200,<3'")
+        from sagemaker.train import ModelTrainer
+        from sagemaker.train.configs import CheckpointConfig, Compute, SourceCode
+    except ImportError:  # SDK v2 (sagemaker 2.x) submitted framework estimators instead
+        sys.exit("this script submits with the SageMaker Python SDK v3 (sagemaker.train.ModelTrainer): "
+                 "pip install 'sagemaker>=3'")
 
     source_dir = tempfile.mkdtemp(prefix="shoal-sagemaker-")
     shutil.copy(os.path.abspath(__file__), source_dir)
     shutil.copy(CONFIG, os.path.join(source_dir, SHIPPED_CONFIG))
-    estimator = PyTorch(
-        entry_point=os.path.basename(__file__),
-        source_dir=source_dir,
-        role=os.environ.get("SAGEMAKER_ROLE") or sagemaker.get_execution_role(),
-        image_uri=IMAGE_URI,
-        instance_count=INSTANCE_COUNT,
-        instance_type=INSTANCE_TYPE,
+    trainer = ModelTrainer(
+        training_image=IMAGE_URI,
+        role=os.environ.get("SAGEMAKER_ROLE"),
         base_job_name={name!r},
-        checkpoint_s3_uri=CHECKPOINT_S3_URI,
+        source_code=SourceCode(source_dir=source_dir, entry_script=os.path.basename(__file__)),
+        compute=Compute(instance_type=INSTANCE_TYPE, instance_count=INSTANCE_COUNT),
+        checkpoint_config=(CheckpointConfig(s3_uri=CHECKPOINT_S3_URI, local_path={runs!r})
+                           if CHECKPOINT_S3_URI else None),
     )
-    estimator.fit()
+    trainer.train(wait=True)
     return 0
 
 
@@ -306,6 +334,6 @@ if __name__ == "__main__":
 def sagemaker_script(spec: JobSpec) -> str:
     shipped = Path(spec.config).name
     run_dir = f"{SAGEMAKER_RUNS}/{spec.stem}"
-    return SAGEMAKER.format(config=spec.config, shipped=shipped, image=spec.image, instance_type=spec.instance_type,
+    return SAGEMAKER.format(config=spec.config, shipped=shipped, image=spec.image, instance_type=instance_type(spec),
                             nodes=spec.nodes, nproc=spec.nproc, run_dir=run_dir, stem=spec.stem, name=spec.name,
-                            train=spec.train_argv(shipped, run_dir))
+                            train=spec.train_argv(shipped, run_dir), runs=SAGEMAKER_RUNS)
