@@ -214,6 +214,7 @@ def test_a_slurm_range_starts_on_what_is_free_and_survives_a_lost_node(config):
     ("kubernetes", ["--nodes", "3:1", "--image", "i"], "--nodes 3:1: MIN (3) is above MAX (1); give --nodes 1:3"),
     ("kubernetes", ["--nodes", "1:3", "--image", "i"], "must be divisible by train.micro_batch_size (4) x dp (3)"),
     ("kubernetes", ["--nodes", "1:2", "--image", "i", "--set", "parallel.zero=1"], "which cannot heal live yet"),
+    ("nomad", ["--nodes", 2], "--target nomad: expected one of slurm, kubernetes, sagemaker, azureml, vertex"),
 ])
 def test_bad_input_is_one_line_and_exit_2(config, capsys, target, args, expected):
     assert launch("--target", target, config, *args) == 2

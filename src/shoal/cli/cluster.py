@@ -16,7 +16,8 @@ def add_parsers(sub) -> None:
                                       "Kubeflow PyTorchJob manifest, a SageMaker script, an Azure ML command job or a "
                                       "Vertex AI CustomJob spec")
     j.add_argument("config", help="TOML config file (shipped with the job; see docs/your-cluster.md)")
-    j.add_argument("--target", required=True, choices=("slurm", "kubernetes", "sagemaker", "azureml", "vertex"))
+    # checked by shoal launch itself (launch/jobs.py), so that an unknown one is one line
+    j.add_argument("--target", required=True, help="slurm, kubernetes, sagemaker, azureml or vertex")
     j.add_argument("--nodes", required=True, help="nodes (Slurm nodes, pods, instances); slurm and kubernetes also "
                    "take a range MIN:MAX, a job that runs live (docs/elastic.md)")
     j.add_argument("--nproc", type=int, default=1, help="worker processes per node (default 1)")
