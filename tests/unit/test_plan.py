@@ -109,6 +109,22 @@ def test_measured_costs_enter_the_prediction(tiny):
     assert heap["peak"] - base["peak"] == pytest.approx(2 ** 20 + tensors, abs=2)
 
 
+def test_costs_kept_across_layouts_change_no_prediction(tiny):
+    """A plan keeps what many layouts share (each pipeline split's stage parameters, the operators' time per
+    tensor-parallel share): every layout's prediction equals one made from a model built for it alone."""
+    from shoal.plan.planner import Model, predict
+
+    cfg, _, _, planned = tiny
+    checked = [p for p in planned if p.prediction is not None and p.prediction.step_time is not None]
+    assert {p.candidate.layout.dims.pp for p in checked} == {1, 2} and {p.candidate.layout.dims.tp for p in checked} == {1, 2}
+    for p in checked:
+        alone = predict(Model.build(p.candidate.cfg), p.candidate.cfg, p.candidate.layout, PROFILE)
+        assert (alone.memory, alone.time) == (p.prediction.memory, p.prediction.time), p.candidate.label()
+    pp2 = next(p.candidate.cfg for p in checked if p.candidate.layout.dims.pp == 2)
+    shared = Model.build(cfg)
+    assert shared.stage_params(pp2, 0) != shared.stage_params(pp2, 1) == Model.build(cfg).stage_params(pp2, 1)
+
+
 def test_calibration_corrects_the_step_of_its_strategy(tiny):
     """The probe's calibration (plan/calibrate.py): a line through the reference runs' (predicted,
     measured) points, applied to the layouts of its strategy and only to them."""

@@ -23,6 +23,7 @@ class Ops:
 
     items: list[tuple[str, float, float]] = field(default_factory=list)
     fresh_bytes: int = 0  # outputs larger than the mmap threshold ZeRO 2/3 fix on CPU (allocator.py)
+    times: dict = field(default_factory=dict, repr=False, compare=False)  # predict.op_time's, once per key
 
     @property
     def flops(self) -> float:

@@ -63,6 +63,10 @@ class Model:
     costs: dict[int, MicroBatchCost] = field(default_factory=dict)
     opt_ops: object = None
     data_bytes: int = 0  # tensors the data source holds in every worker
+    # per pipeline split and rank: its stages' parameters (many layouts share a split: a plan for 1,024
+    # workers rebuilt them thousands of times)
+    stages: dict[tuple, list] = field(default_factory=dict)
+    layers: object = None  # the model as pipeline layers, made once
 
 
     @classmethod
@@ -89,13 +93,18 @@ class Model:
     def stage_params(self, cfg: Config, pp_rank: int) -> list:
         """Parameters of pipeline rank `pp_rank`'s stages for `cfg`'s split."""
         p = cfg.parallel
-        layers = self.bundle.pipeline(self.bundle.model)
-        split = split_stages(layers.names, layers.costs, p.pp, p.pp_schedule, p.pp_stages_per_rank, p.pp_split)
-        out = []
-        for k in range(split.stages_per_rank):
-            with on_meta():
-                out += _describe(layers.build_stage(*split.bounds(pp_rank + k * p.pp)).parameters())
-        return out
+        key = (p.pp, p.pp_schedule, p.pp_stages_per_rank, repr(p.pp_split), pp_rank)
+        if key not in self.stages:
+            if self.layers is None:
+                self.layers = self.bundle.pipeline(self.bundle.model)
+            layers = self.layers
+            split = split_stages(layers.names, layers.costs, p.pp, p.pp_schedule, p.pp_stages_per_rank, p.pp_split)
+            out = []
+            for k in range(split.stages_per_rank):
+                with on_meta():
+                    out += _describe(layers.build_stage(*split.bounds(pp_rank + k * p.pp)).parameters())
+            self.stages[key] = out
+        return self.stages[key]
 
 
 def _nbytes(value) -> int:
@@ -117,7 +126,9 @@ def _describe(params) -> list:
     return out
 
 
-def predict(model: Model, cfg: Config, layout, profile: HardwareProfile | None) -> Prediction:
+def predict(model: Model, cfg: Config, layout, profile: HardwareProfile | None,
+            memory: int | None = None) -> Prediction:
+    """Memory, then time (not priced for a layout above `memory`: it is rejected)."""
     p, d = cfg.parallel, layout.dims
     cost = model.cost(cfg.train.micro_batch_size)
     params = rank_params(model.shape, layout, p.pp_schedule, lambda r: model.stage_params(cfg, r))
@@ -127,7 +138,7 @@ def predict(model: Model, cfg: Config, layout, profile: HardwareProfile | None) 
                          momentum=cfg.train.momentum, checkpointing=cfg.precision.activation_checkpointing,
                          schedule=p.pp_schedule, profile=profile, stage_fraction=fraction,
                          data_bytes=model.data_bytes if profile is not None and profile.device == "cpu" else 0)
-    if profile is None:
+    if profile is None or (memory is not None and mem["peak"] > memory):
         return Prediction(mem, {"compute": None, "comm": None, "bubble": None, "step": None})
     stages = p.pp_stages_per_rank if p.pp_schedule == "interleaved-1f1b" else 1
     grad_bytes = sum(n for n, _, _, t in params if t) * model.shape.element_size // d.tp
@@ -154,7 +165,7 @@ def plan(cfg: Config, world: int, profile: HardwareProfile | None, memory: int |
         if c.reason:
             out.append(Planned(c, reason=c.reason))
             continue
-        pred = predict(model, c.cfg, c.layout, profile)
+        pred = predict(model, c.cfg, c.layout, profile, memory)
         reason = None
         if memory is not None and pred.memory["peak"] > memory:
             reason = (f"does not fit: {human_bytes(pred.memory['peak'])} per rank predicted, "
