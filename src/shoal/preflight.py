@@ -75,15 +75,15 @@ def check_job(cfg: Config, world_sizes: list[int], cuda: bool, run_dir: Path | N
     return Job(cfg, layouts, source, n_params, resume_from, resume_step)
 
 
-def check_fit(cfg: Config, layout: Layout, bundle: ModelBundle, source) -> None:
-    """What the model and the data must satisfy for this layout."""
+def check_fit(cfg: Config, layout: Layout, bundle: ModelBundle, source, memo: dict | None = None) -> None:
+    """What the model and the data must satisfy for this layout (`memo`: parallel.fit's, across layouts)."""
     dims = layout.dims
     if source.num_val < dims.dp:
         raise UserError(f"the validation split has {source.num_val} samples, fewer than dp ({dims.dp}); "
                         f"raise data.val_fraction")
     check_keras_layout(bundle.model, tp=dims.tp, pp=dims.pp, compile=cfg.train.compile,
                        activation_checkpointing=cfg.precision.activation_checkpointing)
-    check_model_fits(bundle, cfg.model.name, cfg.parallel, cfg.precision)
+    check_model_fits(bundle, cfg.model.name, cfg.parallel, cfg.precision, memo)
     if dims.pp > 1 and cfg.checkpoint.final_weights and not cfg.checkpoint.enabled:
         raise UserError("with parallel.pp > 1 the final weights are exported from the final checkpoint: set "
                         "checkpoint.enabled = true, or checkpoint.final_weights = false")

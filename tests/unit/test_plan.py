@@ -111,15 +111,24 @@ def test_measured_costs_enter_the_prediction(tiny):
 
 def test_costs_kept_across_layouts_change_no_prediction(tiny):
     """A plan keeps what many layouts share (each pipeline split's stage parameters, the operators' time per
-    tensor-parallel share): every layout's prediction equals one made from a model built for it alone."""
+    tensor-parallel share, whether the model fits a split): every layout's prediction equals one made from
+    a model built for it alone, and every refusal the one checked alone."""
+    from shoal.plan.enumerate import candidates, check
     from shoal.plan.planner import Model, predict
 
     cfg, _, _, planned = tiny
+    model = Model.build(cfg)
     checked = [p for p in planned if p.prediction is not None and p.prediction.step_time is not None]
     assert {p.candidate.layout.dims.pp for p in checked} == {1, 2} and {p.candidate.layout.dims.tp for p in checked} == {1, 2}
     for p in checked:
         alone = predict(Model.build(p.candidate.cfg), p.candidate.cfg, p.candidate.layout, PROFILE)
         assert (alone.memory, alone.time) == (p.prediction.memory, p.prediction.time), p.candidate.label()
+    # and every refusal is the one a layout gets alone (on 4 workers, pp 4 of the 4 layers: interleaved's
+    # 8 stages are refused where 1f1b's 4 are not)
+    listed = candidates(cfg, 4, model.bundle, model.source, False, micro_batches=[1])
+    assert {c.reason is None for c in listed if c.keys["parallel.pp"] == 4} == {True, False}
+    for c in listed:
+        assert check(cfg, c.keys, 4, model.bundle, model.source, False).reason == c.reason, c.label()
     pp2 = next(p.candidate.cfg for p in checked if p.candidate.layout.dims.pp == 2)
     shared = Model.build(cfg)
     assert shared.stage_params(pp2, 0) != shared.stage_params(pp2, 1) == Model.build(cfg).stage_params(pp2, 1)

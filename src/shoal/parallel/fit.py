@@ -10,9 +10,27 @@ from shoal.parallel.pipeline import split_stages
 
 
 def check_model_fits(bundle: ModelBundle, model_name: str, parallel: ParallelConfig,
-                     precision: PrecisionConfig) -> None:
+                     precision: PrecisionConfig, memo: dict | None = None) -> None:
     """Refuse, before any worker starts, what parallelize() could not do for this model (on the meta
-    device: only shapes are looked at)."""
+    device: only shapes are looked at). `memo`: answers kept per the keys they depend on, for one bundle
+    asked of many layouts (shoal plan asks the same split for every ZeRO stage and micro-batch)."""
+    if memo is None:
+        return _check_model_fits(bundle, model_name, parallel, precision)
+    p = parallel
+    key = (p.tp, p.sequence_parallel, p.pp, p.pp_schedule, p.pp_stages_per_rank, repr(p.pp_split),
+           precision.activation_checkpointing)
+    if key not in memo:
+        try:
+            _check_model_fits(bundle, model_name, parallel, precision)
+            memo[key] = None
+        except UserError as e:
+            memo[key] = str(e)
+    if memo[key] is not None:
+        raise UserError(memo[key])
+
+
+def _check_model_fits(bundle: ModelBundle, model_name: str, parallel: ParallelConfig,
+                      precision: PrecisionConfig) -> None:
     tp, pp = parallel.tp, parallel.pp
     if tp > 1:
         if bundle.tensor_parallel is None:

@@ -16,6 +16,7 @@ layers of each stage.
 from __future__ import annotations
 
 import contextlib
+import functools
 import time
 from dataclasses import dataclass
 
@@ -31,6 +32,11 @@ SCHEDULES = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B", "interleaved-1f1b
 def balanced_split(costs: list[float], stages: int) -> list[int]:
     """Layers per stage: the contiguous split of `costs` into `stages` non-empty runs whose largest
     total is smallest (the classic linear-partition dynamic programme); ties go to earlier stages."""
+    return list(_balanced_split(tuple(costs), stages))
+
+
+@functools.lru_cache(maxsize=1024)  # shoal plan asks the same split for every ZeRO stage, micro-batch, ...
+def _balanced_split(costs: tuple[float, ...], stages: int) -> tuple[int, ...]:
     n = len(costs)
     if not 1 <= stages <= n:
         raise ValueError(f"cannot split {n} layers into {stages} stages")
@@ -52,7 +58,7 @@ def balanced_split(costs: list[float], stages: int) -> list[int]:
     for s in range(stages, 0, -1):
         sizes.append(i - cut[s][i])
         i = cut[s][i]
-    return sizes[::-1]
+    return tuple(sizes[::-1])
 
 
 def measure_layer_times(build_stage, n_layers: int, batch: dict, output_loss, device: torch.device,

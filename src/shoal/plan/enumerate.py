@@ -50,7 +50,7 @@ def with_keys(cfg: Config, keys: dict[str, object]) -> Config:
 
 def candidates(cfg: Config, world: int, bundle, source, cuda: bool, micro_batches: list[int] | None = None):
     """Every layout for `world` processes, valid or with its reason."""
-    out = []
+    out, fits = [], {}  # check_model_fits' answers, per the keys they depend on
     gb = cfg.train.global_batch_size
     for tp in _divisors(world):
         for pp in _divisors(world // tp):
@@ -64,16 +64,16 @@ def candidates(cfg: Config, world: int, bundle, source, cuda: bool, micro_batche
                                     "parallel.pp_schedule": schedule, "parallel.zero": zero,
                                     "precision.activation_checkpointing": ckpt, "train.micro_batch_size": micro,
                                     "parallel.pp_microbatches": 0}
-                            out.append(check(cfg, keys, world, bundle, source, cuda))
+                            out.append(check(cfg, keys, world, bundle, source, cuda, fits))
     return out
 
 
-def check(cfg: Config, keys: dict, world: int, bundle, source, cuda: bool) -> Candidate:
+def check(cfg: Config, keys: dict, world: int, bundle, source, cuda: bool, fits: dict | None = None) -> Candidate:
     c = Candidate(keys)
     try:
         c.cfg = with_keys(cfg, keys)
         c.layout = resolve_layout(c.cfg, world, cuda)
-        check_fit(c.cfg, c.layout, bundle, source)
+        check_fit(c.cfg, c.layout, bundle, source, fits)
     except UserError as e:
         c.reason = str(e).removeprefix("plan: ")
     return c
