@@ -134,6 +134,28 @@ def test_costs_kept_across_layouts_change_no_prediction(tiny):
     assert shared.stage_params(pp2, 0) != shared.stage_params(pp2, 1) == Model.build(cfg).stage_params(pp2, 1)
 
 
+def test_a_micro_batch_s_costs_from_three_traced_sizes_equal_its_own_trace(tiny):
+    """After three sizes are traced, a plan takes the others from them (every figure affine in the size):
+    exactly what tracing that size gives, the thresholded sums (freshly mapped bytes, the largest tensor)
+    included. A figure that is not affine in the three makes it trace every size."""
+    import dataclasses
+
+    from shoal.plan.cost import affine
+    from shoal.plan.planner import Model
+
+    cfg = tiny[0]
+    model = Model.build(cfg)
+    for m in (2, 1, 4):
+        model.cost(m)
+    for m in (3, 8, 16):
+        got, want = model.cost(m), Model.build(cfg).cost(m)  # interpolated; traced alone
+        assert got == want, m
+    assert model.at and len(model.traced) == 3
+    straight = model.at(32)
+    bent = dataclasses.replace(straight, saved_outside=straight.saved_outside + 1)
+    assert affine([*model.traced[:2], straight]) is not None and affine([*model.traced[:2], bent]) is None
+
+
 def test_calibration_corrects_the_step_of_its_strategy(tiny):
     """The probe's calibration (plan/calibrate.py): a line through the reference runs' (predicted,
     measured) points, applied to the layouts of its strategy and only to them."""

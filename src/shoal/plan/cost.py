@@ -5,6 +5,7 @@ traced the same way over the whole model's parameters."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -23,6 +24,7 @@ class Ops:
 
     items: list[tuple[str, float, float]] = field(default_factory=list)
     fresh_bytes: int = 0  # outputs larger than the mmap threshold ZeRO 2/3 fix on CPU (allocator.py)
+    outputs: list[int] = field(default_factory=list, repr=False)  # every output's bytes, in order
     times: dict = field(default_factory=dict, repr=False, compare=False)  # predict.op_time's, once per key
 
     @property
@@ -60,8 +62,9 @@ class _Trace(TorchDispatchMode):
         op = describe_op(func, args, kwargs, out)
         if op is not None:
             self.ops.items.append(op)
-            self.ops.fresh_bytes += sum(t.numel() * t.element_size() for t in tree_flatten(out)[0]
-                                        if isinstance(t, torch.Tensor) and t.numel() * t.element_size() > THRESHOLD)
+            sizes = [t.numel() * t.element_size() for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
+            self.ops.outputs += sizes
+            self.ops.fresh_bytes += sum(b for b in sizes if b > THRESHOLD)
         return out
 
 
@@ -93,6 +96,7 @@ class MicroBatchCost:
     saved_per_block: list[int]  # per block, bytes its forward saves for backward
     block_input: list[int]  # per block, bytes of its input (what checkpointing keeps)
     largest: int  # bytes of the largest tensor made (logits and their gradient are often it)
+    saved: list[int] = field(default_factory=list, repr=False)  # every tensor saved for backward, its bytes
 
     def activation_bytes(self, checkpointing: bool, fraction: float = 1.0) -> int:
         """Saved for backward at the end of a forward; `fraction` of the blocks (a pipeline stage)."""
@@ -143,9 +147,50 @@ def trace_micro_batch(bundle, batch: dict, block_types: tuple) -> MicroBatchCost
         for h in handles:
             h.remove()
     model.zero_grad(set_to_none=True)
-    largest = max((t.numel() * t.element_size() for t in keep), default=0)
+    saved = [t.numel() * t.element_size() for t in keep]
     return MicroBatchCost(_batch_size(batch), trace.ops, forward_flops, outside[0], saved_per_block, block_input,
-                          largest)
+                          max(saved, default=0), saved)
+
+
+def affine(traced: list[MicroBatchCost]) -> Callable[[int], MicroBatchCost] | None:
+    """Costs at any micro-batch size from three traced ones, where every number the traces hold (each
+    operator's FLOPs and bytes, each output's and saved tensor's bytes, the per-block figures) is the same
+    affine function of the micro-batch size in all three and the operators are the same ones in the same
+    order: a model whose every tensor either holds the batch or does not (a GPT's do). The thresholded
+    sums (freshly mapped bytes, the largest tensor) are taken again from the interpolated sizes, so the
+    result is what a trace at that size gives. None where any number is not affine: trace each size."""
+    a, b, c = sorted(traced[:3], key=lambda t: t.micro_batch)
+    if len({a.micro_batch, b.micro_batch, c.micro_batch}) < 3 or [n for n, *_ in a.ops.items] != \
+            [n for n, *_ in b.ops.items] or [n for n, *_ in a.ops.items] != [n for n, *_ in c.ops.items]:
+        return None
+    ma, mb, mc = a.micro_batch, b.micro_batch, c.micro_batch
+
+    def numbers(t: MicroBatchCost) -> list[float]:
+        return [v for _, f, m in t.ops.items for v in (f, m)] + [
+            *t.ops.outputs, *t.saved, *t.saved_per_block, *t.block_input, t.forward_flops, t.saved_outside]
+
+    na, nb, nc = numbers(a), numbers(b), numbers(c)
+    if not len(na) == len(nb) == len(nc) or any((z - x) * (mb - ma) != (y - x) * (mc - ma)
+                                                 for x, y, z in zip(na, nb, nc, strict=True)):
+        return None
+    if any((y - x) % (mb - ma) for x, y in zip(na, nb, strict=True)):  # a slope that is not whole: not exact
+        return None
+    slopes = [(y - x) // (mb - ma) for x, y in zip(na, nb, strict=True)]
+
+    def at(m: int) -> MicroBatchCost:
+        v = [x + s * (m - ma) for x, s in zip(na, slopes, strict=True)]
+        n_ops, n_out, n_saved, n_blocks = len(a.ops.items), len(a.ops.outputs), len(a.saved), len(a.saved_per_block)
+        items = [(name, v[2 * i], v[2 * i + 1]) for i, (name, *_) in enumerate(a.ops.items)]
+        k = 2 * n_ops
+        outputs = [int(x) for x in v[k:k + n_out]]
+        saved = [int(x) for x in v[k + n_out:k + n_out + n_saved]]
+        k += n_out + n_saved
+        per_block, inputs = [int(x) for x in v[k:k + n_blocks]], [int(x) for x in v[k + n_blocks:k + 2 * n_blocks]]
+        forward_flops, outside = v[-2], int(v[-1])
+        ops = Ops(items, sum(b for b in outputs if b > THRESHOLD), outputs)
+        return MicroBatchCost(m, ops, forward_flops, outside, per_block, inputs, max(saved, default=0), saved)
+
+    return at
 
 
 def _batch_size(batch: dict) -> int:
