@@ -7,7 +7,8 @@ The JSON file (`shoal probe --out profile.json`):
    "memory_bandwidth": B,                                 # bytes/s of one worker (a large copy)
    "collectives": {"all_reduce": [[bytes, seconds], ...], # per message size, over the group of nproc x nnodes
                    "all_gather": [...], "reduce_scatter": [...], "send_recv": [...]}}
-A preset holds the vendor's dense peaks and no collective curves (plan then needs a probe for time).
+A preset holds the vendor's dense peaks and, instead of measured curves, the name of its cluster's
+network, whose collectives plan/network.py prices (NCCL's model with nccl-tests' bus bandwidths).
 """
 
 from __future__ import annotations
@@ -24,13 +25,13 @@ from shoal.errors import UserError
 PRESETS = {
     "h100": {"device": "cuda", "device_name": "NVIDIA H100 SXM (data sheet)",
              "matmul_flops": {"fp32": 67e12, "tf32": 494.5e12, "bf16": 989.4e12, "fp16": 989.4e12},
-             "memory_bandwidth": 3.35e12},
+             "memory_bandwidth": 3.35e12, "network": "nvlink4-ndr400"},
     "h200": {"device": "cuda", "device_name": "NVIDIA H200 SXM (data sheet)",
              "matmul_flops": {"fp32": 67e12, "tf32": 494.5e12, "bf16": 989.4e12, "fp16": 989.4e12},
-             "memory_bandwidth": 4.8e12},
+             "memory_bandwidth": 4.8e12, "network": "nvlink4-ndr400"},
     "a100": {"device": "cuda", "device_name": "NVIDIA A100 SXM (data sheet)",
              "matmul_flops": {"fp32": 19.5e12, "tf32": 156e12, "bf16": 312e12, "fp16": 312e12},
-             "memory_bandwidth": 2.04e12},
+             "memory_bandwidth": 2.04e12, "network": "nvlink3-hdr200"},
 }
 
 
@@ -63,6 +64,7 @@ class HardwareProfile(BaseModel):
     calibration: dict[str, tuple[float, float]] = {}
     process_bytes: int | None = None  # resident memory of a worker after importing the training stack (CPU)
     threads: int | None = None  # compute threads of one worker when measured
+    network: str | None = None  # a preset's cluster network (plan/network.py): collectives priced by group
 
     def collective_time(self, op: str, nbytes: float) -> float | None:
         """Seconds of collective `op` for a message of `nbytes`, interpolated log-log between the

@@ -29,7 +29,9 @@ def add_parsers(sub) -> None:
     pl.add_argument("--memory", help="memory of one worker, e.g. 80GB or 16GiB: layouts above it are rejected")
     hw = pl.add_mutually_exclusive_group()
     hw.add_argument("--hardware", metavar="PROFILE.json", help="a profile written by shoal probe")
-    hw.add_argument("--preset", help="a data-sheet profile: h100, h200, a100 (no collective curves)")
+    hw.add_argument("--preset", help="a data-sheet profile: h100, h200, a100, with its cluster's network")
+    pl.add_argument("--network", help="a preset's network instead of its own: nvlink4-ndr400 (H100/H200 HGX on "
+                    "InfiniBand NDR), nvlink3-hdr200 (A100 HGX on HDR); see docs/planner.md")
     add_set(pl)
     pl.add_argument("--top", type=int, default=15, help="valid layouts shown (default 15)")
     pl.add_argument("--apply", metavar="OUT.toml", help="write the best layout into a copy of the config")
@@ -64,6 +66,14 @@ def plan(args: argparse.Namespace) -> int:
     from shoal.plan import planner, report
 
     profile = load_profile(args.hardware) if args.hardware else preset(args.preset) if args.preset else None
+    if args.network and not args.preset:
+        raise UserError(f"--network {args.network}: a network prices a preset's collectives; give --preset too "
+                        "(a probe's profile has its own measured curves)")
+    if args.preset:  # its collectives priced for this job's nodes (plan/network.py)
+        from shoal.plan.network import network
+
+        name = network(args.network).name if args.network else profile.network
+        profile = profile.model_copy(update={"network": name, "nproc": args.nproc, "nnodes": args.nnodes})
     memory = planner.parse_bytes(args.memory, "--memory") if args.memory else None
     if args.check:
         rows = checking.check_run(args.check, profile)

@@ -185,7 +185,7 @@ def plan(cfg: Config, world: int, profile: HardwareProfile | None, memory: int |
         out.append(Planned(c, pred, reason))
 
     def key(pl: Planned):
-        # a preset has no collective curves: compute time alone ranks
+        # a profile with neither curves nor a network: compute time alone ranks
         t = (pl.prediction.step_time or pl.prediction.time["compute"]) if pl.prediction else None
         return (not pl.ok, pl.prediction is None, t if t is not None else float("inf"),
                 pl.prediction.memory["peak"] if pl.prediction else 0)

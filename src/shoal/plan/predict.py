@@ -23,7 +23,8 @@ Time, per optimizer step of the slowest rank:
               measured); + the profile's per-operator cost; tp divides FLOPs and bytes, not operators;
               under ZeRO 2/3 on CPU, the bytes of tensors freshly mapped (allocator.py) at the measured
               cost per byte
-  comm        from the profile's collective curves, interpolated by message size, with the overlap each
+  comm        from the profile's collective curves, interpolated by message size (a preset: its network's
+              model for each group's size and placement, plan/network.py), with the overlap each
               strategy allows (on CPU none: gloo reduces on the cores the compute has): DDP's bucketed
               all-reduce hides under backward but its last bucket, plus DDP's measured cost per
               micro-batch and its division of the sums; ZeRO 1 adds a broadcast of each
@@ -42,11 +43,13 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from functools import partial
 
 from shoal.hardware import OVERHEAD_MESSAGE_BYTES, HardwareProfile
 from shoal.layout import Layout
 from shoal.parallel.pipeline import bubble_fraction
 from shoal.plan.cost import MicroBatchCost, Ops
+from shoal.plan.network import network
 
 DDP_BUCKET_BYTES = 25 * 2 ** 20  # torch DDP's bucket_cap_mb
 DEFAULT_OP_OVERHEAD_S = {"cpu": 5e-6, "cuda": 6e-6}  # a preset has no measured one: a kernel launch
@@ -168,6 +171,34 @@ def _hidden(comm: float, under: float, cuda: bool) -> float:
     return max(0.0, comm - under) if cuda else comm
 
 
+def group_of(layout: Layout, gpus_per_node: int, axis: str) -> tuple[int, int]:
+    """(ranks, of them in one node) of `axis`'s group: ranks are placed pp-major, tp innermost
+    (topology.ParallelDims), `gpus_per_node` to a node. A pipeline hop crosses nodes once the pipeline
+    does (the slowest hop sets its pace)."""
+    d, g = layout.dims, max(gpus_per_node, 1)
+    if axis == "tp":
+        return d.tp, min(d.tp, g)
+    if axis == "dp":
+        return d.dp, max(1, min(d.dp, g // d.tp))
+    return 2, 2 if d.world_size <= g else 1
+
+
+def collectives(profile: HardwareProfile, layout: Layout):
+    """ct(op, bytes, axis): a collective's seconds over `axis`'s group, the message as the probe's curves
+    key it (what one rank contributes: an all-gather's shard, a reduce-scatter's whole input). From the
+    curves (measured over the whole group, whatever the axis), else the preset's network (plan/network.py)
+    for the group's size and placement; None without either."""
+    if not profile.network:
+        return lambda op, nbytes, axis="dp": profile.collective_time(op, nbytes)
+    net = network(profile.network)
+
+    def ct(op: str, nbytes: float, axis: str = "dp") -> float:
+        n, per_node = group_of(layout, profile.nproc, axis)
+        return net.seconds(op, nbytes * n if op == "all_gather" else nbytes, n, per_node)
+
+    return ct
+
+
 def predict_time(shape: ModelShape, cost: MicroBatchCost, opt_ops: Ops, layout: Layout, profile: HardwareProfile, *,
                  dtype: str, checkpointing: bool, schedule: str, stages_per_rank: int, grad_bytes: int,
                  param_bytes_full: int) -> dict[str, float | None]:
@@ -190,7 +221,7 @@ def predict_time(shape: ModelShape, cost: MicroBatchCost, opt_ops: Ops, layout: 
         bubble = per_micro * n_micro * bubble_fraction(d.pp, n_micro, stages_per_rank) / (
             1 - bubble_fraction(d.pp, n_micro, stages_per_rank))
     t = {"compute": compute, "bubble": bubble}
-    if d.world_size > 1 and not profile.collectives:
+    if d.world_size > 1 and not profile.collectives and not profile.network:
         t.update(comm=None, step=None)
         return t
     comm = 0.0
@@ -205,7 +236,7 @@ def predict_time(shape: ModelShape, cost: MicroBatchCost, opt_ops: Ops, layout: 
     if d.pp > 1:
         act = cost.block_input[0] if cost.block_input else 0
         hops = 2 * (n_micro + d.pp - 1) * stages_per_rank
-        comm += hops * (profile.collective_time("send_recv", act) or 0.0)
+        comm += hops * (collectives(profile, layout)("send_recv", act, "pp") or 0.0)
     t["comm"] = comm
     t["step"] = compute + bubble + comm
     return calibrated(t, layout, profile)
@@ -239,7 +270,7 @@ def _ddp_comm(shape: ModelShape, profile: HardwareProfile, layout: Layout, n_mic
     place of the first bucket's latency; its division of the reduced gradients by the world size (one
     pass over them: they are the buckets' views, nothing is copied); ZeRO 1's broadcast of each
     parameter from the rank that updated it (ZeroRedundancyOptimizer)."""
-    d, ct, over = layout.dims, profile.collective_time, profile.parallel_overheads
+    d, ct, over = layout.dims, collectives(profile, layout), profile.parallel_overheads
     buckets = max(1, math.ceil(grad_bytes / DDP_BUCKET_BYTES))
     each = ct("all_reduce", grad_bytes / buckets) or 0.0
     comm = each + _hidden(each * (buckets - 1), backward, profile.device == "cuda")
@@ -262,7 +293,7 @@ def _fsdp_comm(shape: ModelShape, profile: HardwareProfile, layout: Layout, n_mi
     likewise; gradients are reduced once per step (the last micro-batch). Priced as the probe measured
     FSDP2 on a GPT (per call and per byte moved), else the collectives alone from the curves; DTensor's
     cost per optimizer operator (the shards are DTensors)."""
-    d, zero, ct, over = layout.dims, layout.zero, profile.collective_time, profile.parallel_overheads
+    d, zero, ct, over = layout.dims, layout.zero, collectives(profile, layout), profile.parallel_overheads
     n_blocks = max(len(shape.block_params), 1)
     in_blocks = sum(n for b in shape.block_params for n, *_ in b) * shape.element_size / d.tp
     block_bytes = (in_blocks or param_bytes_full) / n_blocks
@@ -291,7 +322,8 @@ def _tp_comm(shape: ModelShape, cost: MicroBatchCost, profile: HardwareProfile, 
     measured cost of a split layer (DTensor's work and a tiny all-reduce between layers) plus what a
     message of the activations' size costs more; DTensor's cost per optimizer operator on split
     parameters."""
-    d, ct, over = layout.dims, profile.collective_time, profile.parallel_overheads
+    d, over = layout.dims, profile.parallel_overheads
+    ct = partial(collectives(profile, layout), axis="tp")
     act = cost.block_input[0] if cost.block_input else 0
     matrices = sum(sum(1 for p in b if p[2] >= 2) for b in shape.block_params)
     outside = sum(1 for p in shape.params if p[2] >= 2) - matrices

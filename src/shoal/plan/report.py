@@ -33,7 +33,7 @@ def render(planned: list[Planned], top: int, console: Console | None = None) -> 
                   *(human_bytes(m[k]) for k in ("params", "grads", "optimizer", "activations", "peak")))
     console.print(t)
     if ok and ok[0].prediction.time["comm"] is None and ok[0].prediction.time["compute"] is not None:
-        console.print("communication not predicted: this profile has no collective curves (a preset); run "
+        console.print("communication not predicted: this profile has no collective curves and no network; run "
                       "`shoal probe --out profile.json` on the machines and pass --hardware profile.json")
     rejected: dict[str, list[str]] = {}
     for p in planned:
