@@ -294,6 +294,7 @@ def test_a_node_that_cannot_reach_the_endpoint_says_so_in_one_line(cluster, tmp_
 
 
 @pytest.mark.timeout(180)
+@pytest.mark.slow  # the real CLI across the hosts (the harness is only its loopback reference)
 def test_two_hosts_train_exactly_as_two_processes_on_loopback(cluster, tmp_path, ranks):
     """The proof: `shoal train --cluster` (node 0 on h0, node 1 on h1, across the shaped links) gives the
     per-step losses and gradient norms of two ranks on loopback (the harness: the workers' same code)."""
@@ -489,6 +490,7 @@ def test_a_slurm_node_range_job_loses_a_node_and_finishes_equal_to_one_process(c
 
 @needs_slurm
 @pytest.mark.timeout(240)
+@pytest.mark.slow  # the real CLI across the hosts (the harness is only its loopback reference)
 def test_the_sbatch_script_trains_across_hosts_and_a_requeue_resumes_it_bitwise(cluster, tmp_path, ranks):
     """The script `shoal launch --target slurm --nodes 2` writes, submitted with sbatch: one task per host.
     `scontrol requeue` mid-run (SIGTERM: every rank saves) makes Slurm run the script again, which resumes
@@ -525,6 +527,7 @@ def test_the_sbatch_script_trains_across_hosts_and_a_requeue_resumes_it_bitwise(
 
 @needs_slurm
 @pytest.mark.timeout(180)
+@pytest.mark.slow  # the real CLI across the hosts (the harness is only its loopback reference)
 def test_a_heterogeneous_job_trains_as_on_loopback_and_scancel_stops_it_with_a_valid_checkpoint(cluster, tmp_path,
                                                                                                 ranks):
     """A real Slurm heterogeneous job: one component per host, one srun step over both (--het-group=0,1).
@@ -586,6 +589,7 @@ def in_h0(argv: list, env: dict | None = None, timeout: float = 150, cwd=None) -
 
 @needs_ray
 @pytest.mark.timeout(240)
+@pytest.mark.slow  # the real CLI across the hosts (the harness is only its loopback reference)
 def test_shoal_train_on_ray_equals_loopback_and_a_sigterm_to_the_driver_resumes_bitwise(cluster, ray_cluster, tmp_path,
                                                                                       ranks):
     """`shoal train --ray ADDRESS` from a driver on h0: one node agent per Ray node (a STRICT_SPREAD placement
