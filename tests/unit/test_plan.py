@@ -166,8 +166,11 @@ def test_calibration_corrects_the_step_of_its_strategy(tiny):
 
     a, b = fit([(0.010, 0.020), (0.100, 0.130)])
     assert a * 0.010 + b == pytest.approx(0.020) and a * 0.100 + b == pytest.approx(0.130)
-    assert fit([(0.010, 0.020), (0.100, 0.010)])[0] == 0.5  # a noisy run cannot turn the line over
     assert fit([(0.05, 0.06), (0.05, 0.07)]) == (pytest.approx(1.4), 0.0)
+    assert fit([(0.010, 0.020), (0.100, 0.010)]) is None  # a noisy run would turn the line over
+    assert fit([(0.1278, 0.0884), (0.1736, 0.2325)]) is None  # 3.15 x - 314 ms: a tp line measured once
+    assert fit([(0.100, 0.080), (0.200, 0.500)]) is None  # a slope above 2.5
+    assert fit([(0.0233, 0.0291), (0.2159, 0.2381)]) == (pytest.approx(1.085, abs=1e-3), pytest.approx(0.0038, abs=1e-4))
 
     cfg, _, _, _ = tiny
     model = Model.build(cfg)

@@ -51,13 +51,26 @@ def reference_config(width: int, layout: list[str], nproc: int, threads: int) ->
             *layout]
 
 
-def fit(points: list[tuple[float, float]]) -> tuple[float, float]:
+# what a line may say of the formulas and stay physics: what they miss grows with the work they count
+# (slopes measured here: tp 1.57-1.79, the other strategies 1.05-1.27), and it never takes more than
+# half of the smaller reference step away (a noisy point once made tp's line 3.15 x predicted - 314 ms,
+# which predicted 1232 ms for a step of 401, where the formulas alone said 491)
+SLOPES = (0.5, 2.5)
+LEAST_INTERCEPT = -0.5  # x the smaller reference step predicted
+
+
+def fit(points: list[tuple[float, float]]) -> tuple[float, float] | None:
     """(a, b) of measured = a x predicted + b through the first and last (predicted, measured) points; a
-    ratio alone (b = 0) where the predictions coincide. a stays >= 0.5 and the line keeps the first
-    point, so one noisy run cannot turn the correction over."""
+    ratio alone (b = 0) where the predictions coincide. None where the line is not physics (a slope
+    outside SLOPES, or an intercept below LEAST_INTERCEPT x the smaller prediction): a noisy reference run
+    made it, and the formulas alone predict that strategy."""
     if points[0][0] == points[-1][0]:
-        return points[-1][1] / points[-1][0], 0.0
-    return line_through(points[0], points[-1], min_slope=0.5)
+        a, b = points[-1][1] / points[-1][0], 0.0
+    else:
+        a, b = line_through(points[0], points[-1])
+    if not SLOPES[0] <= a <= SLOPES[1] or b < LEAST_INTERCEPT * min(p for p, _ in points):
+        return None
+    return a, b
 
 
 def reference_points(profile: HardwareProfile, nproc: int, threads: int, widths: tuple[int, ...], work_dir: Path,
@@ -102,7 +115,14 @@ def calibrate(profile: HardwareProfile, nproc: int, threads: int, widths: tuple[
         points = reference_points(profile, nproc, threads, widths, Path(tmp))
     out = {}
     for name, pts in points.items():
-        out[name] = fit(pts)
-        log(f"calibrated {name}: measured = {out[name][0]:.2f} x predicted {out[name][1] * 1e3:+.1f} ms "
-            f"({', '.join(f'{p * 1e3:.1f} -> {m * 1e3:.1f} ms' for p, m in pts)})")
+        runs = ", ".join(f"{p * 1e3:.1f} -> {m * 1e3:.1f} ms" for p, m in pts)
+        line = fit(pts)
+        if line is None:
+            a, b = line_through(pts[0], pts[-1]) if pts[0][0] != pts[-1][0] else (pts[-1][1] / pts[-1][0], 0.0)
+            log(f"not calibrated {name}: its runs ({runs}) give measured = {a:.2f} x predicted {b * 1e3:+.1f} ms, "
+                f"outside what a correction may be (a slope of {SLOPES[0]}-{SLOPES[1]}, an intercept above "
+                f"{LEAST_INTERCEPT:g} x the smaller step): a noisy run; the formulas alone predict {name}")
+            continue
+        out[name] = line
+        log(f"calibrated {name}: measured = {line[0]:.2f} x predicted {line[1] * 1e3:+.1f} ms ({runs})")
     return out
