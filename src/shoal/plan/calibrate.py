@@ -59,15 +59,19 @@ SLOPES = (0.5, 2.5)
 LEAST_INTERCEPT = -0.5  # x the smaller reference step predicted
 
 
-def fit(points: list[tuple[float, float]]) -> tuple[float, float] | None:
+def line(points: list[tuple[float, float]]) -> tuple[float, float]:
     """(a, b) of measured = a x predicted + b through the first and last (predicted, measured) points; a
-    ratio alone (b = 0) where the predictions coincide. None where the line is not physics (a slope
-    outside SLOPES, or an intercept below LEAST_INTERCEPT x the smaller prediction): a noisy reference run
-    made it, and the formulas alone predict that strategy."""
+    ratio alone (b = 0) where the predictions coincide."""
     if points[0][0] == points[-1][0]:
-        a, b = points[-1][1] / points[-1][0], 0.0
-    else:
-        a, b = line_through(points[0], points[-1])
+        return points[-1][1] / points[-1][0], 0.0
+    return line_through(points[0], points[-1])
+
+
+def fit(points: list[tuple[float, float]]) -> tuple[float, float] | None:
+    """line(points), or None where it is not physics (a slope outside SLOPES, or an intercept below
+    LEAST_INTERCEPT x the smaller prediction): a noisy reference run made it, and the formulas alone
+    predict that strategy."""
+    a, b = line(points)
     if not SLOPES[0] <= a <= SLOPES[1] or b < LEAST_INTERCEPT * min(p for p, _ in points):
         return None
     return a, b
@@ -116,13 +120,12 @@ def calibrate(profile: HardwareProfile, nproc: int, threads: int, widths: tuple[
     out = {}
     for name, pts in points.items():
         runs = ", ".join(f"{p * 1e3:.1f} -> {m * 1e3:.1f} ms" for p, m in pts)
-        line = fit(pts)
-        if line is None:
-            a, b = line_through(pts[0], pts[-1]) if pts[0][0] != pts[-1][0] else (pts[-1][1] / pts[-1][0], 0.0)
+        (a, b), fitted = line(pts), fit(pts)
+        if fitted is None:
             log(f"not calibrated {name}: its runs ({runs}) give measured = {a:.2f} x predicted {b * 1e3:+.1f} ms, "
                 f"outside what a correction may be (a slope of {SLOPES[0]}-{SLOPES[1]}, an intercept above "
                 f"{LEAST_INTERCEPT:g} x the smaller step): a noisy run; the formulas alone predict {name}")
             continue
-        out[name] = line
-        log(f"calibrated {name}: measured = {line[0]:.2f} x predicted {line[1] * 1e3:+.1f} ms ({runs})")
+        out[name] = fitted
+        log(f"calibrated {name}: measured = {a:.2f} x predicted {b * 1e3:+.1f} ms ({runs})")
     return out

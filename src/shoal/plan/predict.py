@@ -143,12 +143,11 @@ def predict_memory(shape: ModelShape, params: list, cost: MicroBatchCost, layout
 
 def op_time(ops: Ops, profile: HardwareProfile, dtype: str, scale: float = 1.0) -> float:
     """Seconds of the operators, each on `scale` of its data (tp's share); kept on `ops` per profile,
-    dtype and scale, which many layouts share."""
+    dtype and scale, which many layouts share (the entry holds the profile, so its id stays its own)."""
     key = (id(profile), dtype, scale)
-    held = ops.times.get(key)
-    if held is None or held[0] is not profile:  # (an id reused by another profile is not a hit)
-        held = ops.times[key] = (profile, _op_time(ops, profile, dtype, scale))
-    return held[1]
+    if key not in ops.times:
+        ops.times[key] = (profile, _op_time(ops, profile, dtype, scale))
+    return ops.times[key][1]
 
 
 def _op_time(ops: Ops, profile: HardwareProfile, dtype: str, scale: float) -> float:
