@@ -65,12 +65,16 @@ def a_node_leaves(run_dir, gate, run: list[str], rank: int | None = None) -> int
     return changes[0]["step"]
 
 
-def resumed_from_disk(ranks, run: list[str], step: int, ref, replica: int = 0) -> None:
+def resumed_from_disk(ranks, run: list[str], step: int, ref, replica: int = 0, also=None) -> None:
     """The reference of a change at `step`: 3 ranks to that step, then 2 ranks on from its checkpoint, from
     the replica of rank `replica` (a resume on another world size goes on from rank 0's file: it is made
-    rank `replica`'s, its twin the old rank 0's, and the checkpoint sealed again)."""
+    rank `replica`'s, its twin the old rank 0's, and the checkpoint sealed again). `also`: a second run dir
+    resumed from the same checkpoint as it was written (from rank 0's replica)."""
     sets = [a for a in run if a != "--set"]
     ranks(3).run(train_on_ranks, [*sets, f"train.steps={step}"], str(ref))
+    if also is not None:
+        shutil.copytree(ref, also)
+        ranks(2).run(train_on_ranks, sets, str(also))
     if replica:
         folder = ref / "checkpoints" / f"step_{step:08d}"
         first, other = folder / "state_rank00000.safetensors", folder / f"state_rank{replica:05d}.safetensors"
@@ -140,10 +144,13 @@ def test_diloco_survivors_redo_the_round_and_equal_a_resume_from_its_start(tmp_p
     kill_at = random.Random().randrange(10, 30)
     start, lost = a_worker_killed(tmp_path / "live", tmp_path / "gate", DILOCO, kill_at, rank=0)
     assert start == kill_at - kill_at % 3 and lost == 0, (start, lost)  # the start of the round the kill fell in
-    resumed_from_disk(ranks, DILOCO, start, tmp_path / "ref", replica=1)
+    resumed_from_disk(ranks, DILOCO, start, tmp_path / "ref", replica=1, also=tmp_path / "plain")
     live, from_disk = read_weights(tmp_path / "live"), read_weights(tmp_path / "ref")
-    print(f"killed in the round from step {start}: live vs resume from disk {worst(live, from_disk):.3g}")
+    plain = read_weights(tmp_path / "plain")
+    print(f"killed in the round from step {start}: live vs resume from disk {worst(live, from_disk):.3g}, "
+          f"vs the resume from rank 0's replica {worst(live, plain):.3g}")
     assert worst(live, from_disk) <= 1e-5, f"the live run differs from the resume from disk by {worst(live, from_disk)}"
+    assert worst(live, plain) > 1e-4, "the replica gone on from changed nothing: the test shows nothing"
 
 
 def test_a_diloco_worker_killed_in_the_first_round_sends_the_survivors_back_to_the_start(tmp_path, ranks):
