@@ -74,9 +74,8 @@ class Network:
         times = []
         for proto in ("ll", "simple"):
             share = LL_SHARE["ring"] if proto == "ll" else 1.0
-            link = "net" if nodes > 1 else "nvlink"
             latency = (BASE_US[("ring", proto)] + (steps - cross) * STEP_US[("nvlink", "ring", proto)]
-                       + cross * STEP_US[(link, "ring", proto)])
+                       + cross * STEP_US[("net", "ring", proto)])
             times.append(1e-6 * latency + nbytes * steps / n / (busbw * share))
             if op == "all_reduce":  # a tree: its latency grows with log2 of the nodes, half the bytes' rate
                 tshare = TREE_SHARE * (LL_SHARE["tree"] if proto == "ll" else 1.0)
