@@ -20,6 +20,8 @@ def add_parsers(sub) -> None:
     pr.add_argument("--no-calibrate", action="store_true", help="skip training the reference GPT in each "
                                                                 "strategy to calibrate the planner (~80 s for 2 "
                                                                 "processes; not done with --cluster)")
+    pr.add_argument("--force-calibration", action="store_true", help="calibrate even where other processes took "
+                    "more than the probe allows of the CPU time while it measured (see docs/planner.md)")
     pr.add_argument("--nnodes-measured", type=int, default=1, help=argparse.SUPPRESS)
     pl = sub.add_parser("plan", help="predict per-rank memory and step time of every valid layout of a config "
                                      "and rank them; --check compares a finished run with its prediction")
@@ -53,9 +55,13 @@ def probe(args: argparse.Namespace) -> int:
         from shoal.testbed.run import run
 
         return run(["shoal", *[a for a in args.argv if a != "--cluster"]])
-    code = probing.launch_probe([a for a in args.argv[1:] if a not in ("--cluster", "--no-calibrate")], args.nproc)
+    from shoal.plan.calibrate import OtherCpu
+
+    others = OtherCpu()  # what other processes take of the CPUs while the probe measures
+    code = probing.launch_probe([a for a in args.argv[1:] if a not in ("--cluster", "--no-calibrate",
+                                                                        "--force-calibration")], args.nproc)
     if code == 0 and not args.no_calibrate:
-        probing.calibrate_profile(args.out, args.nproc)
+        probing.calibrate_profile(args.out, args.nproc, others.share(), args.force_calibration)
     return code
 
 

@@ -438,8 +438,21 @@ def collective_curves(comm: Comm, device: torch.device, sizes, repeats: int, syn
         for op, fn in runs.items():
             seconds = [_group_time(comm, fn, sync, device) for _ in range(times + 1)][1:]  # 1st warms up
             sec = statistics.median(seconds)
-            curves[op].append((float(n * 4), sec / 2 if op == "send_recv" else sec))
-    return {op: pts for op, pts in curves.items() if pts}
+            # keyed by what one rank contributes, as predict.py asks: an all-gather's shard
+            message = n // world * 4 if op == "all_gather" else n * 4
+            curves[op].append((float(message), sec / 2 if op == "send_recv" else sec))
+    return {op: envelope(pts) for op, pts in curves.items() if pts}
+
+
+def envelope(points: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    """Each size's time at most any larger size's: a message's time never falls as it grows, so a small
+    one measured slower than a larger one met the slow mode (here 2.5-3.7 ms against 0.3-0.7 for 16 KiB to
+    1 MiB, now at one size, now at another, probe to probe) in most of its repetitions."""
+    out, least = [], float("inf")
+    for size, seconds in sorted(points, reverse=True):
+        least = min(least, seconds)
+        out.append((size, least))
+    return out[::-1]
 
 
 def _group_time(comm: Comm, fn, sync, device) -> float:
@@ -531,21 +544,22 @@ def summary_line(profile: HardwareProfile, out: str) -> str:
             f"operator{big}")
 
 
-def calibrate_profile(out: str, nproc: int) -> None:
-    """Add the planner's calibration to the profile at `out` (plan/calibrate.py), on this node alone: a
-    probe over a cluster's nodes (SHOAL_NNODES > 1) is not calibrated."""
+def calibrate_profile(out: str, nproc: int, busy_measuring: float | None = None, force: bool = False) -> None:
+    """Add the planner's calibration to the profile at `out` (plan/calibrate.py), on this node alone, with
+    the record of its checks; none where the machine was busy (`busy_measuring`: calibrate.OtherCpu's
+    share over the measuring) unless `force`. A probe over a cluster's nodes (SHOAL_NNODES > 1) is not
+    calibrated."""
     import os
 
     from shoal.hardware import load_profile, save_profile
-    from shoal.plan.calibrate import calibrate
+    from shoal.plan.calibrate import CHECKS_KEY, calibrate
 
     if int(os.environ.get("SHOAL_NNODES", "1")) > 1:
         return
     profile = load_profile(out)
-    widths = (REFERENCE_WIDTHS[0], REFERENCE_WIDTHS[-1])
-    calibration = calibrate(profile, nproc, profile.threads or 1, widths)
-    save_profile(profile.model_copy(update={"calibration": calibration}), out)
-    print(f"wrote {out}: the planner's calibration for {', '.join(calibration)}", flush=True)
+    cal = calibrate(profile, nproc, profile.threads or 1, REFERENCE_WIDTHS, busy_measuring, force)
+    save_profile(profile.model_copy(update={"calibration": cal.lines, CHECKS_KEY: cal.record}), out)
+    print(f"wrote {out}: the planner's calibration for {', '.join(cal.lines) or 'no strategy'}", flush=True)
 
 
 def launch_probe(argv: list[str], nproc: int) -> int:
