@@ -53,7 +53,7 @@ def codec_collectives(env):
     comm = Comm(env.store, env.rank, 2)
     r = env.rank
     out = {}
-    for name in ("none", "fp16", "bf16", "int8", "topk", "powersgd"):
+    for name in ("none", "fp16", "bf16", "int8", "int4", "topk", "powersgd"):
         codec = make_codec(name, comm, topk_ratio=0.25, powersgd_rank=1)
         # rank r: a vector and a rank-1 matrix (u v^T scaled by r + 1); the mean of the matrices is rank 1
         vec = torch.tensor([0.1, -5.0, 0.2, 3.0, -0.3, 0.0, 1.0, 0.05]) * (r + 1)
@@ -87,6 +87,10 @@ def test_codec_collectives_on_known_tensors(ranks):
     v, m, residual, _, _ = res[0]["int8"]
     assert (v - mean_vec).abs().max() <= 1.5 * 5 / 127 / 2 + 1e-6
     assert set(residual) == {"vec", "mat"} and residual["vec"].abs().max() <= 5 / 127 / 2 + 1e-6
+    # int4: one block per tensor here, so half a step of 15 levels
+    v, m, residual, _, _ = res[0]["int4"]
+    assert (v - mean_vec).abs().max() <= 1.5 * 5 / 7 / 2 + 1e-6
+    assert residual["vec"].abs().max() <= 5 / 7 / 2 + 1e-6
     # top-k (2 of 8): rank 0 sends -5 and 3, rank 1 -10 and 6; the rest stays as the residual
     v, _, residual, _, _ = res[0]["topk"]
     assert v.tolist() == pytest.approx([0, -7.5, 0, 4.5, 0, 0, 0, 0])
@@ -98,10 +102,10 @@ def test_codec_collectives_on_known_tensors(ranks):
     # its residual: this rank's matrix minus the approximation all ranks decoded (as torch's PowerSGD hook)
     torch.testing.assert_close(residual["mat"], (mat - mean_mat).reshape(-1), rtol=1e-5, atol=1e-5)
     # reduce-scatter: chunk r of (x1 + x2)
-    for name in ("none", "fp16", "bf16", "int8"):
+    for name in ("none", "fp16", "bf16", "int8", "int4"):
         for rank in (0, 1):
             want = torch.arange(8.0)[4 * rank:4 * rank + 4] * 3
-            tol = {"none": 0, "fp16": 1e-3, "bf16": 2e-2, "int8": 0.1}[name]
+            tol = {"none": 0, "fp16": 1e-3, "bf16": 2e-2, "int8": 0.1, "int4": 0.7}[name]
             torch.testing.assert_close(res[rank][name][3], want, rtol=tol, atol=tol)
     topk_rs = [res[rank]["topk"][3] for rank in (0, 1)]  # each sends its largest entry of each chunk
     assert topk_rs[0].tolist() == [0, 0, 0, 9] and topk_rs[1].tolist() == [0, 0, 0, 21]
@@ -110,6 +114,7 @@ def test_codec_collectives_on_known_tensors(ranks):
     assert res[0]["none"][4] == 224 + 16
     assert res[0]["fp16"][4] == 112 + 8
     assert res[0]["int8"][4] == (4 + 8) + (4 + 48) + 2 * (4 + 4) / 2  # all-gather + all-to-all
+    assert res[0]["int4"][4] == 2 * (4 + 32) + 2 * (4 + 32) / 2  # a block (scale + 32 bytes) per tensor / chunk
     assert res[0]["powersgd"][4] < res[0]["none"][4]
 
 

@@ -4,7 +4,7 @@ collectives are checked in tests/dist/test_sync_modes.py)."""
 import pytest
 import torch
 
-from shoal.comm.codecs import Int8, PowerSGD, TopK, make_codec, ring_bytes
+from shoal.comm.codecs import Int4, Int8, PowerSGD, TopK, make_codec, ring_bytes
 
 
 def test_int8_round_trip_is_within_half_a_step():
@@ -31,6 +31,31 @@ def test_int8_decodes_a_payload_at_any_byte_of_a_gathered_buffer():
 def test_int8_of_zeros_is_zeros():
     codec = Int8(comm=None)
     assert codec.decode(codec.encode(torch.zeros(7)), 7).eq(0).all()
+
+
+def test_int4_round_trip_is_within_half_a_step_of_each_block():
+    """130 entries: blocks of 64, 64 and 2 (padded), each with its own scale; one outlier (100.0) coarsens
+    only its own block."""
+    x = torch.linspace(-1, 1, 130)
+    x[70] = 100.0
+    codec = Int4(comm=None)
+    payload = codec.encode(x)
+    assert payload.dtype == torch.uint8 and payload.numel() == 3 * 4 + 3 * 32  # a scale and 32 bytes per block
+    y = codec.decode(payload, 130)
+    assert y.shape == (130,) and y[70] == pytest.approx(100.0)
+    for block in range(3):
+        part = slice(64 * block, 64 * (block + 1))
+        assert (y[part] - x[part]).abs().max() <= x[part].abs().max() / 7 / 2 + 1e-6
+    assert (y[:64] - x[:64]).abs().max() <= 1 / 7 / 2 + 1e-6  # untouched by block 1's outlier
+    assert codec.decode(codec.encode(torch.zeros(5)), 5).eq(0).all()
+
+
+def test_int4_decodes_every_level_and_a_payload_at_any_byte():
+    levels = torch.arange(-7.0, 8.0)  # the 15 levels with scale 1: exact
+    codec = Int4(comm=None)
+    torch.testing.assert_close(codec.decode(codec.encode(levels), 15), levels, rtol=0, atol=1e-6)
+    every = torch.cat([codec.encode(torch.ones(3)), codec.encode(levels)])  # the second starts at byte 36
+    torch.testing.assert_close(codec.decode(every[36:], 15), levels, rtol=0, atol=1e-6)
 
 
 def test_topk_keeps_the_largest_magnitudes_and_their_places():
@@ -67,6 +92,7 @@ def test_error_feedback_off_keeps_nothing():
 
 
 def test_lossless_codecs_have_no_error_feedback():
+    assert make_codec("int4", comm=None).feedback
     for name in ("none", "fp16", "bf16"):
         codec = make_codec(name, comm=None)
         assert not codec.feedback and codec.name == name

@@ -11,6 +11,8 @@ reduce-scatter or all-to-all of n input bytes (w-1)/w n.
   fp16/bf16  divided by w, cast, summed in the half type, cast back (2 bytes per entry)
   int8       per tensor: scale = max|x| / 127, values rounded to int8; every rank's payload is
              all-gathered and decoded (an int8 sum would overflow) (~1 byte per entry, per rank)
+  int4       per block of 64 entries: scale = max|x| / 7, values rounded to [-7, 7], two per byte
+             (~0.56 bytes per entry: 32 bytes of values and a 4-byte scale per block), all-gathered
   topk       per tensor: the k = ceil(ratio n) largest |x| with their int32 indices, all-gathered
   powersgd   per matrix M (n x m, rank r): P = M Q, all-reduce, orthogonalise, Q = M^T P, all-reduce,
              M ~ P Q^T (Vogels et al. 2019); Q warm-starts the next step; vectors and small matrices
@@ -22,6 +24,14 @@ gradients (it rebuilds its buckets after the first step, and again after a resum
 added to the next one (`residuals`, checkpointed per rank with the step synchronisation's state; on
 another world size every rank takes the old ranks' mean, merge_state_tensors).
 Decoding is deterministic and sums the ranks in rank order, so every rank gets the same result.
+
+Every average can run asynchronously: `start` encodes and issues the collective and returns a Round,
+whose wait() decodes into the tensors; `all_reduce_mean` is start + wait. DDP's comm hook starts a
+round per gradient bucket and finishes them all when the last bucket is handed over, so the sends
+overlap the rest of backward as DDP's own all-reduce does; streaming DiLoCo keeps a fragment's round
+open over the next inner steps (parallel/local_sgd.py). Only the training thread issues and finishes
+rounds, in the same order on every rank (a completion callback would run on the communication thread:
+collectives issued there could reach the ranks in different orders).
 """
 
 from __future__ import annotations
@@ -52,6 +62,25 @@ def nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
 
+class Round:
+    """An average in flight: its first collective issued. `advance()` issues the next one, for a codec of
+    two round trips (PowerSGD: Q after P); `wait()` finishes it, writing the mean into the tensors."""
+
+    def __init__(self, finish, advance=None):
+        self._finish, self._advance = finish, advance
+
+    def advance(self) -> None:
+        step, self._advance = self._advance, None
+        if step is not None:
+            step()
+
+    def wait(self) -> None:
+        self.advance()
+        finish, self._finish = self._finish, None
+        if finish is not None:
+            finish()
+
+
 class Codec:
     """Uncompressed (compression = "none"); the base of the others."""
 
@@ -67,11 +96,16 @@ class Codec:
 
     def all_reduce_mean(self, tensors: list[torch.Tensor], keys: list[str], group, label: str) -> None:
         """Replace each tensor by its mean over `group` (in place; every rank gets the same values)."""
+        self.start(tensors, keys, group, label).wait()
+
+    def start(self, tensors: list[torch.Tensor], keys: list[str], group, label: str) -> Round:
+        """all_reduce_mean begun: the tensors hold the mean once the Round is waited for. Until then they
+        must not change (the encoding is taken now; the decoding writes into them)."""
         w = dist.get_world_size(group)
         flat = torch.cat([t.reshape(-1).float() for t in tensors]).div_(w)
         self._count("all_reduce", nbytes(flat), w)
-        self.comm.all_reduce(flat, group=group, label=label)
-        _unflatten(flat, tensors)
+        sent = self.comm.all_reduce(flat, group=group, label=label, async_op=True)
+        return Round(lambda: _unflatten(sent.wait(), tensors))
 
     def reduce_scatter(self, output: torch.Tensor, input: torch.Tensor, group, op, key: str, label: str) -> None:
         """FSDP2's reduce-scatter: chunk r of `input` (w equal chunks) reduced with `op` into `output` on rank r."""
@@ -81,14 +115,25 @@ class Codec:
     # --- DDP ----------------------------------------------------------------------------------------
 
     def ddp_hook(self, state: DDPState, bucket):
-        """A DDP comm hook (state: DDPState): averages the bucket's gradients over the dp group."""
+        """A DDP comm hook (state: DDPState): averages the bucket's gradients over the dp group. Each
+        bucket's round is started here and left in flight while backward computes the next buckets; the
+        last bucket's call finishes every round in bucket order (DDP calls the hook in bucket order, and
+        waits for the futures only after backward), so every rank decodes in the same order."""
         if self.name == "none":  # torch's averaging all-reduce, counted: async, so it overlaps the backward
             self._count("all_reduce", nbytes(bucket.buffer()), state.world)
             return allreduce_hook(state.group, bucket)
         keys = [state.names[id(p)] for p in bucket.parameters()]
-        self.all_reduce_mean(bucket.gradients(), keys, state.group, f"{state.label}, gradient bucket {bucket.index()}")
+        # bucket.gradients() are views into bucket.buffer(): the round writes the mean into the buffer
+        rnd = self.start(bucket.gradients(), keys, state.group, f"{state.label}, gradient bucket {bucket.index()}")
+        if state.pending:
+            state.pending[-1][0].advance()  # the previous bucket's second round trip, if its codec has one
         fut = torch.futures.Future()
-        fut.set_result(bucket.buffer())
+        state.pending.append((rnd, fut, bucket.buffer()))
+        if bucket.is_last():
+            pending, state.pending = state.pending, []
+            for r, f, buffer in pending:
+                r.wait()
+                f.set_result(buffer)
         return fut
 
     # --- error feedback and state -------------------------------------------------------------------
@@ -141,12 +186,12 @@ class HalfPrecision(Codec):
         super().__init__(comm, error_feedback)
         self.dtype, self.name = dtype, {torch.float16: "fp16", torch.bfloat16: "bf16"}[dtype]
 
-    def all_reduce_mean(self, tensors, keys, group, label) -> None:
+    def start(self, tensors, keys, group, label) -> Round:
         w = dist.get_world_size(group)
         flat = torch.cat([t.reshape(-1).float() for t in tensors]).div_(w).to(self.dtype)
         self._count("all_reduce", nbytes(flat), w)
-        self.comm.all_reduce(flat, group=group, label=label)
-        _unflatten(flat.float(), tensors)
+        sent = self.comm.all_reduce(flat, group=group, label=label, async_op=True)
+        return Round(lambda: _unflatten(sent.wait().float(), tensors))
 
     def reduce_scatter(self, output, input, group, op, key, label) -> None:
         low = input.to(self.dtype)
@@ -170,7 +215,7 @@ class Gathered(Codec, ABC):
     def decode(self, payload: torch.Tensor, numel: int) -> torch.Tensor:
         """The fp32 tensor of `numel` entries that `payload` stands for."""
 
-    def all_reduce_mean(self, tensors, keys, group, label) -> None:
+    def start(self, tensors, keys, group, label) -> Round:
         w = dist.get_world_size(group)
         xs = [self._fed(k, t) for k, t in zip(keys, tensors, strict=True)]
         payloads = [self.encode(x) for x in xs]
@@ -178,12 +223,15 @@ class Gathered(Codec, ABC):
             self._keep(k, x, self.decode(p, x.numel()))
         mine = torch.cat(payloads)
         self._count("all_gather", nbytes(mine), w)
-        every = self.comm.all_gather_flat(mine, group=group, label=label).view(w, -1)
-        offset = 0
-        for t, p in zip(tensors, payloads, strict=True):
-            total = sum(self.decode(every[r, offset:offset + p.numel()], t.numel()) for r in range(w))
-            t.copy_((total / w).view_as(t))
-            offset += p.numel()
+        sent = self.comm.all_gather_flat(mine, group=group, label=label, async_op=True)
+
+        def finish() -> None:
+            every, offset = sent.wait().view(w, -1), 0
+            for t, p in zip(tensors, payloads, strict=True):
+                total = sum(self.decode(every[r, offset:offset + p.numel()], t.numel()) for r in range(w))
+                t.copy_((total / w).view_as(t))
+                offset += p.numel()
+        return Round(finish)
 
     def reduce_scatter(self, output, input, group, op, key, label) -> None:
         w = dist.get_world_size(group)
@@ -214,6 +262,30 @@ class Int8(Gathered):
         # storage ("storage_offset must be divisible by 4" when a payload's length, 4 + numel, is not)
         scale = payload[:4].clone().view(torch.float32)
         return payload[4:4 + numel].view(torch.int8).float() * scale
+
+
+class Int4(Gathered):
+    """4-bit values with a scale per block of 64 entries: a per-tensor scale leaves most entries of a
+    tensor with outliers at 0 of 15 levels; per block, an outlier costs only its block's precision."""
+
+    name = "int4"
+    BLOCK = 64
+
+    def encode(self, x: torch.Tensor) -> torch.Tensor:
+        n = x.numel()
+        blocks = torch.nn.functional.pad(x, (0, -n % self.BLOCK)).view(-1, self.BLOCK)
+        peak = blocks.abs().amax(dim=1, keepdim=True)
+        scale = (peak / 7).clamp_min(torch.finfo(torch.float32).tiny)
+        q = (blocks / scale).round_().clamp_(-7, 7).to(torch.int8).add_(8).view(-1).to(torch.uint8)  # 1..15
+        packed = q[0::2] | (q[1::2] << 4)
+        return torch.cat([scale.reshape(-1).view(torch.uint8), packed])
+
+    def decode(self, payload: torch.Tensor, numel: int) -> torch.Tensor:
+        nblocks = -(-numel // self.BLOCK)
+        scale = payload[:4 * nblocks].clone().view(torch.float32)  # a copy: see Int8.decode
+        packed = payload[4 * nblocks:4 * nblocks + nblocks * self.BLOCK // 2]
+        q = torch.stack([packed & 15, packed >> 4], dim=1).view(nblocks, self.BLOCK).to(torch.int8) - 8
+        return (q.float() * scale.view(-1, 1)).view(-1)[:numel]
 
 
 class TopK(Gathered):
@@ -254,25 +326,36 @@ class PowerSGD(Codec):
         r = min(self.rank, n, m)
         return (n, m, r) if (n + m) * r < n * m else None
 
-    def all_reduce_mean(self, tensors, keys, group, label) -> None:
+    def start(self, tensors, keys, group, label) -> Round:
+        """Two round trips: P = M Q now; at advance(), P orthogonalised and Q = M^T P sent; at wait(),
+        M ~ P Q^T. Vectors and small matrices go uncompressed, first."""
         w = dist.get_world_size(group)
         plain = [(k, t) for k, t in zip(keys, tensors, strict=True) if self.shape(t) is None]
         mats = [(k, t, *self.shape(t)) for k, t in zip(keys, tensors, strict=True) if self.shape(t) is not None]
-        if plain:
-            Codec.all_reduce_mean(self, [t for _, t in plain], [k for k, _ in plain], group, f"{label}, vectors")
+        vectors = Codec.start(self, [t for _, t in plain], [k for k, _ in plain], group, f"{label}, vectors") \
+            if plain else Round(None)
         if not mats:
-            return
+            return vectors
         ms = [self._fed(k, t).view(n, m) for k, t, n, m, r in mats]
         qs = [self._start(k, m, r) for k, _, _, m, r in mats]
-        ps = self._summed([mat @ q for mat, q in zip(ms, qs, strict=True)], group, f"{label}, PowerSGD P", w)
-        ps = [torch.linalg.qr(p, mode="reduced").Q for p in ps]  # the same input on every rank: the same basis
-        qs = [q / w for q in self._summed([mat.T @ p for mat, p in zip(ms, ps, strict=True)], group,
-                                          f"{label}, PowerSGD Q", w)]
-        for (k, t, *_), mat, p, q in zip(mats, ms, ps, qs, strict=True):
-            approx = p @ q.T
-            self._keep(k, mat.reshape(-1), approx.reshape(-1))
-            self.q[k] = q
-            t.copy_(approx.view_as(t))
+        sent_p = self._summed([mat @ q for mat, q in zip(ms, qs, strict=True)], group, f"{label}, PowerSGD P", w)
+        sent_q = []
+
+        def advance() -> None:
+            ps = [torch.linalg.qr(p, mode="reduced").Q for p in sent_p()]  # the same input everywhere: one basis
+            sent_q.append((ps, self._summed([mat.T @ p for mat, p in zip(ms, ps, strict=True)], group,
+                                            f"{label}, PowerSGD Q", w)))
+
+        def finish() -> None:
+            vectors.wait()
+            ps, summed = sent_q[0]
+            for (k, t, *_), mat, p, q in zip(mats, ms, ps, summed(), strict=True):
+                q = q / w
+                approx = p @ q.T
+                self._keep(k, mat.reshape(-1), approx.reshape(-1))
+                self.q[k] = q
+                t.copy_(approx.view_as(t))
+        return Round(finish, advance)
 
     def _start(self, key: str, m: int, r: int) -> torch.Tensor:
         q = self.q.get(key)
@@ -281,15 +364,19 @@ class PowerSGD(Codec):
             q = torch.randn(m, r, generator=gen)
         return q
 
-    def _summed(self, mats: list[torch.Tensor], group, label: str, w: int) -> list[torch.Tensor]:
+    def _summed(self, mats: list[torch.Tensor], group, label: str, w: int):
+        """The sum of `mats` over the group, begun: call the result to wait for it (the summed matrices)."""
         flat = torch.cat([x.reshape(-1) for x in mats])
         self._count("all_reduce", nbytes(flat), w)
-        self.comm.all_reduce(flat, group=group, label=label)
-        out, offset = [], 0
-        for x in mats:
-            out.append(flat[offset:offset + x.numel()].view_as(x))
-            offset += x.numel()
-        return out
+        sent = self.comm.all_reduce(flat, group=group, label=label, async_op=True)
+
+        def summed() -> list[torch.Tensor]:
+            total, out, offset = sent.wait(), [], 0
+            for x in mats:
+                out.append(total[offset:offset + x.numel()].view_as(x))
+                offset += x.numel()
+            return out
+        return summed
 
     def reduce_scatter(self, output, input, group, op, key, label) -> None:
         # the config refuses this pair before launch; a codec built by hand is refused here, not run
@@ -318,6 +405,7 @@ class DDPState:
     def __init__(self, group, names: dict[int, str], label: str = "dp"):
         self.group, self.names, self.label = group, names, label
         self.world = dist.get_world_size(group)
+        self.pending: list = []  # this backward's rounds in flight: (Round, its bucket's Future, the bucket buffer)
 
 
 def make_codec(compression: str, comm: Comm, topk_ratio: float = 0.01, powersgd_rank: int = 4,
@@ -328,6 +416,8 @@ def make_codec(compression: str, comm: Comm, topk_ratio: float = 0.01, powersgd_
         return HalfPrecision(comm, torch.float16 if compression == "fp16" else torch.bfloat16)
     if compression == "int8":
         return Int8(comm, error_feedback)
+    if compression == "int4":
+        return Int4(comm, error_feedback)
     if compression == "topk":
         return TopK(comm, topk_ratio, error_feedback)
     if compression == "powersgd":

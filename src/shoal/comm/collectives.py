@@ -59,13 +59,13 @@ class Comm:
         Pending(dist.all_gather(out, t, group=group, async_op=True), rec, self.log, t).wait()
         return out
 
-    def all_gather_flat(self, t: torch.Tensor, group=None, label: str = "world") -> torch.Tensor:
-        """Every rank's `t` (1-D, the same size everywhere), concatenated in rank order."""
+    def all_gather_flat(self, t: torch.Tensor, group=None, label: str = "world", async_op: bool = False):
+        """Every rank's `t` (1-D, the same size everywhere), concatenated in rank order (or a Pending)."""
         group = self._g(group)
         out = t.new_empty(dist.get_world_size(group) * t.numel())
         rec = self.log.enter("all_gather", label, [t])
-        Pending(dist.all_gather_single(out, t, group=group, async_op=True), rec, self.log, out).wait()
-        return out
+        pending = Pending(dist.all_gather_single(out, t, group=group, async_op=True), rec, self.log, out)
+        return pending if async_op else pending.wait()
 
     def all_to_all(self, out: torch.Tensor, t: torch.Tensor, group=None, label: str = "world") -> torch.Tensor:
         """Chunk j of `t` (split evenly) to rank j; chunk r of `out` from rank r."""

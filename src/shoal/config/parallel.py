@@ -130,9 +130,10 @@ class BalanceConfig(Section):
 
 
 class CommConfig(Section):
-    compression: Literal["none", "fp16", "bf16", "int8", "topk", "powersgd"] = "none"
+    compression: Literal["none", "fp16", "bf16", "int8", "int4", "topk", "powersgd"] = "none"
     """What the dp replicas send: gradients (sync.mode = "every-step") or the pseudo-gradient (diloco,
-    local-sgd). fp16/bf16: halved precision, summed in it. int8: one scale per tensor, 8-bit values. topk:
+    local-sgd). fp16/bf16: halved precision, summed in it. int8: one scale per tensor, 8-bit values. int4: one
+    scale per block of 64 entries, 4-bit values (~0.56 bytes per entry). topk:
     the largest `topk_ratio` of each tensor's entries with their indices. powersgd: each matrix as a
     rank-`powersgd_rank` product (Vogels et al. 2019), vectors uncompressed. Supported with dp and ZeRO 0/1
     (DDP's comm hook) and ZeRO 2/3 (FSDP2's reduce-scatter; not powersgd); with tp or pp only under
@@ -142,7 +143,7 @@ class CommConfig(Section):
     powersgd_rank: int = Field(4, ge=1)
     """compression = "powersgd": rank of the approximation."""
     error_feedback: bool = True
-    """int8 / topk / powersgd: keep what compression dropped (per rank, checkpointed) and add it to the next
+    """int8 / int4 / topk / powersgd: keep what compression dropped (per rank, checkpointed) and add it to the next
     step's tensor (Seide et al. 2014; Karimireddy et al. 2019). Without it the dropped part is lost."""
 
 
