@@ -233,7 +233,7 @@ def reference_points(profile: HardwareProfile, nproc: int, threads: int, widths:
                      ) -> dict[str, list[tuple[float, list[float]]]]:
     """{strategy: [(predicted, [measured step seconds per run]) per width]}: the reference GPT at each of
     `widths` trained `repeats` times by `shoal train --nproc nproc` in each strategy (run dirs under
-    `work_dir`, named STRATEGY-WIDTH-RUN), in rounds of every point once, against the formulas'
+    `work_dir`, named STRATEGY-WIDTH-RUN/ATTEMPT), in rounds of every point once, against the formulas'
     prediction for the same run from `profile` (uncalibrated). A run that has not ended in `timeout`
     seconds is killed and fails the calibration."""
     from shoal.config import load_config
@@ -246,15 +246,18 @@ def reference_points(profile: HardwareProfile, nproc: int, threads: int, widths:
     for run in range(repeats):
         for name, layout in layouts.items():
             for width in widths:
-                run_dir = work_dir / f"{name}-{width}-{run}"
                 sets = reference_config(width, layout, nproc, threads)
-                cmd = [sys.executable, "-m", "shoal", "train", "--nproc", str(nproc), "--run-dir", str(run_dir),
-                       *[a for s in sets for a in ("--set", s)]]
-                try:
-                    r = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
-                except subprocess.TimeoutExpired as e:
-                    raise RuntimeError(f"the calibration run {name} at width {width} did not end in {timeout:.0f} "
-                                       f"s; killed (run dir {run_dir})") from e
+                for attempt in range(2):  # a run that fails to start (its forkserver gone) is tried once more
+                    run_dir = work_dir / f"{name}-{width}-{run}" / str(attempt)
+                    cmd = [sys.executable, "-m", "shoal", "train", "--nproc", str(nproc), "--run-dir", str(run_dir),
+                           *[a for s in sets for a in ("--set", s)]]
+                    try:
+                        r = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+                    except subprocess.TimeoutExpired as e:
+                        raise RuntimeError(f"the calibration run {name} at width {width} did not end in "
+                                           f"{timeout:.0f} s; killed (run dir {run_dir})") from e
+                    if r.returncode == 0:
+                        break
                 if r.returncode:
                     raise RuntimeError(f"the calibration run {name} at width {width} failed ({r.returncode}):\n"
                                        f"{r.stdout[-1500:]}\n{r.stderr[-3000:]}")
