@@ -175,6 +175,8 @@ def check_live(cfg: Config, nodes: tuple[int, int], nproc: int) -> None:
            if need > 1 else f"parallel.zero = {p.zero} shards each replica's state over the workers" if p.zero else
            f"sync.replicas = {cfg.sync.replicas} makes one replica of several workers" if cfg.sync.replicas else
            f'sync.mode = "{cfg.sync.mode}" sends through parameter servers' if cfg.sync.mode == "parameter-server" else
+           f"sync.fragments = {cfg.sync.fragments} and sync.fragment_delay = {cfg.sync.fragment_delay} keep the "
+           f"replicas apart at every step but the last" if cfg.sync.fragments > 1 or cfg.sync.fragment_delay else
            f'balance.mode = "{cfg.balance.mode}" splits the batch by measured throughput'
            if cfg.balance.mode != "uniform" else None)
     if why:

@@ -80,6 +80,17 @@ class SyncConfig(Section):
     """diloco: the outer optimizer's learning rate (the paper's 0.7)."""
     outer_momentum: float = Field(0.9, ge=0.0, lt=1.0)
     """diloco: the outer optimizer's Nesterov momentum (the paper's 0.9; 0: plain SGD)."""
+    fragments: int = Field(1, ge=1)
+    """local-sgd / diloco: streaming (Douillard et al. 2025): the model's blocks split into this many
+    fragments of consecutive blocks, each synchronised at its own step of the round (staggered by every /
+    fragments; with fragments > every some share a step), so one synchronisation carries 1/fragments of the
+    model. Must divide the blocks."""
+    fragment_delay: int = Field(0, ge=0)
+    """local-sgd / diloco: steps a fragment's synchronisation overlaps: its pseudo-gradient is sent at its
+    step and applied this many steps later while the replicas train on (0: applied at once, training waits)."""
+    fragment_alpha: float = Field(0.5, ge=0.0, le=1.0)
+    """fragment_delay > 0: how much of its own progress since the send a replica keeps when the new
+    parameters land: params <- alpha params + (1 - alpha) synchronised (the paper's 0.5; 0: drop it)."""
     replicas: int = Field(0, ge=0)
     """local-sgd / diloco: how many replicas the dp ranks form (0: each dp rank is one). The dp / replicas
     ranks of a replica train it together, synchronising gradients every step (DDP, or sharded with
@@ -90,6 +101,14 @@ class SyncConfig(Section):
         if self.replicas and self.mode == "every-step":
             raise ValueError(f"sync.replicas = {self.replicas} groups the dp ranks into replicas for sync.mode "
                              f'= "local-sgd" or "diloco"; every-step keeps one replica: leave replicas = 0')
+        periodic = self.mode in ("local-sgd", "diloco")
+        if (self.fragments > 1 or self.fragment_delay) and not periodic:
+            raise ValueError(f"sync.fragments = {self.fragments} and sync.fragment_delay = {self.fragment_delay} "
+                             f'stream the synchronisation of sync.mode = "local-sgd" or "diloco"; leave them at 1 '
+                             f'and 0 for "{self.mode}"')
+        if periodic and self.fragment_delay >= self.every:
+            raise ValueError(f"sync.fragment_delay = {self.fragment_delay} must land before the fragment's next "
+                             f"synchronisation, sync.every = {self.every} steps later; set fragment_delay < every")
         return self
 
 

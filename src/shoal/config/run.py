@@ -36,6 +36,7 @@ class Config(Section):
     def _compatible(self) -> Config:
         _check_data(self)
         _check_sync(self)
+        _check_fragments(self)
         _check_compression(self)
         return self
 
@@ -79,6 +80,15 @@ def _check_sync(cfg: Config) -> None:
                          f'tp {p.tp}, pp {p.pp}, sync.mode "{mode}": set balance.mode = "uniform"')
 
 
+def _check_fragments(cfg: Config) -> None:
+    """The built-in GPT's blocks are known before launch (other models' are counted when the sync attaches,
+    parallel/fragments.py; so are a pipeline stage's, which hold a share of them)."""
+    blocks, fragments = getattr(cfg.model, "n_layer", None), cfg.sync.fragments
+    if isinstance(blocks, int) and cfg.parallel.pp == 1 and blocks % fragments:
+        raise ValueError(f"sync.fragments = {fragments} must divide the model's blocks (model.n_layer = {blocks}); "
+                         f"set sync.fragments to a divisor of {blocks}")
+
+
 def _check_compression(cfg: Config) -> None:
     p, c, mode = cfg.parallel, cfg.comm, cfg.sync.mode
     if mode == "parameter-server" and c.compression != "none":
@@ -88,6 +98,10 @@ def _check_compression(cfg: Config) -> None:
         raise ValueError(f'comm.compression = "{c.compression}" compresses the gradients of DDP and ZeRO 2/3 only, '
                          f"but parallel.tp = {p.tp}, pp = {p.pp} synchronise through FSDP2 replicate; set "
                          f'comm.compression = "none", or sync.mode = "diloco" to compress its pseudo-gradient')
+    if c.compression == "powersgd" and cfg.sync.fragment_delay:
+        raise ValueError(f'comm.compression = "powersgd" needs a second round trip computed from the first, but '
+                         f"sync.fragment_delay = {cfg.sync.fragment_delay} sends each fragment in one asynchronous "
+                         f'collective; use "int8", "int4", "fp16", "bf16" or "topk", or fragment_delay = 0')
     if c.compression == "powersgd" and mode == "every-step" and p.zero >= 2:
         raise ValueError(f'comm.compression = "powersgd" needs whole matrices, but parallel.zero = {p.zero} '
                          f'reduce-scatters flat shards; use "int8", "topk", "fp16" or "bf16", or zero <= 1')
