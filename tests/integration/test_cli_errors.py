@@ -29,6 +29,14 @@ CASES = {
         "(a live run needs every worker to hold a whole replica: data parallel, parallel.zero = 0, each worker its "
         "own replica); give a fixed --nnodes instead: a failure then restarts every worker from the newest "
         "checkpoint (--max-restarts)"),
+    "streaming in a live run": (
+        ["--nnodes", "1:2", "--rdzv-endpoint", "127.0.0.1:29400", "--set", 'sync.mode="diloco"', "--set",
+         "sync.every=4", "--set", "sync.fragments=2"],
+        "--nnodes 1:2: sync.fragments = 2 and sync.fragment_delay = 0 keep the replicas apart at every step but the "
+        "last, which cannot heal live yet"),
+    "fragments that do not divide the blocks": (
+        ["--set", 'sync.mode="diloco"', "--set", "sync.every=4", "--set", "sync.fragments=3"],
+        "sync.fragments = 3 must divide the model's blocks (model.n_layer = 4); set sync.fragments to a divisor of 4"),
     "multi-node without endpoint": (["--nnodes", "2"], "--nnodes 2 needs --rdzv-endpoint"),
     "bad --rdzv-timeout": (["--rdzv-timeout", "0"], "--rdzv-timeout (0) must be > 0 seconds"),
     "bad --rdzv-endpoint": (["--nnodes", "2", "--rdzv-endpoint", "node0"], "--rdzv-endpoint node0: expected HOST:PORT"),
