@@ -18,7 +18,7 @@ def add_parsers(sub) -> None:
     pr.add_argument("--max-size", default="64MiB", help="largest collective message (from 4 KiB, x4; default 64MiB)")
     pr.add_argument("--repeats", type=int, default=3, help="timed repetitions per measurement (default 3)")
     pr.add_argument("--no-calibrate", action="store_true", help="skip training the reference GPT in each "
-                                                                "strategy to calibrate the planner (~4.5 min for 2 "
+                                                                "strategy to calibrate the planner (~4 min for 2 "
                                                                 "processes; not done with --cluster)")
     pr.add_argument("--force-calibration", action="store_true", help="calibrate even where other processes took "
                     "more than the probe allows of the CPU time while it measured (see docs/planner.md)")
