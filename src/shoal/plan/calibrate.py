@@ -11,7 +11,8 @@ threads taking cycles from the compute on shared cores, and the rest of each str
 the planner benchmark, by 5-30%.
 
 A line from single runs extrapolates whatever noise its points carry (a tp line through two runs once
-came out 3.15 x predicted - 314 ms). So each reference point is REPEATS runs, in rounds (every point
+came out 3.15 x predicted - 314 ms, the formulas' step at the smaller width priced at a collective slow
+mode the probe had met). So each reference point is REPEATS runs, in rounds (every point
 once, then again), so that a burst of other work lands on one run of several points rather than on
 every run of one; a point is the median of its runs. The line is then checked (check()): one whose
 slope or intercept no physics of the formulas' misses allows, or one that predicts the reference runs
@@ -46,7 +47,7 @@ REPEATS = 2  # runs per reference point (3 widths: one bad point does not move t
 CHECKS_KEY = "calibration_checks"  # the profile's record of the checks (an extra key of HardwareProfile)
 
 # what a line may say of the formulas and stay physics: what they miss grows with the work they count
-# (slopes measured here: tp 1.57-1.79, the other strategies 1.00-1.27), and the fixed part of a step
+# (slopes measured here: tp 1.22-1.79, the other strategies 1.00-1.27), and the fixed part of a step
 # they miss (the loop around the model, measured 1-21 ms) neither takes away more than half of the
 # smallest reference step predicted nor is more than half of the smallest measured (a noisy point
 # once made tp's line 3.15 x predicted - 314 ms, which predicted 1232 ms for a step of 401, where the
@@ -56,7 +57,8 @@ LEAST_INTERCEPT = -0.5  # x the smallest reference step predicted
 MOST_INTERCEPT = 0.5  # x the smallest reference step measured
 
 # other processes' share of the machine's CPU time above which the probe's timings are not this machine's
-# own (docs/planner.md has the measurements it is chosen from)
+# own: on a 2-CPU machine a quiet probe saw 0.7% while measuring and 6-7% while calibrating, one beside
+# two busy loops 34% while measuring (and its per-operator overhead 10.4 us against 3.0)
 BUSY = 0.15
 
 
