@@ -33,6 +33,12 @@ PRESETS = {
              "matmul_flops": {"fp32": 19.5e12, "tf32": 156e12, "bf16": 312e12, "fp16": 312e12},
              "memory_bandwidth": 2.04e12, "network": "nvlink3-hdr200"},
 }
+# named clusters: a GPU's preset with its network (plan/network.py); the bare name takes the first
+CLUSTERS = {"h100-ib400": ("h100", "nvlink4-ndr400"), "h100-roce400": ("h100", "nvlink4-roce400"),
+            "h100-eth100": ("h100", "nvlink4-eth100"), "h200-ib400": ("h200", "nvlink4-ndr400"),
+            "a100-ib200": ("a100", "nvlink3-hdr200"), "a100-efa400": ("a100", "nvlink3-efa400"),
+            "a100-opa400": ("a100", "nvlink3-opa400")}
+PRESETS |= {name: {**PRESETS[gpu], "network": net} for name, (gpu, net) in CLUSTERS.items()}
 
 
 # the probe's parallel_overheads: stacks of this many 8 x 8 linear layers, whose collectives' messages are
@@ -65,6 +71,9 @@ class HardwareProfile(BaseModel):
     process_bytes: int | None = None  # resident memory of a worker after importing the training stack (CPU)
     threads: int | None = None  # compute threads of one worker when measured
     network: str | None = None  # a preset's cluster network (plan/network.py): collectives priced by group
+    # the fraction of the peak (and of the memory bandwidth) that a training step's kernels reach: every
+    # compute second the planner prices is divided by it (None: 1, the data sheet's figures as they are)
+    compute_efficiency: float | None = None
 
     def collective_time(self, op: str, nbytes: float) -> float | None:
         """Seconds of collective `op` for a message of `nbytes`, interpolated log-log between the
@@ -130,8 +139,8 @@ def interpolate(points, x: float, extrapolate_linear: bool) -> float | None:
 def preset(name: str) -> HardwareProfile:
     key = name.lower()
     if key not in PRESETS:
-        raise UserError(f"unknown hardware preset {name!r}; use one of {', '.join(PRESETS)} or a profile from "
-                        f"`shoal probe --out profile.json`")
+        raise UserError(f"unknown hardware preset {name!r}; use one of {', '.join(PRESETS)} (or a profile from "
+                        f"`shoal probe --out profile.json` with --hardware)")
     return HardwareProfile(name=key, **PRESETS[key])
 
 
@@ -148,7 +157,7 @@ def load_profile(path: str | Path) -> HardwareProfile:
 
 
 def profile_or_preset(value: str) -> HardwareProfile:
-    """A preset's name (h100, h200, a100) or the path of a probe file."""
+    """A preset's name (h100, h100-ib400, a100, ...: PRESETS) or the path of a probe file."""
     return preset(value) if value.lower() in PRESETS else load_profile(value)
 
 

@@ -31,9 +31,12 @@ def add_parsers(sub) -> None:
     pl.add_argument("--memory", help="memory of one worker, e.g. 80GB or 16GiB: layouts above it are rejected")
     hw = pl.add_mutually_exclusive_group()
     hw.add_argument("--hardware", metavar="PROFILE.json", help="a profile written by shoal probe")
-    hw.add_argument("--preset", help="a data-sheet profile: h100, h200, a100, with its cluster's network")
+    hw.add_argument("--preset", help="a data-sheet profile with its cluster's network: h100, h200, a100, or a named "
+                                     "cluster such as h100-ib400, h100-roce400, a100-ib200, a100-efa400; see "
+                                     "docs/planner.md")
     pl.add_argument("--network", help="a preset's network instead of its own: nvlink4-ndr400 (H100/H200 HGX on "
-                    "InfiniBand NDR), nvlink3-hdr200 (A100 HGX on HDR); see docs/planner.md")
+                    "InfiniBand NDR), nvlink4-roce400, nvlink4-eth100, nvlink3-hdr200 (A100 HGX on HDR), "
+                    "nvlink3-efa400, nvlink3-opa400; see docs/planner.md")
     add_set(pl)
     pl.add_argument("--top", type=int, default=15, help="valid layouts shown (default 15)")
     pl.add_argument("--apply", metavar="OUT.toml", help="write the best layout into a copy of the config")

@@ -19,6 +19,12 @@ links achieve (protocol, NVLS, in-network reduction):
                    InfiniBand HDR 230 GB/s (measured 250-300, Saturn Cloud; taken no faster than in a
                    node); one GPU per node 20 GB/s (HDR's 25 GB/s at NDR's measured 0.8 of its line)
 
+  nvlink4-roce400, nvlink4-eth100, nvlink3-efa400, nvlink3-opa400
+                   known by their links alone (RoCE 400 Gb/s a GPU; 100 GbE a GPU; 4 x 100 Gb/s EFA or
+                   Omni-Path a node): no nccl-tests figure of their own was found, so each NIC is taken at
+                   the fraction of its line rate that NDR's one-GPU-per-node busbw reaches (40 of 50 GB/s,
+                   Saturn Cloud above: 0.8), the node's NICs together across whole nodes (from_links)
+
 A group that has p of its members in each node goes across nodes at a bus bandwidth on the straight line
 between the one-GPU-per-node figure (p = 1) and the whole-node one (p = the node's GPUs): p NICs carry it.
 """
@@ -85,9 +91,30 @@ class Network:
         return min(times)
 
 
+# The fraction of a NIC's line rate that nccl-tests' busbw reaches with one GPU per node: 40-50 GB/s on a
+# 400 Gb/s (50 GB/s) NDR NIC (Saturn Cloud, above), the lower end taken
+NIC_FRACTION = 0.8
+
+
+def from_links(name: str, intra: float, nic_gbit: float, nics: int, gpus_per_node: int = 8,
+               fraction: float = NIC_FRACTION) -> Network:
+    """A network known by its links alone (no nccl-tests figure of its own found): across whole nodes the
+    node's NICs together, with one GPU per node one NIC, each at `fraction` of its line rate."""
+    nic = nic_gbit * 1e9 / 8
+    return Network(name, gpus_per_node, intra, fraction * nic * nics, fraction * nic)
+
+
 NETWORKS = {
     "nvlink4-ndr400": Network("nvlink4-ndr400", 8, 460e9, 400e9, 40e9),
     "nvlink3-hdr200": Network("nvlink3-hdr200", 8, 230e9, 230e9, 20e9),
+    # H100 HGX with 8 x 400 Gb/s RoCE v2 (Ethernet; Meta's Llama 3 RoCE cluster, Grand Teton nodes)
+    "nvlink4-roce400": from_links("nvlink4-roce400", 460e9, 400, 8),
+    # cloud nodes with less network than GPUs: A100 HGX with 4 x 100 Gb/s EFA (AWS p4d.24xlarge: 400 Gb/s a
+    # node) and with 4 x 100 Gb/s Omni-Path (Jean Zay's gpu_p5, where BLOOM trained)
+    "nvlink3-efa400": from_links("nvlink3-efa400", 230e9, 100, 4),
+    "nvlink3-opa400": from_links("nvlink3-opa400", 230e9, 100, 4),
+    # H100 HGX on 100 Gb/s Ethernet a GPU (8 x 100 GbE; a commodity cloud's network)
+    "nvlink4-eth100": from_links("nvlink4-eth100", 460e9, 100, 8),
 }
 
 
