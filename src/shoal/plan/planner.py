@@ -19,7 +19,7 @@ from shoal.models.registry import build_model
 from shoal.parallel.pipeline import split_stages
 from shoal.plan.cost import MicroBatchCost, affine, trace_micro_batch, trace_optimizer_step
 from shoal.plan.enumerate import Candidate, candidates
-from shoal.plan.predict import ModelShape, Prediction, predict_memory, predict_time, rank_params
+from shoal.plan.predict import ModelShape, Prediction, activation_scale, predict_memory, predict_time, rank_params
 from shoal.training.build import freeze
 
 _UNITS = {"": 1, "b": 1, "kb": 1e3, "mb": 1e6, "gb": 1e9, "tb": 1e12, "kib": 2 ** 10, "mib": 2 ** 20,
@@ -149,7 +149,8 @@ def predict(model: Model, cfg: Config, layout, profile: HardwareProfile | None,
     mem = predict_memory(model.shape, params, cost, layout, optimizer=cfg.train.optimizer,
                          momentum=cfg.train.momentum, checkpointing=cfg.precision.activation_checkpointing,
                          schedule=p.pp_schedule, profile=profile, stage_fraction=fraction,
-                         data_bytes=model.data_bytes if profile is not None and profile.device == "cpu" else 0)
+                         data_bytes=model.data_bytes if profile is not None and profile.device == "cpu" else 0,
+                         act_scale=activation_scale(profile, cfg.precision.dtype))
     if profile is None or (memory is not None and mem["peak"] > memory):
         return Prediction(mem, {"compute": None, "comm": None, "bubble": None, "step": None})
     stages = p.pp_stages_per_rank if p.pp_schedule == "interleaved-1f1b" else 1

@@ -22,7 +22,9 @@ Time, per optimizer step of the slowest rank:
               without, bytes / its bytes per second at that size (the copy bandwidth for one never
               measured); + the profile's per-operator cost; tp divides FLOPs and bytes, not operators;
               under ZeRO 2/3 on CPU, the bytes of tensors freshly mapped (allocator.py) at the measured
-              cost per byte
+              cost per byte; on a GPU in bf16 / fp16 the activations' bytes at half the fp32 trace's
+              (activation_scale: also their memory, tp's and pp's messages); all of it divided by the
+              profile's compute_efficiency where it has one (the fraction of the data sheet a run reaches)
   comm        from the profile's collective curves, interpolated by message size (a preset: its network's
               model for each group's size and placement, plan/network.py), with the overlap each
               strategy allows (on CPU none: gloo reduces on the cores the compute has): DDP's bucketed
@@ -109,7 +111,7 @@ def rank_params(shape: ModelShape, layout: Layout, schedule: str, stage_of) -> l
 
 def predict_memory(shape: ModelShape, params: list, cost: MicroBatchCost, layout: Layout, *, optimizer: str,
                    momentum: float, checkpointing: bool, schedule: str, profile: HardwareProfile | None,
-                   stage_fraction: float, data_bytes: int = 0) -> dict[str, int]:
+                   stage_fraction: float, data_bytes: int = 0, act_scale: float = 1.0) -> dict[str, int]:
     d, zero, es = layout.dims, layout.zero, shape.element_size
     sharded = zero >= 2
     p_bytes = _bytes(params, d.dp, sharded, d.tp, es, "params")
@@ -126,10 +128,10 @@ def predict_memory(shape: ModelShape, params: list, cost: MicroBatchCost, layout
     if d.pp > 1:
         m = layout.pp_microbatches
         in_flight = m if schedule == "gpipe" else min(m, d.pp)
-    act = cost.activation_bytes(checkpointing, stage_fraction) * in_flight // d.tp
+    act = int(cost.activation_bytes(checkpointing, stage_fraction) * in_flight * act_scale) // d.tp
     full_block = max((_bytes(b, 1, False, d.tp, es, "params") for b in shape.block_params), default=0)
     gathered = {0: 0, 1: 0, 2: _bytes(params, 1, False, d.tp, es, "params") - p_bytes, 3: 2 * full_block}[zero]
-    buffers = gathered + cost.largest // d.tp
+    buffers = gathered + int(cost.largest * act_scale) // d.tp
     cpu = profile is not None and profile.device == "cpu"
     base = (profile.process_bytes or 0) if cpu else 0
     mem = {"params": p_bytes, "grads": g_bytes, "optimizer": opt, "activations": act, "buffers": buffers,
@@ -141,21 +143,39 @@ def predict_memory(shape: ModelShape, params: list, cost: MicroBatchCost, layout
     return mem
 
 
-def op_time(ops: Ops, profile: HardwareProfile, dtype: str, scale: float = 1.0) -> float:
-    """Seconds of the operators, each on `scale` of its data (tp's share); kept on `ops` per profile,
-    dtype and scale, which many layouts share (the entry holds the profile, so its id stays its own)."""
-    key = (id(profile), dtype, scale)
+def activation_scale(profile: HardwareProfile | None, dtype: str) -> float:
+    """Bytes of an activation against the trace's fp32 ones: a GPU run in bf16 / fp16 keeps and moves its
+    activations in 16 bits (the trace runs the model in fp32 on meta); on CPU autocast leaves most of
+    them fp32, as the probe measured them."""
+    return 0.5 if profile is not None and profile.device == "cuda" and dtype in ("bf16", "fp16") else 1.0
+
+
+def op_time(ops: Ops, profile: HardwareProfile, dtype: str, scale: float = 1.0, byte_scale: float = 1.0) -> float:
+    """Seconds of the operators, each on `scale` of its data (tp's share), their bytes at `byte_scale` of
+    the traced ones (activation_scale), divided by the profile's compute efficiency; kept on `ops` per
+    profile, dtype and scales, which many layouts share (the entry holds the profile, so its id stays its
+    own)."""
+    key = (id(profile), dtype, scale, byte_scale)
     if key not in ops.times:
-        ops.times[key] = (profile, _op_time(ops, profile, dtype, scale))
+        seconds = _op_time(ops, profile, dtype, scale, byte_scale) / (profile.compute_efficiency or 1.0)
+        ops.times[key] = (profile, seconds)
     return ops.times[key][1]
 
 
-def _op_time(ops: Ops, profile: HardwareProfile, dtype: str, scale: float) -> float:
+def step_at_efficiency(t: dict[str, float | None], efficiency: float) -> float:
+    """The step of a prediction made at compute efficiency 1 (`t`'s parts) had the profile's compute
+    efficiency been `efficiency`: compute and bubble scale, communication and calibration do not (the
+    overlap windows are taken as they were: a close estimate, used to search for a factor)."""
+    return (t["compute"] + t["bubble"]) / efficiency + t["comm"] + (t.get("calibration") or 0.0)
+
+
+def _op_time(ops: Ops, profile: HardwareProfile, dtype: str, scale: float, byte_scale: float = 1.0) -> float:
     bw = profile.memory_bandwidth or 1e11
     overhead = profile.op_overhead_s if profile.op_overhead_s is not None else DEFAULT_OP_OVERHEAD_S.get(
         profile.device, 5e-6)
     total = 0.0
     for name, flops, moved in ops.items:
+        moved *= byte_scale
         if flops:
             t = max(moved * scale / bw, flops * scale / profile.op_flop_rate(name, dtype, flops * scale))
         else:
@@ -204,7 +224,8 @@ def predict_time(shape: ModelShape, cost: MicroBatchCost, opt_ops: Ops, layout: 
     d, zero = layout.dims, layout.zero
     micro = cost.micro_batch
     n_micro = layout.per_rank_batch // micro
-    per_micro = op_time(cost.ops, profile, dtype, 1.0 / d.tp) / d.pp
+    act16 = activation_scale(profile, dtype)
+    per_micro = op_time(cost.ops, profile, dtype, 1.0 / d.tp, act16) / d.pp
     fwd_share = cost.forward_flops / max(cost.ops.flops, 1.0)
     if checkpointing:
         per_micro *= 1 + fwd_share  # blocks run their forward again in backward
@@ -231,9 +252,9 @@ def predict_time(shape: ModelShape, cost: MicroBatchCost, opt_ops: Ops, layout: 
         comm += seconds
         t["compute"] = compute = compute + (profile.fresh_memory_s_per_byte or 0.0) * fresh
     if d.tp > 1:
-        comm += _tp_comm(shape, cost, profile, layout, n_micro, len(opt_ops.items))
+        comm += _tp_comm(shape, cost, profile, layout, n_micro, len(opt_ops.items), act16)
     if d.pp > 1:
-        act = cost.block_input[0] if cost.block_input else 0
+        act = (cost.block_input[0] if cost.block_input else 0) * act16
         hops = 2 * (n_micro + d.pp - 1) * stages_per_rank
         comm += hops * (collectives(profile, layout)("send_recv", act, "pp") or 0.0)
     t["comm"] = comm
@@ -315,7 +336,7 @@ def _fsdp_comm(shape: ModelShape, profile: HardwareProfile, layout: Layout, n_mi
 
 
 def _tp_comm(shape: ModelShape, cost: MicroBatchCost, profile: HardwareProfile, layout: Layout, n_micro: int,
-             optimizer_ops: int) -> float:
+             optimizer_ops: int, act16: float = 1.0) -> float:
     """Tensor parallelism: one all-reduce of a block's activations per split matrix and micro-batch (a
     row-wise layer's output in forward, a column-wise layer's input gradient in backward), at the probe's
     measured cost of a split layer (DTensor's work and a tiny all-reduce between layers) plus what a
@@ -323,7 +344,7 @@ def _tp_comm(shape: ModelShape, cost: MicroBatchCost, profile: HardwareProfile, 
     parameters."""
     d, over = layout.dims, profile.parallel_overheads
     ct = partial(collectives(profile, layout), axis="tp")
-    act = cost.block_input[0] if cost.block_input else 0
+    act = (cost.block_input[0] if cost.block_input else 0) * act16
     matrices = sum(sum(1 for p in b if p[2] >= 2) for b in shape.block_params)
     outside = sum(1 for p in shape.params if p[2] >= 2) - matrices
     message = max(0.0, (ct("all_reduce", act) or 0.0) - (ct("all_reduce", OVERHEAD_MESSAGE_BYTES["tp"]) or 0.0))
