@@ -20,7 +20,9 @@ the layouts against that profile; the RESULT line says so (probe_refused=1, and 
 Targets: median relative time error <= 0.10, median memory error (model state and peak, all layouts)
 <= 0.05. Last line:
     RESULT time_median_err=<x> memory_median_err=<y> worst_time_err=<z> formulas_time_median_err=<w>
-           probe_busy=<share> probe_refused=<0|1> fell_back=<strategies or ->
+           probe_busy=<share> probe_refused=<0|1> fell_back=<strategies or -> layouts_busy_max=<share>
+(busy: other processes' share of the CPU time while a layout trained; above the probe's 0.15 its measured
+step is not this machine's own, and the run should be repeated)
 """
 
 from __future__ import annotations
@@ -90,6 +92,7 @@ def main() -> None:
                                                                        "before the layouts are trained")
     args = ap.parse_args()
     from shoal.hardware import load_profile
+    from shoal.plan.calibrate import OtherCpu
     from shoal.plan.check import check_run
 
     tmp = Path(tempfile.mkdtemp(prefix="shoal-planner-"))
@@ -105,9 +108,13 @@ def main() -> None:
     formulas = profile.model_copy(update={"calibration": {}})  # the same profile without its calibration
     time_errs, mem_errs, formula_errs = [], [], []
     print(f"{'layout':12s} {'time pred':>10s} {'time meas':>10s} {'err':>7s} {'formulas':>9s} {'err':>7s} "
-          f"{'state pred':>11s} {'state meas':>11s} {'err':>7s} {'peak pred':>10s} {'peak meas':>10s} {'err':>7s}")
-    for name, extra in LAYOUTS.items():
+          f"{'state pred':>11s} {'state meas':>11s} {'err':>7s} {'peak pred':>10s} {'peak meas':>10s} {'err':>7s} "
+          f"{'busy':>5s}")
+    layouts_busy = []  # other processes' share of the CPU time while each layout trained: its steps are not
+    for name, extra in LAYOUTS.items():  # this machine's own where it is high, whatever the probe did
+        others = OtherCpu()
         run_dir = train(name, extra, args.steps, tmp)
+        layouts_busy.append(others.share() or 0.0)
         rows = {r[0]: r[1:] for r in check_run(run_dir, profile)}
         t, s, p = rows["step time (s)"], rows["model state (bytes)"], rows["peak (bytes)"]
         f = {r[0]: r[1:] for r in check_run(run_dir, formulas)}["step time (s)"]
@@ -116,11 +123,12 @@ def main() -> None:
         mem_errs += [abs(s[2]), abs(p[2])]
         print(f"{name:12s} {t[0] * 1e3:8.1f}ms {t[1] * 1e3:8.1f}ms {t[2]:+7.1%} {f[0] * 1e3:7.1f}ms {f[2]:+7.1%} "
               f"{s[0] / 2 ** 20:9.2f}Mi {s[1] / 2 ** 20:9.2f}Mi {s[2]:+7.1%} {p[0] / 2 ** 20:8.1f}Mi "
-              f"{p[1] / 2 ** 20:8.1f}Mi {p[2]:+7.1%}", flush=True)
+              f"{p[1] / 2 ** 20:8.1f}Mi {p[2]:+7.1%} {layouts_busy[-1]:5.2f}", flush=True)
     print(f"RESULT time_median_err={statistics.median(time_errs):.3f} "
           f"memory_median_err={statistics.median(mem_errs):.3f} worst_time_err={max(time_errs):.3f} "
           f"formulas_time_median_err={statistics.median(formula_errs):.3f} probe_busy={busy:.3f} "
-          f"probe_refused={int(refused)} fell_back={','.join(checks.get('fell_back', {})) or '-'}")
+          f"probe_refused={int(refused)} fell_back={','.join(checks.get('fell_back', {})) or '-'} "
+          f"layouts_busy_max={max(layouts_busy):.3f}")
 
 
 if __name__ == "__main__":
