@@ -31,12 +31,14 @@ D8 = ['sync.mode="diloco"', "sync.every=8"]
 VARIANTS = {
     "every-step": [],
     "local-sgd-8": ['sync.mode="local-sgd"', "sync.every=8"],
-    "paper (lr 0.7, nesterov 0.9)": [*D8, "sync.outer_lr=0.7", "sync.outer_momentum=0.9"],
-    "lr 0.7, no momentum": [*D8, "sync.outer_lr=0.7", "sync.outer_momentum=0"],
-    "lr 1.0, nesterov 0.5": [*D8, "sync.outer_lr=1.0", "sync.outer_momentum=0.5"],
-    "lr 0.7, nesterov 0.5": [*D8, "sync.outer_lr=0.7", "sync.outer_momentum=0.5"],
-    "lr 0.5, nesterov 0.8": [*D8, "sync.outer_lr=0.5", "sync.outer_momentum=0.8"],
-    "lr 0.3, nesterov 0.9": [*D8, "sync.outer_lr=0.3", "sync.outer_momentum=0.9"],
+    "paper-lr0.7-nesterov0.9": [*D8, "sync.outer_lr=0.7", "sync.outer_momentum=0.9"],
+    "lr0.7-no-momentum": [*D8, "sync.outer_lr=0.7", "sync.outer_momentum=0"],
+    "lr1.0-nesterov0.5": [*D8, "sync.outer_lr=1.0", "sync.outer_momentum=0.5"],
+    "lr0.7-nesterov0.5": [*D8, "sync.outer_lr=0.7", "sync.outer_momentum=0.5"],
+    "lr0.5-nesterov0.8": [*D8, "sync.outer_lr=0.5", "sync.outer_momentum=0.8"],
+    "lr0.3-nesterov0.9": [*D8, "sync.outer_lr=0.3", "sync.outer_momentum=0.9"],
+    "paper-warmup-20": [*D8, "sync.outer_lr=0.7", "sync.outer_momentum=0.9", "sync.warmup_steps=20"],
+    "lr0.7-nesterov0.5-warmup-20": [*D8, "sync.outer_lr=0.7", "sync.outer_momentum=0.5", "sync.warmup_steps=20"],
 }
 
 
@@ -64,7 +66,7 @@ def main() -> int:
     unknown = [n for n in names if n not in VARIANTS]
     if unknown:
         sys.exit(f"unknown variant {unknown[0]!r}; variants: {', '.join(VARIANTS)}")
-    for must in ("every-step", "local-sgd-8", "paper (lr 0.7, nesterov 0.9)"):
+    for must in ("every-step", "local-sgd-8", "paper-lr0.7-nesterov0.9"):
         if must not in names:
             names.insert(0, must)
     runs = {}
@@ -84,9 +86,8 @@ def main() -> int:
         print(f"| {name} | {at if at is not None else 'never'} | {r['val'][-1][1]:.4f} | {mid} |")
     diloco = {n: r for n, r in runs.items() if VARIANTS[n][:1] == D8[:1] and reached(r, target) is not None}
     best = min(diloco, key=lambda n: (reached(diloco[n], target), diloco[n]["val"][-1][1])) if diloco else None
-    paper = reached(runs["paper (lr 0.7, nesterov 0.9)"], target)
-    print(f"RESULT paper_reaches={paper if paper is not None else 'never'} "
-          f"best_variant={(best or 'none').replace(' ', '_')} "
+    paper = reached(runs["paper-lr0.7-nesterov0.9"], target)
+    print(f"RESULT paper_reaches={paper if paper is not None else 'never'} best_variant={best or 'none'} "
           f"best_steps={reached(diloco[best], target) if best else '-'} "
           f"best_final={runs[best]['val'][-1][1] if best else float('nan'):.4f} "
           f"local_sgd_steps={reached(runs['local-sgd-8'], target)}")

@@ -134,3 +134,21 @@ def test_bad_streaming_settings_are_one_line(sets, message):
     with pytest.raises(UserError, match=message) as err:
         load_config("configs/gpt-tiny.toml", ["model.n_layer=4", *sets])
     assert "\n" not in str(err.value)
+
+
+def test_warm_up_steps_average_without_the_outer_step():
+    """sync.warmup_steps = 2: steps 1 and 2 set the anchor to the replicas' mean (one replica: its own
+    parameters) and leave the outer momentum untouched; the rounds of H = 2 start after."""
+    model = Toy()
+    sync = PeriodicSync("diloco", 2, Codec(None), outer_lr=0.5, outer_momentum=0.9, last_step=100, warmup=2)
+    sync.attach(model, None, 1)
+    for step in (1, 2):
+        walk(model, step)
+        sync.after_step(step)
+        assert torch.equal(sync.anchor[0], model.emb.detach()) and sync.in_sync(step)
+    assert not sync.outer[0].state  # no outer step yet
+    for step in (3, 4):
+        walk(model, step)
+        sync.after_step(step)
+    # the first outer step: pseudo-gradient 2 (anchor -2, replica -4); Nesterov's first step is lr x (1 + 0.9) x 2
+    torch.testing.assert_close(model.emb.detach(), torch.full((2,), -2 - 0.5 * 1.9 * 2))

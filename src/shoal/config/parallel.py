@@ -80,6 +80,9 @@ class SyncConfig(Section):
     """diloco: the outer optimizer's learning rate (the paper's 0.7)."""
     outer_momentum: float = Field(0.9, ge=0.0, lt=1.0)
     """diloco: the outer optimizer's Nesterov momentum (the paper's 0.9; 0: plain SGD)."""
+    warmup_steps: int = Field(0, ge=0)
+    """local-sgd / diloco: the first this many steps average the replicas' parameters at every step (no outer
+    step) before the rounds of `every` start, as DiLoCo's paper starts from a model trained every step."""
     fragments: int = Field(1, ge=1)
     """local-sgd / diloco: streaming (Douillard et al. 2025): the model's blocks split into this many
     fragments of consecutive blocks, each synchronised at its own step of the round (staggered by every /
@@ -102,6 +105,9 @@ class SyncConfig(Section):
             raise ValueError(f"sync.replicas = {self.replicas} groups the dp ranks into replicas for sync.mode "
                              f'= "local-sgd" or "diloco"; every-step keeps one replica: leave replicas = 0')
         periodic = self.mode in ("local-sgd", "diloco")
+        if self.warmup_steps and not periodic:
+            raise ValueError(f"sync.warmup_steps = {self.warmup_steps} warms up the rounds of sync.mode = "
+                             f'"local-sgd" or "diloco"; leave it at 0 for "{self.mode}"')
         if (self.fragments > 1 or self.fragment_delay) and not periodic:
             raise ValueError(f"sync.fragments = {self.fragments} and sync.fragment_delay = {self.fragment_delay} "
                              f'stream the synchronisation of sync.mode = "local-sgd" or "diloco"; leave them at 1 '

@@ -42,7 +42,8 @@ def make_sync(sync: SyncConfig, comm_cfg: CommConfig, comm: Comm, last_step: int
     inner = EveryStep(make_codec("none", comm))  # within a replica of several ranks: every step, uncompressed
     outer = (sync.outer_lr, sync.outer_momentum) if sync.mode == "diloco" else (1.0, 0.0)
     return PeriodicSync(sync.mode, sync.every, codec, *outer, last_step=last_step, inner=inner,
-                        fragments=sync.fragments, delay=sync.fragment_delay, alpha=sync.fragment_alpha)
+                        fragments=sync.fragments, delay=sync.fragment_delay, alpha=sync.fragment_alpha,
+                        warmup=sync.warmup_steps)
 
 
 def replica_meshes(layout: Layout, mesh, dp_group):

@@ -65,6 +65,7 @@ class InFlight:
     due: int
     deltas: list[torch.Tensor]
     round: Round | None  # None once waited for (the deltas then hold the mean), or with one replica
+    outer: bool = True  # DiLoCo's outer step; False: the replicas' mean (a warm-up step)
 
     def mean(self) -> list[torch.Tensor]:
         if self.round is not None:
@@ -76,7 +77,7 @@ class InFlight:
 class PeriodicSync:
     def __init__(self, mode: str, every: int, codec: Codec, outer_lr: float = 1.0, outer_momentum: float = 0.0,
                  last_step: int = 0, inner: EveryStep | None = None, fragments: int = 1, delay: int = 0,
-                 alpha: float = 0.5):
+                 alpha: float = 0.5, warmup: int = 0):
         if mode not in ("local-sgd", "diloco"):
             raise ValueError(f"unknown periodic sync {mode!r}")
         self.name, self.every, self.codec = mode, every, codec
@@ -85,6 +86,7 @@ class PeriodicSync:
         self.inner = inner or EveryStep(Codec(codec.comm))
         self.outer_lr, self.outer_momentum = outer_lr, outer_momentum
         self.fragments, self.delay, self.alpha = fragments, delay, alpha
+        self.warmup = warmup  # steps 1..warmup average the replicas' parameters at every step, no outer step
         self.names: list[str] = []
         self.params: list[torch.Tensor] = []
         self.anchor: list[torch.Tensor] = []
@@ -124,6 +126,10 @@ class PeriodicSync:
         pass
 
     def after_step(self, step: int) -> None:
+        if step <= self.warmup:  # (nothing is in flight: rounds start after the warm-up)
+            self._sync(list(range(len(self.parts))), step, delay=0, outer=step == self.last_step)
+            self.synced = step
+            return
         while self.in_flight and self.in_flight[0].due <= step:  # due now (or at a step skipped as bad)
             self._apply(self.in_flight.pop(0))
         if step == self.last_step:  # the run ends with one model: what is in flight lands, then all sync
@@ -150,16 +156,17 @@ class PeriodicSync:
         self._sync(list(range(len(self.parts))), 0, delay=0)
 
     @torch.no_grad()
-    def _sync(self, fragments: list[int], step: int, delay: int) -> None:
+    def _sync(self, fragments: list[int], step: int, delay: int, outer: bool = True) -> None:
         """Send these fragments' pseudo-gradients (one round: their tensors in one collective); apply it
-        now, or after step `step + delay`."""
+        now, or after step `step + delay`; `outer` False: the anchor becomes the replicas' mean (a warm-up
+        step, the outer optimizer left untouched)."""
         idx = [i for f in fragments for i in self.parts[f]]
         deltas = [self.anchor[i] - local(self.params[i]).float() for i in idx]
         rnd = None
         if self.replicas > 1:  # a single replica has nothing to average (the outer step still runs)
             rnd = self.codec.start(deltas, [self.names[i] for i in idx], self.group,
                                    f"dp, {self.name} pseudo-gradient")
-        flight = InFlight(fragments, idx, step, step + delay, deltas, rnd)
+        flight = InFlight(fragments, idx, step, step + delay, deltas, rnd, outer)
         if delay:
             self.in_flight.append(flight)
         else:
@@ -172,7 +179,7 @@ class PeriodicSync:
         it; a delayed round's anchor is merged with what the replica learned since it was sent."""
         deltas = flight.mean()
         anchors = [self.anchor[i] for i in flight.indices]
-        if not self.outer:
+        if not self.outer or not flight.outer:
             for a, d in zip(anchors, deltas, strict=True):
                 a.sub_(d)
         else:
