@@ -37,6 +37,10 @@ VARIANTS = {
     "lr0.7-nesterov0.5": [*D8, "sync.outer_lr=0.7", "sync.outer_momentum=0.5"],
     "lr0.5-nesterov0.8": [*D8, "sync.outer_lr=0.5", "sync.outer_momentum=0.8"],
     "lr0.3-nesterov0.9": [*D8, "sync.outer_lr=0.3", "sync.outer_momentum=0.9"],
+    "lr0.5-no-momentum": [*D8, "sync.outer_lr=0.5", "sync.outer_momentum=0"],
+    "lr0.9-no-momentum": [*D8, "sync.outer_lr=0.9", "sync.outer_momentum=0"],
+    "lr0.7-nesterov0.2": [*D8, "sync.outer_lr=0.7", "sync.outer_momentum=0.2"],
+    "lr0.7-no-momentum-H32": ['sync.mode="diloco"', "sync.every=32", "sync.outer_lr=0.7", "sync.outer_momentum=0"],
     "paper-warmup-20": [*D8, "sync.outer_lr=0.7", "sync.outer_momentum=0.9", "sync.warmup_steps=20"],
     "lr0.7-nesterov0.5-warmup-20": [*D8, "sync.outer_lr=0.7", "sync.outer_momentum=0.5", "sync.warmup_steps=20"],
 }

@@ -10,7 +10,8 @@ of compute, about 9x (a 100M-parameter model on a GPU over such a link is 30x an
 Modes, each trained for the same budget of steps on the same data (seed, global batch):
 every-step with compression none / fp16 / int8 / topk (10%) / powersgd (rank 32 of these 256-wide
 matrices: a fifth of the bytes) / int4 (every DDP bucket sent while backward goes on), local-sgd and
-diloco at H = 8 and 32, and streaming (two fragments synchronised at staggered steps, each sent while
+diloco (outer lr 0.7, no momentum: shoal's defaults) at H = 8 and 32, diloco with the paper's Nesterov
+momentum 0.9 at H = 8, and streaming (two fragments synchronised at staggered steps, each sent while
 the replicas take the next 2-3 steps): local SGD, local SGD with int8 pseudo-gradients, DiLoCo with int4.
 The target is the validation loss the uncompressed run reaches at 80% of
 its budget; a mode's time to target is its training time (the sum of its step times, startup and
@@ -55,7 +56,8 @@ MODES = {
     "powersgd": ['comm.compression="powersgd"', "comm.powersgd_rank=32"],
     "local-sgd-8": ['sync.mode="local-sgd"', "sync.every=8"],
     "local-sgd-32": ['sync.mode="local-sgd"', "sync.every=32"],
-    "diloco-8": ['sync.mode="diloco"', "sync.every=8"],
+    "diloco-8": ['sync.mode="diloco"', "sync.every=8"],  # shoal's defaults: outer lr 0.7, no momentum
+    "diloco-8-paper": ['sync.mode="diloco"', "sync.every=8", "sync.outer_momentum=0.9"],
     "diloco-32": ['sync.mode="diloco"', "sync.every=32"],
     "int4": ['comm.compression="int4"'],
     # streaming: two fragments (embeddings + block 0 + head, block 1), each sent while training goes on
@@ -133,7 +135,7 @@ def report(runs: dict, args) -> int:
     base = runs["none"]
     target_step = int(0.8 * args.steps) // VAL_EVERY * VAL_EVERY
     target = dict(base["val"])[target_step]
-    quiet = [x["step_time_s"] for r in runs.values() if r["mode"].startswith(("local", "diloco"))
+    quiet = [x["step_time_s"] for r in runs.values() if r["mode"].startswith(("local", "diloco", "stream"))
              for x in r["steps"][1:] if x["comm_bytes"] == 0]
     compute = statistics.median(quiet) if quiet else None  # only a periodic mode's quiet steps show it
     print(f"{args.steps} steps per mode, 2 hosts at {args.rate}, 1 worker x 1 thread each; target: val loss "

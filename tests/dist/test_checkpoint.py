@@ -225,7 +225,7 @@ def test_diloco_with_compressed_pseudo_gradient_killed_and_resumed_equals_uninte
     mid-round; the same command resumes from step 8 (mid-round too: each replica's own parameters and
     optimizer state, the anchor, the outer momentum and the codec's residuals come back from the
     ranks' own files) and ends bitwise where the uninterrupted run does."""
-    mode = ['sync.mode="diloco"', "sync.every=3", 'comm.compression="int8"']
+    mode = ['sync.mode="diloco"', "sync.every=3", "sync.outer_momentum=0.9", 'comm.compression="int8"']
     ref_dir, run_dir = tmp_path / "ref", tmp_path / "run"
     ranks(2).run(train_on_ranks, [*CONFIG, *mode], str(ref_dir))
     sets = [a for o in mode for a in ("--set", o)]

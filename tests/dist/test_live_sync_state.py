@@ -109,7 +109,7 @@ def test_a_clean_leave_with_int8_equals_a_resume_from_disk(tmp_path, ranks):
 
 # DiLoCo: 3 inner steps per round, the paper's outer lr and Nesterov momentum
 DILOCO = [*RUN, "--set", f"train.steps={STEPS}", "--set", 'sync.mode="diloco"', "--set", "sync.every=3",
-          "--set", "train.warmup_steps=0", "--set", "train.min_lr_ratio=1.0"]
+          "--set", "sync.outer_momentum=0.9", "--set", "train.warmup_steps=0", "--set", "train.min_lr_ratio=1.0"]
 
 
 def a_worker_killed(run_dir, gate, run: list[str], kill_at: int, rank: int | None = None) -> tuple[int, int]:

@@ -198,9 +198,9 @@ def test_streaming_sends_a_fragment_at_a_time(trained):
 
 @pytest.mark.parametrize("mode", [['comm.compression="topk"', "comm.topk_ratio=0.05"],
                                   ['comm.compression="int8"', "parallel.zero=2"],
-                                  ['sync.mode="diloco"', "sync.every=3"],
+                                  ['sync.mode="diloco"', "sync.every=3", "sync.outer_momentum=0.9"],
                                   ['sync.mode="diloco"', "sync.every=4", "sync.fragments=2", "sync.fragment_delay=2",
-                                   'comm.compression="int4"']])
+                                   "sync.outer_momentum=0.9", 'comm.compression="int4"']])
 def test_resumed_from_a_mid_run_checkpoint_equals_uninterrupted(trained, mode):
     """Checkpoint at step 5 (mid-way through DiLoCo's second round of 3), resumed to step 10: bitwise. The
     streaming run has fragment 1's int4 round in flight there (sent at step 4, due after step 6)."""
@@ -245,7 +245,7 @@ def test_replicas_sharded_inside_equal_data_parallelism(tmp_path, ranks, zero):
 def test_diloco_of_sharded_replicas_resumes_bitwise(tmp_path, ranks):
     """DiLoCo between two replicas of two ranks each, ZeRO 2 inside: resumed from the step-5 checkpoint
     (mid-way through a round of 3) it ends bitwise where the uninterrupted run does."""
-    mode = ["train.steps=10", 'sync.mode="diloco"', "sync.every=3", "sync.replicas=2",
+    mode = ["train.steps=10", 'sync.mode="diloco"', "sync.every=3", "sync.outer_momentum=0.9", "sync.replicas=2",
             "parallel.zero=2"]
     whole, resumed = tmp_path / "whole", tmp_path / "resumed"
     ranks(4).run(train_on_ranks, [*BASE, *mode], str(whole))
