@@ -249,3 +249,44 @@ def test_parse_bytes():
     assert parse_bytes("80GB") == 80 * 10 ** 9 and parse_bytes("1GiB") == 2 ** 30
     with pytest.raises(UserError):
         parse_bytes("80 parsecs")
+
+
+def test_activations_are_what_autograd_saves_not_the_weights_and_one_block_recomputes(tiny):
+    """A linear layer saves its weight transposed, a view of the parameter: not an activation (a 1T GPT's
+    MLP weight, 10 GB, was once counted in every block). Under checkpointing a pipeline keeps each
+    micro-batch's block inputs, and one block's saved tensors come back for the one micro-batch whose
+    backward runs."""
+    from shoal.plan.planner import Model
+
+    cfg = tiny[0]
+    cost = Model.build(cfg).cost(2)
+    d, s, b = 32, 32, 2
+    weights = {n * 4 for n in (d * 3 * d, d * d, d * 4 * d)}  # qkv, proj, mlp matrices in fp32
+    assert not weights & set(cost.saved)
+    # a block's saved activations are a few dozen (b, s, d) tensors, where its weights alone are 12 d^2
+    assert cost.saved_per_block[0] < 40 * b * s * d * 4
+    inputs, one = cost.block_input[0], max(cost.saved_per_block)
+    full = cost.activation_bytes(True, 1.0, in_flight=4)
+    assert full == int(4 * (cost.saved_outside + 2 * inputs) + one)
+    assert cost.activation_bytes(False, 1.0, in_flight=4) == 4 * cost.activation_bytes(False, 1.0)
+
+
+def test_materialised_attention_saves_its_scores_and_costs_their_passes(tiny):
+    """Attention as stacks before flash attention ran it (fused_attention=False): each head's s x s scores,
+    their softmax saved and their dropout's mask, several memory-bound passes over them."""
+    from shoal.plan.planner import Model
+
+    cfg = tiny[0]
+    fused, unfused = Model.build(cfg).cost(2), Model.build(cfg, False, 0.1).cost(2)
+    h, s, b = 2, 32, 2
+    scores = h * s * s * b * 4  # one fp32 copy of a layer's scores
+    extra = unfused.saved_per_block[0] - fused.saved_per_block[0]
+    assert 2 * scores <= extra <= 4 * scores  # the softmax's output and the dropout's mask, at least
+    names = [n for n, *_ in unfused.ops.items]
+    assert "_safe_softmax" in names and "bernoulli_" in names
+    assert not any("flash" in n for n in names) and any("flash" in n for n, *_ in fused.ops.items)
+    # the full s x s products, where the fused kernel's count is the causal half of them
+    attention = 2 * 2 * b * s * s * 32  # QK^T and PV of a layer (d = 32), full
+    assert fused.forward_flops < unfused.forward_flops <= fused.forward_flops + 2 * attention
+    no_dropout = Model.build(cfg, False, 0.0).cost(2)
+    assert "bernoulli_" not in [n for n, *_ in no_dropout.ops.items]

@@ -49,12 +49,15 @@ def test_predictions_are_the_planner_s_and_move_with_the_row():
     row = next(r for r in pr.ROWS if r.name == "korthikanti-22B")
     planned = pr.plan_row(row)
     cfg = pr.config_for(row)
-    alone = predict(Model.build(cfg), cfg, resolve_layout(cfg, row.gpus, True), pr.profile_for(row)).time
+    model = Model.build(cfg, row.fused_attention, row.attention_dropout)
+    alone = predict(model, cfg, resolve_layout(cfg, row.gpus, True), pr.profile_for(row)).time
     assert planned.own == pytest.approx(alone)
-    faster = pr.plan_row(dataclasses.replace(row, preset="h100", network="nvlink4-ndr400"))
-    assert faster.own["compute"] < 0.5 * planned.own["compute"]  # 989 against 312 TFLOP/s, 3.35 against 2.04 TB/s
+    h100 = dataclasses.replace(row, preset="h100", network="nvlink4-ndr400")
+    faster = predict(model, cfg, resolve_layout(cfg, row.gpus, True), pr.profile_for(h100)).time
+    assert faster["compute"] < 0.5 * planned.own["compute"]  # 989 against 312 TFLOP/s, 3.35 against 2.04 TB/s
     # the leave-one-out factor is the others' median: with two rows, each takes the other's
-    other = pr.plan_row(next(r for r in pr.ROWS if r.name == "megatron-1.7B"))
+    other_row = next(r for r in pr.ROWS if r.name == "megatron-1.7B")
+    other = pr.Planned(other_row, {**planned.own, "compute": 3 * planned.own["compute"]}, None, planned.others, 0.0)
     scored = {s["row"].name: s for s in pr.score([planned, other])}
     assert scored["korthikanti-22B"]["eff"] == pytest.approx(pr.implied_efficiency(other))
     assert scored["megatron-1.7B"]["eff"] == pytest.approx(pr.implied_efficiency(planned))
@@ -68,3 +71,26 @@ def test_a_profile_s_compute_efficiency_divides_its_compute():
     half = predict(Model.build(cfg), cfg, layout, profile.model_copy(update={"compute_efficiency": 0.5})).time
     assert half["compute"] == pytest.approx(2 * full["compute"])
     assert half["step"] == pytest.approx(half["compute"] + half["bubble"] + half["comm"])
+
+
+def test_every_row_s_own_layout_passes_the_run_s_checks_on_its_80_gib_gpu():
+    """The rows' GPUs are 80 GiB A100s, and their token stream holds enough validation windows for dp =
+    2,240 (the default source's 195 made a run's start refuse the ZeRO-3 rows)."""
+    from shoal.plan.enumerate import check
+
+    assert all(r.memory == 80 * 2 ** 30 for r in pr.ROWS)
+    for name in ("zero3-530B-2240", "megatron-1.7B"):
+        row = next(r for r in pr.ROWS if r.name == name)
+        cfg = pr.config_for(row)
+        model = Model.build(cfg)
+        keys = {**pr.own_keys(row), "parallel.pp_schedule": cfg.parallel.pp_schedule, "parallel.pp_microbatches": 0}
+        assert check(cfg, keys, row.gpus, model.bundle, model.source, True).reason is None, name
+
+
+def test_a_cached_plan_is_the_plan(tmp_path, monkeypatch):
+    monkeypatch.setattr(pr.tempfile, "gettempdir", lambda: str(tmp_path))
+    row = next(r for r in pr.ROWS if r.name == "korthikanti-22B")
+    first = pr.plan_row(row, cache=True)
+    again = pr.plan_row(row, cache=True)
+    assert (again.own, again.others, again.own_reason) == (first.own, first.others, first.own_reason)
+    assert len(list(tmp_path.glob("shoal-published-runs/korthikanti-22B-*.json"))) == 1

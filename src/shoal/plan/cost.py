@@ -68,11 +68,21 @@ class _Trace(TorchDispatchMode):
         return out
 
 
-class _FusedAttention(TorchFunctionMode):
+class _Attention(TorchFunctionMode):
     """On the meta device scaled_dot_product_attention falls back to its math decomposition (matmuls, a
     mask, a softmax and copies, each with its own backward) where a CPU or GPU runs one fused kernel. The
     trace takes the CPU's fused kernel instead, which has a meta implementation and its own backward, so
-    the operators traced are the ones a run executes and the probe times."""
+    the operators traced are the ones a run executes and the probe times.
+
+    `fused=False` traces attention as stacks before fused (flash) attention ran it (Megatron-LM and
+    DeepSpeed in 2021-2022): the s x s scores of every head materialised, scaled, masked, softmaxed and
+    dropped out at `dropout` (their attention dropout; the model's own if it has one), each a
+    memory-bound pass over them, and the softmax's output and the dropout's mask saved for backward
+    (Korthikanti et al. 2022, section 4.1: 5 a s^2 b bytes a layer in 16 bits)."""
+
+    def __init__(self, fused: bool = True, dropout: float = 0.0):
+        super().__init__()
+        self.fused, self.dropout = fused, dropout
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -80,6 +90,10 @@ class _FusedAttention(TorchFunctionMode):
             q, k, v, *rest = args
             names = ("attn_mask", "dropout_p", "is_causal", "scale")
             given = {**dict(zip(names, rest, strict=False)), **kwargs}
+            if q.device.type == "meta" and not self.fused:
+                return torch.ops.aten._scaled_dot_product_attention_math(
+                    q, k, v, given.get("attn_mask"), given.get("dropout_p") or self.dropout,
+                    given.get("is_causal", False), scale=given.get("scale"))[0]
             if q.device.type == "meta" and q.shape[-1] == v.shape[-1]:
                 return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
                     q, k, v, given.get("dropout_p", 0.0), given.get("is_causal", False),
@@ -98,18 +112,23 @@ class MicroBatchCost:
     largest: int  # bytes of the largest tensor made (logits and their gradient are often it)
     saved: list[int] = field(default_factory=list, repr=False)  # every tensor saved for backward, its bytes
 
-    def activation_bytes(self, checkpointing: bool, fraction: float = 1.0) -> int:
-        """Saved for backward at the end of a forward; `fraction` of the blocks (a pipeline stage)."""
+    def activation_bytes(self, checkpointing: bool, fraction: float = 1.0, in_flight: int = 1) -> int:
+        """Saved for backward at the end of a forward, with `in_flight` micro-batches' forwards waiting for
+        their backward (a pipeline); `fraction` of the blocks (a pipeline stage)."""
         n = len(self.saved_per_block)
         k = max(1, round(n * fraction)) if n else 0
         if checkpointing and n:
-            # block inputs are kept; one block's saved tensors come back while it is recomputed
-            return int(self.saved_outside * fraction + sum(self.block_input[:k]) + max(self.saved_per_block))
-        return int(self.saved_outside * fraction + sum(self.saved_per_block[:k]))
+            # block inputs are kept; one block's saved tensors come back while it is recomputed, in the one
+            # micro-batch whose backward runs
+            return int(in_flight * (self.saved_outside * fraction + sum(self.block_input[:k]))
+                       + max(self.saved_per_block))
+        return int(in_flight * (self.saved_outside * fraction + sum(self.saved_per_block[:k])))
 
 
-def trace_micro_batch(bundle, batch: dict, block_types: tuple) -> MicroBatchCost:
-    """Forward and backward of `batch` (meta tensors) through `bundle.model` (on meta)."""
+def trace_micro_batch(bundle, batch: dict, block_types: tuple, fused_attention: bool = True,
+                      attention_dropout: float = 0.0) -> MicroBatchCost:
+    """Forward and backward of `batch` (meta tensors) through `bundle.model` (on meta); attention fused
+    (flash) or materialised with its dropout (_Attention)."""
     model = bundle.model
     params = {id(p) for p in model.parameters()}
     blocks = [m for m in model.modules() if block_types and isinstance(m, block_types)]
@@ -127,7 +146,9 @@ def trace_micro_batch(bundle, batch: dict, block_types: tuple) -> MicroBatchCost
         handles += [b.register_forward_pre_hook(pre), b.register_forward_hook(post)]
 
     def pack(t):
-        if id(t) not in params and id(t) not in seen:
+        # a parameter's view (a linear layer saves its weight transposed) is the parameter: not an activation
+        base = t._base if t._base is not None else t
+        if id(base) not in params and id(t) not in seen:
             seen.add(id(t))
             keep.append(t)  # ids stay unique while the tensor lives
             size = t.numel() * t.element_size()
@@ -139,7 +160,8 @@ def trace_micro_batch(bundle, batch: dict, block_types: tuple) -> MicroBatchCost
 
     trace = _Trace()
     try:
-        with _FusedAttention(), trace, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        with _Attention(fused_attention, attention_dropout), trace, \
+                torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
             loss = bundle.loss_fn(model, batch).sum()
             forward_flops = trace.ops.flops
             loss.backward()

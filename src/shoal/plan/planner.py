@@ -70,17 +70,21 @@ class Model:
     # the micro-batch sizes traced so far, and (from the third) their costs at any size, where they are affine
     traced: list[MicroBatchCost] = field(default_factory=list)
     at: object = None  # cost.affine's function; False: not affine, trace every size
-
+    # attention as the trace runs it: fused (flash), or materialised with this dropout (cost._Attention)
+    fused_attention: bool = True
+    attention_dropout: float = 0.0
 
     @classmethod
-    def build(cls, cfg: Config) -> Model:
+    def build(cls, cfg: Config, fused_attention: bool = True, attention_dropout: float = 0.0) -> Model:
+        """`fused_attention=False`: price the model as a stack without fused attention runs it."""
         source = build_source(cfg.data, getattr(cfg.model, "seq_len", None), cfg.train.seed)
         with on_meta():
             bundle = build_model(cfg.model, source.spec)
         freeze(bundle.model, cfg.train.freeze)
         blocks = [m for m in bundle.model.modules() if bundle.block_types and isinstance(m, bundle.block_types)]
         shape = ModelShape(_describe(bundle.model.parameters()), [_describe(b.parameters()) for b in blocks])
-        model = cls(cfg, bundle, source, shape)
+        model = cls(cfg, bundle, source, shape, fused_attention=fused_attention,
+                    attention_dropout=attention_dropout)
         model.opt_ops = trace_optimizer_step(bundle.model, cfg.train.optimizer, cfg.train.momentum,
                                              bool(cfg.train.grad_clip))
         model.data_bytes = sum(_nbytes(v) for v in vars(source).values())
@@ -98,7 +102,8 @@ class Model:
             else:
                 batch = self.source.train_batch(torch.arange(micro))
                 batch = {k: v.to("meta") if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
-                self.costs[micro] = trace_micro_batch(self.bundle, batch, self.bundle.block_types)
+                self.costs[micro] = trace_micro_batch(self.bundle, batch, self.bundle.block_types,
+                                                      self.fused_attention, self.attention_dropout)
                 self.traced.append(self.costs[micro])
         return self.costs[micro]
 
@@ -170,9 +175,11 @@ def predict_config(cfg: Config, world: int, profile: HardwareProfile | None, cud
 
 
 def plan(cfg: Config, world: int, profile: HardwareProfile | None, memory: int | None,
-         cuda: bool = False, micro_batches: list[int] | None = None) -> list[Planned]:
-    """Every candidate, the valid ones first by predicted step time (then by peak memory)."""
-    model = Model.build(cfg)
+         cuda: bool = False, micro_batches: list[int] | None = None, fused_attention: bool = True,
+         attention_dropout: float = 0.0) -> list[Planned]:
+    """Every candidate, the valid ones first by predicted step time (then by peak memory); attention as
+    Model.build takes it."""
+    model = Model.build(cfg, fused_attention, attention_dropout)
     out = []
     for c in candidates(cfg, world, model.bundle, model.source, cuda, micro_batches):
         if c.reason:

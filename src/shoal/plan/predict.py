@@ -128,7 +128,7 @@ def predict_memory(shape: ModelShape, params: list, cost: MicroBatchCost, layout
     if d.pp > 1:
         m = layout.pp_microbatches
         in_flight = m if schedule == "gpipe" else min(m, d.pp)
-    act = int(cost.activation_bytes(checkpointing, stage_fraction) * in_flight * act_scale) // d.tp
+    act = int(cost.activation_bytes(checkpointing, stage_fraction, in_flight) * act_scale) // d.tp
     full_block = max((_bytes(b, 1, False, d.tp, es, "params") for b in shape.block_params), default=0)
     gathered = {0: 0, 1: 0, 2: _bytes(params, 1, False, d.tp, es, "params") - p_bytes, 3: 2 * full_block}[zero]
     buffers = gathered + int(cost.largest * act_scale) // d.tp
