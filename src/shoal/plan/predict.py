@@ -8,8 +8,9 @@ Memory, the quantities metrics/memory.py measures (STATE_KINDS), each parameter 
   grads       as params for ZeRO 2/3; whole (this rank's tp/pp part) for ZeRO 0/1; none when frozen
   optimizer   AdamW: 2 fp32 moments + a one-element step per parameter; SGD: the momentum buffer;
               ZeRO 1 gives whole parameters to ranks greedily by size (ZeroRedundancyOptimizer), 2/3 shard
-  activations what autograd saves for backward, per micro-batch in flight (pp: 1F1B holds up to pp,
-              GPipe all m), block inputs only under activation checkpointing
+  activations what autograd saves for backward (a parameter's views are the parameter), per micro-batch
+              in flight (pp: 1F1B holds up to pp, GPipe all m); under activation checkpointing block
+              inputs, and one block's saved tensors while it is recomputed (one micro-batch at a time)
   buffers     ZeRO 2 keeps every block's gathered parameters from forward to backward, ZeRO 3 two
               blocks (one prefetched); the largest tensor's gradient in backward
   data        the data source's tensors each worker holds (CPU: counted in its resident memory)
