@@ -152,3 +152,18 @@ def test_warm_up_steps_average_without_the_outer_step():
         sync.after_step(step)
     # the first outer step: pseudo-gradient 2 (anchor -2, replica -4); Nesterov's first step is lr x (1 + 0.9) x 2
     torch.testing.assert_close(model.emb.detach(), torch.full((2,), -2 - 0.5 * 1.9 * 2))
+
+
+def test_a_round_in_flight_needs_the_same_fragments_to_resume():
+    model = Toy()
+    sync = PeriodicSync("local-sgd", 4, Codec(None), last_step=100, fragments=2, delay=2)
+    sync.attach(model, None, 1)
+    for step in (1, 2):
+        walk(model, step)
+        sync.after_step(step)
+    state, tensors = sync.state_dict(), sync.rank_state()
+    other = PeriodicSync("local-sgd", 4, Codec(None), last_step=100, fragments=1, delay=2)
+    other.attach(Toy(), None, 1)
+    other.load_state_dict(state)
+    with pytest.raises(UserError, match="resume with the sync.fragments it was saved with"):
+        other.load_rank_state(tensors)

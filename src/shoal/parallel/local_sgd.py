@@ -48,6 +48,7 @@ import torch
 
 from shoal.comm.codecs import Codec, Round
 from shoal.comm.log import CollectiveLog
+from shoal.errors import UserError
 from shoal.parallel.fragments import split_fragments, sync_offset
 from shoal.parallel.sync import EveryStep
 from shoal.topology import local_part as local
@@ -127,7 +128,7 @@ class PeriodicSync:
 
     def after_step(self, step: int) -> None:
         if step <= self.warmup:  # (nothing is in flight: rounds start after the warm-up)
-            self._sync(list(range(len(self.parts))), step, delay=0, outer=step == self.last_step)
+            self._sync(list(range(len(self.parts))), step, delay=0, outer=False)
             self.synced = step
             return
         while self.in_flight and self.in_flight[0].due <= step:  # due now (or at a step skipped as bad)
@@ -235,6 +236,11 @@ class PeriodicSync:
             if self.outer and f"momentum/{n}" in tensors:
                 self._momentum(i)["momentum_buffer"] = tensors[f"momentum/{n}"].clone()
         for k, saved in enumerate(flights):
+            if max(saved["fragments"]) >= len(self.parts) or any(
+                    f"in_flight/{k}/{self.names[i]}" not in tensors for f in saved["fragments"] for i in self.parts[f]):
+                raise UserError(f"the checkpoint has a synchronisation in flight for fragments {saved['fragments']} "
+                                f"of another split of the model; resume with the sync.fragments it was saved with, "
+                                f"or from a checkpoint without one in flight")
             idx = [i for f in saved["fragments"] for i in self.parts[f]]
             deltas = [tensors[f"in_flight/{k}/{self.names[i]}"].clone() for i in idx]
             self.in_flight.append(InFlight(saved["fragments"], idx, saved["sent"], saved["due"], deltas, None))
