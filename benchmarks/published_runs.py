@@ -237,6 +237,7 @@ class Planned:
     others: list[dict]  # every valid layout's time parts, zero and ckpt (the own one among them when valid)
     seconds: float  # planner time
     own_memory: float | None = None  # the own layout's predicted peak bytes per rank
+    cached: bool = False  # taken from an earlier run's plan (--cache)
 
 
 def _plan_row(row: Row) -> Planned:
@@ -283,7 +284,7 @@ def plan_row(row: Row, cache: bool = False) -> Planned:
     path = Path(tempfile.gettempdir()) / "shoal-published-runs" / f"{row.name}-{_cache_key(row)}.json"
     if cache and path.is_file():
         d = json.loads(path.read_text())
-        return Planned(row, d["own"], d["own_reason"], d["others"], d["seconds"], d["own_memory"])
+        return Planned(row, d["own"], d["own_reason"], d["others"], d["seconds"], d["own_memory"], cached=True)
     p = _plan_row(row)
     if cache:
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -337,6 +338,27 @@ def score(planned: list[Planned]) -> list[dict]:
     return out
 
 
+def zero3_bandwidth(r: dict) -> str:
+    """What a ZeRO-3 row's reported time leaves for communication beyond the predicted compute, as a
+    bandwidth: each GPU gathers the 16-bit parameters for every micro-batch's forward and backward and
+    reduce-scatters the 16-bit gradients once (3 x 2 bytes x parameters a step at one micro-batch),
+    against the bus bandwidth the planner prices its ring at."""
+    from shoal.plan.network import network
+
+    row = r["row"]
+    params = 12 * row.layers * row.hidden ** 2 + (row.vocab + row.seq) * row.hidden
+    n_micro = row.batch // (row.dp * row.micro)
+    moved = (2 * n_micro + 1) * 2 * params
+    left = row.reported_time() - (r["parts"]["compute"] + r["parts"]["bubble"]) / r["eff"]
+    net = network(row.network)
+    busbw = net.bus_bandwidth(8, row.gpus // 8)
+    if left <= 0:
+        return "the reported step leaves no time beyond the predicted compute"
+    return (f"the reported step leaves {left:.1f} s beyond the predicted compute: {moved / 1e12:.2f} TB a GPU "
+            f"moves a step at {moved / left / 1e9:.0f} GB/s, where the planner's ring runs at "
+            f"{busbw / 1e9:.0f} GB/s bus bandwidth")
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rows", help="comma-separated row names (default: all)")
@@ -373,14 +395,18 @@ def main(argv=None) -> int:
             print(f"  {r['row'].name}: the planner rejects the published layout: {r['reason']}")
         for note in r["row"].notes:
             print(f"  {r['row'].name}: {note}")
+    for r in results:
+        if r["err"] is not None and r["row"].zero == 3:
+            print(f"  {r['row'].name}: {zero3_bandwidth(r)}")
     scored = [r for r in results if r["err"] is not None]
     errs = [abs(r["err"]) for r in scored]
     ranks = [r["rank"] if r["rank"] else math.inf for r in scored]
     top5 = sum(1 for k in ranks if k <= 5)
     stack5 = sum(1 for r in scored if r["stack_rank"] and r["stack_rank"] <= 5)
     implied = [r["implied"] for r in scored if r["implied"] is not None]
-    print(f"planned {len(rows)} rows in {time.perf_counter() - started:.0f} s"
-          f"{' (cached plans reused)' if args.cache else ''}")
+    reused = sum(1 for p in planned if p.cached)
+    print(f"{len(rows)} rows in {time.perf_counter() - started:.0f} s"
+          f"{f' ({reused} plans reused from an earlier run: --cache)' if reused else ''}")
     print(f"RESULT published_median_err={statistics.median(errs):.3f} published_worst_err={max(errs):.3f} "
           f"published_rank_median={statistics.median(ranks):g} top5={top5}/{len(scored)} "
           f"top5_own_stack={stack5}/{len(scored)} "
