@@ -100,8 +100,6 @@ def preflight(args: argparse.Namespace, cfg, nodes: tuple[int, int]):
 def start(args: argparse.Namespace, cfg, job, run_dir: Path, nodes: tuple[int, int]) -> int:
     """The workers, through torch elastic (or an asynchronous parameter server's roles, each under an agent
     of its own: workers that come and go); returns the exit code."""
-    import torch
-
     from shoal.allocator import preload_for_workers
     from shoal.launch.elastic import RESUME_COMMAND, Forked, launch
     from shoal.ps import roles
@@ -112,7 +110,10 @@ def start(args: argparse.Namespace, cfg, job, run_dir: Path, nodes: tuple[int, i
     # continues the whole job
     os.environ.setdefault(RESUME_COMMAND, resume_command(args.argv))
     # ZeRO 2/3 on CPU: tcmalloc, preloaded when each worker process starts (allocator.py)
-    preload_for_workers(cfg.parallel.zero, torch.cuda.is_available())
+    if cfg.parallel.zero >= 2:  # (torch is imported by the launcher only where it decides something)
+        import torch
+
+        preload_for_workers(cfg.parallel.zero, torch.cuda.is_available())
     if job.layout.servers and cfg.ps.mode == "async" and nodes == (1, 1) and not roles.role():
         role_argv = ["train", *([args.config] if args.config else []), *sets, "--run-dir", str(run_dir),
                      "--resume", "auto", "--nnodes", "1"]
