@@ -127,34 +127,26 @@ class PeriodicSync:
         pass
 
     def after_step(self, step: int) -> None:
+        every = list(range(len(self.parts)))
         if step <= self.warmup:  # (nothing is in flight: rounds start after the warm-up)
-            self._sync(list(range(len(self.parts))), step, delay=0, outer=False)
-            self.synced = step
+            self._sync(every, step, delay=0, outer=False)
             return
         while self.in_flight and self.in_flight[0].due <= step:  # due now (or at a step skipped as bad)
             self._apply(self.in_flight.pop(0))
         if step == self.last_step:  # the run ends with one model: what is in flight lands, then all sync
             while self.in_flight:
                 self._apply(self.in_flight.pop(0))
-            self._sync(list(range(len(self.parts))), step, delay=0)
-        else:
-            due = [f for f in range(len(self.parts)) if step % self.every == sync_offset(f, len(self.parts),
-                                                                                         self.every)]
-            if due:
-                self._sync(due, step, self.delay)
-        if step % self.every == 0 and len(self.parts) == 1 and not self.delay or step == self.last_step:
-            self.synced = step
+            self._sync(every, step, delay=0)
+            return
+        due = [f for f in every if step % self.every == sync_offset(f, len(every), self.every)]
+        if due:
+            self._sync(due, step, self.delay)
 
     def in_sync(self, step: int) -> bool:
         return step == self.synced  # not at a step skipped as bad where a sync was due: it did not run
 
     def skipped(self) -> None:
         pass  # its codec runs only in a sync, after a step that was not skipped
-
-    @torch.no_grad()
-    def sync(self) -> None:
-        """Every fragment at once, nothing left in flight (a collective over the dp group)."""
-        self._sync(list(range(len(self.parts))), 0, delay=0)
 
     @torch.no_grad()
     def _sync(self, fragments: list[int], step: int, delay: int, outer: bool = True) -> None:
@@ -172,6 +164,8 @@ class PeriodicSync:
             self.in_flight.append(flight)
         else:
             self._apply(flight)
+            if len(fragments) == len(self.parts) and not self.in_flight:
+                self.synced = step  # every fragment synchronised, nothing in flight: the replicas are one model
         self.syncs += 1
 
     @torch.no_grad()
