@@ -46,16 +46,31 @@ def wait_for(what, until, timeout: float, nodes) -> None:
     deadline = time.monotonic() + timeout
     while not until():
         if time.monotonic() > deadline:
-            for p in nodes:  # each worker's stacks (faulthandler), then the nodes' whole output
-                for pid in descendants(p.pid):
-                    os.kill(pid, signal.SIGUSR1)
-            time.sleep(1)
-            for p in nodes:
-                for pid in [p.pid, *descendants(p.pid)]:
-                    os.kill(pid, signal.SIGKILL)
-            outs = "\n".join(f"--- node {i}\n{p.communicate()[0]}" for i, p in enumerate(nodes))
-            pytest.fail(f"{what} did not happen within {timeout} s\n{outs}")
+            fail_with_stacks(f"{what} did not happen within {timeout} s", nodes)
         time.sleep(0.05)
+
+
+def outputs(nodes, timeout: float) -> list[str]:
+    """Each node's whole output once all have ended, within `timeout` s in all; past it the test fails with
+    every node's output and its workers' stacks (a node waiting on the others says nothing of why)."""
+    deadline, outs = time.monotonic() + timeout, []
+    for p in nodes:
+        try:
+            outs.append(p.communicate(timeout=max(deadline - time.monotonic(), 0.1))[0])
+        except subprocess.TimeoutExpired:
+            fail_with_stacks(f"the nodes did not end within {timeout} s", nodes)
+    return outs
+
+
+def fail_with_stacks(why: str, nodes) -> None:
+    for p in nodes:  # each worker's stacks (faulthandler), then the nodes' whole output
+        for pid in descendants(p.pid):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGUSR1)
+    time.sleep(1)
+    end_all(nodes)
+    outs = "\n".join(f"--- node {i} (exit {p.wait()})\n{p.communicate()[0]}" for i, p in enumerate(nodes))
+    pytest.fail(f"{why}\n{outs}")
 
 
 def held_after(gate: Path, step: int, world: int = 3, run: list[str] = RUN) -> dict:

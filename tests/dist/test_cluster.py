@@ -344,6 +344,7 @@ def test_a_live_run_across_hosts_loses_rejoins_and_leaves_and_equals_one_process
         equals_one_process,
         leave_while_held,
         membership,
+        outputs,
         progress,
         start_node,
         wait_for,
@@ -370,7 +371,7 @@ def test_a_live_run_across_hosts_loses_rejoins_and_leaves_and_equals_one_process
         wait_for("the replacement's join", lambda: any("joined" in m["membership"] for m in membership(run_dir)),
                  120, nodes)
         leave_while_held(nodes[2], gate)
-        outs = [p.communicate(timeout=120)[0] for p in nodes]
+        outs = outputs(nodes, 120)
     finally:
         end_all(nodes)
         if asked is not None and asked.poll() is None:

@@ -10,7 +10,7 @@ import signal
 
 import pytest
 
-from live_runs import end_all, equals_one_process, membership, progress, start_node, wait_for, worker_of
+from live_runs import end_all, equals_one_process, membership, outputs, progress, start_node, wait_for, worker_of
 from shoal.launch.ports import free_port
 from shoal.launch.supervisor import descendants
 
@@ -57,7 +57,7 @@ def test_a_silent_node_below_min_then_a_cancel_and_resume_equal_one_process(tmp_
     port = free_port()
     nodes = [start_node(i, run_dir, port, max_restarts=0) for i in range(2)]
     try:
-        outs = [p.communicate(timeout=120)[0] for p in nodes]
+        outs = outputs(nodes, 120)
     finally:
         end_all(nodes)
     assert [p.returncode for p in nodes] == [0, 0], "\n".join(outs)

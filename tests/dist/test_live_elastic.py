@@ -17,6 +17,7 @@ from live_runs import (
     gloo_loops,
     leave_while_held,
     membership,
+    outputs,
     progress,
     start_node,
     wait_for,
@@ -56,7 +57,7 @@ def test_a_worker_killed_rejoined_and_a_node_leaving_equal_one_process(tmp_path,
         # start (a mesh kept across generations once kept them all, and their loops spun on cut sockets)
         assert gloo_loops(worker_of(nodes[0])) == loops
         leave_while_held(nodes[2], gate)  # node 2 leaves; the others finish the run
-        outs = [p.communicate(timeout=120)[0] for p in nodes]
+        outs = outputs(nodes, 120)
     finally:
         end_all(nodes)
     codes = [p.returncode for p in nodes]
@@ -98,7 +99,7 @@ def test_a_worker_killed_in_the_first_step_sends_the_survivors_back_to_the_start
         wait_for("the group", lambda: (run_dir / "config.toml").exists(), 120, nodes)
         os.kill(worker_of(nodes[1]), signal.SIGKILL)
         gate.unlink()
-        outs = [p.communicate(timeout=120)[0] for p in nodes]
+        outs = outputs(nodes, 120)
     finally:
         end_all(nodes)
     assert [p.returncode for p in nodes] == [0, 137, 0], "\n".join(outs)

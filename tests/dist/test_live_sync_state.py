@@ -21,6 +21,7 @@ from live_runs import (
     leave_while_held,
     membership,
     node_of_rank,
+    outputs,
     release,
     start_node,
     wait_for,
@@ -55,7 +56,7 @@ def a_node_leaves(run_dir, gate, run: list[str], rank: int | None = None) -> int
         wait_for(f"the hold after step {hold}", gate.exists, 120, nodes)
         leaver = 2 if rank is None else node_of_rank(nodes, rank)
         leave_while_held(nodes[leaver], gate)
-        outs = [p.communicate(timeout=120)[0] for p in nodes]
+        outs = outputs(nodes, 120)
     finally:
         end_all(nodes)
     assert [p.returncode for p in nodes] == [128 + signal.SIGTERM if i == leaver else 0 for i in range(3)], "\n".join(outs)
@@ -124,7 +125,7 @@ def a_worker_killed(run_dir, gate, run: list[str], kill_at: int, rank: int | Non
         victim = 1 if rank is None else node_of_rank(nodes, rank)
         os.kill(worker_of(nodes[victim]), signal.SIGKILL)
         release(gate)
-        outs = [p.communicate(timeout=120)[0] for p in nodes]
+        outs = outputs(nodes, 120)
     finally:
         end_all(nodes)
     assert [p.returncode for p in nodes] == [137 if i == victim else 0 for i in range(3)], "\n".join(outs)
