@@ -81,9 +81,12 @@ class Row:
     memory: float = 80 * 2 ** 30  # bytes of one GPU: an "80 GB" A100 has 80 GiB
     # attention as the run computed it: none of these runs had fused (flash) attention (FlashAttention is
     # Dao et al., May 2022; Megatron-LM took it up in 2023), so the planner traces it materialised, with
-    # Megatron-LM's default --attention-dropout 0.1 (megatron/arguments.py)
+    # Megatron-LM's default --attention-dropout 0.1 (megatron/arguments.py); and its default
+    # --hidden-dropout 0.1 after the embeddings, attention and the MLP, whose masks the runs kept for
+    # backward (Korthikanti et al. 2022, section 4.1), where shoal's GPT under tensor parallelism has none
     fused_attention: bool = False
     attention_dropout: float = 0.1
+    hidden_dropout: float = 0.1
     notes: list[str] = field(default_factory=list)  # what the planner cannot express, and how it is taken
 
     @property
@@ -248,7 +251,7 @@ def _plan_row(row: Row) -> Planned:
     cfg, profile = config_for(row), profile_for(row)
     started = time.perf_counter()
     planned = plan(cfg, row.gpus, profile, int(row.memory), cuda=True, fused_attention=row.fused_attention,
-                   attention_dropout=row.attention_dropout)
+                   attention_dropout=row.attention_dropout, hidden_dropout=row.hidden_dropout)
     seconds = time.perf_counter() - started
     own_keys_ = own_keys(row)
     valid = [p for p in planned if p.ok]
@@ -260,7 +263,7 @@ def _plan_row(row: Row) -> Planned:
     if mine is not None and mine.ok:
         return Planned(row, dict(mine.prediction.time), None, others, seconds, mine.prediction.memory["peak"])
     try:  # priced anyway, without the memory limit, to compare its time
-        model = Model.build(cfg, row.fused_attention, row.attention_dropout)
+        model = Model.build(cfg, row.fused_attention, row.attention_dropout, row.hidden_dropout, cuda=True)
         pred = predict(model, cfg, resolve_layout(cfg, row.gpus, True), profile)
     except UserError as e:  # a layout shoal cannot run at all: no prediction
         return Planned(row, {}, str(e), others, seconds)

@@ -49,7 +49,7 @@ def test_predictions_are_the_planner_s_and_move_with_the_row():
     row = next(r for r in pr.ROWS if r.name == "korthikanti-22B")
     planned = pr.plan_row(row)
     cfg = pr.config_for(row)
-    model = Model.build(cfg, row.fused_attention, row.attention_dropout)
+    model = Model.build(cfg, row.fused_attention, row.attention_dropout, row.hidden_dropout, cuda=True)
     alone = predict(model, cfg, resolve_layout(cfg, row.gpus, True), pr.profile_for(row)).time
     assert planned.own == pytest.approx(alone)
     h100 = dataclasses.replace(row, preset="h100", network="nvlink4-ndr400")

@@ -1,12 +1,13 @@
 """What one micro-batch costs the model, traced on the meta device: every aten operator of its forward
 and backward (FLOPs by torch's own flop counter registry, bytes read and written) and the tensors
-autograd saves for backward (the activations), per block and outside blocks. The optimizer's step is
-traced the same way over the whole model's parameters."""
+autograd saves for backward (the activations), per block and outside blocks, each with where tensor
+parallelism puts it. The optimizer's step is traced the same way over the whole model's parameters."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import partial
 
 import torch
 import torch.nn.functional as F
@@ -35,6 +36,19 @@ class Ops:
 _VIEWS = frozenset(getattr(torch.ops.aten, n) for n in (
     "detach", "view", "_unsafe_view", "t", "transpose", "expand", "permute", "alias", "unsqueeze", "squeeze",
     "slice", "split"))
+_MATMULS = frozenset(getattr(torch.ops.aten, n) for n in ("mm", "addmm", "bmm", "baddbmm"))
+
+# Where tensor parallelism puts a saved activation (Korthikanti et al. 2022, section 4.2): SPLIT between a
+# column-parallel layer and the row-parallel one after it (attention's heads, the MLP's hidden units: 1/tp on
+# each rank); GATHERED, a column-parallel layer's input (whole on every rank, under sequence parallelism too:
+# the layer saves the sequence it gathered); WHOLE, the rest (norms' inputs, dropout masks, the residual
+# stream: whole on every rank, 1/tp of the sequence under sequence parallelism).
+SPLIT, GATHERED, WHOLE = 0, 1, 2
+
+
+def _storage(t: torch.Tensor) -> int:
+    """The identity of `t`'s memory: a view shares its base's."""
+    return t.untyped_storage()._cdata
 
 
 def describe_op(func, args, kwargs, out) -> tuple[str, float, float] | None:
@@ -52,9 +66,15 @@ def describe_op(func, args, kwargs, out) -> tuple[str, float, float] | None:
 
 
 class _Trace(TorchDispatchMode):
-    def __init__(self):
+    """Every operator (Ops); while `placing`, which tensors tensor parallelism splits (_place)."""
+
+    def __init__(self, weights: frozenset[int] = frozenset()):
         super().__init__()
         self.ops = Ops()
+        self.weights = weights  # the parameters' storages
+        self.placing = bool(weights)
+        self.split, self.gathered = set(), set()  # storages
+        self.alive = []  # the tensors of those storages, kept so that no new tensor takes a storage's identity
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -65,40 +85,91 @@ class _Trace(TorchDispatchMode):
             sizes = [t.numel() * t.element_size() for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
             self.ops.outputs += sizes
             self.ops.fresh_bytes += sum(b for b in sizes if b > THRESHOLD)
+        if self.placing:
+            self._place(func, args, kwargs, out)
         return out
+
+    def _place(self, func, args, kwargs, out) -> None:
+        """Megatron-LM's split (Shoeybi et al. 2019), which every tensor-parallel plan shoal runs follows: a
+        matrix product with a weight splits its output where its input is whole (column-parallel) and makes
+        it whole where its input is split (row-parallel: all-reduced); any other operator's output is split
+        where an input is (a lookup in an embedding table gives whole rows)."""
+        inputs = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
+        acts = [t for t in inputs if _storage(t) not in self.weights]
+        split = any(_storage(t) in self.split for t in acts)
+        if func._overloadpacket in _MATMULS and len(acts) < len(inputs) and any(
+                t.dim() >= 2 and _storage(t) in self.weights for t in inputs):
+            if not split:
+                self.gathered.update(_storage(t) for t in acts)
+                self.alive += acts
+            split = not split
+        if split:
+            outs = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
+            self.split.update(_storage(t) for t in outs)
+            self.alive += outs
 
 
 class _Attention(TorchFunctionMode):
-    """On the meta device scaled_dot_product_attention falls back to its math decomposition (matmuls, a
+    """Attention and dropout as the run executes them.
+
+    On the meta device scaled_dot_product_attention falls back to its math decomposition (matmuls, a
     mask, a softmax and copies, each with its own backward) where a CPU or GPU runs one fused kernel. The
     trace takes the CPU's fused kernel instead, which has a meta implementation and its own backward, so
     the operators traced are the ones a run executes and the probe times.
 
-    `fused=False` traces attention as stacks before fused (flash) attention ran it (Megatron-LM and
-    DeepSpeed in 2021-2022): the s x s scores of every head materialised, scaled, masked, softmaxed and
+    `fused=False` traces attention as stacks before fused (flash) attention ran it (Megatron-LM's
+    CoreAttention, 2021-2022): the s x s scores of every head materialised, scaled, masked, softmaxed and
     dropped out at `dropout` (their attention dropout; the model's own if it has one), each a
-    memory-bound pass over them, and the softmax's output and the dropout's mask saved for backward
-    (Korthikanti et al. 2022, section 4.1: 5 a s^2 b bytes a layer in 16 bits)."""
+    memory-bound pass over them, and the softmax's output, the dropout's mask and its output saved for
+    backward (Korthikanti et al. 2022, section 4.1: 5 a s^2 b bytes a layer in 16 bits). `hidden_dropout`
+    replaces a dropout the model runs at 0 (its embeddings', after attention and after the MLP), as those
+    stacks ran with 0.1 where shoal's GPT under tensor parallelism runs none.
 
-    def __init__(self, fused: bool = True, dropout: float = 0.0):
+    `native_dropout`: dropout as torch runs it on a GPU, one fused kernel that keeps a 1-byte mask for
+    backward; on the CPU (and on meta) it multiplies by a noise tensor of the input's dtype, which
+    backward keeps instead."""
+
+    def __init__(self, fused: bool = True, dropout: float = 0.0, hidden_dropout: float = 0.0,
+                 native_dropout: bool = False):
         super().__init__()
-        self.fused, self.dropout = fused, dropout
+        self.fused, self.dropout, self.hidden_dropout = fused, dropout, hidden_dropout
+        self.native_dropout = native_dropout
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if func is F.dropout:
+            given = {**dict(zip(("input", "p", "training", "inplace"), args, strict=False)), **kwargs}
+            return self._dropout(given["input"], given.get("p", 0.5) or self.hidden_dropout,
+                                 given.get("training", True), given.get("inplace", False))
         if func is F.scaled_dot_product_attention and not kwargs.get("enable_gqa"):
             q, k, v, *rest = args
             names = ("attn_mask", "dropout_p", "is_causal", "scale")
             given = {**dict(zip(names, rest, strict=False)), **kwargs}
             if q.device.type == "meta" and not self.fused:
-                return torch.ops.aten._scaled_dot_product_attention_math(
-                    q, k, v, given.get("attn_mask"), given.get("dropout_p") or self.dropout,
-                    given.get("is_causal", False), scale=given.get("scale"))[0]
+                return self._materialised(q, k, v, given.get("attn_mask"), given.get("dropout_p") or self.dropout,
+                                          given.get("is_causal", False), given.get("scale"))
             if q.device.type == "meta" and q.shape[-1] == v.shape[-1]:
                 return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
                     q, k, v, given.get("dropout_p", 0.0), given.get("is_causal", False),
                     attn_mask=given.get("attn_mask"), scale=given.get("scale"))[0]
         return func(*args, **kwargs)
+
+    def _dropout(self, x: torch.Tensor, p: float, training: bool, inplace: bool = False) -> torch.Tensor:
+        if not training or not p:
+            return x
+        if self.native_dropout:
+            return torch.native_dropout(x, p, True)[0]
+        return F.dropout(x, p, True, inplace)
+
+    def _materialised(self, q, k, v, attn_mask, dropout: float, is_causal: bool, scale) -> torch.Tensor:
+        scale = scale if scale is not None else q.shape[-1] ** -0.5
+        scores = (q * scale) @ k.transpose(-2, -1)
+        if is_causal:  # an additive mask: its sum saves nothing for backward (a masked_fill keeps its mask)
+            scores = scores + torch.full(scores.shape[-2:], float("-inf"), device=q.device).triu(1)
+        if attn_mask is not None:
+            scores = scores.masked_fill(~attn_mask, float("-inf")) if attn_mask.dtype == torch.bool \
+                else scores + attn_mask
+        return self._dropout(torch.softmax(scores, -1), dropout, True) @ v
 
 
 @dataclass
@@ -111,67 +182,106 @@ class MicroBatchCost:
     block_input: list[int]  # per block, bytes of its input (what checkpointing keeps)
     largest: int  # bytes of the largest tensor made (logits and their gradient are often it)
     saved: list[int] = field(default_factory=list, repr=False)  # every tensor saved for backward, its bytes
+    # per saved tensor: its block (-1: outside), where tensor parallelism puts it (SPLIT, GATHERED, WHOLE) and
+    # whether it is floating point (a 16-bit run halves it; a dropout's mask and indices keep their bytes)
+    saved_kinds: list[tuple[int, int, bool]] = field(default_factory=list, repr=False)
+    memo: dict = field(default_factory=dict, repr=False, compare=False)  # on_rank's, per its arguments
 
-    def activation_bytes(self, checkpointing: bool, fraction: float = 1.0, in_flight: int = 1) -> int:
-        """Saved for backward at the end of a forward, with `in_flight` micro-batches' forwards waiting for
-        their backward (a pipeline); `fraction` of the blocks (a pipeline stage)."""
-        n = len(self.saved_per_block)
+    def activation_bytes(self, checkpointing: bool, fraction: float = 1.0, in_flight: float = 1, *,
+                         scale: float = 1.0, tp: int = 1, sequence_parallel: bool = False) -> int:
+        """Saved for backward at the end of a forward on one tensor-parallel rank of `tp`, with `in_flight`
+        micro-batches' forwards waiting for their backward (a pipeline); `fraction` of the blocks (a
+        pipeline stage); floating tensors at `scale` of the traced (fp32) bytes (activation_scale)."""
+        outside, per_block, inputs = self.on_rank(scale, tp, sequence_parallel)
+        n = len(per_block)
         k = max(1, round(n * fraction)) if n else 0
         if checkpointing and n:
             # block inputs are kept; one block's saved tensors come back while it is recomputed, in the one
             # micro-batch whose backward runs
-            return int(in_flight * (self.saved_outside * fraction + sum(self.block_input[:k]))
-                       + max(self.saved_per_block))
-        return int(in_flight * (self.saved_outside * fraction + sum(self.saved_per_block[:k])))
+            return int(in_flight * (outside * fraction + sum(inputs[:k])) + max(per_block))
+        return int(in_flight * (outside * fraction + sum(per_block[:k])))
+
+    def on_rank(self, scale: float, tp: int, sequence_parallel: bool) -> tuple[float, list[float], list[float]]:
+        """(outside the blocks, per block, per block input) on one rank: SPLIT tensors 1/tp of the traced,
+        GATHERED whole, WHOLE whole or (sequence parallelism) 1/tp; a block's input is the residual stream."""
+        key = (scale, tp, sequence_parallel)
+        if key not in self.memo:
+            whole = 1 / tp if sequence_parallel else 1.0
+            share = {SPLIT: 1 / tp, GATHERED: 1.0, WHOLE: whole}
+            outside, per_block = 0.0, [0.0] * len(self.saved_per_block)
+            if not self.saved_kinds:  # not traced with placements: every tensor taken as whole
+                outside, per_block = float(self.saved_outside), [float(b) for b in self.saved_per_block]
+            for (block, where, floating), nbytes in zip(self.saved_kinds, self.saved, strict=True):
+                b = nbytes * (scale if floating else 1.0) * share[where]
+                if block >= 0:
+                    per_block[block] += b
+                else:
+                    outside += b
+            self.memo[key] = (outside, per_block, [x * scale * whole for x in self.block_input])
+        return self.memo[key]
+
+
+class _Saved:
+    """What autograd saves in a forward, by the block running (-1: outside every block), each block's
+    input, and the tensors kept alive so that their storages stay unique."""
+
+    def __init__(self, weights: frozenset[int], blocks: list):
+        self.weights, self.current = weights, -1
+        self.per_block, self.block_input = [0] * len(blocks), [0] * len(blocks)
+        self.outside, self.seen, self.keep, self.kinds = 0, set(), [], []
+        self.handles = []
+        for i, b in enumerate(blocks):
+            self.handles += [b.register_forward_pre_hook(partial(self._enter, i)),
+                             b.register_forward_hook(self._leave)]
+
+    def _enter(self, i: int, _module, args) -> None:
+        self.current = i
+        self.block_input[i] = sum(a.numel() * a.element_size() for a in args if isinstance(a, torch.Tensor))
+
+    def _leave(self, _module, _args, _out) -> None:
+        self.current = -1
+
+    def pack(self, t: torch.Tensor) -> torch.Tensor:
+        # memory is counted once however many views of it are saved (q, k and v's layers each save their
+        # input, one tensor), and a parameter's view (a linear layer saves its weight transposed) is the
+        # parameter: not an activation
+        key = _storage(t)
+        if key not in self.weights and key not in self.seen:
+            self.seen.add(key)
+            self.keep.append(t)
+            self.kinds.append((self.current, key, t.is_floating_point()))
+            if self.current >= 0:
+                self.per_block[self.current] += t.untyped_storage().nbytes()
+            else:
+                self.outside += t.untyped_storage().nbytes()
+        return t
 
 
 def trace_micro_batch(bundle, batch: dict, block_types: tuple, fused_attention: bool = True,
-                      attention_dropout: float = 0.0) -> MicroBatchCost:
+                      attention_dropout: float = 0.0, hidden_dropout: float = 0.0,
+                      native_dropout: bool = False) -> MicroBatchCost:
     """Forward and backward of `batch` (meta tensors) through `bundle.model` (on meta); attention fused
-    (flash) or materialised with its dropout (_Attention)."""
+    (flash) or materialised with its dropout, and dropout as a GPU or a CPU runs it (_Attention)."""
     model = bundle.model
-    params = {id(p) for p in model.parameters()}
-    blocks = [m for m in model.modules() if block_types and isinstance(m, block_types)]
-    saved_per_block, block_input = [0] * len(blocks), [0] * len(blocks)
-    outside, seen, keep = [0], set(), []
-    current = [-1]
-    handles = []
-    for i, b in enumerate(blocks):
-        def pre(_m, args, i=i):
-            current[0] = i
-            block_input[i] = sum(a.numel() * a.element_size() for a in args if isinstance(a, torch.Tensor))
-
-        def post(_m, _args, _out):
-            current[0] = -1
-        handles += [b.register_forward_pre_hook(pre), b.register_forward_hook(post)]
-
-    def pack(t):
-        # a parameter's view (a linear layer saves its weight transposed) is the parameter: not an activation
-        base = t._base if t._base is not None else t
-        if id(base) not in params and id(t) not in seen:
-            seen.add(id(t))
-            keep.append(t)  # ids stay unique while the tensor lives
-            size = t.numel() * t.element_size()
-            if current[0] >= 0:
-                saved_per_block[current[0]] += size
-            else:
-                outside[0] += size
-        return t
-
-    trace = _Trace()
+    weights = frozenset(_storage(p) for p in model.parameters())
+    saved = _Saved(weights, [m for m in model.modules() if block_types and isinstance(m, block_types)])
+    trace = _Trace(weights)
     try:
-        with _Attention(fused_attention, attention_dropout), trace, \
-                torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        with _Attention(fused_attention, attention_dropout, hidden_dropout, native_dropout), trace, \
+                torch.autograd.graph.saved_tensors_hooks(saved.pack, lambda t: t):
             loss = bundle.loss_fn(model, batch).sum()
             forward_flops = trace.ops.flops
+            trace.placing = False  # backward's tensors are not saved for anything
             loss.backward()
     finally:
-        for h in handles:
+        for h in saved.handles:
             h.remove()
     model.zero_grad(set_to_none=True)
-    saved = [t.numel() * t.element_size() for t in keep]
-    return MicroBatchCost(_batch_size(batch), trace.ops, forward_flops, outside[0], saved_per_block, block_input,
-                          max(saved, default=0), saved)
+    sizes = [t.untyped_storage().nbytes() for t in saved.keep]
+    places = [(block, SPLIT if key in trace.split else GATHERED if key in trace.gathered else WHOLE, floating)
+              for block, key, floating in saved.kinds]
+    return MicroBatchCost(_batch_size(batch), trace.ops, forward_flops, saved.outside, saved.per_block,
+                          saved.block_input, max(sizes, default=0), sizes, places)
 
 
 def affine(traced: list[MicroBatchCost]) -> Callable[[int], MicroBatchCost] | None:
@@ -179,11 +289,13 @@ def affine(traced: list[MicroBatchCost]) -> Callable[[int], MicroBatchCost] | No
     operator's FLOPs and bytes, each output's and saved tensor's bytes, the per-block figures) is the same
     affine function of the micro-batch size in all three and the operators are the same ones in the same
     order: a model whose every tensor either holds the batch or does not (a GPT's do). The thresholded
-    sums (freshly mapped bytes, the largest tensor) are taken again from the interpolated sizes, so the
-    result is what a trace at that size gives. None where any number is not affine: trace each size."""
+    sums (freshly mapped bytes, the largest tensor) are taken again from the interpolated sizes, and the
+    saved tensors' blocks and placements are the same in all three, so the result is what a trace at that
+    size gives. None where any number is not affine: trace each size."""
     a, b, c = sorted(traced[:3], key=lambda t: t.micro_batch)
     if len({a.micro_batch, b.micro_batch, c.micro_batch}) < 3 or [n for n, *_ in a.ops.items] != \
-            [n for n, *_ in b.ops.items] or [n for n, *_ in a.ops.items] != [n for n, *_ in c.ops.items]:
+            [n for n, *_ in b.ops.items] or [n for n, *_ in a.ops.items] != [n for n, *_ in c.ops.items] or \
+            not a.saved_kinds == b.saved_kinds == c.saved_kinds:
         return None
     ma, mb, mc = a.micro_batch, b.micro_batch, c.micro_batch
 
@@ -210,7 +322,8 @@ def affine(traced: list[MicroBatchCost]) -> Callable[[int], MicroBatchCost] | No
         per_block, inputs = [int(x) for x in v[k:k + n_blocks]], [int(x) for x in v[k + n_blocks:k + 2 * n_blocks]]
         forward_flops, outside = v[-2], int(v[-1])
         ops = Ops(items, sum(b for b in outputs if b > THRESHOLD), outputs)
-        return MicroBatchCost(m, ops, forward_flops, outside, per_block, inputs, max(saved, default=0), saved)
+        return MicroBatchCost(m, ops, forward_flops, outside, per_block, inputs, max(saved, default=0), saved,
+                              list(a.saved_kinds))
 
     return at
 

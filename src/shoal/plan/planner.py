@@ -70,13 +70,18 @@ class Model:
     # the micro-batch sizes traced so far, and (from the third) their costs at any size, where they are affine
     traced: list[MicroBatchCost] = field(default_factory=list)
     at: object = None  # cost.affine's function; False: not affine, trace every size
-    # attention as the trace runs it: fused (flash), or materialised with this dropout (cost._Attention)
+    # attention as the trace runs it: fused (flash), or materialised with this dropout; dropout where the
+    # model runs none; dropout as a GPU runs it (cost._Attention)
     fused_attention: bool = True
     attention_dropout: float = 0.0
+    hidden_dropout: float = 0.0
+    cuda: bool = False
 
     @classmethod
-    def build(cls, cfg: Config, fused_attention: bool = True, attention_dropout: float = 0.0) -> Model:
-        """`fused_attention=False`: price the model as a stack without fused attention runs it."""
+    def build(cls, cfg: Config, fused_attention: bool = True, attention_dropout: float = 0.0,
+              hidden_dropout: float = 0.0, cuda: bool = False) -> Model:
+        """`fused_attention=False`: price the model as a stack without fused attention runs it; `cuda`: as
+        torch runs it on a GPU (its dropout keeps a 1-byte mask)."""
         source = build_source(cfg.data, getattr(cfg.model, "seq_len", None), cfg.train.seed)
         with on_meta():
             bundle = build_model(cfg.model, source.spec)
@@ -84,7 +89,7 @@ class Model:
         blocks = [m for m in bundle.model.modules() if bundle.block_types and isinstance(m, bundle.block_types)]
         shape = ModelShape(_describe(bundle.model.parameters()), [_describe(b.parameters()) for b in blocks])
         model = cls(cfg, bundle, source, shape, fused_attention=fused_attention,
-                    attention_dropout=attention_dropout)
+                    attention_dropout=attention_dropout, hidden_dropout=hidden_dropout, cuda=cuda)
         model.opt_ops = trace_optimizer_step(bundle.model, cfg.train.optimizer, cfg.train.momentum,
                                              bool(cfg.train.grad_clip))
         model.data_bytes = sum(_nbytes(v) for v in vars(source).values())
@@ -103,7 +108,8 @@ class Model:
                 batch = self.source.train_batch(torch.arange(micro))
                 batch = {k: v.to("meta") if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
                 self.costs[micro] = trace_micro_batch(self.bundle, batch, self.bundle.block_types,
-                                                      self.fused_attention, self.attention_dropout)
+                                                      self.fused_attention, self.attention_dropout,
+                                                      self.hidden_dropout, self.cuda)
                 self.traced.append(self.costs[micro])
         return self.costs[micro]
 
@@ -151,35 +157,37 @@ def predict(model: Model, cfg: Config, layout, profile: HardwareProfile | None,
     params = rank_params(model.shape, layout, p.pp_schedule, lambda r: model.stage_params(cfg, r))
     total = sum(n for n, *_ in params) or 1
     fraction = total / (sum(n for n, *_ in model.shape.params) or 1) if d.pp > 1 else 1.0
+    stages = p.pp_stages_per_rank if p.pp_schedule == "interleaved-1f1b" else 1
     mem = predict_memory(model.shape, params, cost, layout, optimizer=cfg.train.optimizer,
                          momentum=cfg.train.momentum, checkpointing=cfg.precision.activation_checkpointing,
                          schedule=p.pp_schedule, profile=profile, stage_fraction=fraction,
                          data_bytes=model.data_bytes if profile is not None and profile.device == "cpu" else 0,
-                         act_scale=activation_scale(profile, cfg.precision.dtype))
+                         act_scale=activation_scale(profile, cfg.precision.dtype), dtype=cfg.precision.dtype,
+                         stages_per_rank=stages, sequence_parallel=p.sequence_parallel)
     if profile is None or (memory is not None and mem["peak"] > memory):
         return Prediction(mem, {"compute": None, "comm": None, "bubble": None, "step": None})
-    stages = p.pp_stages_per_rank if p.pp_schedule == "interleaved-1f1b" else 1
     grad_bytes = sum(n for n, _, _, t in params if t) * model.shape.element_size // d.tp
     full = sum(n for n, *_ in params) * model.shape.element_size // d.tp
     t = predict_time(model.shape, cost, model.opt_ops, layout, profile, dtype=cfg.precision.dtype,
                      checkpointing=cfg.precision.activation_checkpointing, schedule=p.pp_schedule,
-                     stages_per_rank=stages, grad_bytes=grad_bytes, param_bytes_full=full)
+                     stages_per_rank=stages, grad_bytes=grad_bytes, param_bytes_full=full,
+                     reduce_dtype=cfg.precision.reduce_dtype)
     return Prediction(mem, t)
 
 
 def predict_config(cfg: Config, world: int, profile: HardwareProfile | None, cuda: bool = False,
                    model: Model | None = None) -> Prediction:
     """The prediction for the layout `cfg` itself sets (--check)."""
-    model = model or Model.build(cfg)
+    model = model or Model.build(cfg, cuda=cuda)
     return predict(model, cfg, resolve_layout(cfg, world, cuda), profile)
 
 
 def plan(cfg: Config, world: int, profile: HardwareProfile | None, memory: int | None,
          cuda: bool = False, micro_batches: list[int] | None = None, fused_attention: bool = True,
-         attention_dropout: float = 0.0) -> list[Planned]:
-    """Every candidate, the valid ones first by predicted step time (then by peak memory); attention as
-    Model.build takes it."""
-    model = Model.build(cfg, fused_attention, attention_dropout)
+         attention_dropout: float = 0.0, hidden_dropout: float = 0.0) -> list[Planned]:
+    """Every candidate, the valid ones first by predicted step time (then by peak memory); attention and
+    dropout as Model.build takes them."""
+    model = Model.build(cfg, fused_attention, attention_dropout, hidden_dropout, cuda)
     out = []
     for c in candidates(cfg, world, model.bundle, model.source, cuda, micro_batches):
         if c.reason:

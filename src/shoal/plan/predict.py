@@ -8,11 +8,18 @@ Memory, the quantities metrics/memory.py measures (STATE_KINDS), each parameter 
   grads       as params for ZeRO 2/3; whole (this rank's tp/pp part) for ZeRO 0/1; none when frozen
   optimizer   AdamW: 2 fp32 moments + a one-element step per parameter; SGD: the momentum buffer;
               ZeRO 1 gives whole parameters to ranks greedily by size (ZeroRedundancyOptimizer), 2/3 shard
-  activations what autograd saves for backward (a parameter's views are the parameter), per micro-batch
-              in flight (pp: 1F1B holds up to pp, GPipe all m); under activation checkpointing block
-              inputs, and one block's saved tensors while it is recomputed (one micro-batch at a time)
+  activations what autograd saves for backward (a parameter's views are the parameter; memory saved
+              twice counted once), per micro-batch in flight (pp: 1F1B's first stage holds pp, interleaved
+              1F1B's (v + 1) pp - 1 of its v stages, GPipe all m); under activation checkpointing block
+              inputs, and one block's saved tensors while it is recomputed (one micro-batch at a time);
+              tp splits only what lies between a column- and a row-parallel layer (cost.SPLIT), sequence
+              parallelism also the norms' inputs, dropout masks and residual stream (Korthikanti et al.
+              2022, section 4.2: 34 + 5as/h bytes per token and hidden unit of a layer in 16 bits; tp t:
+              10 + 24/t + 5as/(ht))
   buffers     ZeRO 2 keeps every block's gathered parameters from forward to backward, ZeRO 3 two
-              blocks (one prefetched); the largest tensor's gradient in backward
+              blocks (one prefetched), in the gather's dtype (16 bits under bf16); ZeRO 0/1 in 16 bits:
+              autocast's 16-bit copy of every weight matrix, kept for backward; the largest tensor's
+              gradient in backward
   data        the data source's tensors each worker holds (CPU: counted in its resident memory)
   peak        the worker's resident memory before a model (profile's process_bytes; 0 on a GPU) + data
               + all of the above; on CPU the tensors' part as the probe measured the resident set grow
@@ -33,7 +40,8 @@ Time, per optimizer step of the slowest rank:
               micro-batch and its division of the sums; ZeRO 1 adds a broadcast of each
               parameter from its owner after the step; ZeRO 2/3 all-gather each block per micro-batch (ZeRO 3 again in
               backward) and reduce-scatter once per step, plus FSDP2's measured cost per call and per
-              parameter tensor and DTensor's per optimizer operator; tp: per split matrix and micro-batch the
+              parameter tensor and DTensor's per optimizer operator (gathers in the compute dtype,
+              reduce-scatters in precision.reduce_dtype); tp: per split matrix and micro-batch the
               probe's measured cost of a split layer (DTensor and an all-reduce between layers) and
               what the activations' all-reduce costs beyond its tiny one; pp sends
               activations and gradients between stages
@@ -110,10 +118,29 @@ def rank_params(shape: ModelShape, layout: Layout, schedule: str, stage_of) -> l
     return max((stage_of(r) for r in range(layout.dims.pp)), key=lambda ps: sum(p[0] for p in ps))
 
 
+def in_flight(layout: Layout, schedule: str, stages_per_rank: int = 1) -> float:
+    """Micro-batches whose activations the first pipeline rank holds at its peak, in units of all its
+    layers: GPipe all m; 1F1B pp (pp - 1 warm-up forwards, then one more before the first backward);
+    interleaved 1F1B (v stages a rank) (v - 1) pp + 2 (pp - 1) warm-up forwards of one stage and one more,
+    at most all m v (torch's ScheduleInterleaved1F1B, as Megatron-LM's: Korthikanti et al. 2022, section
+    4.2.3, L (1 + (p - 1) / (p v)) layers)."""
+    d, m = layout.dims, layout.pp_microbatches
+    if d.pp == 1:
+        return 1
+    if schedule == "gpipe":
+        return m
+    if schedule == "interleaved-1f1b" and stages_per_rank > 1:
+        v = stages_per_rank
+        return min(m * v, (v + 1) * d.pp - 1) / v
+    return min(m, d.pp)
+
+
 def predict_memory(shape: ModelShape, params: list, cost: MicroBatchCost, layout: Layout, *, optimizer: str,
                    momentum: float, checkpointing: bool, schedule: str, profile: HardwareProfile | None,
-                   stage_fraction: float, data_bytes: int = 0, act_scale: float = 1.0) -> dict[str, int]:
+                   stage_fraction: float, data_bytes: int = 0, act_scale: float = 1.0, dtype: str = "fp32",
+                   stages_per_rank: int = 1, sequence_parallel: bool = False) -> dict[str, int]:
     d, zero, es = layout.dims, layout.zero, shape.element_size
+    half = dtype in ("bf16", "fp16")
     sharded = zero >= 2
     p_bytes = _bytes(params, d.dp, sharded, d.tp, es, "params")
     g_bytes = _bytes(params, d.dp, sharded, d.tp, es, "grads")
@@ -125,14 +152,21 @@ def predict_memory(shape: ModelShape, params: list, cost: MicroBatchCost, layout
                          d.dp, 1, moments * es, step_bytes)
     else:
         opt = _bytes(params, d.dp, sharded, d.tp, es, "grads") * moments + n_trainable * step_bytes
-    in_flight = 1
-    if d.pp > 1:
-        m = layout.pp_microbatches
-        in_flight = m if schedule == "gpipe" else min(m, d.pp)
-    act = int(cost.activation_bytes(checkpointing, stage_fraction, in_flight) * act_scale) // d.tp
-    full_block = max((_bytes(b, 1, False, d.tp, es, "params") for b in shape.block_params), default=0)
-    gathered = {0: 0, 1: 0, 2: _bytes(params, 1, False, d.tp, es, "params") - p_bytes, 3: 2 * full_block}[zero]
-    buffers = gathered + int(cost.largest * act_scale) // d.tp
+    act = cost.activation_bytes(checkpointing, stage_fraction, in_flight(layout, schedule, stages_per_rank),
+                                scale=act_scale, tp=d.tp, sequence_parallel=sequence_parallel)
+    if zero >= 2:
+        # FSDP2 gathers in the compute dtype under bf16 (precision.sharded_mixed_precision): a 16-bit copy
+        gs = 2 if half else es
+        full_block = max((_bytes(b, 1, False, d.tp, gs, "params") for b in shape.block_params), default=0)
+        full = _bytes(params, 1, False, d.tp, gs, "params")
+        copies = full - (p_bytes if gs == es else 0) if zero == 2 else 2 * full_block
+    elif half:
+        # autocast casts each weight matrix to 16 bits once per autocast region and the layer keeps the copy
+        # for backward: a 16-bit copy of the rank's matrices lives from forward to backward
+        copies = _bytes([q for q in params if q[2] >= 2], 1, False, d.tp, 2, "params")
+    else:
+        copies = 0
+    buffers = copies + int(cost.largest * act_scale) // d.tp
     cpu = profile is not None and profile.device == "cpu"
     base = (profile.process_bytes or 0) if cpu else 0
     mem = {"params": p_bytes, "grads": g_bytes, "optimizer": opt, "activations": act, "buffers": buffers,
@@ -221,7 +255,7 @@ def collectives(profile: HardwareProfile, layout: Layout):
 
 def predict_time(shape: ModelShape, cost: MicroBatchCost, opt_ops: Ops, layout: Layout, profile: HardwareProfile, *,
                  dtype: str, checkpointing: bool, schedule: str, stages_per_rank: int, grad_bytes: int,
-                 param_bytes_full: int) -> dict[str, float | None]:
+                 param_bytes_full: int, reduce_dtype: str = "fp32") -> dict[str, float | None]:
     d, zero = layout.dims, layout.zero
     micro = cost.micro_batch
     n_micro = layout.per_rank_batch // micro
@@ -249,7 +283,8 @@ def predict_time(shape: ModelShape, cost: MicroBatchCost, opt_ops: Ops, layout: 
     if d.dp > 1 and zero <= 1:
         comm += _ddp_comm(shape, profile, layout, n_micro, grad_bytes, per_micro * (1 - fwd_share))
     elif d.dp > 1:
-        seconds, fresh = _fsdp_comm(shape, profile, layout, n_micro, param_bytes_full, per_micro, len(opt_ops.items))
+        seconds, fresh = _fsdp_comm(shape, profile, layout, n_micro, param_bytes_full, per_micro, len(opt_ops.items),
+                                    dtype, reduce_dtype)
         comm += seconds
         t["compute"] = compute = compute + (profile.fresh_memory_s_per_byte or 0.0) * fresh
     if d.tp > 1:
@@ -307,32 +342,39 @@ def _ddp_comm(shape: ModelShape, profile: HardwareProfile, layout: Layout, n_mic
 
 
 def _fsdp_comm(shape: ModelShape, profile: HardwareProfile, layout: Layout, n_micro: int, param_bytes_full: int,
-               per_micro: float, optimizer_ops: int) -> tuple[float, float]:
+               per_micro: float, optimizer_ops: int, dtype: str = "fp32",
+               reduce_dtype: str = "fp32") -> tuple[float, float]:
     """ZeRO 2/3 (FSDP2): (seconds, bytes of FSDP2's buffers that are freshly mapped on CPU). Per
     micro-batch each block is gathered for its forward (ZeRO 2 keeps it through backward, then frees
     it), ZeRO 3 again for its backward but the last block's; the root (the layers outside blocks)
     likewise; gradients are reduced once per step (the last micro-batch). Priced as the probe measured
     FSDP2 on a GPT (per call and per byte moved), else the collectives alone from the curves; DTensor's
-    cost per optimizer operator (the shards are DTensors)."""
+    cost per optimizer operator (the shards are DTensors). FSDP2's mixed precision under bf16
+    (precision.sharded_mixed_precision) gathers 16-bit parameters, half an fp32 model's bytes, and reduces
+    gradients in `reduce_dtype`."""
     d, zero, ct, over = layout.dims, layout.zero, collectives(profile, layout), profile.parallel_overheads
     n_blocks = max(len(shape.block_params), 1)
     in_blocks = sum(n for b in shape.block_params for n, *_ in b) * shape.element_size / d.tp
     block_bytes = (in_blocks or param_bytes_full) / n_blocks
     rest_bytes = max(param_bytes_full - n_blocks * block_bytes, 0.0)  # the root's: embeddings, head
+    half = dtype in ("bf16", "fp16")
+    g, r = (0.5 if half else 1.0), (0.5 if half and reduce_dtype == "bf16" else 1.0)  # of the fp32 bytes
     gathers = n_blocks * n_micro * (2 if zero == 3 else 1) - (n_micro if zero == 3 else 0)
     root_gathers = n_micro * (2 if zero == 3 else 1)
     if "fsdp_call_s" in over:
-        moved = (gathers + n_blocks) * block_bytes + (root_gathers + 1) * rest_bytes
+        moved = (gathers * g + n_blocks * r) * block_bytes + (root_gathers * g + r) * rest_bytes
         comm = (gathers + root_gathers + n_blocks + 1) * over["fsdp_call_s"] + moved * over["fsdp_byte_s"]
     else:
         cuda, block_compute = profile.device == "cuda", per_micro / n_blocks
-        gather, scatter = ct("all_gather", block_bytes / d.dp) or 0.0, ct("reduce_scatter", block_bytes) or 0.0
+        gather = ct("all_gather", block_bytes * g / d.dp) or 0.0
+        scatter = ct("reduce_scatter", block_bytes * r) or 0.0
         comm = (gather + (gathers - 1) * _hidden(gather, block_compute, cuda)
                 + scatter + (n_blocks - 1) * _hidden(scatter, block_compute, cuda))
     comm += optimizer_ops * over.get("dtensor_op_s", 0.0)
     # per all-gather the block's gathered flat buffer and its parameters copied out of it, per
-    # reduce-scatter its flat input and output, and each micro-batch's unsharded gradients
-    fresh = (2 * gathers + 2 * n_blocks) * block_bytes + n_micro * param_bytes_full
+    # reduce-scatter its flat input and output, and each micro-batch's unsharded gradients (the gathered
+    # parameters' dtype)
+    fresh = (2 * gathers * g + 2 * n_blocks * r) * block_bytes + n_micro * param_bytes_full * g
     return comm, fresh
 
 
