@@ -27,10 +27,14 @@ class Ops:
     fresh_bytes: int = 0  # outputs larger than the mmap threshold ZeRO 2/3 fix on CPU (allocator.py)
     outputs: list[int] = field(default_factory=list, repr=False)  # every output's bytes, in order
     times: dict = field(default_factory=dict, repr=False, compare=False)  # predict.op_time's, once per key
+    summed: tuple = field(default=(0, 0.0), repr=False, compare=False)  # (operators, their FLOPs) last summed
 
     @property
     def flops(self) -> float:
-        return sum(f for _, f, _ in self.items)
+        """FLOPs of all the operators (summed again only when more were traced)."""
+        if self.summed[0] != len(self.items):
+            self.summed = (len(self.items), sum(f for _, f, _ in self.items))
+        return self.summed[1]
 
 
 _VIEWS = frozenset(getattr(torch.ops.aten, n) for n in (

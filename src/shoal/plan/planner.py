@@ -19,7 +19,15 @@ from shoal.models.registry import build_model
 from shoal.parallel.pipeline import split_stages
 from shoal.plan.cost import MicroBatchCost, affine, trace_micro_batch, trace_optimizer_step
 from shoal.plan.enumerate import Candidate, candidates
-from shoal.plan.predict import ModelShape, Prediction, activation_scale, predict_memory, predict_time, rank_params
+from shoal.plan.predict import (
+    ModelShape,
+    Prediction,
+    activation_scale,
+    numel,
+    predict_memory,
+    predict_time,
+    rank_params,
+)
 from shoal.training.build import freeze
 
 _UNITS = {"": 1, "b": 1, "kb": 1e3, "mb": 1e6, "gb": 1e9, "tb": 1e12, "kib": 2 ** 10, "mib": 2 ** 20,
@@ -154,9 +162,11 @@ def predict(model: Model, cfg: Config, layout, profile: HardwareProfile | None,
     """Memory, then time (not priced for a layout above `memory`: it is rejected)."""
     p, d = cfg.parallel, layout.dims
     cost = model.cost(cfg.train.micro_batch_size)
-    params = rank_params(model.shape, layout, p.pp_schedule, lambda r: model.stage_params(cfg, r))
-    total = sum(n for n, *_ in params) or 1
-    fraction = total / (sum(n for n, *_ in model.shape.params) or 1) if d.pp > 1 else 1.0
+    split = (p.pp, p.pp_schedule, p.pp_stages_per_rank, repr(p.pp_split))
+    params = model.shape.once(("largest stage", *split), lambda: rank_params(
+        model.shape, layout, p.pp_schedule, lambda r: model.stage_params(cfg, r)))
+    total = numel(model.shape, params) or 1
+    fraction = total / (numel(model.shape, model.shape.params) or 1) if d.pp > 1 else 1.0
     stages = p.pp_stages_per_rank if p.pp_schedule == "interleaved-1f1b" else 1
     mem = predict_memory(model.shape, params, cost, layout, optimizer=cfg.train.optimizer,
                          momentum=cfg.train.momentum, checkpointing=cfg.precision.activation_checkpointing,
@@ -166,8 +176,8 @@ def predict(model: Model, cfg: Config, layout, profile: HardwareProfile | None,
                          stages_per_rank=stages, sequence_parallel=p.sequence_parallel)
     if profile is None or (memory is not None and mem["peak"] > memory):
         return Prediction(mem, {"compute": None, "comm": None, "bubble": None, "step": None})
-    grad_bytes = sum(n for n, _, _, t in params if t) * model.shape.element_size // d.tp
-    full = sum(n for n, *_ in params) * model.shape.element_size // d.tp
+    grad_bytes = numel(model.shape, params, trainable=True) * model.shape.element_size // d.tp
+    full = total * model.shape.element_size // d.tp
     t = predict_time(model.shape, cost, model.opt_ops, layout, profile, dtype=cfg.precision.dtype,
                      checkpointing=cfg.precision.activation_checkpointing, schedule=p.pp_schedule,
                      stages_per_rank=stages, grad_bytes=grad_bytes, param_bytes_full=full,

@@ -53,6 +53,7 @@ Time, per optimizer step of the slowest rank:
 from __future__ import annotations
 
 import math
+from collections import Counter
 from dataclasses import dataclass, field
 from functools import partial
 
@@ -75,6 +76,22 @@ class ModelShape:
     block_params: list[list[tuple[int, int, int, bool]]]
     stage_params: dict[tuple[int, int], list[tuple[int, int, int, bool]]] = field(default_factory=dict)
     element_size: int = 4
+    memo: dict = field(default_factory=dict, repr=False, compare=False)  # figures of parameter lists, once each
+
+    def grouped(self, params: list) -> list[tuple[tuple[int, int, int, bool], int]]:
+        """`params` as its distinct (numel, first dimension, ndim, trainable) and how many of each: a model's
+        blocks repeat a dozen shapes, and a plan asks thousands of layouts for their bytes. Kept per list
+        (the list is held with it, so that its id stays its own)."""
+        key = ("grouped", id(params))
+        if key not in self.memo:
+            self.memo[key] = (params, list(Counter(params).items()))
+        return self.memo[key][1]
+
+    def once(self, key: tuple, make):
+        """`make()`, kept under `key`: a figure many layouts share."""
+        if key not in self.memo:
+            self.memo[key] = make()
+        return self.memo[key]
 
 
 @dataclass
@@ -87,18 +104,19 @@ class Prediction:
         return self.time["step"]
 
 
-def _bytes(params, shard: int, zero_sharded: bool, tp: int, esize: int, what: str) -> int:
+def _bytes(shape: ModelShape, params, shard: int, zero_sharded: bool, tp: int, esize: int, what: str) -> int:
     """Bytes of `params` on the largest rank: matrices split by tp, then (ZeRO 2/3) the first
-    dimension chunked over `shard` ranks, rank 0's chunk the ceiling."""
+    dimension chunked over `shard` ranks, rank 0's chunk the ceiling. `what`: "params" all of them,
+    "grads" the trainable ones, "matrices" those of two dimensions or more."""
     total = 0
-    for numel, dim0, ndim, trainable in params:
-        if what != "params" and not trainable:
+    for (numel, dim0, ndim, trainable), count in shape.grouped(params):
+        if (what == "grads" and not trainable) or (what == "matrices" and ndim < 2):
             continue
         rest = numel // max(dim0, 1)
         d0 = dim0 // tp if (tp > 1 and ndim >= 2) else dim0
         if zero_sharded and shard > 1:
             d0 = math.ceil(d0 / shard)
-        total += d0 * rest * esize
+        total += count * d0 * rest * esize
     return total
 
 
@@ -111,11 +129,16 @@ def _zero1_max(params, dp: int, tp: int, per_element: int, per_param: int) -> in
     return max(loads)
 
 
+def numel(shape: ModelShape, params: list, trainable: bool = False) -> int:
+    """Elements of `params` (`trainable`: of those that train)."""
+    return sum(g[0] * count for g, count in shape.grouped(params) if g[3] or not trainable)
+
+
 def rank_params(shape: ModelShape, layout: Layout, schedule: str, stage_of) -> list:
     """Parameters of the largest pp rank (its stages), or all."""
     if layout.dims.pp == 1:
         return shape.params
-    return max((stage_of(r) for r in range(layout.dims.pp)), key=lambda ps: sum(p[0] for p in ps))
+    return max((stage_of(r) for r in range(layout.dims.pp)), key=lambda ps: numel(shape, ps))
 
 
 def in_flight(layout: Layout, schedule: str, stages_per_rank: int = 1) -> float:
@@ -142,28 +165,30 @@ def predict_memory(shape: ModelShape, params: list, cost: MicroBatchCost, layout
     d, zero, es = layout.dims, layout.zero, shape.element_size
     half = dtype in ("bf16", "fp16")
     sharded = zero >= 2
-    p_bytes = _bytes(params, d.dp, sharded, d.tp, es, "params")
-    g_bytes = _bytes(params, d.dp, sharded, d.tp, es, "grads")
+    p_bytes = _bytes(shape, params, d.dp, sharded, d.tp, es, "params")
+    g_bytes = _bytes(shape, params, d.dp, sharded, d.tp, es, "grads")
     moments = 2 if optimizer == "adamw" else (1 if momentum else 0)
     step_bytes = 4 if optimizer == "adamw" else 0  # AdamW's step: a one-element fp32 tensor per parameter
-    n_trainable = sum(1 for p in params if p[3])
+    n_trainable = sum(count for g, count in shape.grouped(params) if g[3])
     if zero == 1:
-        opt = _zero1_max([(n // d.tp if d.tp > 1 and nd >= 2 else n, d0, nd, t) for n, d0, nd, t in params],
-                         d.dp, 1, moments * es, step_bytes)
+        opt = shape.once(("zero1", id(params), d.dp, d.tp, moments * es, step_bytes), lambda: _zero1_max(
+            [(n // d.tp if d.tp > 1 and nd >= 2 else n, d0, nd, t) for n, d0, nd, t in params],
+            d.dp, 1, moments * es, step_bytes))
     else:
-        opt = _bytes(params, d.dp, sharded, d.tp, es, "grads") * moments + n_trainable * step_bytes
+        opt = g_bytes * moments + n_trainable * step_bytes
     act = cost.activation_bytes(checkpointing, stage_fraction, in_flight(layout, schedule, stages_per_rank),
                                 scale=act_scale, tp=d.tp, sequence_parallel=sequence_parallel)
     if zero >= 2:
         # FSDP2 gathers in the compute dtype under bf16 (precision.sharded_mixed_precision): a 16-bit copy
         gs = 2 if half else es
-        full_block = max((_bytes(b, 1, False, d.tp, gs, "params") for b in shape.block_params), default=0)
-        full = _bytes(params, 1, False, d.tp, gs, "params")
+        full_block = shape.once(("block", d.tp, gs), lambda: max(
+            (_bytes(shape, b, 1, False, d.tp, gs, "params") for b in shape.block_params), default=0))
+        full = _bytes(shape, params, 1, False, d.tp, gs, "params")
         copies = full - (p_bytes if gs == es else 0) if zero == 2 else 2 * full_block
     elif half:
         # autocast casts each weight matrix to 16 bits once per autocast region and the layer keeps the copy
         # for backward: a 16-bit copy of the rank's matrices lives from forward to backward
-        copies = _bytes([q for q in params if q[2] >= 2], 1, False, d.tp, 2, "params")
+        copies = _bytes(shape, params, 1, False, d.tp, 2, "matrices")
     else:
         copies = 0
     buffers = copies + int(cost.largest * act_scale) // d.tp
@@ -354,7 +379,8 @@ def _fsdp_comm(shape: ModelShape, profile: HardwareProfile, layout: Layout, n_mi
     gradients in `reduce_dtype`."""
     d, zero, ct, over = layout.dims, layout.zero, collectives(profile, layout), profile.parallel_overheads
     n_blocks = max(len(shape.block_params), 1)
-    in_blocks = sum(n for b in shape.block_params for n, *_ in b) * shape.element_size / d.tp
+    in_blocks = shape.once(("in blocks",), lambda: sum(n for b in shape.block_params for n, *_ in b)) \
+        * shape.element_size / d.tp
     block_bytes = (in_blocks or param_bytes_full) / n_blocks
     rest_bytes = max(param_bytes_full - n_blocks * block_bytes, 0.0)  # the root's: embeddings, head
     half = dtype in ("bf16", "fp16")
@@ -388,10 +414,15 @@ def _tp_comm(shape: ModelShape, cost: MicroBatchCost, profile: HardwareProfile, 
     d, over = layout.dims, profile.parallel_overheads
     ct = partial(collectives(profile, layout), axis="tp")
     act = (cost.block_input[0] if cost.block_input else 0) * act16
-    matrices = sum(sum(1 for p in b if p[2] >= 2) for b in shape.block_params)
-    outside = sum(1 for p in shape.params if p[2] >= 2) - matrices
+    matrices, outside, tensors = shape.once(("tp matrices",), lambda: _matrices(shape))
     message = max(0.0, (ct("all_reduce", act) or 0.0) - (ct("all_reduce", OVERHEAD_MESSAGE_BYTES["tp"]) or 0.0))
     per_layer = over["tp_layer_s"] + message if "tp_layer_s" in over else (ct("all_reduce", act) or 0.0)
-    split = min(1.0, 2 * matrices / max(sum(len(b) for b in shape.block_params), 1))  # the matrices and biases
+    split = min(1.0, 2 * matrices / max(tensors, 1))  # the matrices and biases
     layers = n_micro * (matrices / d.pp + outside) * per_layer
     return layers + over.get("dtensor_op_s", 0.0) * split * optimizer_ops / d.pp
+
+
+def _matrices(shape: ModelShape) -> tuple[int, int, int]:
+    """(matrices in blocks, matrices outside them, tensors in blocks): what tp splits."""
+    matrices = sum(sum(1 for p in b if p[2] >= 2) for b in shape.block_params)
+    return matrices, sum(1 for p in shape.params if p[2] >= 2) - matrices, sum(len(b) for b in shape.block_params)
