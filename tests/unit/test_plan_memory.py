@@ -100,6 +100,28 @@ def test_bf16_zero_3_moves_16_bit_parameters_and_gradients_in_the_reduce_dtype()
     assert bf16 < comm('precision.dtype="bf16"') < fp32
 
 
+def test_recomputation_all_reduces_the_row_parallel_outputs_again():
+    """Under tp each block's forward all-reduces its row-parallel layers' outputs (attention's projection, the
+    MLP's down): two a block, found by the trace. A recomputed forward runs them again (so does
+    Megatron-LM's): checkpointing adds one activation-sized all-reduce each, per micro-batch."""
+    from shoal.hardware import HardwareProfile
+
+    curves = {op: [(4096.0, 1e-4), (2 ** 26, 1e-4 + 2 ** 26 * 1e-9)] for op in ("all_reduce", "send_recv")}
+    profile = HardwareProfile(matmul_flops={"fp32": 1e10}, memory_bandwidth=1e10, collectives=curves)
+    cfg = load_config(None, [*SHAPE, "parallel.tp=2"])
+    model = Model.build(cfg)
+    assert model.cost(B).row_parallel == 2 * L
+
+    def comm(ckpt):
+        c = load_config(None, [*SHAPE, "parallel.tp=2", f"precision.activation_checkpointing={ckpt}"])
+        return predict(model, c, resolve_layout(c, 2, False), profile).time["comm"]
+
+    n_micro = 8 // B  # the global batch on one dp rank
+    residual = S * B * H * 4  # a block's input, fp32
+    assert comm("true") - comm("false") == pytest.approx(
+        n_micro * 2 * L * profile.collective_time("all_reduce", residual), rel=1e-9)
+
+
 @pytest.mark.slow
 def test_gpt3_175b_without_recomputation_does_not_fit_an_80_gib_gpu_at_t8_p8():
     """Korthikanti et al. 2022 (Fig. 1): GPT-3 175B at t 8, p 8 does not fit in 80 GB without recomputation,

@@ -72,13 +72,14 @@ def describe_op(func, args, kwargs, out) -> tuple[str, float, float] | None:
 class _Trace(TorchDispatchMode):
     """Every operator (Ops); while `placing`, which tensors tensor parallelism splits (_place)."""
 
-    def __init__(self, weights: frozenset[int] = frozenset()):
+    def __init__(self, weights: frozenset[int] = frozenset(), in_block=lambda: False):
         super().__init__()
         self.ops = Ops()
         self.weights = weights  # the parameters' storages
         self.placing = bool(weights)
         self.split, self.gathered = set(), set()  # storages
         self.alive = []  # the tensors of those storages, kept so that no new tensor takes a storage's identity
+        self.in_block, self.row_parallel = in_block, 0  # row-parallel products inside the blocks
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -106,6 +107,8 @@ class _Trace(TorchDispatchMode):
             if not split:
                 self.gathered.update(_storage(t) for t in acts)
                 self.alive += acts
+            else:
+                self.row_parallel += self.in_block()
             split = not split
         if split:
             outs = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
@@ -189,6 +192,9 @@ class MicroBatchCost:
     # per saved tensor: its block (-1: outside), where tensor parallelism puts it (SPLIT, GATHERED, WHOLE) and
     # whether it is floating point (a 16-bit run halves it; a dropout's mask and indices keep their bytes)
     saved_kinds: list[tuple[int, int, bool]] = field(default_factory=list, repr=False)
+    # row-parallel products in the blocks' forward: each all-reduces its output, again where checkpointing
+    # recomputes the forward
+    row_parallel: int = 0
     memo: dict = field(default_factory=dict, repr=False, compare=False)  # on_rank's, per its arguments
 
     def activation_bytes(self, checkpointing: bool, fraction: float = 1.0, in_flight: float = 1, *,
@@ -269,7 +275,7 @@ def trace_micro_batch(bundle, batch: dict, block_types: tuple, fused_attention: 
     model = bundle.model
     weights = frozenset(_storage(p) for p in model.parameters())
     saved = _Saved(weights, [m for m in model.modules() if block_types and isinstance(m, block_types)])
-    trace = _Trace(weights)
+    trace = _Trace(weights, lambda: saved.current >= 0)
     try:
         with _Attention(fused_attention, attention_dropout, hidden_dropout, native_dropout), trace, \
                 torch.autograd.graph.saved_tensors_hooks(saved.pack, lambda t: t):
@@ -285,7 +291,7 @@ def trace_micro_batch(bundle, batch: dict, block_types: tuple, fused_attention: 
     places = [(block, SPLIT if key in trace.split else GATHERED if key in trace.gathered else WHOLE, floating)
               for block, key, floating in saved.kinds]
     return MicroBatchCost(_batch_size(batch), trace.ops, forward_flops, saved.outside, saved.per_block,
-                          saved.block_input, max(sizes, default=0), sizes, places)
+                          saved.block_input, max(sizes, default=0), sizes, places, trace.row_parallel)
 
 
 def affine(traced: list[MicroBatchCost]) -> Callable[[int], MicroBatchCost] | None:
@@ -297,9 +303,8 @@ def affine(traced: list[MicroBatchCost]) -> Callable[[int], MicroBatchCost] | No
     saved tensors' blocks and placements are the same in all three, so the result is what a trace at that
     size gives. None where any number is not affine: trace each size."""
     a, b, c = sorted(traced[:3], key=lambda t: t.micro_batch)
-    if len({a.micro_batch, b.micro_batch, c.micro_batch}) < 3 or [n for n, *_ in a.ops.items] != \
-            [n for n, *_ in b.ops.items] or [n for n, *_ in a.ops.items] != [n for n, *_ in c.ops.items] or \
-            not a.saved_kinds == b.saved_kinds == c.saved_kinds:
+    same = [([n for n, *_ in t.ops.items], t.saved_kinds, t.row_parallel) for t in (a, b, c)]
+    if len({a.micro_batch, b.micro_batch, c.micro_batch}) < 3 or not same[0] == same[1] == same[2]:
         return None
     ma, mb, mc = a.micro_batch, b.micro_batch, c.micro_batch
 
@@ -327,7 +332,7 @@ def affine(traced: list[MicroBatchCost]) -> Callable[[int], MicroBatchCost] | No
         forward_flops, outside = v[-2], int(v[-1])
         ops = Ops(items, sum(b for b in outputs if b > THRESHOLD), outputs)
         return MicroBatchCost(m, ops, forward_flops, outside, per_block, inputs, max(saved, default=0), saved,
-                              list(a.saved_kinds))
+                              list(a.saved_kinds), a.row_parallel)
 
     return at
 

@@ -43,7 +43,8 @@ Time, per optimizer step of the slowest rank:
               parameter tensor and DTensor's per optimizer operator (gathers in the compute dtype,
               reduce-scatters in precision.reduce_dtype); tp: per split matrix and micro-batch the
               probe's measured cost of a split layer (DTensor and an all-reduce between layers) and
-              what the activations' all-reduce costs beyond its tiny one; pp sends
+              what the activations' all-reduce costs beyond its tiny one, under checkpointing the
+              row-parallel layers' all-reduces again in the recomputed forward; pp sends
               activations and gradients between stages
   bubble      pipeline idle time: (p-1)/(v m + p-1) of the stage's busy time (v stages per rank)
   calibration what the formulas miss, as the probe measured it for the layout's strategy on its reference
@@ -163,7 +164,6 @@ def predict_memory(shape: ModelShape, params: list, cost: MicroBatchCost, layout
                    stage_fraction: float, data_bytes: int = 0, act_scale: float = 1.0, dtype: str = "fp32",
                    stages_per_rank: int = 1, sequence_parallel: bool = False) -> dict[str, int]:
     d, zero, es = layout.dims, layout.zero, shape.element_size
-    half = dtype in ("bf16", "fp16")
     sharded = zero >= 2
     p_bytes = _bytes(shape, params, d.dp, sharded, d.tp, es, "params")
     g_bytes = _bytes(shape, params, d.dp, sharded, d.tp, es, "grads")
@@ -178,20 +178,7 @@ def predict_memory(shape: ModelShape, params: list, cost: MicroBatchCost, layout
         opt = g_bytes * moments + n_trainable * step_bytes
     act = cost.activation_bytes(checkpointing, stage_fraction, in_flight(layout, schedule, stages_per_rank),
                                 scale=act_scale, tp=d.tp, sequence_parallel=sequence_parallel)
-    if zero >= 2:
-        # FSDP2 gathers in the compute dtype under bf16 (precision.sharded_mixed_precision): a 16-bit copy
-        gs = 2 if half else es
-        full_block = shape.once(("block", d.tp, gs), lambda: max(
-            (_bytes(shape, b, 1, False, d.tp, gs, "params") for b in shape.block_params), default=0))
-        full = _bytes(shape, params, 1, False, d.tp, gs, "params")
-        copies = full - (p_bytes if gs == es else 0) if zero == 2 else 2 * full_block
-    elif half:
-        # autocast casts each weight matrix to 16 bits once per autocast region and the layer keeps the copy
-        # for backward: a 16-bit copy of the rank's matrices lives from forward to backward
-        copies = _bytes(shape, params, 1, False, d.tp, 2, "matrices")
-    else:
-        copies = 0
-    buffers = copies + int(cost.largest * act_scale) // d.tp
+    buffers = _copies(shape, params, layout, dtype, p_bytes) + int(cost.largest * act_scale) // d.tp
     cpu = profile is not None and profile.device == "cpu"
     base = (profile.process_bytes or 0) if cpu else 0
     mem = {"params": p_bytes, "grads": g_bytes, "optimizer": opt, "activations": act, "buffers": buffers,
@@ -201,6 +188,22 @@ def predict_memory(shape: ModelShape, params: list, cost: MicroBatchCost, layout
         tensors = (profile.heap_fixed_bytes or 0) + profile.heap_ratio * tensors
     mem["peak"] = int(base + data_bytes + tensors)
     return mem
+
+
+def _copies(shape: ModelShape, params: list, layout: Layout, dtype: str, p_bytes: int) -> int:
+    """Bytes of the parameters' copies that compute uses: ZeRO 2 keeps every block gathered from forward to
+    backward, ZeRO 3 two blocks (one prefetched); ZeRO 0/1 in 16 bits autocast's copies."""
+    d, zero, es, half = layout.dims, layout.zero, shape.element_size, dtype in ("bf16", "fp16")
+    if zero >= 2:
+        # FSDP2 gathers in the compute dtype under bf16 (precision.sharded_mixed_precision): a 16-bit copy
+        gs = 2 if half else es
+        if zero == 2:
+            return _bytes(shape, params, 1, False, d.tp, gs, "params") - (p_bytes if gs == es else 0)
+        return 2 * shape.once(("block", d.tp, gs), lambda: max(
+            (_bytes(shape, b, 1, False, d.tp, gs, "params") for b in shape.block_params), default=0))
+    # autocast casts each weight matrix to 16 bits once per autocast region and the layer keeps the copy for
+    # backward: a 16-bit copy of the rank's matrices lives from forward to backward
+    return _bytes(shape, params, 1, False, d.tp, 2, "matrices") if half else 0
 
 
 def activation_scale(profile: HardwareProfile | None, dtype: str) -> float:
@@ -313,7 +316,7 @@ def predict_time(shape: ModelShape, cost: MicroBatchCost, opt_ops: Ops, layout: 
         comm += seconds
         t["compute"] = compute = compute + (profile.fresh_memory_s_per_byte or 0.0) * fresh
     if d.tp > 1:
-        comm += _tp_comm(shape, cost, profile, layout, n_micro, len(opt_ops.items), act16)
+        comm += _tp_comm(shape, cost, profile, layout, n_micro, len(opt_ops.items), act16, checkpointing)
     if d.pp > 1:
         act = (cost.block_input[0] if cost.block_input else 0) * act16
         hops = 2 * (n_micro + d.pp - 1) * stages_per_rank
@@ -405,12 +408,12 @@ def _fsdp_comm(shape: ModelShape, profile: HardwareProfile, layout: Layout, n_mi
 
 
 def _tp_comm(shape: ModelShape, cost: MicroBatchCost, profile: HardwareProfile, layout: Layout, n_micro: int,
-             optimizer_ops: int, act16: float = 1.0) -> float:
+             optimizer_ops: int, act16: float = 1.0, checkpointing: bool = False) -> float:
     """Tensor parallelism: one all-reduce of a block's activations per split matrix and micro-batch (a
     row-wise layer's output in forward, a column-wise layer's input gradient in backward), at the probe's
     measured cost of a split layer (DTensor's work and a tiny all-reduce between layers) plus what a
-    message of the activations' size costs more; DTensor's cost per optimizer operator on split
-    parameters."""
+    message of the activations' size costs more; under checkpointing the row-wise layers' all-reduces
+    again in the recomputed forward; DTensor's cost per optimizer operator on split parameters."""
     d, over = layout.dims, profile.parallel_overheads
     ct = partial(collectives(profile, layout), axis="tp")
     act = (cost.block_input[0] if cost.block_input else 0) * act16
@@ -419,6 +422,8 @@ def _tp_comm(shape: ModelShape, cost: MicroBatchCost, profile: HardwareProfile, 
     per_layer = over["tp_layer_s"] + message if "tp_layer_s" in over else (ct("all_reduce", act) or 0.0)
     split = min(1.0, 2 * matrices / max(tensors, 1))  # the matrices and biases
     layers = n_micro * (matrices / d.pp + outside) * per_layer
+    if checkpointing:
+        layers += n_micro * cost.row_parallel / d.pp * (ct("all_reduce", act) or 0.0)
     return layers + over.get("dtensor_op_s", 0.0) * split * optimizer_ops / d.pp
 
 
