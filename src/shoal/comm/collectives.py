@@ -29,6 +29,28 @@ class Pending:
         return self.out
 
 
+def swap_with_peer(send: torch.Tensor, recv: torch.Tensor, group) -> dist.Work:
+    """In a group of two ranks: `send` to the other rank and the other's `send` into `recv` (both
+    contiguous, of one size), asynchronously. One all_to_all_single whose splits leave out this rank's
+    own part, so nothing is allocated or copied on the way."""
+    splits = [0, 0]
+    splits[1 - dist.get_rank(group)] = send.numel()
+    return dist.all_to_all_single(recv, send, splits, splits, group=group, async_op=True)
+
+
+def all_gather_pair(out: torch.Tensor, shard: torch.Tensor, group) -> dist.Work:
+    """In a group of two ranks: both ranks' `shard` into `out` in rank order (an all-gather into a tensor),
+    asynchronously, by swapping shards; `shard` may already be this rank's part of `out` (FSDP2 gathers
+    in place). gloo's all_gather_into_tensor allocates and copies a buffer of the whole output per call
+    (measured with 2 processes on CPU, 14 MB shards: 12-15 ms, against 7.7 ms for the swap)."""
+    r, n = dist.get_rank(group), shard.numel()
+    flat = out.view(-1)
+    mine, theirs = flat[r * n:(r + 1) * n], flat[(1 - r) * n:(2 - r) * n]
+    if mine.data_ptr() != shard.data_ptr():
+        mine.copy_(shard.reshape(-1))
+    return swap_with_peer(mine, theirs, group)
+
+
 class Comm:
     """This rank's door to the other ranks: collectives over process groups (None: all ranks) and a
     key-value store for small decisions."""
@@ -75,10 +97,30 @@ class Comm:
 
     def reduce_scatter(self, out: torch.Tensor, t: torch.Tensor, group=None, label: str = "world",
                        op=dist.ReduceOp.SUM) -> torch.Tensor:
-        """Chunk r of `t` reduced over the ranks, into `out` on rank r."""
+        """Chunk r of `t` reduced over the ranks, into `out` on rank r.
+
+        On gloo, a sum or mean goes by all-to-all, each rank adding up its own chunk: gloo's
+        reduce_scatter_tensor all-reduces the whole input and keeps a chunk, moving twice the bytes a
+        reduce-scatter must, through a buffer it allocates per call. Measured with 2 processes on CPU and
+        28 MB of fp32: reduce_scatter_tensor 24-29 ms, the all-to-all and sum 10.7 ms, two ranks swapping
+        chunks 7.7 ms. The sum is the same as gloo's for two ranks (a + b) and within rounding for more."""
+        group = self._g(group)
         rec = self.log.enter("reduce_scatter", label, [t])
-        return Pending(dist.reduce_scatter_single(out, t, op=op, group=self._g(group), async_op=True), rec,
-                       self.log, out).wait()
+        w = dist.get_world_size(group)
+        if op not in (dist.ReduceOp.SUM, dist.ReduceOp.AVG) or dist.get_backend(group) != "gloo" \
+                or not (t.is_contiguous() and out.is_contiguous()):
+            return Pending(dist.reduce_scatter_single(out, t, op=op, group=group, async_op=True), rec, self.log,
+                           out).wait()
+        chunks, flat = t.view(w, -1), out.view(-1)
+        if w == 2:  # the other rank's part of our chunk straight into `out`, then ours added: no buffer
+            r = dist.get_rank(group)
+            Pending(swap_with_peer(chunks[1 - r], flat, group), rec, self.log, out).wait()
+            flat.add_(chunks[r])
+        else:
+            got = torch.empty_like(t)
+            Pending(dist.all_to_all_single(got, t, group=group, async_op=True), rec, self.log, got).wait()
+            torch.sum(got.view(w, -1), dim=0, out=flat)
+        return out.div_(w) if op == dist.ReduceOp.AVG else out
 
     @torch.no_grad()
     def broadcast_module(self, module: torch.nn.Module, src: int = 0) -> None:

@@ -22,6 +22,7 @@ flags all-reduce of each step (train/flags.py), which does not depend on gradien
 
 from __future__ import annotations
 
+import math
 from typing import Protocol
 
 import torch
@@ -32,6 +33,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from shoal.comm.codecs import Codec, DDPState
 from shoal.comm.hooks import logged
+from shoal.comm.lent_buffer import LentBuffer
 from shoal.comm.log import CollectiveLog
 from shoal.comm.model_waits import log_fsdp_all_gathers
 
@@ -87,16 +89,17 @@ class EveryStep:
         # the codec's state at the last completed step: a step's backward changes the codec's residuals
         # bucket by bucket, so a step that fails or is skipped midway leaves them part new, part old
         self.held: dict[str, torch.Tensor] = {}
+        self.buffer = LentBuffer()  # ZeRO 2/3 on CPU: lent to the all-gather outputs and reduce-scatter inputs
 
     def install(self, module: torch.nn.Module, dp_group, log: CollectiveLog) -> None:
         if isinstance(module, DDP):  # in the collective log, whatever the codec
             names = {id(p): n for n, p in module.module.named_parameters()}
             module.register_comm_hook(DDPState(dp_group, names), logged(self.codec.ddp_hook, log, "dp"))
         else:
-            log_fsdp_all_gathers(module, log)  # the parameters' all-gathers, in the log as well
+            log_fsdp_all_gathers(module, log, self.buffer)  # the parameters' all-gathers, in the log as well
             for name, m in module.named_modules():
                 if isinstance(m, FSDPModule):
-                    m.set_custom_reduce_scatter(CodecReduceScatter(self.codec, name or "root"))
+                    m.set_custom_reduce_scatter(CodecReduceScatter(self.codec, name or "root", self.buffer))
 
     def attach(self, model: torch.nn.Module, dp_group, dp: int) -> None:
         pass
@@ -137,15 +140,25 @@ class EveryStep:
 class CodecReduceScatter(ReduceScatter):
     """FSDP2's gradient reduce-scatter for one FSDP module, through a codec (FSDP2 calls it
     synchronously, async_op False, with the flat padded gradients of the module's parameters laid out
-    rank by rank)."""
+    rank by rank). FSDP2 asks it for that input and then for the output, the shard that becomes the
+    gradients; the input may borrow `buffer` (comm/lent_buffer.py) once its size is known."""
 
-    def __init__(self, codec: Codec, key: str):
-        self.codec, self.key = codec, key
+    def __init__(self, codec: Codec, key: str, buffer: LentBuffer | None = None):
+        self.codec, self.key, self.buffer = codec, key, buffer
+        self.sizes: tuple[int, int] | None = None  # (input, output) numels, from the first call
 
     def allocate(self, size, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        if self.buffer is not None and self.sizes is not None and self.sizes[0] != self.sizes[1] \
+                and math.prod(size) == self.sizes[0]:
+            lent = self.buffer.lend(size, dtype, device)
+            if lent is not None:
+                return lent
         return torch.empty(*size, dtype=dtype, device=device)
 
     def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: dist.ProcessGroup, op,
                  async_op: bool = False):
         self.codec.reduce_scatter(output_tensor, input_tensor, group, op, self.key, f"dp, gradients of {self.key}")
+        self.sizes = (input_tensor.numel(), output_tensor.numel())
+        if self.buffer is not None and self.buffer.holds(input_tensor):
+            self.buffer.give_back()  # reduced: on CPU FSDP2 reads the input no more
         return None

@@ -30,7 +30,16 @@ def shard_parameters(model: torch.nn.Module, block_types: tuple[type, ...], dp_m
     blocks = [m for m in model.modules() if block_types and isinstance(m, block_types)]
     for i, block in enumerate(blocks):
         fully_shard(block, reshard_after_forward=zero == 3 and i < len(blocks) - 1, **kwargs)
-    return fully_shard(model, reshard_after_forward=zero == 3, **kwargs)
+    root = fully_shard(model, reshard_after_forward=zero == 3, **kwargs)
+    if dp_mesh.device_type == "cpu":
+        # FSDP2 prefetches the next block's parameters at the start of each block's backward, holding a
+        # second block's parameters (or their all-gather output) through it. Measured on CPU, the 99.5M GPT
+        # at dp 2 on 2 cores: ZeRO 3's peak RSS 1,208-1,230 MiB with it and 1,175-1,178 without, steps
+        # 1,528 ms and 1,489-1,555. Each module names only itself to prefetch, which is in already: FSDP2
+        # then skips its own choice.
+        for m in [root, *blocks]:
+            m.set_modules_to_backward_prefetch([m])
+    return root
 
 
 def shard_optimizer(groups: list[dict], optimizer_class: type[torch.optim.Optimizer], dp_group,
