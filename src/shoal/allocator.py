@@ -18,13 +18,23 @@ RSS 1,233-1,250 MiB; ZeRO 2 1,713 ms (64 KiB threshold: 2,921), peak 1,430 MiB (
 (Debian's libjemalloc2) lost: with its default decay 3,351 ms and 1,230 MiB (its arena for requests
 of 8 MiB and more purges at once); never purging, 1,825 ms but 1,466 MiB. Releasing tcmalloc's free
 spans at step boundaries or after each block's backward (MallocExtension_ReleaseFreeMemory) did not
-lower its peak (1,233-1,294 MiB): what it keeps at the peak is free spans split by the gradient shards
+lower its peak (1,233-1,294 MiB), nor at the start of the backward (1,212-1,238 against 1,210-1,211,
+and 60-100 ms per step slower): what it keeps at the peak is free spans split by the gradient shards
 allocated between the transient buffers, which a release hands back only for the next allocation to
 fault in again.
 
-In benchmarks/memory_sharding.py (medians of 3, beside DeepSpeed 0.19.8): ZeRO 2 1,695 ms and ZeRO 3
-1,877 (ZeRO 0 1,405), 0.76 and 0.71 of DeepSpeed's step time, where the 64 KiB threshold gave 1.10 and
-1.11; ZeRO 3's peak RSS 0.63 of ZeRO 0's (the threshold: 0.58-0.59).
+What was left of ZeRO 2/3's extra time was not the allocator's but gloo's collectives', and most of the
+free spans at the peak came from their buffers: gloo's reduce_scatter_tensor all-reduces the whole input
+and its all_gather_into_tensor copies through a buffer of its own, each allocated per call. Two ranks now
+swap chunks instead (comm/collectives.py), the all-gather outputs and reduce-scatter inputs borrow one
+buffer in turn (comm/lent_buffer.py) and FSDP2's backward prefetch is off on CPU (parallel/zero.py):
+tcmalloc's heap is then 17 MiB over what is allocated at ZeRO 3's peak, where it was ~100.
+
+In benchmarks/memory_sharding.py (medians of 3, beside DeepSpeed 0.19.8), before those changes: ZeRO 2
+1,695 ms and ZeRO 3 1,877 (ZeRO 0 1,405), 0.76 and 0.71 of DeepSpeed's step time, where the 64 KiB
+threshold gave 1.10 and 1.11; ZeRO 3's peak RSS 0.63 of ZeRO 0's (the threshold: 0.58-0.59). After:
+ZeRO 2 1,421 ms and ZeRO 3 1,569 (ZeRO 0 1,332), 0.63 and 0.61 of DeepSpeed's; ZeRO 3's peak RSS 0.586 of
+ZeRO 0's (medians of three invocations; benchmarks/README.md).
 
 Where tcmalloc is not installed, the workers fall back to the 64 KiB threshold (slower steps, the same
 memory) and the launcher says so in one line. ZeRO 0/1 keep glibc's default: they free little. An
