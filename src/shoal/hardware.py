@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import json
 import math
+import os
+import platform
 from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict, ValidationError
@@ -74,6 +76,12 @@ class HardwareProfile(BaseModel):
     # the fraction of the peak (and of the memory bandwidth) that a training step's kernels reach: every
     # compute second the planner prices is divided by it (None: 1, the data sheet's figures as they are)
     compute_efficiency: float | None = None
+    # what makes the machine it was measured on (this_machine()): a profile of another one is not used
+    # unless asked for (--hardware); when it was measured (seconds since the epoch); `spot`: measured by
+    # `shoal plan` in seconds (no calibration, no heap measurement) rather than by `shoal probe`
+    machine: dict[str, str | int] = {}
+    measured_at: float | None = None
+    spot: bool = False
 
     def collective_time(self, op: str, nbytes: float) -> float | None:
         """Seconds of collective `op` for a message of `nbytes`, interpolated log-log between the
@@ -163,3 +171,33 @@ def profile_or_preset(value: str) -> HardwareProfile:
 
 def save_profile(profile: HardwareProfile, path: str | Path) -> None:
     Path(path).write_text(json.dumps(profile.model_dump(), indent=1) + "\n")
+
+
+def cpu_name() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "cpu"
+
+
+def this_machine() -> dict[str, str | int]:
+    """What a profile's figures depend on besides the job: the CPU and how many cores this process may
+    use, the GPUs, torch's version (its kernels and collectives change between releases) and the backend
+    its workers would use. Profiles are cached and checked under it (plan/profiles.py)."""
+    import torch
+
+    cuda = torch.cuda.is_available()
+    return {"cpu": cpu_name(), "cores": len(os.sched_getaffinity(0)),
+            "gpu": torch.cuda.get_device_name(0) if cuda else "none", "gpus": torch.cuda.device_count() if cuda else 0,
+            "torch": torch.__version__, "backend": "nccl" if cuda else "gloo"}
+
+
+def machine_differences(measured: dict, here: dict) -> list[str]:
+    """What differs between the machine a profile was measured on and this one, in words: 'torch 2.12.0
+    (here 2.13.0)'; a profile that did not record its machine differs in nothing that can be told."""
+    return [f"{key} {measured[key]} (here {here[key]})" for key in here
+            if key in measured and measured[key] != here[key]]

@@ -7,7 +7,8 @@ land there and a page's later blocks see what its earlier ones made.
 The README's tour is the newcomer's path, so its results are checked as well: the default job as `make
 run` runs it (2 processes, its schedule compressed to 30 steps) learns and writes every result file, the
 same command resumes it, `shoal parity` passes one process against ZeRO 3 with a row per step, `shoal
-report` writes its page into the run dir, and `shoal plan` ranks the layouts."""
+report` writes its page into the run dir, and `shoal plan` with nothing but the config measures the machine
+on the spot, ranks every layout by its step time and caches the profile for the next plan."""
 
 from __future__ import annotations
 
@@ -42,8 +43,10 @@ def scratch(tmp_path: Path) -> Path:
 
 def run_block(body: str, cwd: Path, where: str, timeout: float = 240) -> Result:
     """One ```sh block through bash, stopping at its first failing command."""
-    r = run_cli([body], timeout=timeout, cwd=cwd, env={"PYTHONPATH": os.environ.get("PYTHONPATH", "")},
-                launcher=["bash", "-e", "-o", "pipefail", "-c"])
+    env = {"PYTHONPATH": os.environ.get("PYTHONPATH", "")}
+    if "shoal plan" in body or "shoal probe" in body:  # the page's own profile cache, empty at first, as on a
+        env["XDG_CACHE_HOME"] = str(cwd / ".cache")    # new machine (never the user's ~/.cache)
+    r = run_cli([body], timeout=timeout, cwd=cwd, env=env, launcher=["bash", "-e", "-o", "pipefail", "-c"])
     assert r.returncode == 0, f"{where}:\n{body}\n{r.output[-3000:]}"
     return r
 
@@ -94,5 +97,13 @@ def test_the_readme_tour(tmp_path):
     run_block(report[1], here, report[0])
     assert (tour / "report.html").is_file() and (tour / "report-loss.png").is_file()
 
+    # nothing but the config: no profile cached, so the machine is measured on the spot (seconds, no
+    # calibration) and every valid layout gets a step time; the next plan takes the cached profile
     r = run_block(plan[1], here, plan[0])
-    assert "valid layouts" in r.stdout and "dp2 tp1 pp1 zero3" in r.stdout, r.stdout
+    first = r.stdout.splitlines()[0]
+    assert first.startswith("profile: measured on the spot in ") and "not calibrated: `shoal probe --nproc 2`" in first
+    assert re.search(r"\d+ valid layouts, fastest first", r.stdout) and "dp2 tp1 pp1 zero3" in r.stdout, r.stdout
+    top = next(ln for ln in r.stdout.splitlines() if re.match(r"\W+1\W+dp", ln))
+    assert re.search(r"\d+\.\d ms", top), top
+    again = run_block(plan[1], here, plan[0])
+    assert again.stdout.splitlines()[0].startswith(f"profile: {here / '.cache' / 'shoal' / 'profiles'}"), again.stdout

@@ -15,7 +15,7 @@ pytestmark = pytest.mark.slow  # runs the CLI
 SCRIPT = FIXTURES / "session_script.py"
 
 
-def test_a_killed_script_rerun_ends_as_an_uninterrupted_one(tmp_path, capsys):
+def test_a_killed_script_rerun_ends_as_an_uninterrupted_one(tmp_path, capsys, monkeypatch):
     zero = "3"  # ZeRO 3: the sharded case (plain dp was checked the same way by hand: equal too)
     whole = run_cli(["run", "--nproc", "2", SCRIPT, tmp_path / "whole", zero], timeout=120, cwd=tmp_path)
     assert whole.returncode == 0, whole.output
@@ -39,6 +39,7 @@ def test_a_killed_script_rerun_ends_as_an_uninterrupted_one(tmp_path, capsys):
 
     # the run dir is a shoal run dir: the planner predicts its model state, the report draws it (the CLI's
     # commands in this process: what they read is the point, not a process of their own)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))  # no profile of this machine: none cached
     assert main(["plan", "--check", str(tmp_path / "whole")]) == 0
     out = capsys.readouterr().out
     rows = {ln.split("  ")[0].strip(): ln for ln in out.splitlines() if "predicted" in ln}

@@ -11,7 +11,7 @@ from harness import train as train_on_ranks
 from shoal.cli import main
 from shoal.config import load_config
 from shoal.errors import UserError
-from shoal.hardware import HardwareProfile, load_profile
+from shoal.hardware import HardwareProfile, load_profile, this_machine
 from shoal.models.meta import on_meta
 from shoal.models.registry import build_model
 from shoal.plan.check import check_run
@@ -225,6 +225,7 @@ def test_probe_writes_a_profile(tmp_path):
     save_profile(profile, tmp_path / "p.json")
     got = load_profile(tmp_path / "p.json")
     assert got.matmul_flops["fp32"] > 0 and got.matmul_flops["bf16"] > 0 and got.memory_bandwidth > 0
+    assert got.machine == this_machine() and got.measured_at > 0 and not got.spot  # where and when, for the cache
     assert set(got.collectives) == {"all_reduce", "all_gather", "reduce_scatter"}  # no pair in a group of 1
     assert got.collective_time("all_reduce", 4096) > 0
     # the reference step's operators: element-wise ones rated by size, matmuls left to the curve

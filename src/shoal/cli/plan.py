@@ -23,6 +23,7 @@ def add_parsers(sub) -> None:
     pr.add_argument("--force-calibration", action="store_true", help="calibrate even where other processes took "
                     "more than the probe allows of the CPU time while it measured (see docs/planner.md)")
     pr.add_argument("--nnodes-measured", type=int, default=1, help=argparse.SUPPRESS)
+    pr.add_argument("--spot", action="store_true", help=argparse.SUPPRESS)  # plan's own quick measurement
     pl = sub.add_parser("plan", help="predict per-rank memory and step time of every valid layout of a config "
                                      "and rank them; --check compares a finished run with its prediction")
     pl.add_argument("config", nargs="?", help="TOML config file (defaults for every key if omitted)")
@@ -30,7 +31,8 @@ def add_parsers(sub) -> None:
     pl.add_argument("--nnodes", type=int, default=1, help="nodes (default 1)")
     pl.add_argument("--memory", help="memory of one worker, e.g. 80GB or 16GiB: layouts above it are rejected")
     hw = pl.add_mutually_exclusive_group()
-    hw.add_argument("--hardware", metavar="PROFILE.json", help="a profile written by shoal probe")
+    hw.add_argument("--hardware", metavar="PROFILE.json", help="a profile written by shoal probe (default: this "
+                    "machine's, cached by shoal probe, or measured on the spot; used even if measured elsewhere)")
     hw.add_argument("--preset", help="a data-sheet profile with its cluster's network: h100, h200, a100, or a named "
                                      "cluster such as h100-ib400, h100-roce400, a100-ib200, a100-efa400; see "
                                      "docs/planner.md")
@@ -52,7 +54,7 @@ def probe(args: argparse.Namespace) -> int:
     if args.nproc < 1 or args.repeats < 1:
         raise UserError("--nproc and --repeats must be >= 1")
     if dist.is_launched():
-        probing.worker(args.out, sizes, args.repeats, args.nnodes_measured)
+        probing.worker(args.out, sizes, args.repeats, args.nnodes_measured, args.spot)
         return 0
     if args.cluster:
         from shoal.testbed.run import run
@@ -65,25 +67,30 @@ def probe(args: argparse.Namespace) -> int:
                                                                         "--force-calibration")], args.nproc)
     if code == 0 and not args.no_calibrate:
         probing.calibrate_profile(args.out, args.nproc, others.share(), args.force_calibration)
+    if code == 0:
+        from shoal.hardware import load_profile
+        from shoal.plan.profiles import store
+
+        kept = store(load_profile(args.out))
+        if kept:
+            print(f"kept in {kept}: shoal plan --nproc {args.nproc} on this machine uses it", flush=True)
     return code
 
 
 def plan(args: argparse.Namespace) -> int:
     from shoal.config import load_config
-    from shoal.hardware import load_profile, preset
     from shoal.plan import check as checking
     from shoal.plan import planner, report
 
-    profile = load_profile(args.hardware) if args.hardware else preset(args.preset) if args.preset else None
     if args.network and not args.preset:
         raise UserError(f"--network {args.network}: a network prices a preset's collectives; give --preset too "
                         "(a probe's profile has its own measured curves)")
-    if args.preset:  # its collectives priced for this job's nodes (plan/network.py)
-        from shoal.plan.network import network
-
-        name = network(args.network).name if args.network else profile.network
-        profile = profile.model_copy(update={"network": name, "nproc": args.nproc, "nnodes": args.nnodes})
+    if args.nproc < 1 or args.nnodes < 1:
+        raise UserError("--nproc and --nnodes must be >= 1")
     memory = planner.parse_bytes(args.memory, "--memory") if args.memory else None
+    cfg = None if args.check else load_config(args.config, args.set)  # a bad config is said before measuring
+    profile, line, missing = _profile(args)
+    print(line, flush=True)
     if args.check:
         rows = checking.check_run(args.check, profile)
         for name, predicted, measured, err in rows:
@@ -95,12 +102,32 @@ def plan(args: argparse.Namespace) -> int:
             print("a Session's run: its forward and loss are the script's own, which the planner does not trace; "
                   "model state is predicted, step time and peak are not (?)")
         return 0
-    if args.nproc < 1 or args.nnodes < 1:
-        raise UserError("--nproc and --nnodes must be >= 1")
-    cfg = load_config(args.config, args.set)
     planned = planner.plan(cfg, args.nproc * args.nnodes, profile, memory)
-    report.render(planned, args.top)
+    report.render(planned, args.top, missing=missing)
     if args.apply:
         best = report.apply(args.config, planned, args.apply)
         print(f"wrote {args.apply}: {best.candidate.label()}")
     return 0
+
+
+def _profile(args: argparse.Namespace):
+    """(profile or None, the line saying which, what would fill in missing step times): --hardware as
+    given, a preset priced for this job's nodes, or this machine's own (plan/profiles.py: cached, else
+    measured on the spot; --check measures nothing)."""
+    from shoal.hardware import preset
+    from shoal.plan import profiles
+
+    probe = f"run `shoal probe --nproc {args.nproc}{' --cluster' if args.nnodes > 1 else ''}` on the machines " \
+            f"and pass --hardware profile.json, or plan with --preset"
+    if args.hardware:
+        chosen = profiles.forced(args.hardware)
+        return chosen.profile, chosen.line, probe
+    if args.preset:  # its collectives priced for this job's nodes (plan/network.py)
+        from shoal.plan.network import network
+
+        profile = preset(args.preset)
+        name = network(args.network).name if args.network else profile.network
+        profile = profile.model_copy(update={"network": name, "nproc": args.nproc, "nnodes": args.nnodes})
+        return profile, f"profile: preset {args.preset} ({profile.device_name}; network {name})", probe
+    chosen = profiles.choose(args.nproc, args.nnodes, measure=not args.check)
+    return chosen.profile, chosen.line, probe

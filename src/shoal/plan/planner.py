@@ -210,9 +210,14 @@ def plan(cfg: Config, world: int, profile: HardwareProfile | None, memory: int |
                       f"--memory {human_bytes(memory)}")
         out.append(Planned(c, pred, reason))
 
-    def key(pl: Planned):
-        # a profile with neither curves nor a network: compute time alone ranks
-        t = (pl.prediction.step_time or pl.prediction.time["compute"]) if pl.prediction else None
-        return (not pl.ok, pl.prediction is None, t if t is not None else float("inf"),
-                pl.prediction.memory["peak"] if pl.prediction else 0)
-    return sorted(out, key=key)
+    return sorted(out, key=ranking)
+
+
+def ranking(pl: Planned) -> tuple:
+    """The order of a plan: valid layouts first, those with a predicted step time before any without one
+    (never ranked above what can be timed), by step time; those without (a profile with neither curves
+    nor a network) by compute time alone, then by peak memory."""
+    step = pl.prediction.step_time if pl.prediction else None
+    t = step if step is not None else pl.prediction.time["compute"] if pl.prediction else None
+    return (not pl.ok, pl.prediction is None, step is None, t if t is not None else float("inf"),
+            pl.prediction.memory["peak"] if pl.prediction else 0)

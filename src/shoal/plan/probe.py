@@ -31,7 +31,7 @@ from torch.utils._pytree import tree_flatten
 from shoal.allocator import THRESHOLD
 from shoal.comm.collectives import Comm
 from shoal.dist import DistEnv
-from shoal.hardware import PROBE_LAYERS, HardwareProfile, line_through
+from shoal.hardware import PROBE_LAYERS, HardwareProfile, cpu_name, line_through, this_machine
 from shoal.metrics.memory import peak_memory_bytes
 
 KIB = 1024
@@ -175,7 +175,7 @@ def _in_new_process(call: str, env: dict):
 
 
 def reference_steps(device: torch.device, repeats: int, sync, widths=REFERENCE_WIDTHS,
-                    together=lambda: None) -> StepCosts:
+                    together=lambda: None, memory: bool = True) -> StepCosts:
     """Training steps of the built-in GPT (2 blocks, 4 sequences of 128 tokens, a new batch each step:
     forward, backward, gradient clipping, AdamW, zero_grad) at each of REFERENCE_WIDTHS, measured four
     ways:
@@ -211,7 +211,8 @@ def reference_steps(device: torch.device, repeats: int, sync, widths=REFERENCE_W
             if amount > 0:
                 (by_flops if flops else by_op)[name].append((amount, amount / max(statistics.median(times) - floor,
                                                                                    1e-9)))
-    fresh, heap_fit = _memory_costs(repeats, widths, allocs, together) if device.type == "cpu" else (None, (None, None))
+    fresh, heap_fit = _memory_costs(repeats, widths, allocs, together) if memory and device.type == "cpu" \
+        else (None, (None, None))
     # the narrowest reference's: its operators are too small for cache misses to add to their time
     return StepCosts({name: _merge(points) for name, points in sorted(by_op.items())},
                      {name: _merge(points) for name, points in sorted(by_flops.items())}, overheads[0], fresh,
@@ -467,8 +468,12 @@ def _group_time(comm: Comm, fn, sync, device) -> float:
 
 
 def measure(env: DistEnv, sizes=DEFAULT_SIZES, repeats: int = 3, matmul_sizes=MATMUL_SIZES,
-            copy_bytes: int = 64 * 1024 * KIB, nnodes: int = 1, widths=REFERENCE_WIDTHS) -> HardwareProfile:
-    """Collective over the default group: every rank calls it; every rank gets the profile."""
+            copy_bytes: int = 64 * 1024 * KIB, nnodes: int = 1, widths=REFERENCE_WIDTHS,
+            spot: bool = False) -> HardwareProfile:
+    """Collective over the default group: every rank calls it; every rank gets the profile. `spot`: what
+    `shoal plan` measures when it has no profile, in about 10 s for 2 processes here instead of ~40: the
+    reference steps' operators but not the resident memory they take (three new processes, ~18 s), and
+    FSDP2's costs on the two narrowest references (the widest alone took ~6 s)."""
     import shoal.training.run  # noqa: F401 - the training stack, imported as a worker imports it (resident memory)
 
     device = env.device
@@ -481,11 +486,12 @@ def measure(env: DistEnv, sizes=DEFAULT_SIZES, repeats: int = 3, matmul_sizes=MA
     collectives = collective_curves(comm, device, sizes, repeats, sync)
     # every worker measures at once, as every worker trains at once: side by side, two processes on two
     # cores ran the reference operators 5-15% slower than one alone (memory bandwidth, caches)
-    steps = reference_steps(device, repeats, sync, widths, together=lambda: comm.barrier(label="probe"))
-    overheads = parallel_overheads(comm, device, repeats, sync, widths)
+    steps = reference_steps(device, repeats, sync, widths, together=lambda: comm.barrier(label="probe"),
+                            memory=not spot)
+    overheads = parallel_overheads(comm, device, repeats, sync, widths[:2] if spot else widths)
     return HardwareProfile(
         name="probe", device=device.type,
-        device_name=torch.cuda.get_device_name(device) if cuda else _cpu_name(),
+        device_name=torch.cuda.get_device_name(device) if cuda else cpu_name(),
         nproc=env.world_size // nnodes, nnodes=nnodes,
         matmul_flops={name: max(f for _, f in c) for name, c in curves.items()},
         matmul_curve=curves,
@@ -500,37 +506,26 @@ def measure(env: DistEnv, sizes=DEFAULT_SIZES, repeats: int = 3, matmul_sizes=MA
         process_bytes=base,
         threads=torch.get_num_threads(),
         collectives=collectives,
+        machine=this_machine(), measured_at=time.time(), spot=spot,
     )
-
-
-def _cpu_name() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    import platform
-
-    return platform.processor() or "cpu"
 
 
 def sizes_up_to(max_bytes: int) -> tuple[int, ...]:
     return tuple(s for s in DEFAULT_SIZES if s <= max_bytes) or (DEFAULT_SIZES[0],)
 
 
-def worker(out: str, sizes, repeats: int, nnodes: int) -> None:
+def worker(out: str, sizes, repeats: int, nnodes: int, spot: bool = False) -> None:
     """One process of the group (started by `launch` below): measure, rank 0 writes the profile."""
     from shoal import dist
     from shoal.hardware import save_profile
 
     env = dist.init("nccl" if torch.cuda.is_available() else "gloo", 300.0)
     try:
-        profile = measure(env, sizes, repeats, nnodes=nnodes)
+        profile = measure(env, sizes, repeats, nnodes=nnodes, spot=spot)
         if env.rank == 0:
             save_profile(profile, out)
-            print(summary_line(profile, out), flush=True)
+            if not spot:  # plan says what it measured in its own words
+                print(summary_line(profile, out), flush=True)
     finally:
         dist.shutdown()
 

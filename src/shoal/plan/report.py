@@ -19,22 +19,37 @@ def _s(t: float | None) -> str:
     return "?" if t is None else f"{t * 1e3:.1f} ms"
 
 
-def render(planned: list[Planned], top: int, console: Console | None = None) -> None:
+def render(planned: list[Planned], top: int, console: Console | None = None, missing: str | None = None) -> None:
+    """The valid layouts, then the rejected ones. Titled "fastest first" only when every valid layout has
+    a predicted step time; otherwise the title says what the order is, and a line above the table says
+    what is missing and (`missing`: from the caller, which knows where the profile came from) what fills
+    it in."""
     console = console or Console()
     if not console.is_terminal:
         console.width = 200  # a pipe or a log file: do not wrap the reasons
     ok = [p for p in planned if p.ok]
+    shown = f"top {min(top, len(ok))}"
+    untimed = [p for p in ok if p.prediction.step_time is None]
+    if not untimed:
+        title = f"{len(ok)} valid layouts, fastest first ({shown})"
+    else:
+        computed = any(p.prediction.time["compute"] is not None for p in untimed)
+        order = "predicted compute time, then peak memory" if computed else "peak memory per rank"
+        timed = len(ok) - len(untimed)
+        title = (f"{len(ok)} valid layouts: {timed} by predicted step time, then {len(untimed)} without one by "
+                 f"{order} ({shown})" if timed else f"{len(ok)} valid layouts by {order}, no step times ({shown})")
+        what = "communication is not predicted (the profile has no collective curves)" if computed else \
+            "no step times (no hardware profile)"
+        console.print(f"{len(untimed)} of {len(ok)} layouts without a step time: {what}; "
+                      f"{missing or 'run `shoal probe` on the machines and pass --hardware profile.json'}")
     t = Table("#", "layout", "step", "compute", "comm", "bubble", "calibration", "params", "grads", "optimizer",
-              "activations", "peak / rank", title=f"{len(ok)} valid layouts, fastest first (top {min(top, len(ok))})")
+              "activations", "peak / rank", title=title)
     for i, p in enumerate(ok[:top], 1):
         m, tm = p.prediction.memory, p.prediction.time
         t.add_row(str(i), p.candidate.label(), _s(tm["step"]), _s(tm["compute"]), _s(tm["comm"]), _s(tm["bubble"]),
                   _s(tm.get("calibration")),
                   *(human_bytes(m[k]) for k in ("params", "grads", "optimizer", "activations", "peak")))
     console.print(t)
-    if ok and ok[0].prediction.time["comm"] is None and ok[0].prediction.time["compute"] is not None:
-        console.print("communication not predicted: this profile has no collective curves and no network; run "
-                      "`shoal probe --out profile.json` on the machines and pass --hardware profile.json")
     rejected: dict[str, list[str]] = {}
     for p in planned:
         if not p.ok:
