@@ -20,9 +20,11 @@ from shoal.training.step import LEAVE_GRACE_S
 
 # the tests' tiny GPT as a user model that a test can hold at its next forward (tests/fixtures/gate.py); the
 # global batch splits evenly over 2 and 3 ranks (micro-batches of 4 rather than 2: half the forwards, half
-# the time of every live test, as the cost of a step here is per forward)
+# the time of every live test, as the cost of a step here is per forward). 40 steps: every story makes its
+# changes by about step 20 (the cancel story's came at step 21 at the latest in 8 runs beside a busy core),
+# and holds the workers at the gate where it must act before a given step
 GLOBAL, MICRO = 48, 4
-RUN = [*TINY_GPT, "--set", 'model.name="gate:build"', "--set", "train.steps=100", "--set",
+RUN = [*TINY_GPT, "--set", 'model.name="gate:build"', "--set", "train.steps=40", "--set",
        f"train.global_batch_size={GLOBAL}", "--set", f"train.micro_batch_size={MICRO}", "--set", "train.val_interval=0", "--set", "checkpoint.interval=50",
        "--set", "metrics.log_interval=20"]
 
@@ -122,7 +124,7 @@ def end_all(nodes) -> None:
 
 def one_process(shared: Path, run: list[str] = RUN) -> dict:
     """The final weights of `run` trained by one process: the reference of a story. Trained once per test
-    session (RUN: 5 s alone here, 10 s in micro-batches of 2) in `shared` (conftest's shared_dir), by the first pytest worker that asks; the
+    session in `shared` (conftest's shared_dir), by the first pytest worker that asks; the
     others wait on the lock and read the same weights."""
     reference = shared / f"live-one-process-{hashlib.sha1(' '.join(run).encode()).hexdigest()[:12]}"
     with open(f"{reference}.lock", "w") as lock:

@@ -352,7 +352,7 @@ def test_a_live_run_across_hosts_loses_rejoins_and_leaves_and_equals_one_process
     )
     from shoal.launch.ports import free_port
 
-    run = [*RUN, "--set", "train.steps=40"]
+    run = RUN
     run_dir, port, gate = tmp_path / "live", free_port(), tmp_path / "gate"
     kill_at = random.Random().randrange(5, 20)
     print(f"killing node 1's worker after step {kill_at}")
@@ -460,7 +460,7 @@ def test_a_slurm_node_range_job_loses_a_node_and_finishes_equal_to_one_process(c
 
     from live_runs import RUN, equals_one_process, held_after, membership, release
 
-    run = [*RUN, "--set", "train.steps=40"]
+    run = RUN
     (tmp_path / "job.toml").write_text("")  # the defaults, as `shoal train` without a config
     r = run_cli(["launch", "--target", "slurm", "--nodes", "1:2", "--nproc", "1", "job.toml", *run,
                  "--out", "job.sbatch"], timeout=60, cwd=tmp_path)

@@ -34,7 +34,7 @@ pytestmark = pytest.mark.timeout(240)
 def test_a_worker_killed_rejoined_and_a_node_leaving_equal_one_process(tmp_path, shared_dir):
     run_dir, port = tmp_path / "live", free_port()
     rng = random.Random()
-    kill_at = rng.randrange(10, 40)
+    kill_at = rng.randrange(5, 20)
     print(f"killing node 1's worker after step {kill_at}")
     gate = tmp_path / "gate"  # while it exists, the workers wait at their next forward (tests/fixtures/gate.py)
     nodes = [start_node(i, run_dir, port, max_restarts=1, env={"SHOAL_TEST_GATE": str(gate)}) for i in range(3)]
@@ -42,7 +42,7 @@ def test_a_worker_killed_rejoined_and_a_node_leaving_equal_one_process(tmp_path,
         wait_for(f"step {kill_at}", lambda: progress(run_dir) >= kill_at, 120, nodes)
         loops = gloo_loops(worker_of(nodes[0]))
         # the survivors are held until the replacement has asked to join: its start (a new interpreter, torch's
-        # import) took longer under load than the 2 survivors took to finish the run's 60 or more other steps
+        # import) took longer under load than the 2 survivors took to finish the run's 20 or more other steps
         gate.touch()
         os.kill(worker_of(nodes[1]), signal.SIGKILL)
         store = membership_store(f"127.0.0.1:{port}")
@@ -72,7 +72,7 @@ def test_a_worker_killed_rejoined_and_a_node_leaving_equal_one_process(tmp_path,
     assert [m["world"] for m in membership(run_dir)] == [e["world"] for e in events]
     said = [line for line in "".join(outs).splitlines() if ": world " in line]  # by rank 0, on any node
     assert any("node 1 local rank 0 left (its process ended)" in line for line in said), (said, events)
-    assert summary["steps"] == 100
+    assert summary["steps"] == 40
     # no survivor waited out a timeout for a peer that had gone (parallel.timeout_s is 600 s here)
     assert max(e["regroup_s"] for e in events) < 60, events
     print("\n".join(e["line"] for e in events))
