@@ -471,9 +471,10 @@ def measure(env: DistEnv, sizes=DEFAULT_SIZES, repeats: int = 3, matmul_sizes=MA
             copy_bytes: int = 64 * 1024 * KIB, nnodes: int = 1, widths=REFERENCE_WIDTHS,
             spot: bool = False) -> HardwareProfile:
     """Collective over the default group: every rank calls it; every rank gets the profile. `spot`: what
-    `shoal plan` measures when it has no profile, in about 10 s for 2 processes here instead of ~40: the
-    reference steps' operators but not the resident memory they take (three new processes, ~18 s), and
-    FSDP2's costs on the two narrowest references (the widest alone took ~6 s)."""
+    `shoal plan` measures when it has no profile, in about 15 s for 2 processes here (their start
+    included) instead of ~40: the reference steps' operators but not the resident memory they take
+    (three new processes, ~18 s), and FSDP2's costs on the two narrowest references (the widest alone
+    took ~6 s)."""
     import shoal.training.run  # noqa: F401 - the training stack, imported as a worker imports it (resident memory)
 
     device = env.device
