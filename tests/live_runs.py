@@ -84,6 +84,16 @@ def held_after(gate: Path, step: int, world: int = 3, run: list[str] = RUN) -> d
     return {"SHOAL_TEST_GATE": str(gate), "SHOAL_TEST_HOLD_AT": str(step * forwards + 1)}
 
 
+def stop_reached(gate: Path, workers: int, timeout: float = 60) -> None:
+    """Wait until `workers` workers held at `gate` have been asked to stop (tests/fixtures/gate.py writes
+    `<gate>.stop.<pid>` once a held worker's SIGTERM handler has run)."""
+    deadline = time.monotonic() + timeout
+    while len(list(gate.parent.glob(f"{gate.name}.stop.*"))) < workers:
+        if time.monotonic() > deadline:
+            pytest.fail(f"the stop did not reach {workers} held workers within {timeout} s")
+        time.sleep(0.05)
+
+
 def release(gate: Path) -> None:
     """Open the gate for good: a hold at a set forward (held_after) will not close it again."""
     gate.with_name(gate.name + ".released").touch()

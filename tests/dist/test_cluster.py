@@ -433,10 +433,10 @@ class SlurmJob:
     def signal_while_held(self, argv: list[str], gate: Path) -> None:
         """`argv` (scancel, scontrol requeue: SIGTERM to every task) while the workers hold, then let them
         go on: they stop at the end of the step they are in."""
-        from live_runs import release
+        from live_runs import release, stop_reached
 
         self.ctl(argv)
-        time.sleep(2)  # the SIGTERM reaches the held workers
+        stop_reached(gate, 2)  # the SIGTERM reaches the held workers
         release(gate)
 
     def output(self) -> str:
@@ -602,7 +602,7 @@ def test_shoal_train_on_ray_equals_loopback_and_a_sigterm_to_the_driver_resumes_
     import torch
 
     from conftest import read_weights
-    from live_runs import RUN, held_after, release
+    from live_runs import RUN, held_after, release, stop_reached
 
     run = [*RUN, "--set", "train.steps=12", "--set", "metrics.log_interval=1"]
     command = ["-m", "shoal", "train", *run, "--run-dir", tmp_path / "ray", "--ray", ray_cluster]
@@ -617,7 +617,7 @@ def test_shoal_train_on_ray_equals_loopback_and_a_sigterm_to_the_driver_resumes_
             time.sleep(0.05)
         assert gate.exists(), "the workers did not hold"
         driver.send_signal(signal.SIGTERM)
-        time.sleep(2)  # the SIGTERM reaches the held workers through the actors and the agents
+        stop_reached(gate, 2)  # the SIGTERM reaches the held workers through the actors and the agents
         release(gate)
         out = driver.communicate(timeout=90)[0]
     finally:

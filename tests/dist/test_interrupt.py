@@ -15,6 +15,7 @@ import torch
 
 from conftest import FIXTURES, read_weights, run_cli
 from harness import train as train_on_ranks
+from live_runs import stop_reached
 
 STEPS = 30
 HOLD = 20  # the workers hold themselves after this many steps (tests/fixtures/gate.py) while SIGTERM comes
@@ -43,7 +44,7 @@ def test_sigterm_saves_and_the_same_command_resumes_exactly(tmp_path, ranks):
     while not gate.exists() and time.monotonic() < deadline and proc.poll() is None:
         time.sleep(0.05)
     proc.send_signal(signal.SIGTERM)  # to the launcher, as a scheduler or torchrun's parent would
-    time.sleep(1)  # it reaches the held workers: they stop at the end of the step they are in
+    stop_reached(gate, 2)  # it reaches the held workers: they stop at the end of the step they are in
     gate.with_name(gate.name + ".released").touch()
     gate.unlink()
     try:
