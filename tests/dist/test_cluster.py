@@ -99,10 +99,17 @@ def links() -> list[str]:
 
 @pytest.fixture
 def down_after():
-    """Remove whatever cluster the test makes, however it ends."""
+    """Remove whatever cluster the test makes, however it ends (`shoal cluster down` in this process)."""
     yield
-    r = cluster_cli("down")
-    assert r.returncode == 0, r.output
+    assert main(["cluster", "down"]) == 0
+
+
+def status_here(capsys) -> str:
+    """What `shoal cluster status` prints, run in this process (what it reads is the point, not a process of
+    its own: each costs a second of imports)."""
+    capsys.readouterr()
+    assert main(["cluster", "status"]) == 0
+    return capsys.readouterr().out
 
 
 # --- refusals: one line, exit 2 ---
@@ -167,8 +174,8 @@ def _kernel_has_netem() -> bool:
 
 @needs_namespaces
 @pytest.mark.timeout(120)
-def test_up_after_a_half_made_cluster_then_down_removes_everything(down_after):
-    cluster_cli("down")
+def test_up_after_a_half_made_cluster_then_down_removes_everything(down_after, capsys):
+    main(["cluster", "down"])
     # what an `up` cut short leaves: a namespace, the bridge, a cpu group, an unfinished state file
     subprocess.run(["ip", "netns", "add", "shoal-h7"], check=True)
     subprocess.run(["ip", "link", "add", "shoal-br0", "type", "bridge"], check=True)
@@ -176,7 +183,7 @@ def test_up_after_a_half_made_cluster_then_down_removes_everything(down_after):
     Path("/run/shoal-cluster").mkdir(exist_ok=True)
     Path("/run/shoal-cluster/state.json").write_text('{"subnet": "10.200.0.0/24", "bridge": "shoal-br0", '
                                                      '"hosts": [], "complete": false}')
-    assert "no cluster is up" in cluster_cli("status").stdout
+    assert "no cluster is up" in status_here(capsys)
 
     r = cluster_cli("up", "--hosts", "2", "--cpu", "0.5")
     assert r.returncode == 0, r.output
@@ -190,7 +197,7 @@ def test_up_after_a_half_made_cluster_then_down_removes_everything(down_after):
     assert not [name for name in links() if name.startswith("shoal-")]
     assert not Path("/sys/fs/cgroup/cpu/shoal-cluster").exists()
     assert not Path("/run/shoal-cluster/state.json").exists()
-    assert "no cluster is up" in cluster_cli("status").stdout
+    assert "no cluster is up" in status_here(capsys)
 
 
 # --- one shared cluster: 2 hosts, 20 Mbit/s links, h1 capped at 0.9 of a core (at half a core the file took
