@@ -297,7 +297,7 @@ def _merge(points: list[tuple[float, float]]) -> list[tuple[float, float]]:
 
 
 def parallel_overheads(comm: Comm, device: torch.device, repeats: int, sync,
-                       widths=REFERENCE_WIDTHS) -> dict[str, float]:
+                       widths=REFERENCE_WIDTHS, least: tuple[int, int] = (40, 8)) -> dict[str, float]:
     """What torch's parallel wrappers cost on top of their arithmetic, over the probe's group: stacks of 4
     and 32 tiny linear layers (8 and 64 parameter tensors, messages of ~1 KiB), forward and backward,
     wrapped against bare, fitted as a cost per call and per parameter tensor. A call's cost includes its
@@ -341,7 +341,7 @@ def parallel_overheads(comm: Comm, device: torch.device, repeats: int, sync,
             def step(u=unit):
                 with u.no_sync() if quiet else contextlib.nullcontext():
                     u(x).sum().backward()
-            out.append(_extra(step, lambda b=bare: b(x).sum().backward(), comm, max(repeats, 40), sync))
+            out.append(_extra(step, lambda b=bare: b(x).sum().backward(), comm, max(repeats, least[0]), sync))
         return out
 
     tensors = [2 * layers for layers in PROBE_LAYERS]  # a weight and a bias per layer
@@ -353,7 +353,7 @@ def parallel_overheads(comm: Comm, device: torch.device, repeats: int, sync,
     split = stacks(lambda m: parallelize_module(m, mesh, {str(i): ColwiseParallel() if i % 2 == 0
                                                           else RowwiseParallel() for i in range(len(m))}))
     out["tp_layer_s"] = _fit(split, list(PROBE_LAYERS))[1]
-    out.update(fsdp_costs(comm, device, repeats, sync, mesh, (widths[0], widths[-1])))
+    out.update(fsdp_costs(comm, device, max(repeats, least[1]), sync, mesh, (widths[0], widths[-1])))
     return out
 
 
@@ -398,7 +398,7 @@ def fsdp_costs(comm: Comm, device: torch.device, repeats: int, sync, mesh,
         for i, block in enumerate(blocks):
             fully_shard(block, mesh=mesh, reshard_after_forward=i < len(blocks) - 1)
         fully_shard(sharded.model, mesh=mesh)
-        extra.append(_extra(lambda s=sharded: fwd_bwd(s), lambda p=plain: fwd_bwd(p), comm, max(repeats, 8), sync))
+        extra.append(_extra(lambda s=sharded: fwd_bwd(s), lambda p=plain: fwd_bwd(p), comm, repeats, sync))
         block = sum(p.numel() * p.element_size() for p in plain.model.blocks[0].parameters())
         rest = sum(p.numel() * p.element_size() for p in plain.model.parameters()) - len(blocks) * block
         # gathered: each block in forward, again in backward but the last; the root twice; reduced once each
@@ -473,8 +473,8 @@ def measure(env: DistEnv, sizes=DEFAULT_SIZES, repeats: int = 3, matmul_sizes=MA
     """Collective over the default group: every rank calls it; every rank gets the profile. `spot`: what
     `shoal plan` measures when it has no profile, in about 15 s for 2 processes here (their start
     included) instead of ~40: the reference steps' operators but not the resident memory they take
-    (three new processes, ~18 s), and FSDP2's costs on the two narrowest references (the widest alone
-    took ~6 s)."""
+    (three new processes, ~18 s), the parallel wrappers' costs as medians of 15 repetitions (not 40),
+    and FSDP2's of 4 (not 8) on the two narrowest references (the widest alone took ~6 s)."""
     import shoal.training.run  # noqa: F401 - the training stack, imported as a worker imports it (resident memory)
 
     device = env.device
@@ -489,7 +489,7 @@ def measure(env: DistEnv, sizes=DEFAULT_SIZES, repeats: int = 3, matmul_sizes=MA
     # cores ran the reference operators 5-15% slower than one alone (memory bandwidth, caches)
     steps = reference_steps(device, repeats, sync, widths, together=lambda: comm.barrier(label="probe"),
                             memory=not spot)
-    overheads = parallel_overheads(comm, device, repeats, sync, widths[:2] if spot else widths)
+    overheads = parallel_overheads(comm, device, repeats, sync, *((widths[:2], (15, 4)) if spot else (widths,)))
     return HardwareProfile(
         name="probe", device=device.type,
         device_name=torch.cuda.get_device_name(device) if cuda else cpu_name(),
