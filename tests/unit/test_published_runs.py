@@ -20,6 +20,12 @@ spec.loader.exec_module(pr)
 SMALL = ("korthikanti-22B", "megatron-1.7B")  # 8 and 32 GPUs: a few seconds of planning each
 
 
+@pytest.fixture(scope="module")
+def planned_22b():
+    """The 22B row planned once for the tests that read it (~3 s a plan)."""
+    return pr.plan_row(next(r for r in pr.ROWS if r.name == "korthikanti-22B"))
+
+
 def test_the_table_is_well_formed_and_every_row_cited():
     rows = pr.ROWS
     assert len(rows) >= 12 and len({r.name for r in rows}) == len(rows)
@@ -43,11 +49,10 @@ def test_the_script_runs_on_two_rows_and_ends_with_its_result_line(capsys):
     assert sum(1 for line in lines if line.split()[0] in SMALL) == 2
 
 
-def test_predictions_are_the_planner_s_and_move_with_the_row():
+def test_predictions_are_the_planner_s_and_move_with_the_row(planned_22b):
     """Each row's prediction is what the planner gives for that row's config on that row's cluster: the same
     as a plan of its own, and another GPU (H100's peak) or another network changes it."""
-    row = next(r for r in pr.ROWS if r.name == "korthikanti-22B")
-    planned = pr.plan_row(row)
+    row, planned = planned_22b.row, planned_22b
     cfg = pr.config_for(row)
     model = Model.build(cfg, row.fused_attention, row.attention_dropout, row.hidden_dropout, cuda=True)
     alone = predict(model, cfg, resolve_layout(cfg, row.gpus, True), pr.profile_for(row)).time
@@ -87,10 +92,15 @@ def test_every_row_s_own_layout_passes_the_run_s_checks_on_its_80_gib_gpu():
         assert check(cfg, keys, row.gpus, model.bundle, model.source, True).reason is None, name
 
 
-def test_a_cached_plan_is_the_plan(tmp_path, monkeypatch):
+def test_a_cached_plan_is_the_plan(tmp_path, monkeypatch, planned_22b):
     monkeypatch.setattr(pr.tempfile, "gettempdir", lambda: str(tmp_path))
-    row = next(r for r in pr.ROWS if r.name == "korthikanti-22B")
+    row = planned_22b.row
+    key = pr._cache_key(row)  # of the real planning code (the stand-ins below have other sources)
+    monkeypatch.setattr(pr, "_cache_key", lambda r: key)
+    monkeypatch.setattr(pr, "_plan_row", lambda r: planned_22b)  # what planning gives, without planning again
     first = pr.plan_row(row, cache=True)
+    monkeypatch.setattr(pr, "_plan_row", lambda r: pytest.fail("planned again where the cache holds the plan"))
     again = pr.plan_row(row, cache=True)
+    assert again.cached and not first.cached
     assert (again.own, again.others, again.own_reason) == (first.own, first.others, first.own_reason)
     assert len(list(tmp_path.glob("shoal-published-runs/korthikanti-22B-*.json"))) == 1
