@@ -471,7 +471,7 @@ def measure(env: DistEnv, sizes=DEFAULT_SIZES, repeats: int = 3, matmul_sizes=MA
             copy_bytes: int = 64 * 1024 * KIB, nnodes: int = 1, widths=REFERENCE_WIDTHS,
             spot: bool = False) -> HardwareProfile:
     """Collective over the default group: every rank calls it; every rank gets the profile. `spot`: what
-    `shoal plan` measures when it has no profile, in about 15 s for 2 processes here (their start
+    `shoal plan` measures when it has no profile, in about 11 s for 2 processes here (their start
     included) instead of ~40: the reference steps' operators but not the resident memory they take
     (three new processes, ~18 s), the parallel wrappers' costs as medians of 15 repetitions (not 40),
     and FSDP2's of 4 (not 8) on the two narrowest references (the widest alone took ~6 s)."""

@@ -7,7 +7,7 @@ model and count, torch version, backend): a home directory shared by machines of
 each one's profile apart. `plan` takes the profile of this machine for the job's processes; a cached
 profile of the same job from another machine or another torch version is refused in one line naming
 the difference (--hardware still forces one); with none, it measures on the spot (probe.measure's
-`spot`: ~15 s for 2 processes here, their start included; no calibration) and caches that until a
+`spot`: ~11 s for 2 processes here, their start included; no calibration) and caches that until a
 `shoal probe` replaces it.
 """
 
@@ -144,7 +144,7 @@ def spot(nproc: int) -> HardwareProfile:
 
     with tempfile.TemporaryDirectory(prefix="shoal-spot-") as tmp:
         out = Path(tmp) / "profile.json"
-        print(f"shoal plan: no profile of this machine for {nproc} process(es); measuring it now (~15 s for 2)",
+        print(f"shoal plan: no profile of this machine for {nproc} process(es); measuring it now (~11 s for 2)",
               file=sys.stderr, flush=True)
         code = launch_probe(["--out", str(out), "--max-size", f"{SPOT_MAX_BYTES}B", "--spot"], nproc)
         if code != 0 or not out.is_file():
