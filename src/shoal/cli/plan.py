@@ -117,8 +117,8 @@ def _profile(args: argparse.Namespace):
     from shoal.hardware import preset
     from shoal.plan import profiles
 
-    probe = f"run `shoal probe --nproc {args.nproc}{' --cluster' if args.nnodes > 1 else ''}` on the machines " \
-            f"and pass --hardware profile.json, or plan with --preset"
+    probe = f"run `{profiles.probe_command(args.nproc, args.nnodes)}` on the machines (later plans there use " \
+            f"its profile), or plan with --preset"
     if args.hardware:
         chosen = profiles.forced(args.hardware)
         return chosen.profile, chosen.line, probe

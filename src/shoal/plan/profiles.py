@@ -95,7 +95,7 @@ def choose(nproc: int, nnodes: int, measure: bool = True) -> Chosen:
     `measure`) or no profile, with the line saying why and what fills it in."""
     here = this_machine()
     path = cache_path(here, nproc, nnodes)
-    probe = f"shoal probe --nproc {nproc}" + (" --cluster" if nnodes > 1 else "")
+    probe = probe_command(nproc, nnodes)
     if path.is_file():
         try:
             profile = load_profile(path)
@@ -118,6 +118,11 @@ def choose(nproc: int, nnodes: int, measure: bool = True) -> Chosen:
         f"measured on the spot in {took:.0f} s"
     return Chosen(profile, f"profile: {where}{f' ({stale})' if stale else ''}; not calibrated: `{probe}` "
                            f"calibrates it (~5 min) and replaces it")
+
+
+def probe_command(nproc: int, nnodes: int) -> str:
+    """The probe that measures (and calibrates) a profile for this job: one node, or the cluster's."""
+    return f"shoal probe --nproc {nproc}" + (" --cluster" if nnodes > 1 else "")
 
 
 def _stale(here: dict, nproc: int, nnodes: int) -> str | None:

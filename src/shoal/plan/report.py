@@ -41,7 +41,7 @@ def render(planned: list[Planned], top: int, console: Console | None = None, mis
         what = "communication is not predicted (the profile has no collective curves)" if computed else \
             "no step times (no hardware profile)"
         console.print(f"{len(untimed)} of {len(ok)} layouts without a step time: {what}; "
-                      f"{missing or 'run `shoal probe` on the machines and pass --hardware profile.json'}")
+                      f"{missing or 'run `shoal probe` on the machines, or plan with --preset'}")
     t = Table("#", "layout", "step", "compute", "comm", "bubble", "calibration", "params", "grads", "optimizer",
               "activations", "peak / rank", title=title)
     for i, p in enumerate(ok[:top], 1):
