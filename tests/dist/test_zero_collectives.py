@@ -12,6 +12,7 @@ CPU = torch.device("cpu")
 
 def reduce_scatters(env):
     from shoal.comm.collectives import Comm
+    from shoal.compat import reduce_scatter_single
 
     comm = Comm(env.store, env.rank, env.world_size)
     g = torch.Generator().manual_seed(env.rank)
@@ -21,7 +22,7 @@ def reduce_scatters(env):
             x = torch.randn(env.world_size * 1000, generator=g).to(dtype)
             ours, glo = torch.empty(1000, dtype=dtype), torch.empty(1000, dtype=dtype)
             comm.reduce_scatter(ours, x, op=op, label="dp, test")
-            dist.reduce_scatter_single(glo, x, op=op)
+            reduce_scatter_single(glo, x, op=op)
             results.append((str(dtype), str(op), torch.equal(ours, glo), (ours - glo).abs().max().item()))
     return results, all(r["done"] for r in comm.log.records)
 
@@ -36,10 +37,11 @@ def test_reduce_scatter_by_all_to_all_matches_gloo(ranks, world):
 
 def gathers(env):
     from shoal.comm.collectives import all_gather_pair
+    from shoal.compat import all_gather_single
 
     shard = torch.randn(1000, generator=torch.Generator().manual_seed(10 + env.rank))
     gloo = torch.empty(2000)
-    dist.all_gather_into_tensor(gloo, shard)
+    all_gather_single(gloo, shard)
     apart = torch.zeros(2000)
     all_gather_pair(apart, shard, None).wait()
     in_place = torch.zeros(2000)

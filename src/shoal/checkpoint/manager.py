@@ -30,6 +30,7 @@ from shoal.checkpoint.safe_io import SafeFileSystemReader, SafeLoadPlanner
 from shoal.checkpoint.tensors import TensorStateCache, apply_tensor_state, tensor_state
 from shoal.checkpoint.train_state import TRAIN_STATE, TrainState, rank_state_file, rng_file
 from shoal.comm.collectives import Comm
+from shoal.compat import STAGER_REUSABLE
 from shoal.config import CheckpointConfig
 from shoal.rundir import write_json
 
@@ -44,6 +45,11 @@ _SEALING: dict[str, Future] = {}
 class _Pending:
     staged: Future  # the state is copied; the model may change again
     sealed: Future  # the copy is on disk, and (rank 0) the manifest written and the folder renamed
+
+
+def _new_stager() -> DefaultStager:
+    return DefaultStager(StagingOptions(use_pinned_memory=False, use_shared_memory=False, use_async_staging=True,
+                                        use_non_blocking_copy=False))
 
 
 class CheckpointManager:
@@ -67,9 +73,7 @@ class CheckpointManager:
         # step's forward and backward run; the optimizer waits for it (wait_staged) before it changes
         # the weights. Measured on a 100M-parameter GPT on CPU: staging in the training thread
         # stalled it 2.7 s of a 2.8 s blocking save.
-        self.stager = DefaultStager(StagingOptions(use_pinned_memory=False, use_shared_memory=False,
-                                                   use_async_staging=True, use_non_blocking_copy=False)) \
-            if self.group is not None else None
+        self.stager = _new_stager() if self.group is not None else None
         # sealing (hashing the files, the manifest, the rename, pruning) also leaves the training thread
         self.sealer = ThreadPoolExecutor(1, thread_name_prefix="shoal-seal") if self.group is not None else None
         self.cache: TensorStateCache | None = None
@@ -121,7 +125,7 @@ class CheckpointManager:
         if self.group is not None:
             with self.comm.record("dcp.async_save (planning)", "checkpoint group"):
                 response = dcp.async_save(state, storage_writer=FileSystemWriter(tmp), process_group=self.group,
-                                          async_stager=self.stager)
+                                          async_stager=self._fresh_stager())
             sealed = self.sealer.submit(self._seal_when_written, response.upload_completion, tmp, final, info, t0)
             _SEALING[str(tmp)] = sealed
             sealed.add_done_callback(lambda _, key=str(tmp): _SEALING.pop(key, None))
@@ -131,6 +135,14 @@ class CheckpointManager:
                 dcp.save(state, storage_writer=FileSystemWriter(tmp), process_group=self.dcp_group)
             self._finish(tmp, final, info, t0)
         self.stats[-1]["blocking_s"] = time.perf_counter() - t0
+
+    def _fresh_stager(self) -> DefaultStager:
+        """The stager for the next save: the same one every time, or a new one where torch's stager
+        serves one save only (compat.STAGER_REUSABLE); the previous save's staging is done (save waits)."""
+        if not STAGER_REUSABLE:
+            self.stager.close()
+            self.stager = _new_stager()
+        return self.stager
 
     def wait_staged(self) -> None:
         """Block until an async save has its copy of the state ([Note: async staging]); cheap otherwise."""

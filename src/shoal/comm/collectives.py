@@ -13,6 +13,7 @@ import torch
 import torch.distributed as dist
 
 from shoal.comm.log import CollectiveLog
+from shoal.compat import all_gather_single, reduce_scatter_single
 
 
 class Pending:
@@ -86,7 +87,7 @@ class Comm:
         group = self._g(group)
         out = t.new_empty(dist.get_world_size(group) * t.numel())
         rec = self.log.enter("all_gather", label, [t])
-        pending = Pending(dist.all_gather_single(out, t, group=group, async_op=True), rec, self.log, out)
+        pending = Pending(all_gather_single(out, t, group=group, async_op=True), rec, self.log, out)
         return pending if async_op else pending.wait()
 
     def all_to_all(self, out: torch.Tensor, t: torch.Tensor, group=None, label: str = "world") -> torch.Tensor:
@@ -109,7 +110,7 @@ class Comm:
         w = dist.get_world_size(group)
         if op not in (dist.ReduceOp.SUM, dist.ReduceOp.AVG) or dist.get_backend(group) != "gloo" \
                 or not (t.is_contiguous() and out.is_contiguous()):
-            return Pending(dist.reduce_scatter_single(out, t, op=op, group=group, async_op=True), rec, self.log,
+            return Pending(reduce_scatter_single(out, t, op=op, group=group, async_op=True), rec, self.log,
                            out).wait()
         chunks, flat = t.view(w, -1), out.view(-1)
         if w == 2:  # the other rank's part of our chunk straight into `out`, then ours added: no buffer

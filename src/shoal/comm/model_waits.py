@@ -30,6 +30,7 @@ from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather
 from shoal.comm.collectives import all_gather_pair
 from shoal.comm.lent_buffer import LentBuffer
 from shoal.comm.log import CollectiveLog
+from shoal.compat import all_gather_single
 
 _state: dict = {}  # the log and the axis DTensor's waits count on, set by time_model_waits
 
@@ -90,7 +91,7 @@ class LoggedAllGather(AllGather):
         if dist.get_world_size(group) == 2 and dist.get_backend(group) == "gloo" and output_tensor.is_contiguous():
             work = all_gather_pair(output_tensor, input_tensor, group)
         else:
-            work = dist.all_gather_single(output_tensor, input_tensor, group=group, async_op=True)
+            work = all_gather_single(output_tensor, input_tensor, group=group, async_op=True)
         logged = LoggedWork(work, self.log, rec)
         if self.buffer is not None and self.buffer.holds(output_tensor):
             # FSDP2 waits for the Work it is handed right before it copies the output out into the

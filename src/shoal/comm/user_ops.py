@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 
 from shoal.comm.collectives import Comm, Pending
+from shoal.compat import all_gather_single, reduce_scatter_single
 
 
 class UserComm(Comm):
@@ -33,12 +34,12 @@ class UserComm(Comm):
     def all_gather_into(self, out: torch.Tensor, t: torch.Tensor, label: str) -> Pending:
         """Every rank's `t` (the same shape everywhere) concatenated along dim 0 into `out`."""
         return self.start("all_gather", label, t, out,
-                          lambda: dist.all_gather_into_tensor(out, t, group=self.group, async_op=True))
+                          lambda: all_gather_single(out, t, group=self.group, async_op=True))
 
     def reduce_scatter_into(self, out: torch.Tensor, t: torch.Tensor, op, label: str) -> Pending:
         """Chunk r of `t` (dim 0 split in equal chunks) reduced over the ranks, into `out` on rank r."""
         return self.start("reduce_scatter", label, t, out,
-                          lambda: dist.reduce_scatter_tensor(out, t, op=op, group=self.group, async_op=True))
+                          lambda: reduce_scatter_single(out, t, op=op, group=self.group, async_op=True))
 
     def all_to_all_async(self, out: torch.Tensor, t: torch.Tensor, out_splits: list[int] | None,
                          in_splits: list[int] | None, label: str) -> Pending:

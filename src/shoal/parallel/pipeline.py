@@ -206,8 +206,10 @@ class Pipeline:
         the unscaled losses on the last stage (zero elsewhere)."""
         self.losses = []
         self.scale = 1.0 if scale is None else scale
-        args = (batch["input"],) if self.first else ()
-        target = batch["target"] if self.last else None
+        # contiguous: a batch's input and target are often views of one (B, T + 1) token tensor, and the
+        # schedules of torch 2.11 and 2.12 check each call's input strides against their first call's
+        args = (batch["input"].contiguous(),) if self.first else ()
+        target = batch["target"].contiguous() if self.last else None
         if scale is None:
             with torch.no_grad():
                 self.schedule.eval(*args, target=target)

@@ -1,0 +1,74 @@
+"""The torch releases shoal supports, and every API that differs between them: the one place that
+looks at torch's version (tests/unit/test_compat.py checks that no other module does).
+
+Supported: torch 2.11 and newer; CI runs the whole suite on the pinned release and the fast tier on the
+oldest (docs/development.md lists every release tested, with its result). Each difference below names
+the release it came in.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from shoal.errors import UserError
+
+# the oldest release shoal runs on: DCP's DefaultStager (2.9), FSDP2's custom all-gather and
+# reduce-scatter (2.9) and replicate_with_fsdp (2.10) are older; 2.11 is the oldest release tested
+MINIMUM = (2, 11)
+
+
+def release(version: str) -> tuple[int, int]:
+    """(major, minor) of a torch version string: '2.11.0+cu130' -> (2, 11), '2.16.0.dev20261101' -> (2, 16)."""
+    parts = version.split("+")[0].split(".")
+    try:
+        return int(parts[0]), int("".join(c for c in parts[1] if c.isdigit()) or 0)
+    except (IndexError, ValueError):
+        raise UserError(f"torch's version {version!r} is not a release number shoal can read") from None
+
+
+TORCH = release(torch.__version__)
+
+
+def unsupported(version: str | None = None) -> str | None:
+    """Why this torch (or `version`) cannot run shoal, in one line with the fix; None when it can."""
+    version = torch.__version__ if version is None else version
+    if release(version) >= MINIMUM:
+        return None
+    need = ".".join(map(str, MINIMUM))
+    return (f"shoal needs torch >= {need}, and this environment has torch {version}; upgrade it with "
+            f"pip install 'torch>={need}' (for a GPU, the CUDA build your driver supports: "
+            f"https://pytorch.org/get-started/locally/)")
+
+
+def require_supported_torch() -> None:
+    """Raise the one-line UserError of `unsupported()`: called where a command or a Python entry starts,
+    so an old torch is said there rather than as an AttributeError deep inside a worker."""
+    why = unsupported()
+    if why:
+        raise UserError(why)
+
+
+def require_release(needed: tuple[int, int], feature: str) -> None:
+    """A feature that needs a newer torch than the oldest supported, asked for on an older one: one line
+    naming the release it needs."""
+    if TORCH < needed:
+        need = ".".join(map(str, needed))
+        raise UserError(f"{feature} needs torch >= {need}; this environment has torch {torch.__version__} "
+                        f"(pip install 'torch>={need}')")
+
+
+# torch 2.13 named the single-tensor collectives all_gather_single and reduce_scatter_single and
+# deprecated all_gather_into_tensor and reduce_scatter_tensor (a FutureWarning per call); before
+# 2.13 only the old names exist. Same arguments, same semantics.
+if TORCH >= (2, 13):
+    all_gather_single = dist.all_gather_single
+    reduce_scatter_single = dist.reduce_scatter_single
+else:
+    all_gather_single = dist.all_gather_into_tensor
+    reduce_scatter_single = dist.reduce_scatter_tensor
+
+# DCP's DefaultStager in torch 2.11 and 2.12 closes its state-dict stager after every stage (its copy
+# table emptied: the next save's copy fails with KeyError: <class 'type'>); from 2.13 one stager serves
+# every save, and keeps the copies' storage between them.
+STAGER_REUSABLE = TORCH >= (2, 13)
