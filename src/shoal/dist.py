@@ -67,11 +67,11 @@ class DistEnv:
     status_store: dist.Store  # the same keys over a second connection, for the watchdog thread
 
 
-def init(backend: str, timeout_s: float) -> DistEnv:
-    """Join (or, alone, create) the default process group."""
+def init(backend: str, timeout_s: float, device: str | None = None) -> DistEnv:
+    """Join (or, alone, create) the default process group; `device` as join's."""
     if not is_launched():
         store = dist.HashStore()
-        return join(backend, timeout_s, store, store, rank=0, world_size=1)
+        return join(backend, timeout_s, store, store, rank=0, world_size=1, device=device)
     env = os.environ
     rank, world = int(env["RANK"]), int(env["WORLD_SIZE"])
     restart = int(env.get("TORCHELASTIC_RESTART_COUNT", 0))
@@ -87,20 +87,23 @@ def init(backend: str, timeout_s: float) -> DistEnv:
                          timeout=timedelta(seconds=10), wait_for_workers=False)
     store, status_store = dist.PrefixStore(prefix, base), dist.PrefixStore(prefix, side)  # [Note: per-attempt store]
     return join(backend, timeout_s, store, status_store, rank, world, int(env.get("LOCAL_RANK", 0)),
-                int(env.get("LOCAL_WORLD_SIZE", 1)), restart)
+                int(env.get("LOCAL_WORLD_SIZE", 1)), restart, device=device)
 
 
 def join(backend: str, timeout_s: float, store, status_store, rank: int, world_size: int, local_rank: int = 0,
-         local_world_size: int = 1, restart_count: int = 0) -> DistEnv:
-    """The default process group over `store`, with torch's flight recorder on (comm/flight.py)."""
+         local_world_size: int = 1, restart_count: int = 0, device: str | None = None) -> DistEnv:
+    """The default process group over `store`, with torch's flight recorder on (comm/flight.py). `device`:
+    "cuda" or "cpu" (the layout's); None: GPUs under NCCL, the CPU under gloo. On GPUs, local rank r takes
+    GPU r mod the GPUs: one each under NCCL (the launcher refuses more workers than GPUs), shared under gloo."""
     flight.enable()
-    device = torch.device("cpu")
-    if backend == "nccl":
-        device = torch.device("cuda", local_rank)
-        torch.cuda.set_device(device)
+    kind = device or ("cuda" if backend == "nccl" else "cpu")
+    where = torch.device("cpu")
+    if kind == "cuda":
+        where = torch.device("cuda", local_rank % torch.cuda.device_count())
+        torch.cuda.set_device(where)
     dist.init_process_group(backend, store=store, rank=rank, world_size=world_size,
                             timeout=timedelta(seconds=timeout_s))
-    return DistEnv(rank, world_size, local_rank, local_world_size, restart_count, device, store, status_store)
+    return DistEnv(rank, world_size, local_rank, local_world_size, restart_count, where, store, status_store)
 
 
 def shutdown() -> None:

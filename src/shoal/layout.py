@@ -21,6 +21,7 @@ from shoal.topology import ParallelDims
 class Layout:
     dims: ParallelDims
     backend: str  # "gloo" | "nccl"
+    device: str  # "cpu" | "cuda": where each worker trains
     zero: int
     grad_accum: int  # micro-batches per rank per optimizer step
     per_rank_batch: int  # samples per rank per optimizer step
@@ -36,6 +37,7 @@ class Layout:
         else:
             split = f"micro {t.micro_batch_size} x dp {d.dp} x accumulation {self.grad_accum}"
         zero = f", ZeRO {self.zero}" if self.zero else ""
+        on = " on cuda" if self.backend == "gloo" and self.device == "cuda" else ""
         mode = cfg.sync.mode
         sync = (f"; {self.replicas} replicas of {d.dp // self.replicas} dp rank(s), {mode} every {cfg.sync.every} "
                 f"steps" if mode != "every-step" else "")
@@ -45,17 +47,37 @@ class Layout:
                     f"(parameter server, {cfg.ps.mode}"
                     f"{f', max staleness {cfg.ps.max_staleness}' if cfg.ps.mode == 'async' else ''}), "
                     f"ranks 0-{d.world_size - 1} train")
-        return (f"world {d.world_size} = dp {d.dp} x tp {d.tp} x pp {d.pp}{zero} ({self.backend}); global batch "
+        return (f"world {d.world_size} = dp {d.dp} x tp {d.tp} x pp {d.pp}{zero} ({self.backend}{on}); global batch "
                 f"{t.global_batch_size} = {split}; {t.global_batch_size * items_per_sample:,} {items_name} per step"
                 f"{sync}{compressed}")
 
 
-def choose_backend(requested: str, cuda: bool) -> str:
+def choose_device(requested: str, cuda: bool) -> str:
+    """parallel.device resolved: "cuda" or "cpu"."""
     if requested == "auto":
-        return "nccl" if cuda else "gloo"
-    if requested == "nccl" and not cuda:
-        raise UserError('parallel.backend = "nccl" needs CUDA, which is not available; use "gloo" or "auto"')
+        return "cuda" if cuda else "cpu"
+    if requested == "cuda" and not cuda:
+        raise UserError('parallel.device = "cuda", but CUDA is not available here (`shoal env` says why); use '
+                        '"cpu" or "auto"')
     return requested
+
+
+def choose_backend(requested: str, device: str) -> str:
+    """parallel.backend resolved for workers on `device`: NCCL on GPUs, gloo on CPUs, unless asked."""
+    if requested == "auto":
+        return "nccl" if device == "cuda" else "gloo"
+    if requested == "nccl" and device != "cuda":
+        raise UserError('parallel.backend = "nccl" runs on GPUs, but the workers train on the CPU (CUDA is not '
+                        'available, or parallel.device = "cpu"); use "gloo" or "auto"')
+    return requested
+
+
+def check_gpus_per_node(layout: Layout, nproc: int, gpus: int) -> None:
+    """NCCL takes one GPU per process: a node cannot start more NCCL workers than it has GPUs."""
+    if layout.backend == "nccl" and nproc > gpus:
+        raise UserError(f"--nproc {nproc} starts {nproc} workers on this node, but it has {gpus} GPU(s) and NCCL "
+                        f"takes one GPU per process; use --nproc {gpus} (or more nodes), or set parallel.backend = "
+                        f'"gloo" to let workers share GPUs (slower; docs/gpus.md)')
 
 
 def resolve_layout(cfg: Config, world_size: int, cuda: bool) -> Layout:
@@ -65,7 +87,8 @@ def resolve_layout(cfg: Config, world_size: int, cuda: bool) -> Layout:
         raise UserError(f"ps.servers = {servers} leaves no process to train in a world of {world_size}; start "
                         f"more processes (--nproc {servers + 1} or more) or use fewer servers")
     dims = ParallelDims.resolve(p.dp, p.tp, p.pp, world_size - servers)
-    backend = choose_backend(p.backend, cuda)
+    device = choose_device(p.device, cuda)
+    backend = choose_backend(p.backend, device)
     step = t.micro_batch_size * dims.dp
     if t.global_batch_size % step:
         raise UserError(
@@ -73,12 +96,13 @@ def resolve_layout(cfg: Config, world_size: int, cuda: bool) -> Layout:
             f"({t.micro_batch_size}) x dp ({dims.dp}) = {step}; set it to a multiple of {step} "
             f"(for example {max(step, t.global_batch_size // step * step)})"
         )
-    _check_sharding(cfg, dims, backend, world_size)
-    _check_precision(cfg, backend, cuda)
+    _check_sharding(cfg, dims, device, world_size)
+    _check_precision(cfg, device)
     per_rank = t.global_batch_size // dims.dp
     microbatches = _pipeline_microbatches(cfg, dims, per_rank) if dims.pp > 1 else 0
     replicas = _replicas(cfg, dims) if cfg.sync.mode in ("local-sgd", "diloco") else 1
-    return Layout(dims, backend, p.zero, t.global_batch_size // step, per_rank, microbatches, replicas, servers)
+    return Layout(dims, backend, device, p.zero, t.global_batch_size // step, per_rank, microbatches, replicas,
+                  servers)
 
 
 def _replicas(cfg: Config, dims: ParallelDims) -> int:
@@ -98,7 +122,7 @@ def _replicas(cfg: Config, dims: ParallelDims) -> int:
     return replicas
 
 
-def _check_sharding(cfg: Config, dims: ParallelDims, backend: str, world_size: int) -> None:
+def _check_sharding(cfg: Config, dims: ParallelDims, device: str, world_size: int) -> None:
     p = cfg.parallel
     if p.zero and dims.dp == 1:
         raise UserError(f"parallel.zero = {p.zero} shards state across the dp ranks, but dp = 1 (world {world_size} = "
@@ -112,20 +136,19 @@ def _check_sharding(cfg: Config, dims: ParallelDims, backend: str, world_size: i
                         f"needs DDP, which cannot run under a pipeline schedule); use parallel.zero = 2 or 3")
     if p.offload and p.zero < 2:
         raise UserError(f"parallel.offload = true needs parallel.zero = 2 or 3 (FSDP2), not {p.zero}")
-    if p.offload and backend != "nccl":
+    if p.offload and device != "cuda":
         raise UserError("parallel.offload = true moves sharded state from GPU to CPU memory; this run trains on "
-                        "CPU already (backend gloo): set parallel.offload = false")
+                        "the CPU already: set parallel.offload = false")
 
 
-def _check_precision(cfg: Config, backend: str, cuda: bool) -> None:
+def _check_precision(cfg: Config, device: str) -> None:
     dtype = cfg.precision.dtype
     if dtype == "fp16" and cfg.parallel.zero >= 2:
         raise UserError('precision.dtype = "fp16" with parallel.zero >= 2 is not supported (loss scaling of '
                         'sharded gradients); use "bf16"')
-    if dtype == "fp16" and not cuda:
-        raise UserError('precision.dtype = "fp16" needs CUDA (loss scaling); on CPU use "bf16" or "fp32"')
-    if dtype == "fp16" and backend != "nccl":
-        raise UserError('precision.dtype = "fp16" trains on CUDA only; set parallel.backend = "nccl" or "auto"')
+    if dtype == "fp16" and device != "cuda":
+        raise UserError('precision.dtype = "fp16" trains on GPUs only (loss scaling); on the CPU use "bf16" or '
+                        '"fp32"')
 
 
 def _pipeline_microbatches(cfg: Config, dims: ParallelDims, per_rank: int) -> int:

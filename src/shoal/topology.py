@@ -66,13 +66,13 @@ class ParallelDims:
             groups.setdefault(tuple(c[a] for a in others), []).append(r)
         return list(groups.values())
 
-    def device_mesh(self):
+    def device_mesh(self, device_type: str):
         """A new DeviceMesh over all ranks with named axes; needs an initialized process group. Not cached
         here: a mesh keeps the process groups it made alive, so it must not outlive the group it was made
         from (a live run forms a new group after each membership change, with the same dims)."""
         from torch.distributed.device_mesh import init_device_mesh
 
-        return init_device_mesh(device_type(), self.shape, mesh_dim_names=AXES)
+        return init_device_mesh(device_type, self.shape, mesh_dim_names=AXES)
 
 
 def local_part(t):
@@ -80,9 +80,3 @@ def local_part(t):
     from torch.distributed.tensor import DTensor
 
     return t.to_local() if isinstance(t, DTensor) else t
-
-
-def device_type() -> str:
-    import torch
-
-    return "cuda" if torch.cuda.is_available() else "cpu"

@@ -157,7 +157,7 @@ def train(cfg: Config, run_dir: str | None, config_path: str | None, resume: str
         release_freed_memory()
     # a torchrun launch reaches here unchecked; under `shoal train` this repeats the launcher's checks
     job = check_job(cfg, [total_world(int(os.environ["WORLD_SIZE"]))], cuda=torch.cuda.is_available(), quiet=True)
-    env = dist.init(job.layout.backend, cfg.parallel.timeout_s)
+    env = dist.init(job.layout.backend, cfg.parallel.timeout_s, device=job.layout.device)
     name_process(f"shoal rank {env.rank}")
     comm, phase = Comm(env.store, env.rank, env.world_size), Phase()
     watchdog = Watchdog(comm.log, env.status_store, env.rank, phase)
@@ -295,7 +295,8 @@ def join_generation(cfg: Config, job: Job, member, gen, joined: list):
     store, side = membership.connect(member.endpoint), membership.connect(member.endpoint)
     env = dist.join(job.layout.backend, cfg.parallel.timeout_s,
                     PrefixStore(gen.prefix, store), PrefixStore(gen.prefix, side), rank, world,
-                    int(os.environ.get("LOCAL_RANK", 0)), int(os.environ.get("LOCAL_WORLD_SIZE", 1)), gen.number)
+                    int(os.environ.get("LOCAL_RANK", 0)), int(os.environ.get("LOCAL_WORLD_SIZE", 1)), gen.number,
+                    device=job.layout.device)
     name_process(f"shoal rank {env.rank}")
     comm = Comm(env.store, env.rank, env.world_size)
     watchdog = Watchdog(comm.log, env.status_store, env.rank)

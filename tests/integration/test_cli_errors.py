@@ -17,7 +17,7 @@ CASES = {
     "missing data path": (["--set", "data.source=text", "--set", "data.path=/no/such/corpus"],
                           "data.path = '/no/such/corpus' does not exist"),
     "unknown model name": (["--set", "model.name=gtp"], 'unknown model.name = "gtp"'),
-    "fp16 on CPU": (["--set", "precision.dtype=fp16"], '"fp16" needs CUDA'),
+    "fp16 on CPU": (["--set", "precision.dtype=fp16"], '"fp16" trains on GPUs only'),
     "bad --nproc": (["--nproc", "0"], "--nproc (0) must be >= 1"),
     "bad --nnodes": (["--nnodes", "two"], "--nnodes 'two': expected a number of nodes"),
     "elastic range MIN > MAX": (["--nnodes", "3:2"], "--nnodes 3:2: MIN (3) is above MAX (2); give MIN:MAX"),

@@ -22,14 +22,49 @@ def test_batch_not_divisible():
 
 def test_fp16_on_cpu_is_refused():
     cfg = load_config(None, ["precision.dtype=fp16"])
-    with pytest.raises(UserError, match='"fp16" needs CUDA'):
+    with pytest.raises(UserError, match='"fp16" trains on GPUs only'):
         resolve_layout(cfg, 1, cuda=False)
 
 
 def test_nccl_without_cuda_is_refused():
     cfg = load_config(None, ["parallel.backend=nccl"])
-    with pytest.raises(UserError, match="needs CUDA"):
+    with pytest.raises(UserError, match='parallel.backend = "nccl" runs on GPUs, but the workers train on the CPU'):
         resolve_layout(cfg, 1, cuda=False)
+    with pytest.raises(UserError, match='parallel.backend = "nccl" runs on GPUs'):
+        resolve_layout(load_config(None, ["parallel.backend=nccl", "parallel.device=cpu"]), 1, cuda=True)
+
+
+def test_the_device_and_backend_a_layout_takes():
+    """auto: GPUs and NCCL where CUDA is, the CPU and gloo elsewhere; gloo on GPUs (workers sharing one)
+    when asked; a GPU asked for where there is none, one line."""
+    def chosen(sets, cuda):
+        layout = resolve_layout(load_config(None, sets), 2, cuda=cuda)
+        return layout.device, layout.backend
+
+    assert chosen([], cuda=True) == ("cuda", "nccl")
+    assert chosen([], cuda=False) == ("cpu", "gloo")
+    assert chosen(["parallel.backend=gloo"], cuda=True) == ("cuda", "gloo")  # on GPUs, over gloo
+    assert chosen(["parallel.device=cuda", "parallel.backend=gloo"], cuda=True) == ("cuda", "gloo")
+    assert chosen(["parallel.device=cpu"], cuda=True) == ("cpu", "gloo")
+    cfg = load_config(None, ["parallel.device=cuda", "parallel.backend=gloo"])
+    assert "(gloo on cuda)" in resolve_layout(cfg, 2, cuda=True).describe(cfg, "tokens", 128)
+    with pytest.raises(UserError, match='parallel.device = "cuda", but CUDA is not available here'):
+        resolve_layout(load_config(None, ["parallel.device=cuda"]), 1, cuda=False)
+    # fp16's loss scaling runs on GPUs, over either backend
+    assert chosen(["parallel.device=cuda", "parallel.backend=gloo", "precision.dtype=fp16"], cuda=True) == \
+        ("cuda", "gloo")
+
+
+def test_more_nccl_workers_than_gpus_is_refused_in_one_line():
+    from shoal.layout import check_gpus_per_node
+
+    cfg = load_config(None, ["train.global_batch_size=72", "train.micro_batch_size=1"])
+    check_gpus_per_node(resolve_layout(cfg, 8, cuda=True), 8, 8)
+    with pytest.raises(UserError, match=r"--nproc 9 starts 9 workers on this node, but it has 8 GPU\(s\) and NCCL "
+                                        r"takes one GPU per process; use --nproc 8"):
+        check_gpus_per_node(resolve_layout(cfg, 9, cuda=True), 9, 8)
+    shared = load_config(None, ["parallel.device=cuda", "parallel.backend=gloo"])
+    check_gpus_per_node(resolve_layout(shared, 2, cuda=True), 2, 1)  # gloo: two workers share the one GPU
 
 
 def test_pipeline_split_balances_cost_and_bubble_formula():

@@ -41,7 +41,7 @@ def test_device_mesh_has_named_axes():
 
     env = dist.init("gloo", timeout_s=30)
     try:
-        mesh = ParallelDims.resolve("auto", 1, 1, env.world_size).device_mesh()
+        mesh = ParallelDims.resolve("auto", 1, 1, env.world_size).device_mesh("cpu")
         assert mesh.mesh_dim_names == ("pp", "dp", "tp") and mesh["dp"].size() == 1
     finally:
         dist.shutdown()

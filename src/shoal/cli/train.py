@@ -76,6 +76,7 @@ def preflight(args: argparse.Namespace, cfg, nodes: tuple[int, int]):
     job and the run dir, or (None, run dir) when the run dir holds this run finished (said in one line)."""
     import torch
 
+    from shoal.layout import check_gpus_per_node
     from shoal.preflight import check_job
     from shoal.ps import roles
     from shoal.rundir import RunDir, default_run_dir
@@ -89,6 +90,7 @@ def preflight(args: argparse.Namespace, cfg, nodes: tuple[int, int]):
         check_live(cfg, nodes, args.nproc)
         worlds = list(range(nodes[0] * args.nproc, nodes[1] * args.nproc + 1))
     job = check_job(cfg, worlds, cuda=torch.cuda.is_available(), run_dir=run_dir, resume=args.resume, quiet=True)
+    check_gpus_per_node(job.layout, args.nproc, torch.cuda.device_count())
     if job.finished and RunDir(run_dir).summary.exists():
         print(finished_message(run_dir, job.resume_step, cfg.train.steps))
         return None, run_dir

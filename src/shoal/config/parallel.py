@@ -44,7 +44,12 @@ class ParallelConfig(Section):
     """ZeRO 2/3 on CUDA: keep parameters, gradients and optimizer state in CPU memory and run the
     optimizer step there (FSDP2 CPUOffloadPolicy)."""
     backend: Literal["auto", "gloo", "nccl"] = "auto"
-    """Collective backend; auto: nccl when CUDA is available, gloo otherwise."""
+    """Collective backend; auto: nccl when the workers train on GPUs, gloo otherwise."""
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    """Where each worker trains; auto: a GPU when CUDA is available (local rank r on GPU r, one process per
+    GPU), the CPU otherwise. "cuda" with backend "gloo" lets several workers share a GPU (local rank r on GPU
+    r mod the GPUs): NCCL refuses two ranks on one GPU, gloo does not, so one GPU can run a multi-rank layout
+    (slower than NCCL: for testing CUDA code paths, not for speed)."""
     threads_per_worker: int = Field(0, ge=0)
     """CPU threads per worker; 0: cores / local workers."""
     timeout_s: float = Field(600.0, gt=0.0)

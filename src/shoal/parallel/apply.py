@@ -46,7 +46,7 @@ def make_sync(sync: SyncConfig, comm_cfg: CommConfig, comm: Comm, last_step: int
                         warmup=sync.warmup_steps)
 
 
-def replica_meshes(layout: Layout, mesh, dp_group):
+def replica_meshes(layout: Layout, mesh, dp_group, device_type: str):
     """(the mesh a data-parallel wrapper spans or None for no wrapper, the group periodic syncs run over
     or None for the default group): every step, the dp axis of `mesh`; local SGD / DiLoCo with each dp rank a
     replica, no wrapper and the dp group; with replicas of several ranks (data parallelism only), a
@@ -58,9 +58,7 @@ def replica_meshes(layout: Layout, mesh, dp_group):
         return None, dp_group
     from torch.distributed.device_mesh import init_device_mesh
 
-    from shoal.topology import device_type
-
-    grid = init_device_mesh(device_type(), (layout.replicas, dims.dp // layout.replicas),
+    grid = init_device_mesh(device_type, (layout.replicas, dims.dp // layout.replicas),
                             mesh_dim_names=("replica", "shard"))
     return grid["shard"], grid["replica"].get_group()
 
@@ -73,14 +71,14 @@ def parallelize(bundle: ModelBundle, layout: Layout, *, parallel: ParallelConfig
     dims = layout.dims
     sync = sync or make_sync(SyncConfig(), CommConfig(), comm)
     model = bundle.model.to(device)
-    mesh = dims.device_mesh()  # collective; the model's wrappers keep what they use of it
+    mesh = dims.device_mesh(device.type)  # collective; the model's wrappers keep what they use of it
     loss_context = contextlib.nullcontext
     if dims.tp > 1:
         loss_context = bundle.tensor_parallel(model, dims.tp, mesh["tp"],
                                               sequence_parallel=parallel.sequence_parallel) or loss_context
     coords = dims.coords(rank)
     dp_group = mesh["dp"].get_group() if dims.world_size > dims.dp else None
-    inner_mesh, outer_group = replica_meshes(layout, mesh, dp_group)
+    inner_mesh, outer_group = replica_meshes(layout, mesh, dp_group, device.type)
     inner_group = None if inner_mesh is None or inner_mesh.size() == dims.world_size else inner_mesh.get_group()
 
     def wrapped(m: torch.nn.Module) -> torch.nn.Module:

@@ -46,7 +46,7 @@ from shoal.config.literals import overrides_as_sets
 from shoal.data.loader import Prefetcher
 from shoal.data.sampler import GlobalBatchSampler
 from shoal.errors import UserError
-from shoal.layout import choose_backend, resolve_layout
+from shoal.layout import choose_backend, choose_device, resolve_layout
 from shoal.metrics.profile import Profiler, resolve_peak
 from shoal.metrics.sinks import MetricsSinks
 from shoal.metrics.timers import StepTimer
@@ -466,7 +466,8 @@ def join(cfg: Config):
     if dist.is_initialized():
         env = existing_group()
     else:
-        env = shoal_dist.init(choose_backend(cfg.parallel.backend, torch.cuda.is_available()), cfg.parallel.timeout_s)
+        device = choose_device(cfg.parallel.device, torch.cuda.is_available())
+        env = shoal_dist.init(choose_backend(cfg.parallel.backend, device), cfg.parallel.timeout_s, device=device)
     return env, Comm(env.store, env.rank, env.world_size)
 
 
