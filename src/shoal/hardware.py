@@ -152,6 +152,16 @@ def preset(name: str) -> HardwareProfile:
     return HardwareProfile(name=key, **PRESETS[key])
 
 
+def gpu_preset_for(device_name: str) -> HardwareProfile | None:
+    """The data-sheet preset of a GPU by the name CUDA gives it ("NVIDIA H100 80GB HBM3" -> h100); None
+    for a GPU without one (the presets are the SXM parts: a PCIe card's peaks are lower)."""
+    name = device_name.lower()
+    if "pcie" in name:
+        return None
+    key = next((k for k in ("h100", "h200", "a100") if k in name), None)
+    return preset(key) if key else None
+
+
 def load_profile(path: str | Path) -> HardwareProfile:
     p = Path(path).expanduser()
     if not p.is_file():

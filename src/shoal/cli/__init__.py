@@ -6,12 +6,12 @@ from __future__ import annotations
 import argparse
 import sys
 
-from shoal.cli import cluster, parity, plan, run, runs, train
+from shoal.cli import cluster, env, parity, plan, run, runs, train
 from shoal.errors import UserError
 
 COMMANDS = {"train": train.train, "run": run.run, "checkpoints": runs.checkpoints, "export": runs.export,
             "report": runs.report, "parity": parity.parity, "launch": cluster.launch_job, "cluster": cluster.cluster,
-            "probe": plan.probe, "plan": plan.plan}
+            "probe": plan.probe, "plan": plan.plan, "env": env.env}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -23,6 +23,7 @@ def build_parser() -> argparse.ArgumentParser:
     parity.add_parser(sub)
     cluster.add_parsers(sub)
     plan.add_parsers(sub)
+    env.add_parser(sub)
     return parser
 
 
@@ -31,6 +32,10 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     args.argv = argv
     try:
+        if args.command != "env":  # `shoal env` reports an unsupported torch among the rest
+            from shoal.compat import require_supported_torch
+
+            require_supported_torch()
         return COMMANDS[args.command](args)
     except UserError as e:
         print(f"shoal: error: {e}", file=sys.stderr)

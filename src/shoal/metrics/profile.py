@@ -30,7 +30,7 @@ from dataclasses import dataclass
 import torch
 
 from shoal.config import MetricsConfig
-from shoal.hardware import PRESETS, HardwareProfile, profile_or_preset
+from shoal.hardware import gpu_preset_for, profile_or_preset
 
 AXES = ("dp", "tp", "pp", "world")
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -142,10 +142,9 @@ def resolve_peak(value: str, device: torch.device, dtype: str) -> tuple[float, s
         profile = profile_or_preset(value)
         return profile.peak_flops(dtype), profile.name
     if device.type == "cuda":
-        name = torch.cuda.get_device_name(device)
-        key = next((k for k in PRESETS if k in name.lower()), None)
-        if key:
-            return HardwareProfile(name=key, **PRESETS[key]).peak_flops(dtype), key
+        sheet = gpu_preset_for(torch.cuda.get_device_name(device))
+        if sheet:
+            return sheet.peak_flops(dtype), sheet.name
     return measure_matmul_flops(device, dtype), f"measured {dtype} matmul"
 
 
