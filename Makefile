@@ -5,7 +5,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: run test test-fast install clean
+.PHONY: run test test-fast test-torch install clean
 
 # Python caches compiled modules in __pycache__/ unless PYTHONDONTWRITEBYTECODE is set, as some
 # environments do; then every process compiles what it imports again: a one-step two-worker `shoal
@@ -43,5 +43,22 @@ test-fast: $(STAMP)
 	$(VENV)/bin/lint-imports
 	$(PY) -m pytest tests -m "not slow"
 
+# the fast tier on another torch release (make test-torch TORCH=2.14.1), in a virtualenv of its own: the
+# oldest supported release runs in CI beside the pinned one. PyPI's CUDA builds run on a CPU too (2.11:
+# ~2.6 GB, kept in pip's cache between runs)
+TORCH  ?= 2.11.0
+TVENV  := $(VENV)-torch-$(TORCH)
+$(TVENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(TVENV)
+	$(TVENV)/bin/python -m pip install --quiet --upgrade pip
+	$(TVENV)/bin/python -m pip install --quiet --no-compile torch==$(TORCH)
+	$(TVENV)/bin/python -m pip install --quiet --no-compile -e '.[test]'
+	touch $@
+
+test-torch: $(TVENV)/.installed
+	$(TVENV)/bin/python -c 'import torch; print("the fast tier on torch", torch.__version__)'
+	$(TVENV)/bin/lint-imports
+	$(TVENV)/bin/python -m pytest tests -m "not slow"
+
 clean:
-	rm -rf $(VENV) runs
+	rm -rf $(VENV) $(VENV)-torch-* runs
