@@ -72,3 +72,21 @@ else:
 # table emptied: the next save's copy fails with KeyError: <class 'type'>); from 2.13 one stager serves
 # every save, and keeps the copies' storage between them.
 STAGER_REUSABLE = TORCH >= (2, 13)
+
+# torch 2.15 gives the CPU flash-attention kernel (the one shoal's planner traces on the meta device) the
+# flop formulas of the GPU's: QK^T and PV in full, causal or not, and their backward; before 2.15 the
+# flop registry has none for it, and its FLOPs counted 0. flop_formula() counts it as 2.15 does on every release.
+_CPU_FLASH = {torch.ops.aten._scaled_dot_product_flash_attention_for_cpu:
+              torch.ops.aten._scaled_dot_product_flash_attention,
+              torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward:
+              torch.ops.aten._scaled_dot_product_flash_attention_backward}
+
+
+def flop_formula(packet):
+    """torch's FLOP count for an aten operator (called as torch's FlopCounterMode calls it), or None."""
+    from torch.utils.flop_counter import flop_registry
+
+    formula = flop_registry.get(packet)
+    if formula is None and TORCH < (2, 15) and packet in _CPU_FLASH:
+        formula = flop_registry.get(_CPU_FLASH[packet])
+    return formula

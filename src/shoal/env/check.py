@@ -20,6 +20,7 @@ import time
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 
 from shoal.env.facts import Facts, problems
 
@@ -119,17 +120,19 @@ def training(facts: Facts, nproc: int) -> tuple[bool, str, str]:
 def worker(out: str) -> None:
     """One launched worker: the collectives with known results, a timed all-reduce, a matmul; its own
     JSON file either way (an error as one line)."""
-    from shoal import dist
+    from shoal import dist as shoal_dist
     from shoal.errors import first_line
+    from shoal.layout import choose_backend, choose_device
 
     rank = int(os.environ["RANK"])
     path = Path(f"{out}.rank{rank}.json")
     try:
-        result = measure(dist.init("nccl" if torch.cuda.is_available() else "gloo", 60.0))
+        device = choose_device("auto", torch.cuda.is_available())
+        result = measure(shoal_dist.init(choose_backend("auto", device), 60.0, device=device))
     except Exception as e:  # said as the check's one line, in the parent
         result = {"rank": rank, "error": f"{type(e).__name__}: {first_line(e)}"}
     path.write_text(json.dumps(result))
-    dist.shutdown()
+    shoal_dist.shutdown()
 
 
 def measure(env) -> dict:
@@ -149,7 +152,7 @@ def measure(env) -> dict:
     sync(dev)
     seconds = (time.perf_counter() - t0) / 3
     busbw = ALL_REDUCE_BYTES * 2 * (n - 1) / n / seconds if n > 1 else 0.0  # nccl-tests' bus bandwidth
-    return {"rank": env.rank, "backend": "nccl" if dev.type == "cuda" else "gloo", "sums_ok": sums_ok,
+    return {"rank": env.rank, "backend": dist.get_backend(), "sums_ok": sums_ok,
             "busbw": busbw, **matmul(dev)}
 
 

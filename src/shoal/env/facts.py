@@ -25,6 +25,7 @@ import torch.distributed as dist
 
 from shoal import __version__
 from shoal.compat import unsupported
+from shoal.layout import choose_backend, choose_device
 
 # NCCL keeps its intra-node buffers in /dev/shm; Docker's default of 64 MB makes NCCL fail at its first
 # collective ("Error while creating shared memory segment"). NCCL's documentation asks for --shm-size=1g.
@@ -65,13 +66,13 @@ class Facts:
 
     @property
     def device(self) -> str:
-        """Where `parallel.device = "auto"` trains."""
-        return "cuda" if self.gpus else "cpu"
+        """Where `parallel.device = "auto"` trains (the layout's own rule)."""
+        return choose_device("auto", bool(self.gpus))
 
     @property
     def backend(self) -> str:
         """What `parallel.backend = "auto"` chooses on that device."""
-        return "nccl" if self.gpus else "gloo"
+        return choose_backend("auto", self.device)
 
 
 def gather() -> Facts:

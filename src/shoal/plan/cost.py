@@ -14,9 +14,9 @@ import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
-from torch.utils.flop_counter import flop_registry
 
 from shoal.allocator import THRESHOLD
+from shoal.compat import flop_formula
 
 
 @dataclass
@@ -62,7 +62,7 @@ def describe_op(func, args, kwargs, out) -> tuple[str, float, float] | None:
     packet = func._overloadpacket
     if packet in _VIEWS:
         return None
-    count = flop_registry.get(packet)
+    count = flop_formula(packet)
     flops = float(count(*args, **kwargs, out_val=out)) if count else 0.0
     moved = sum(t.numel() * t.element_size() for t in tree_flatten((args, kwargs, out))[0]
                 if isinstance(t, torch.Tensor))
