@@ -1,0 +1,265 @@
+"""benchmarks/gpu_paths.py's plumbing: a command in a subprocess with a timeout (its whole process tree killed when
+it runs over), its output kept in a log file; the comparisons of a run's numbers; the invocation's context (Ctx)
+and the small GPT's `shoal train`, which most paths run. Standard library only: the script must run on a machine
+whose python3 has torch and shoal's dependencies and nothing else."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+HERE = Path(__file__).resolve().parent
+STEPS, ACCUM = 24, 4  # a global batch of 32 in micro-batches of 8, on one process
+OVERFLOW_STEP = 5
+INIT_SCALE = 2.0 ** 16  # torch.amp.GradScaler's initial scale; it halves at an overflow, grows after 2000 steps
+# warmup 0 and min_lr_ratio 1: a constant learning rate, so that a run asked for more steps continues exactly the
+# run that a longer one would have been (the schedule does not depend on train.steps)
+SMALL_GPT = f"""[model]
+name = "gpt"
+n_layer = 2
+n_head = 4
+d_model = 128
+seq_len = 128
+
+[data]
+source = "stdlib-text"
+max_bytes = 2000000
+
+[train]
+steps = {STEPS}
+global_batch_size = 32
+micro_batch_size = 8
+lr = 1e-3
+warmup_steps = 0
+min_lr_ratio = 1.0
+val_batches = 2
+
+[metrics]
+log_interval = 1
+tensorboard = false
+progress = false
+"""
+
+
+class Failed(Exception):
+    """A path's check failed; the message is the one-line reason."""
+
+
+@dataclass
+class Result:
+    rc: int
+    stdout: str
+    stderr: str
+
+    @property
+    def out(self) -> str:
+        return self.stdout + self.stderr
+
+
+def one_line(text: str, limit: int = 300) -> str:
+    text = " ".join(str(text).split())
+    return text if len(text) <= limit else text[:limit - 3] + "..."
+
+
+def last_line(text: str) -> str:
+    lines = [ln for ln in text.strip().splitlines() if ln.strip()]
+    return lines[-1] if lines else "(no output)"
+
+
+def descendants(pid: int) -> list[int]:
+    """Every process below `pid` (from /proc), so that a command run over its time leaves nothing behind: torch
+    elastic's workers and shoal's forked ones are children of children."""
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            ppid = int(stat.read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):
+            continue
+        children.setdefault(ppid, []).append(int(stat.parent.name))
+    found, todo = [], [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            found.append(child)
+            todo.append(child)
+    return found
+
+
+def kill_tree(pid: int) -> None:
+    for p in [pid, *descendants(pid)]:
+        try:
+            os.kill(p, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+def run(cmd: list, *, cwd: Path, env: dict, timeout: float, log: Path, expect: int | None = 0) -> Result:
+    """`cmd` in `cwd`; its output also goes to `log`. Fails on a timeout or an exit code other than `expect`."""
+    cmd = [str(c) for c in cmd]
+    started = time.monotonic()
+    proc = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        kill_tree(proc.pid)
+        out, err = proc.communicate()
+        proc.returncode = None
+    took = time.monotonic() - started
+    log.parent.mkdir(parents=True, exist_ok=True)
+    with log.open("a") as f:
+        f.write(f"$ (cd {cwd} && {' '.join(cmd)})\n# exit {proc.returncode} after {took:.1f} s\n{out}\n{err}\n\n")
+    shown = "python -c" if cmd[1] == "-c" else " ".join(Path(c).name if c.startswith("/") else c for c in cmd[1:5])
+    if proc.returncode is None:
+        raise Failed(f"`{shown} ...` did not finish in {timeout:.0f} s (killed); last output: {last_line(out + err)}")
+    if expect is not None and proc.returncode != expect:
+        raise Failed(f"`{shown} ...` exited {proc.returncode} (expected {expect}): {last_line(err or out)}")
+    return Result(proc.returncode, out, err)
+
+
+def python_json(code: str, *, cwd: Path, env: dict, log: Path, timeout: float = 120) -> dict:
+    """Run `code` in a fresh interpreter (it may import torch and shoal); its last line of output is JSON."""
+    r = run([sys.executable, "-c", code], cwd=cwd, env=env, timeout=timeout, log=log)
+    return json.loads(last_line(r.stdout))
+
+
+def read_jsonl(path: Path) -> list[dict]:
+    if not path.is_file():
+        raise Failed(f"{path} is missing")
+    return [json.loads(ln) for ln in path.read_text().splitlines() if ln.strip()]
+
+
+def step_records(run_dir: Path) -> list[dict]:
+    """metrics.jsonl's per-step records (a Session also logs records of its own: those have no loss)."""
+    return [m for m in read_jsonl(run_dir / "metrics.jsonl") if "loss" in m]
+
+
+def rel_diff(a: float, b: float) -> float:
+    return abs(a - b) / max(abs(a), abs(b), 1e-12)
+
+
+def worst_diff(losses: dict[int, float], reference: dict[int, float], steps) -> tuple[float, int]:
+    """The largest relative difference between two runs' losses over `steps`, and its step."""
+    missing = [s for s in steps if s not in losses or s not in reference]
+    if missing:
+        raise Failed(f"no loss recorded at step(s) {missing[:5]}")
+    return max((rel_diff(losses[s], reference[s]), s) for s in steps)
+
+
+def check_close(losses: dict[int, float], reference: dict[int, float], steps, rtol: float, what: str) -> str:
+    diff, step = worst_diff(losses, reference, steps)
+    if not diff <= rtol:
+        raise Failed(f"{what}: loss at step {step} is {losses[step]:.6f}, the reference's {reference[step]:.6f}: "
+                     f"relative difference {diff:.2e} > {rtol:g}")
+    return f"within {diff:.1e} of {what} (tolerance {rtol:g})"
+
+
+def check_learning(losses: dict[int, float], steps: int) -> str:
+    """Every step's loss finite, and the last quarter's mean below the first quarter's."""
+    if sorted(losses) != list(range(1, steps + 1)):
+        raise Failed(f"losses of steps {sorted(losses)[:3]}...{sorted(losses)[-3:]}, expected 1..{steps}")
+    bad = [s for s, v in losses.items() if v is None or not math.isfinite(v)]
+    if bad:
+        raise Failed(f"loss not finite at step(s) {bad[:5]}")
+    q = max(steps // 4, 1)
+    first = sum(losses[s] for s in range(1, q + 1)) / q
+    last = sum(losses[s] for s in range(steps - q + 1, steps + 1)) / q
+    if not last < first:
+        raise Failed(f"loss did not fall: mean {first:.4f} over steps 1-{q}, {last:.4f} over the last {q}")
+    return f"loss {losses[1]:.4f} -> {losses[steps]:.4f}"
+
+
+def newest_train_state(run_dir: Path) -> dict:
+    """train_state.json of the run's newest checkpoint (shoal's small parts as JSON: schedule, data position,
+    bad-step counters, the loss scaler)."""
+    found = sorted((run_dir / "checkpoints").glob("step_*/train_state.json"))
+    if not found:
+        raise Failed(f"no checkpoint in {run_dir}/checkpoints")
+    return json.loads(found[-1].read_text())
+
+
+def mib(n: float) -> str:
+    return f"{n / 2**20:.1f} MiB" if n < 2**30 else f"{n / 2**30:.1f} GiB"
+
+
+@dataclass
+class Run:
+    dir: Path
+    out: str
+    losses: dict[int, float]
+    summary: dict
+
+
+@dataclass
+class Ctx:
+    out: Path
+    cuda: bool
+    dev: str  # where the GPU paths train: "cuda", or "cpu" on a machine without CUDA
+    gpu_bytes: int
+    env: dict
+    logs: Path  # every command's output, one file each
+    shared: dict = field(default_factory=dict)  # what several paths read (train-fp32's run), made once
+    commands: int = 0
+
+    def folder(self, name: str) -> Path:
+        """The path's own folder, emptied: a run dir left by an earlier invocation would resume."""
+        path = self.out / name
+        shutil.rmtree(path, ignore_errors=True)
+        path.mkdir(parents=True)
+        return path
+
+    def log(self, name: str) -> Path:
+        self.commands += 1
+        return self.logs / f"{self.commands:02d}-{name}.log"
+
+    def shoal(self, name: str, args: list, cwd: Path, timeout: float = 240, expect: int | None = 0,
+              env: dict | None = None):
+        return run([sys.executable, "-m", "shoal", *args], cwd=cwd, env={**self.env, **(env or {})},
+                   timeout=timeout, log=self.log(name), expect=expect)
+
+    def python(self, name: str, code: str, cwd: Path) -> dict:
+        return python_json(code, cwd=cwd, env=self.env, log=self.log(name))
+
+    def config(self, name: str = "gpt.toml", extra: str = "") -> Path:
+        path = self.out / "configs" / name
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(SMALL_GPT + extra)
+        return path
+
+
+def train(ctx: Ctx, name: str, run_dir: Path, sets: list[str], timeout: float = 240, env: dict | None = None) -> Run:
+    """`shoal train` of the small GPT into `run_dir`, with `sets` as --set overrides."""
+    args = ["train", ctx.config(), "--run-dir", run_dir, *[a for s in sets for a in ("--set", s)]]
+    r = ctx.shoal(name, args, cwd=run_dir.parent, timeout=timeout, env=env)
+    losses = {m["step"]: m["loss"] for m in step_records(run_dir)}  # a step trained twice: its last record
+    summary = json.loads((run_dir / "summary.json").read_text())
+    return Run(run_dir, r.out, losses, summary)
+
+
+def fp32_run(ctx: Ctx) -> Run:
+    """train-fp32's run, trained once for every path that reads it (on the CPU where there is no CUDA)."""
+    if "fp32" not in ctx.shared:
+        try:
+            run_dir = ctx.folder("train-fp32") / "run"
+            ctx.shared["fp32"] = train(ctx, "train-fp32", run_dir, [f"parallel.device={ctx.dev}"])
+        except Failed as e:
+            ctx.shared["fp32"] = e
+    got = ctx.shared["fp32"]
+    if isinstance(got, Failed):
+        raise Failed(f"train-fp32's run failed: {got}")
+    return got
+
+
+def layout_line(run: Run) -> str:
+    """The run's layout, from its first line ("... world 1 = dp 1 x tp 1 x pp 1 (nccl); ...")."""
+    found = re.search(r"world \d+ = .*?\(([^)]*)\)", run.out)
+    return found.group(1) if found else "?"
