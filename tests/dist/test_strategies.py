@@ -75,7 +75,7 @@ def test_tensor_parallel_layers_hold_their_slice_of_nn_linear(ranks):
 def tp_whole_model(env, sequence_parallel):
     from torch.distributed.device_mesh import init_device_mesh
 
-    from shoal.parallel.clip import plain
+    from shoal.parallel.clip import clip_grads, grad_norm, plain
 
     bundle = tiny_gpt()
     ref = copy.deepcopy(bundle.model)
@@ -89,13 +89,20 @@ def tp_whole_model(env, sequence_parallel):
     ref_loss.backward()
     grads = dict(ref.named_parameters())
     worst = max((full(p.grad) - grads[n].grad).abs().max().item() for n, p in bundle.model.named_parameters())
-    return abs(loss.item() - ref_loss.item()) / ref_loss.item(), worst
+    # clipped to a tenth of the norm: every gradient scaled alike, sequence parallelism's partial sums
+    # (the norms' gains and biases) included
+    params = [(p, True) for p in bundle.model.parameters()]
+    norm = grad_norm(params, None)
+    clip_grads(params, 0.1 * norm.item(), norm)
+    torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.1 * norm.item())
+    clipped = max((full(p.grad) - grads[n].grad).abs().max().item() for n, p in bundle.model.named_parameters())
+    return abs(loss.item() - ref_loss.item()) / ref_loss.item(), worst, clipped
 
 
 @pytest.mark.parametrize("sequence_parallel", [False, True])
 def test_gpt_tensor_parallel_plan_matches_the_unsplit_model(ranks, sequence_parallel):
-    for loss_diff, grad_diff in ranks(2).run(tp_whole_model, sequence_parallel):
-        assert loss_diff < 1e-6 and grad_diff < 1e-5, (loss_diff, grad_diff)
+    for loss_diff, grad_diff, clipped_diff in ranks(2).run(tp_whole_model, sequence_parallel):
+        assert loss_diff < 1e-6 and grad_diff < 1e-5 and clipped_diff < 1e-6, (loss_diff, grad_diff, clipped_diff)
 
 
 # --- ZeRO 3 ------------------------------------------------------------------------------------------

@@ -31,9 +31,19 @@ def grad_norm(params: list[tuple[torch.Tensor, bool]], comm: Comm, stage_group=N
 
 
 def clip_grads(params: list[tuple[torch.Tensor, bool]], max_norm: float, total: torch.Tensor) -> None:
-    """torch's clip_grads_with_norm_, per kind of gradient, given the total norm."""
-    for group in _by_mesh(params).values():
-        torch.nn.utils.clip_grads_with_norm_([p for p, _ in group], max_norm, total.float().to(group[0][0].grad.device))
+    """Scale every gradient by torch's clip coefficient, min(1, max_norm / (total + 1e-6)), given the total
+    norm: clip_grads_with_norm_'s arithmetic, applied to each gradient's local part (a DTensor's shard, a
+    partial sum or a replica: scaling the part scales the whole, whatever its placement). torch 2.11's
+    foreach multiply leaves a DTensor gradient whose placement is Partial unscaled (sequence parallelism's
+    norm gains and biases: measured, their clipped gradients were the unclipped ones), so the clip never
+    goes through DTensor's dispatch."""
+    coef = torch.clamp(max_norm / (total.float() + 1e-6), max=1.0)
+    kinds: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
+    for p, _ in params:
+        g = p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
+        kinds.setdefault((g.device, g.dtype), []).append(g)
+    for (device, _), grads in kinds.items():
+        torch._foreach_mul_(grads, coef.to(device))
 
 
 def _by_mesh(params: list[tuple[torch.Tensor, bool]]) -> dict[object, list[tuple[torch.Tensor, bool]]]:
