@@ -36,12 +36,26 @@ def progress(run_dir) -> int:
         return 0
 
 
+def world(run_dir) -> int:
+    """The world size of the run's last step (progress.json), 0 before its first."""
+    try:
+        return json.loads((run_dir / "progress.json").read_text())["world"]
+    except (OSError, ValueError, KeyError):
+        return 0
+
+
 def membership(run_dir) -> list[dict]:
+    """The run's membership changes, without the joins that only complete its first generation: a node
+    whose worker started more than the last call (2 s) after the others, as one does on a loaded machine,
+    joins at the first step's end."""
     try:
         lines = (run_dir / "metrics.jsonl").read_text().splitlines()
     except OSError:
         return []
-    return [m for m in map(json.loads, filter(None, lines)) if "membership" in m]
+    changes = [m for m in map(json.loads, filter(None, lines)) if "membership" in m]
+    while changes and "joined" in changes[0]["membership"] and "left" not in changes[0]["membership"]:
+        changes.pop(0)
+    return changes
 
 
 def wait_for(what, until, timeout: float, nodes) -> None:

@@ -131,6 +131,7 @@ def test_slurm_without_its_packages_is_one_line_and_makes_nothing(monkeypatch, c
 
     monkeypatch.setattr(os, "geteuid", lambda: 0)
     monkeypatch.setattr(slurm, "find", lambda name: None if name in ("slurmctld", "munged") else f"/usr/bin/{name}")
+    monkeypatch.setattr(slurm.pwd, "getpwnam", lambda name: object())  # the user munge exists: only two programs lack
     monkeypatch.setattr(hosts, "up", lambda *a: pytest.fail("hosts made before Slurm was found missing"))
     assert main(["cluster", "up", "--hosts", "2", "--slurm"]) == 2
     err = capsys.readouterr().err
@@ -356,6 +357,7 @@ def test_a_live_run_across_hosts_loses_rejoins_and_leaves_and_equals_one_process
         start_node,
         wait_for,
         worker_of,
+        world,
     )
     from shoal.launch.ports import free_port
 
@@ -367,7 +369,7 @@ def test_a_live_run_across_hosts_loses_rejoins_and_leaves_and_equals_one_process
                         host="h1" if i == 1 else "h0", address="10.200.0.1") for i in range(3)]
     asked = None
     try:
-        wait_for(f"step {kill_at}", lambda: progress(run_dir) >= kill_at, 120, nodes)
+        wait_for(f"step {kill_at} on all three", lambda: progress(run_dir) >= kill_at and world(run_dir) == 3, 120, nodes)
         gate.touch()  # the survivors wait at their next forward until the replacement asks to join
         os.kill(worker_of(nodes[1]), signal.SIGKILL)
         # the store is reachable only from inside the cluster: a watcher there ends once the request is made

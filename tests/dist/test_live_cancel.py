@@ -10,7 +10,8 @@ import signal
 
 import pytest
 
-from live_runs import end_all, equals_one_process, membership, outputs, progress, start_node, wait_for, worker_of
+from live_runs import (end_all, equals_one_process, membership, outputs, progress, start_node, wait_for, worker_of,
+                       world)
 from shoal.launch.ports import free_port
 from shoal.launch.supervisor import descendants
 
@@ -23,7 +24,8 @@ def test_a_silent_node_below_min_then_a_cancel_and_resume_equal_one_process(tmp_
     print(f"node 2 goes silent after step {silent_at}")
     nodes = [start_node(i, run_dir, port, max_restarts=0) for i in range(3)]
     try:
-        wait_for(f"step {silent_at}", lambda: progress(run_dir) >= silent_at, 120, nodes)
+        wait_for(f"step {silent_at} on all three", lambda: progress(run_dir) >= silent_at and world(run_dir) == 3, 120,
+                 nodes)
         silent = [nodes[2].pid, *descendants(nodes[2].pid)]  # the worker has a session of its own
         for pid in silent:  # launcher and worker: no process ends, no connection closes
             os.kill(pid, signal.SIGSTOP)

@@ -22,6 +22,7 @@ from live_runs import (
     start_node,
     wait_for,
     worker_of,
+    world,
 )
 from shoal.cli import main
 from shoal.launch.ports import free_port
@@ -39,7 +40,7 @@ def test_a_worker_killed_rejoined_and_a_node_leaving_equal_one_process(tmp_path,
     gate = tmp_path / "gate"  # while it exists, the workers wait at their next forward (tests/fixtures/gate.py)
     nodes = [start_node(i, run_dir, port, max_restarts=1, env={"SHOAL_TEST_GATE": str(gate)}) for i in range(3)]
     try:
-        wait_for(f"step {kill_at}", lambda: progress(run_dir) >= kill_at, 120, nodes)
+        wait_for(f"step {kill_at} on all three", lambda: progress(run_dir) >= kill_at and world(run_dir) == 3, 120, nodes)
         loops = gloo_loops(worker_of(nodes[0]))
         # the survivors are held until the replacement has asked to join: its start (a new interpreter, torch's
         # import) took longer under load than the 2 survivors took to finish the run's 20 or more other steps

@@ -279,7 +279,8 @@ def hooks(parts: Parts, checkpoints: CheckpointManager) -> Hooks:
 
     after = [save_if_due]
     if parts.is_main:
-        after.append(lambda m, last, _: write_json(run.progress, {"step": m["step"], "time": m["time"]}))
+        after.append(lambda m, last, _: write_json(run.progress, {"step": m["step"], "time": m["time"],
+                                                                  "world": parts.comm.world_size}))
     return Hooks(rollback=rollback, after_step=after, step_metrics=parts.strategy.step_metrics)
 
 
