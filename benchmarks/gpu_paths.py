@@ -22,8 +22,8 @@ for 24 steps, fp32 unless said:
   plan-check           shoal plan --check on train-fp32's run: predicted and measured rows, model state within 1%
   run-ddp-script       shoal run --nproc 1 of PyTorch's DDP tutorial script (CUDA + NCCL, unchanged): both epochs, a
                        snapshot of finite CUDA tensors
-  session              shoal.Session: tests/fixtures/session_script.py's loop under shoal run --nproc 1, its data on
-                       the GPU (gpu_paths_session.py): killed (SIGKILL) after step 5 and run again, it ends bitwise
+  session              shoal.Session: tests/fixtures/session_script.py unchanged under shoal run --nproc 1 (sess.data()
+                       hands its batches out on the GPU): killed (SIGKILL) after step 5 and run again, it ends bitwise
                        equal to an uninterrupted run (dropout on CUDA: the CUDA RNG restored); its peak is CUDA's
   env-check            shoal env --check --nproc 1: every line ok, exit 0
   resume-gpu-cpu       steps 1-8 on the GPU, the same command on the CPU to 16 (parallel.device = cpu), on the GPU to
@@ -39,9 +39,8 @@ the CPU (against a CPU run of train-fp32's config); the rest print `skip  NAME  
 Untested on GPUs by this script: NCCL between ranks (one GPU, and NCCL refuses two ranks on one device), several
 GPUs, several nodes (docs/gpus.md).
 
-On the lent GPU machine (its python3 has a CUDA torch but no pydantic or tomli-w: /work/shared/GPU.md): here,
-`../shared/tools/device-wheels` fills .whl/ (ignored by git: the device tool's run needs carry [".whl"]); there,
-one call, with a timeout_s of 600:
+On a GPU machine whose python3 has a CUDA torch but not shoal's other dependencies (pydantic, tomli-w, ...), with
+no network: put their wheels in .whl/ (ignored by git; brought along with the checkout), then one call:
     bash benchmarks/gpu_paths.sh [ARGS]     (installs .whl/ into /tmp/site, puts src/ on PYTHONPATH, runs this;
                                              the logs go to $OUT/gpu_paths_logs, which comes back)
 Where shoal is installed:

@@ -9,7 +9,6 @@ import math
 import re
 
 from gpu_paths_tools import (
-    HERE,
     ROOT,
     STEPS,
     Ctx,
@@ -25,8 +24,8 @@ from gpu_paths_tools import (
 
 FIXTURES = ROOT / "tests" / "fixtures"
 TUTORIAL = FIXTURES / "pytorch_examples" / "multigpu_torchrun.py"  # PyTorch's DDP tutorial, unchanged
-# tests/fixtures/session_script.py with its data on the GPU (it leaves the data on the CPU: see the file)
-SESSION = HERE / "gpu_paths_session.py"
+# a user's loop over shoal.Session, unchanged (sess.data() hands its batches out on the GPU)
+SESSION = FIXTURES / "session_script.py"
 # the second config of each parity check; the first is one process (dp = 1)
 LAYOUTS = {"dp": "dp = 2\n", "zero2": "dp = 2\nzero = 2\n", "zero3": "dp = 2\nzero = 3\n", "tp2": "dp = 1\ntp = 2\n"}
 PARITY_STEPS = 8

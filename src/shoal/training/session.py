@@ -191,9 +191,10 @@ class Session:
 
     def data(self, dataset, batch_size: int | None = None, collate: Callable | None = None) -> Loader:
         """This rank's micro-batches of `dataset` (len() and [i]), `batch_size` samples each (default
-        train.micro_batch_size), drawn by shoal's sampler: every global batch of train.global_batch_size
-        samples is a pure function of (train.seed, step), so a restored run goes on with the very samples
-        the uninterrupted one would have seen. Iterating ends after train.steps steps."""
+        train.micro_batch_size), their tensors on `sess.device`, drawn by shoal's sampler: every global
+        batch of train.global_batch_size samples is a pure function of (train.seed, step), so a restored run
+        goes on with the very samples the uninterrupted one would have seen. Iterating ends after
+        train.steps steps."""
         micro = batch_size or self.cfg.train.micro_batch_size
         dp, batch = self.layout.dims.dp, self.cfg.train.global_batch_size
         if batch % (micro * dp):
@@ -424,7 +425,7 @@ class Loader:
         sess = self.sess
         dp_rank = sess.pairs[0].par.dp_rank if sess.pairs else sess.rank
         idx = sess.sampler.local_micro_batches(step, dp_rank, sess.layout.dims.dp, self.micro)
-        return [self.collate([self.dataset[int(i)] for i in mb]) for mb in idx]
+        return [on_device(self.collate([self.dataset[int(i)] for i in mb]), sess.device) for mb in idx]
 
     def __iter__(self) -> Iterator:
         sess = self.sess
@@ -442,6 +443,19 @@ class Loader:
                                     "sess.backward(loss); call both for every batch")
         finally:
             prefetch.close()
+
+
+def on_device(batch, device: torch.device):
+    """A collated batch's tensors on the device the model trains on (in tuples, lists and dicts, as
+    default_collate makes them), the rest as it is: Accelerate's prepared loader does the same."""
+    if isinstance(batch, torch.Tensor):
+        return batch.to(device, non_blocking=True)
+    if isinstance(batch, dict):
+        return {k: on_device(v, device) for k, v in batch.items()}
+    if isinstance(batch, (list, tuple)):
+        moved = [on_device(v, device) for v in batch]
+        return type(batch)(*moved) if hasattr(batch, "_fields") else type(batch)(moved)
+    return batch
 
 
 def session_config(config: str | Path | Config | None, overrides: dict | None, sections: dict) -> Config:
