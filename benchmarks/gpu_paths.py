@@ -9,7 +9,7 @@ for 24 steps, fp32 unless said:
   train-bf16           precision.dtype = bf16: every step's loss within 2e-2 of fp32 (shoal parity's bf16 tolerance)
   train-fp16           fp16 with loss scaling, step 5's gradients overflowing on purpose (gpu_paths_model.py): that
                        update is skipped (the weights step 6 starts from are step 5's; its gradient norm null in
-                       metrics.jsonl; summary.json's bad_steps 0: an overflow is the scaler's, not a bad step), the
+                       metrics.jsonl, which says overflow and the new loss_scale; summary.json's bad_steps 0), the
                        loss scale halves once (65536 -> 32768 in the checkpoint), every other step updates; steps 1-5
                        within 1e-2 of fp32 (shoal parity's fp16 tolerance)
   train-compile        train.compile = true: within 1e-3 of fp32 (inductor's fused kernels sum in another order)
@@ -109,10 +109,14 @@ def p_train_fp16(ctx: Ctx) -> str:
         f"model.overflow_call={(OVERFLOW_STEP - 1) * ACCUM + 1}", f'model.trace_file="{trace}"'],
         env={"PYTHONPATH": f"{HERE}{os.pathsep}{ctx.env['PYTHONPATH']}"})  # the model's module
     learned = check_learning(run.losses, STEPS)
-    norms = {m["step"]: m["grad_norm"] for m in step_records(run.dir)}
-    overflowed = [s for s, n in norms.items() if n is None]  # metrics.jsonl writes inf and NaN as null
+    records = {m["step"]: m for m in step_records(run.dir)}
+    overflowed = [s for s, m in records.items() if m["grad_norm"] is None]  # metrics.jsonl writes inf, NaN as null
     if overflowed != [OVERFLOW_STEP]:
         raise Failed(f"gradient norm not finite at steps {overflowed}, expected exactly step {OVERFLOW_STEP}")
+    said = {s: (m.get("overflow"), m.get("loss_scale")) for s, m in records.items() if "overflow" in m}
+    if said != {OVERFLOW_STEP: (True, INIT_SCALE / 2)}:
+        raise Failed(f"metrics.jsonl says overflow and loss scale {said}, expected step {OVERFLOW_STEP} at "
+                     f"{INIT_SCALE / 2:g}")
     if run.summary["bad_steps"] != 0:
         raise Failed(f"summary.json counts {run.summary['bad_steps']} bad steps: an fp16 overflow is the scaler's")
     scale = newest_train_state(run.dir)["parts"]["scaler"].get("scale")
@@ -124,8 +128,9 @@ def p_train_fp16(ctx: Ctx) -> str:
     if unchanged != [OVERFLOW_STEP]:
         raise Failed(f"the weights were left unchanged by step(s) {unchanged}, expected only step {OVERFLOW_STEP}")
     close = check_close(run.losses, fp32_run(ctx).losses, range(1, OVERFLOW_STEP + 1), 1e-2, "fp32")
-    return (f"step {OVERFLOW_STEP} overflowed: its update skipped, loss scale {INIT_SCALE:g} -> {scale:g}, gradient "
-            f"norm null, bad_steps 0; every other step updated; {learned}; steps 1-{OVERFLOW_STEP} {close}")
+    return (f"step {OVERFLOW_STEP} overflowed: its update skipped, loss scale {INIT_SCALE:g} -> {scale:g} (said in "
+            f"metrics.jsonl), gradient norm null, bad_steps 0; every other step updated; {learned}; steps "
+            f"1-{OVERFLOW_STEP} {close}")
 
 
 def p_train_compile(ctx: Ctx) -> str:

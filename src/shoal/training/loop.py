@@ -127,6 +127,10 @@ class Trainer:
         if out.bad:
             m["skipped"] = True
             self.sinks.print(f"step {done}: loss {out.loss}, gradient norm {out.grad_norm}: update skipped")
+        if out.loss_scale_after_overflow is not None:  # fp16: the scaler's own skip, not a bad step
+            m.update(skipped=True, overflow=True, loss_scale=out.loss_scale_after_overflow)
+            self.sinks.print(f"step {done}: fp16 gradients overflowed: update skipped, loss scale lowered to "
+                             f"{out.loss_scale_after_overflow:g}")
         if out.held is not None:
             m.update(self.memory(out.held, done))
         if self.validates and (last or (self.train.val_interval and done % self.train.val_interval == 0)):

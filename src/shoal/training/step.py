@@ -50,6 +50,8 @@ class StepResult:
     held: dict[str, int] | None  # this rank's model-state bytes (on steps that measure memory)
     comm_bytes: int  # bytes this rank sent to keep the replicas in sync
     regroup: bool = False  # a live elastic run's group changes after this step (training/live.py)
+    # fp16: the gradients overflowed, the loss scaler skipped the update and lowered its scale to this
+    loss_scale_after_overflow: float | None = None
 
 
 @dataclass(kw_only=True)
@@ -119,8 +121,10 @@ class Stepper:
         timer.mark("optimizer_s")
         stop, regroup = stop_or_regroup(agreed, self.comm.world_size, live=self.regroup_wanted is not None)
         regroup = regroup and par.in_sync(step + 1)  # else at the end of the first step where they are
+        overflow = precision.scaler is not None and not bad and not math.isfinite(norm.item())
         return StepResult(loss=loss, grad_norm=norm.item(), items=int(total()), bad=bad, stop=stop,
-                          save=agreed.save, held=held, comm_bytes=self.comm.sync_bytes - sent, regroup=regroup)
+                          save=agreed.save, held=held, comm_bytes=self.comm.sync_bytes - sent, regroup=regroup,
+                          loss_scale_after_overflow=precision.scaler.get_scale() if overflow else None)
 
 
 def stop_or_regroup(agreed: Flags, world: int, live: bool) -> tuple[bool, bool]:
