@@ -3,7 +3,12 @@ looks at torch's version (tests/unit/test_compat.py checks that no other module 
 
 Supported: torch 2.11 and newer; CI runs the whole suite on the pinned release and the fast tier on the
 oldest (docs/development.md lists every release tested, with its result). Each difference below names
-the release it came in.
+the release it came in. No feature needs a newer release than the oldest: the whole suite passes on 2.11.
+
+Two differences are bridged where they occur, the same code on every release, with no version check:
+gradient clipping scales each DTensor gradient's local part (torch 2.11's foreach multiply leaves a
+Partial gradient unscaled: parallel/clip.py), and pipeline inputs are made contiguous (2.11 and 2.12's
+schedules compare each call's input strides with their first call's: parallel/pipeline.py).
 """
 
 from __future__ import annotations
@@ -47,15 +52,6 @@ def require_supported_torch() -> None:
     why = unsupported()
     if why:
         raise UserError(why)
-
-
-def require_release(needed: tuple[int, int], feature: str) -> None:
-    """A feature that needs a newer torch than the oldest supported, asked for on an older one: one line
-    naming the release it needs."""
-    if TORCH < needed:
-        need = ".".join(map(str, needed))
-        raise UserError(f"{feature} needs torch >= {need}; this environment has torch {torch.__version__} "
-                        f"(pip install 'torch>={need}')")
 
 
 # torch 2.13 named the single-tensor collectives all_gather_single and reduce_scatter_single and

@@ -26,9 +26,6 @@ def test_an_older_torch_is_one_line_naming_the_release_needed():
     why = compat.unsupported("2.10.1+cu128")
     assert why.startswith("shoal needs torch >= 2.11, and this environment has torch 2.10.1+cu128; upgrade it "
                           "with pip install 'torch>=2.11'") and "\n" not in why
-    with pytest.raises(UserError, match=r"this feature needs torch >= 99.1; this environment has torch"):
-        compat.require_release((99, 1), "this feature")
-    compat.require_release(compat.MINIMUM, "anything")
 
 
 def test_the_command_line_and_the_python_entries_refuse_an_older_torch(monkeypatch, capsys):
