@@ -149,6 +149,10 @@ def _check_precision(cfg: Config, device: str) -> None:
     if dtype == "fp16" and device != "cuda":
         raise UserError('precision.dtype = "fp16" trains on GPUs only (loss scaling); on the CPU use "bf16" or '
                         '"fp32"')
+    if dtype == "fp8" and cfg.parallel.tp > 1:
+        raise UserError(f'precision.dtype = "fp8" with parallel.tp = {cfg.parallel.tp} is not supported (float8 '
+                        f'tensor parallelism needs torchao\'s own sharding styles); use parallel.tp = 1 (dp, ZeRO or '
+                        f'pp) or "bf16"')
 
 
 def _pipeline_microbatches(cfg: Config, dims: ParallelDims, per_rank: int) -> int:

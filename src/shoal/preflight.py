@@ -1,7 +1,7 @@
 """One preflight for every way a run starts (`shoal train`, `shoal parity`, a worker launched by
 torchrun, a Python caller): everything that can be checked is, before any worker trains.
 
-    config -> layout for each world size the job may take (layout.py: pure)
+    config -> layout for each world size the job may take (layout.py: pure); fp8: this machine's GPUs
            -> data source, and the model on the meta device (shapes only, no weights)
            -> does the model fit each layout (tensor-parallel sizes, pipeline split, validation set)
            -> run dir writable and large enough, checkpoint to resume compatible
@@ -25,6 +25,7 @@ from shoal.models.meta import on_meta
 from shoal.models.pretrained import check_pretrained
 from shoal.models.registry import build_model
 from shoal.models.spec import ModelBundle, count_parameters
+from shoal.parallel import float8
 from shoal.parallel.fit import check_model_fits
 from shoal.rundir import RunDir, check_writable
 from shoal.training.build import freeze
@@ -53,6 +54,8 @@ def check_job(cfg: Config, world_sizes: list[int], cuda: bool, run_dir: Path | N
               resume: str = "auto", quiet: bool = False) -> Job:
     """Check `cfg` for every world size in `world_sizes` (and the run dir, when given)."""
     layouts = [resolve_layout(cfg, w, cuda) for w in world_sizes]
+    if cfg.precision.dtype == "fp8":  # this machine's GPUs and torchao (parallel/float8.py)
+        float8.check(layouts[0].device)
     source = build_source(cfg.data, getattr(cfg.model, "seq_len", None), cfg.train.seed)
     with on_meta():
         bundle = build_model(cfg.model, source.spec)

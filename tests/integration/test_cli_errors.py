@@ -18,6 +18,8 @@ CASES = {
                           "data.path = '/no/such/corpus' does not exist"),
     "unknown model name": (["--set", "model.name=gtp"], 'unknown model.name = "gtp"'),
     "fp16 on CPU": (["--set", "precision.dtype=fp16"], '"fp16" trains on GPUs only'),
+    "fp8 on CPU": (["--set", "precision.dtype=fp8"], 'precision.dtype = "fp8" trains on NVIDIA GPUs of compute '
+                   'capability 8.9 or newer (L4, L40S, H100, H200), not on the CPU; use "bf16"'),
     "bad --nproc": (["--nproc", "0"], "--nproc (0) must be >= 1"),
     "bad --nnodes": (["--nnodes", "two"], "--nnodes 'two': expected a number of nodes"),
     "elastic range MIN > MAX": (["--nnodes", "3:2"], "--nnodes 3:2: MIN (3) is above MAX (2); give MIN:MAX"),
@@ -50,8 +52,8 @@ CASES = {
 
 @pytest.mark.parametrize("case", list(CASES))
 def test_bad_input_is_one_line_and_exit_2(case, capsys, tmp_path):
-    if case == "fp16 on CPU" and torch.cuda.is_available():
-        pytest.skip("fp16 is allowed where CUDA is")
+    if case in ("fp16 on CPU", "fp8 on CPU") and torch.cuda.is_available():
+        pytest.skip("fp16 and fp8 are allowed where CUDA is")
     args, expected = CASES[case]
     code = main(["train", "configs/gpt-tiny.toml", "--run-dir", str(tmp_path / "run"), *args])
     err = capsys.readouterr().err

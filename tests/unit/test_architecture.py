@@ -54,7 +54,7 @@ def test_built_ins_need_no_extra():
     code = ("import sys; from shoal.config import load_config; from shoal.preflight import check_job; "
             "from shoal.models.registry import build_model; import shoal.cli; cfg = load_config(None, []); "
             "job = check_job(cfg, [2], cuda=False); build_model(cfg.model, job.source.spec); import shoal.training.session; "
-            "print(sorted({'transformers', 'datasets', 'tokenizers', 'peft', 'PIL', 'yaml', 'sklearn', 'matplotlib', 'keras'} & set(sys.modules)))")
+            "print(sorted({'transformers', 'datasets', 'tokenizers', 'peft', 'PIL', 'yaml', 'sklearn', 'matplotlib', 'keras', 'torchao'} & set(sys.modules)))")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr
     assert r.stdout.strip() == "[]", r.stdout

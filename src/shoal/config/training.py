@@ -59,8 +59,10 @@ class TrainConfig(Section):
 
 
 class PrecisionConfig(Section):
-    dtype: Literal["fp32", "bf16", "fp16"] = "fp32"
-    """Compute dtype under autocast; parameters and optimizer state stay fp32. fp16 needs CUDA."""
+    dtype: Literal["fp32", "bf16", "fp16", "fp8"] = "fp32"
+    """Compute dtype under autocast; parameters and optimizer state stay fp32. fp16 needs CUDA. fp8: linear
+    layers in float8 (torchao, `pip install 'shoal[fp8]'`), the rest in bf16; a GPU of compute capability 8.9 or
+    newer (docs/gpus.md)."""
     reduce_dtype: Literal["fp32", "bf16"] = "fp32"
     """ZeRO 2/3 with dtype bf16: parameters are gathered in bf16 and gradients reduced in this dtype
     (fp32: exact sums, twice the traffic)."""

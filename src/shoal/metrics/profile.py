@@ -137,7 +137,9 @@ def count_flops_per_sample(bundle_flops: float | None, build, batch: dict[str, t
 
 
 def resolve_peak(value: str, device: torch.device, dtype: str) -> tuple[float, str]:
-    """metrics.peak -> (peak FLOP/s of one worker in `dtype`, what it is)."""
+    """metrics.peak -> (peak FLOP/s of one worker in `dtype`, what it is). fp8 runs count against the bf16
+    peak, as torchtitan's MFU does: only their linear layers run in float8."""
+    dtype = "bf16" if dtype == "fp8" else dtype
     if value != "auto":
         profile = profile_or_preset(value)
         return profile.peak_flops(dtype), profile.name

@@ -22,6 +22,7 @@ from shoal.config import CommConfig, ParallelConfig, PrecisionConfig, SyncConfig
 from shoal.layout import Layout
 from shoal.models.spec import ModelBundle
 from shoal.parallel.data import replicate_ddp, replicate_dtensor
+from shoal.parallel.float8 import float8_training
 from shoal.parallel.local_sgd import PeriodicSync
 from shoal.parallel.parallelized import Parallelized
 from shoal.parallel.pipeline import Pipeline, StageUnion, measure_layer_times, split_stages
@@ -71,6 +72,7 @@ def parallelize(bundle: ModelBundle, layout: Layout, *, parallel: ParallelConfig
     dims = layout.dims
     sync = sync or make_sync(SyncConfig(), CommConfig(), comm)
     model = bundle.model.to(device)
+    model = float8_training(model, precision.dtype, device)  # before any wrapper: they wrap Float8Linear (float8.py)
     mesh = dims.device_mesh(device.type)  # collective; the model's wrappers keep what they use of it
     loss_context = contextlib.nullcontext
     if dims.tp > 1:

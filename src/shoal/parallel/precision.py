@@ -15,7 +15,8 @@ from torch.distributed.fsdp import MixedPrecisionPolicy
 
 from shoal.config import PrecisionConfig
 
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+# fp8: bf16 autocast and FSDP2 gathers for all but the linear layers, which float8.py converts
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16, "fp8": torch.bfloat16}
 
 
 class Precision:
