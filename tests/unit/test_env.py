@@ -34,6 +34,16 @@ def test_gpus_are_listed_with_memory_and_capability():
     assert "auto        parallel.device = cuda, parallel.backend = nccl (2 GPU(s), one worker per GPU)" in lines
 
 
+def test_fp8_support_is_one_line():
+    facts = dataclasses.replace(machine.gather(), gpus=[H100], nccl="2.27.5")
+    fp8 = next(line for line in machine.render(facts) if line.startswith("fp8 "))
+    assert fp8.endswith('supported (precision.dtype = "fp8")' if machine.float8.torchao_installed() else
+                        "install it with: pip install 'shoal[fp8]'")
+    a100 = dataclasses.replace(H100, name="NVIDIA A100-SXM4-80GB", capability=(8, 0))
+    fp8 = next(line for line in machine.render(dataclasses.replace(facts, gpus=[a100])) if line.startswith("fp8 "))
+    assert "but this GPU has compute capability 8.0" in fp8
+
+
 @pytest.fixture
 def gpu_machine(monkeypatch):
     """This machine seen as one with an H100 and PyPI's CUDA torch (NCCL, a large /dev/shm)."""

@@ -26,6 +26,7 @@ import torch.distributed as dist
 from shoal import __version__
 from shoal.compat import unsupported
 from shoal.layout import choose_backend, choose_device
+from shoal.parallel import float8
 
 # NCCL keeps its intra-node buffers in /dev/shm; Docker's default of 64 MB makes NCCL fail at its first
 # collective ("Error while creating shared memory segment"). NCCL's documentation asks for --shm-size=1g.
@@ -268,6 +269,8 @@ def render(facts: Facts) -> list[str]:
         lines.append("gpus        none visible" + (f" (CUDA_VISIBLE_DEVICES={facts.visible_devices!r})"
                                                    if facts.visible_devices is not None else ""))
     lines += [f"auto        parallel.device = {facts.device}, parallel.backend = {facts.backend} ({on})",
+              "fp8         " + (float8.refusal(facts.device, min((g.capability for g in facts.gpus), default=None),
+                                              float8.torchao_installed()) or 'supported (precision.dtype = "fp8")'),
               f"/dev/shm    {human(facts.shm_bytes) if facts.shm_bytes is not None else 'none'}",
               f"tcmalloc    {facts.tcmalloc or NO_TCMALLOC}"]
     for extra, packages in facts.extras.items():
