@@ -16,7 +16,7 @@ import pytest
 
 from conftest import FIXTURES, ROOT, TINY_GPT, read_weights, train_in_process
 from shoal.launch.supervisor import descendants
-from shoal.training.step import LEAVE_GRACE_S
+from shoal.training.flags import LEAVE_GRACE_S
 
 # the tests' tiny GPT as a user model that a test can hold at its next forward (tests/fixtures/gate.py); the
 # global batch splits evenly over 2 and 3 ranks (micro-batches of 4 rather than 2: half the forwards, half

@@ -1,7 +1,6 @@
 """The decision at each step's end, from the flags every rank reads alike: stop, regroup, or go on."""
 
-from shoal.training.flags import Flags
-from shoal.training.step import LEAVE_GRACE_S, stop_or_regroup
+from shoal.training.flags import LEAVE_GRACE_S, Flags, stop_or_regroup
 
 
 def flags(stops: int = 0, age: float = 0.0, regroup: bool = False) -> Flags:

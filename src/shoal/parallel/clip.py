@@ -13,20 +13,20 @@ def plain(t: torch.Tensor) -> torch.Tensor:
     return t.full_tensor() if isinstance(t, DTensor) else t
 
 
-def grad_norm(params: list[tuple[torch.Tensor, bool]], comm: Comm, stage_group=None) -> torch.Tensor:
-    """The total gradient norm (a float64 CPU scalar) of gradients that are plain tensors and DTensors on
-    different meshes (tensor-parallel layers on dp x tp, replicated ones on dp only, ...): tensors of
-    different kinds cannot share one foreach kernel, so each kind's norm is taken apart and the total
-    combined; with pipeline stages (`stage_group`), summed over the stages. `params`: (parameter,
-    counted in the norm); a weight tied across stages is counted on one of them."""
-    squares = torch.zeros((), dtype=torch.float64)
+def grad_norm(params: list[tuple[torch.Tensor, bool]], comm: Comm, device: torch.device, stage_group=None
+              ) -> torch.Tensor:
+    """The total gradient norm (a float64 scalar on `device`, never read by the host here) of gradients that
+    are plain tensors and DTensors on different meshes (tensor-parallel layers on dp x tp, replicated ones
+    on dp only, ...): tensors of different kinds cannot share one foreach kernel, so each kind's norm is
+    taken apart and the total combined; with pipeline stages (`stage_group`), summed over the stages.
+    `params`: (parameter, counted in the norm); a weight tied across stages is counted on one of them."""
+    squares = torch.zeros((), dtype=torch.float64, device=device)
     for group in _by_mesh(params).values():
         grads = [p.grad for p, counted in group if counted]
         if grads:
-            squares = squares + plain(torch.nn.utils.get_total_norm(grads)).double().cpu() ** 2
-    if stage_group is not None:  # on the training device: NCCL reduces no CPU tensors
-        device = params[0][0].grad.device if params else torch.device("cpu")
-        squares = comm.all_reduce(squares.to(device), group=stage_group, label="pp, gradient norm").cpu()
+            squares = squares + plain(torch.nn.utils.get_total_norm(grads)).double().to(device) ** 2
+    if stage_group is not None:
+        squares = comm.all_reduce(squares, group=stage_group, label="pp, gradient norm")
     return squares.sqrt()
 
 

@@ -76,6 +76,8 @@ class InFlight:
 
 
 class PeriodicSync:
+    verdict_at_once = True  # a sync is due only after steps that ran
+
     def __init__(self, mode: str, every: int, codec: Codec, outer_lr: float = 1.0, outer_momentum: float = 0.0,
                  last_step: int = 0, inner: EveryStep | None = None, fragments: int = 1, delay: int = 0,
                  alpha: float = 0.5, warmup: int = 0):

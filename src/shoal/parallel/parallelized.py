@@ -91,7 +91,7 @@ class Parallelized:
         clip_grads(self.norm_params(), max_norm, norm)
 
     def _grad_norm(self, params: list[tuple[torch.Tensor, bool]]) -> torch.Tensor:
-        return grad_norm(params, self.comm)
+        return grad_norm(params, self.comm, self.device)
 
     def build_optimizer(self, groups: list[dict], optimizer_class: type[torch.optim.Optimizer],
                         **defaults) -> torch.optim.Optimizer:

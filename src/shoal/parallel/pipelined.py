@@ -62,7 +62,7 @@ class PipelinedModel(Parallelized):
         return [(p, id(p) not in skip) for p in self.model.parameters() if p.grad is not None]
 
     def _grad_norm(self, params: list[tuple[torch.Tensor, bool]]) -> torch.Tensor:
-        return grad_norm(params, self.comm, self.stage_group)  # summed over the stages
+        return grad_norm(params, self.comm, self.device, self.stage_group)  # summed over the stages
 
     def evaluate(self, share: torch.Tensor, longest: int, micro: int, val_batch: Callable[[torch.Tensor], Batch],
                  precision: Precision) -> Totals:

@@ -9,11 +9,14 @@ fp16 on CPU before any worker starts).
 from __future__ import annotations
 
 import contextlib
+import types
 
 import torch
 from torch.distributed.fsdp import MixedPrecisionPolicy
+from torch.distributed.tensor import DTensor
 
 from shoal.config import PrecisionConfig
+from shoal.parallel.zero import local_optimizer
 
 # fp8: bf16 autocast and FSDP2 gathers for all but the linear layers, which float8.py converts
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16, "fp8": torch.bfloat16}
@@ -37,17 +40,42 @@ class Precision:
         if self.scaler:
             self.scaler.unscale_(optimizer)
 
-    def skip(self, optimizer: torch.optim.Optimizer) -> None:
-        """No update this step; the scaler still closes its step (and lowers the scale on overflow)."""
-        if self.scaler:
-            self.scaler.update()
+    def overflowed(self, optimizer: torch.optim.Optimizer) -> torch.Tensor | None:
+        """fp16, after unscale(): 1.0 where the gradients held an inf or NaN (the scaler skips the update),
+        on the device; None without loss scaling."""
+        if not self.scaler:
+            return None
+        found = self.scaler._per_optimizer_states[id(optimizer)]["found_inf_per_device"].values()
+        return torch.stack([f.to(self.device) for f in found]).sum().clamp(max=1.0)
 
-    def step(self, optimizer: torch.optim.Optimizer) -> None:
-        if self.scaler:
-            self.scaler.step(optimizer)  # skips the step when gradients overflowed
-            self.scaler.update()
-        else:
+    def scale(self) -> torch.Tensor | None:
+        """fp16: the loss scale, on the device (GradScaler.get_scale() would read it on the host)."""
+        return self.scaler._scale if self.scaler else None
+
+    def step(self, optimizer: torch.optim.Optimizer, skip: torch.Tensor) -> None:
+        """The update, unless `skip` (a device scalar: 1.0 skips) or, with fp16, an overflow says no, decided
+        on the device: a fused optimizer takes the verdict as GradScaler hands it one (`found_inf`), and
+        leaves the weights, its state and its step count as they were. Any other optimizer can only branch
+        on the host: it reads the verdict (one wait for the device). fp16: the scaler then lowers its scale
+        after an overflow (or a bad step), grows it after enough good ones."""
+        inner = local_optimizer(optimizer)
+        overflow = self.overflowed(optimizer)
+        found_inf = (skip if overflow is None else skip + overflow).float().clamp(max=1.0)
+        if takes_found_inf(inner):
+            inner.found_inf = found_inf
+            try:
+                optimizer.step()
+            finally:
+                del inner.found_inf
+        elif not found_inf.item():
             optimizer.step()
+        if self.scaler:
+            # what unscale_() recorded for this optimizer, with the bad-step verdict added, is what
+            # update() reads to lower the scale
+            states = self.scaler._per_optimizer_states[id(optimizer)]["found_inf_per_device"]
+            for device, found in states.items():
+                states[device] = found_inf.to(found.device)
+            self.scaler.update()
 
     def state_dict(self) -> dict:
         return self.scaler.state_dict() if self.scaler else {}
@@ -55,6 +83,45 @@ class Precision:
     def load_state_dict(self, state: dict) -> None:
         if self.scaler is not None and state:
             self.scaler.load_state_dict(state)
+
+
+def by_kind(params: list[torch.Tensor]) -> list[list[torch.Tensor]]:
+    """`params` as plain tensors, then DTensors (the kinds present, in their order)."""
+    plain = [p for p in params if not isinstance(p, DTensor)]
+    distributed = [p for p in params if isinstance(p, DTensor)]
+    return [kind for kind in (plain, distributed) if kind] or [params]
+
+
+def one_kind_per_group(optimizer: torch.optim.Optimizer) -> None:
+    """A fused kernel takes DTensors or plain tensors, not both, and tensor parallelism leaves some parameters
+    plain (the norms, unless sequence parallel): where a group mixes them, each step (also the one DCP takes
+    to initialise the state before a first load) sees the group split by kind. The optimizer's state is per
+    parameter and its groups stay as they are, so nothing else sees the split (checkpoints, the schedule)."""
+    if not optimizer.defaults.get("fused"):
+        return
+    kinds = [by_kind(g["params"]) for g in optimizer.param_groups]  # the parameters never change
+    if all(len(k) == 1 for k in kinds):
+        return
+    step = optimizer.step
+
+    def split_step(self, *args, **kwargs):
+        groups = self.param_groups
+        self.param_groups = [{**g, "params": kind} for g, of_group in zip(groups, kinds, strict=True)
+                             for kind in of_group]
+        try:
+            return step(*args, **kwargs)
+        finally:
+            self.param_groups = groups
+
+    # a bound method, as torch's learning-rate schedulers expect to find (they wrap it in turn)
+    optimizer.step = types.MethodType(split_step, optimizer)
+
+
+def takes_found_inf(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether `optimizer` skips its update by a device tensor: torch's fused Adam, AdamW and SGD read the
+    `found_inf` attribute GradScaler sets (their kernels return early where it is nonzero)."""
+    return bool(optimizer.defaults.get("fused")) and isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW,
+                                                                             torch.optim.SGD))
 
 
 def sharded_mixed_precision(cfg: PrecisionConfig) -> MixedPrecisionPolicy:

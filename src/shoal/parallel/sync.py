@@ -40,6 +40,9 @@ from shoal.comm.model_waits import log_fsdp_all_gathers
 
 class StepSync(Protocol):
     name: str
+    # the mode must know at a step's end whether its update was skipped (it undoes the step's codec state,
+    # or syncs only after steps that ran): the step then reads its verdict on the host at once
+    verdict_at_once: bool
 
     def install(self, module: torch.nn.Module, dp_group, log: CollectiveLog) -> None:
         """Set up the wrapped module's gradient communication (called once per wrapped module)."""
@@ -83,6 +86,10 @@ class EveryStep:
     by `codec` (DDP's comm hook, FSDP2's custom reduce-scatter)."""
 
     name = "every-step"
+
+    @property
+    def verdict_at_once(self) -> bool:
+        return self.codec.feedback  # a skipped step's residuals are undone
 
     def __init__(self, codec: Codec):
         self.codec = codec

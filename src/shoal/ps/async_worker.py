@@ -54,6 +54,7 @@ class LinkLost(RuntimeError):
 
 class AsyncPushPull(PushPull):
     name = "parameter-server (async)"
+    verdict_at_once = True
 
     def __init__(self, comm: Comm, store, *, servers: int, slot: int, workers: int, max_staleness: int,
                  timeout_s: float, sparse: bool = False, reopen: Callable[[], object] | None = None):

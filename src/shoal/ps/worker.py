@@ -45,6 +45,7 @@ class PushPull:
     pushed after backward, parameters pulled when the step applies."""
 
     name = "parameter-server"
+    verdict_at_once = True
 
     def __init__(self, comm: Comm, server_ranks: list[int], is_first: bool, sparse: bool = False):
         self.comm, self.server_ranks, self.is_first, self.sparse = comm, server_ranks, is_first, sparse

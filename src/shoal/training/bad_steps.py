@@ -2,7 +2,9 @@
 
 The check runs before the optimizer step, on values that are already identical on every rank (the
 all-reduced loss and the norm of the all-reduced gradients), so all ranks decide the same without
-talking. Policies (train.on_bad_step):
+talking; on the device, where the optimizer skips a bad step's update itself (parallel/precision.py),
+and the loop learns of it when it reads the step's report (a step later on steps it does not log).
+The learning-rate schedule follows the step count, bad steps included. Policies (train.on_bad_step):
   skip      drop the step's update, count it; abort after train.max_bad_steps bad steps in a row;
   rollback  reload the newest checkpoint and train on, skipping the offending batch; abort after
             train.max_bad_steps rollbacks;
@@ -13,7 +15,7 @@ the scale): only a non-finite loss counts there.
 
 from __future__ import annotations
 
-import math
+import torch
 
 from shoal.errors import TrainingError
 
@@ -25,8 +27,11 @@ class BadStepPolicy:
         self.in_a_row = 0
         self.rollbacks = 0
 
-    def is_bad(self, loss: float, grad_norm: float) -> bool:
-        return not math.isfinite(loss) or (not self.scaled and not math.isfinite(grad_norm))
+    def verdict(self, loss: torch.Tensor, bad_norms: torch.Tensor) -> torch.Tensor:
+        """Whether the step is bad, on the device (the optimizer skips it there): the loss is not finite, or
+        some rank's gradient norm was not (`bad_norms` > 0), except under fp16 loss scaling."""
+        bad = ~torch.isfinite(loss)
+        return bad if self.scaled else bad | (bad_norms > 0)
 
     def record_good(self) -> None:
         self.in_a_row = 0

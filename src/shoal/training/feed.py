@@ -11,7 +11,10 @@ parameter server's workers train the units of data its servers deal: ps/strategi
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Protocol
+
+import torch
 
 from shoal.data.loader import Prefetcher
 from shoal.data.sampler import GlobalBatchSampler
@@ -60,3 +63,25 @@ class Steps:
     def close(self) -> None:
         if self.loader is not None:
             self.loader.close()
+
+
+@dataclass
+class Prepared:
+    """A step's micro-batches ready for the device, and the items (tokens or samples) in them."""
+
+    batches: list[Batch]
+    items: int
+
+
+def prepare(micro_batches: list[Batch], count_fn: Callable[[Batch], torch.Tensor], device: torch.device) -> Prepared:
+    """Counted on the host, before the device sees them (so the step never asks the device how many items it
+    trained on), made contiguous, and pinned where they go to a GPU, so that copying them there does not wait
+    for the device. Run by the data thread (data.prefetch), ahead of the step."""
+    items = sum(int(count_fn(b)) for b in micro_batches)
+    pin = device.type == "cuda"
+    batches = [{k: pinned(v.contiguous()) if pin else v.contiguous() for k, v in b.items()} for b in micro_batches]
+    return Prepared(batches, items)
+
+
+def pinned(t: torch.Tensor) -> torch.Tensor:
+    return t if t.is_pinned() else t.pin_memory()

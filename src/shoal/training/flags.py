@@ -1,9 +1,15 @@
 """The one collective of every step that carries the loss and every decision all ranks must take
 alike: the loss sum, whether some rank was asked to stop (signals.py), whether some rank saw a
-non-finite gradient norm (a bad step: skip, roll back or abort), whether some rank's clock says a
-checkpoint is due, and (a live elastic run) whether some rank wants the group to change at the step's
-end: it leaves, or a joiner waits. One small all-reduce over all ranks, overlapping the gradient clipping, whatever
-the step synchronisation does with the gradients (under local SGD the gradient norm is a rank's own)."""
+non-finite gradient norm (a bad step: skipped, rolled back or the run aborted), whether some rank's
+clock says a checkpoint is due, and (a live elastic run) whether some rank wants the group to change at
+the step's end: it leaves, or a joiner waits. One small all-reduce over all ranks, issued
+asynchronously so that it overlaps the gradient clipping, whatever the step synchronisation does with
+the gradients (under local SGD the gradient norm is a rank's own); one process has nothing to agree
+with and issues none.
+
+The vector stays on the device: the step decides its verdict from it there (step.py), and the host
+learns it through the step's report (report.py), a step later unless the step is read at once.
+"""
 
 from __future__ import annotations
 
@@ -12,6 +18,14 @@ from dataclasses import dataclass
 import torch
 
 from shoal.comm.collectives import Comm, Pending
+
+# a live elastic run: ranks asked to stop while others were not leave once the request is this old, and
+# not at the next step's end; a job's cancel signals every node within a moment, and without the wait a
+# step boundary falling in between split it into a leave of some ranks and a stop of the rest
+LEAVE_GRACE_S = 2.0
+
+# the agreed vector's entries, in order: summed over the ranks
+AGREED = ("loss_sum", "bad_norms", "stops", "save", "regroup", "stop_age")
 
 
 @dataclass
@@ -32,15 +46,49 @@ class StepFlags:
     def __init__(self, comm: Comm, device: torch.device):
         self.comm, self.device = comm, device
         self._pending: Pending | None = None
+        self._agreed: torch.Tensor | None = None
 
-    def start(self, loss_sum: torch.Tensor, stop: bool, bad_norm: bool, save: bool, regroup: bool = False,
+    def start(self, loss_sum: torch.Tensor, bad_norm: torch.Tensor, stop: bool, save: bool, regroup: bool = False,
               stop_age: float = 0.0) -> None:
-        t = torch.stack([loss_sum.double().reshape(()).to(self.device),
-                         *(torch.tensor(float(x), dtype=torch.float64, device=self.device)
-                           for x in (stop, bad_norm, save, regroup, stop_age))])
-        self._pending = self.comm.all_reduce(t, label="world, step flags", async_op=True)
+        """`loss_sum` and `bad_norm` are device scalars (never read here); the rest is what this host knows,
+        sent to the device in one copy that does not wait for it."""
+        mine = host_tensor([float(stop), float(save), float(regroup), stop_age], self.device)
+        t = torch.cat([loss_sum.double().reshape(1), bad_norm.double().reshape(1),
+                       mine.to(self.device, non_blocking=True)])
+        self._agreed = t
+        if self.comm.world_size > 1:
+            self._pending = self.comm.all_reduce(t, label="world, step flags", async_op=True)
 
-    def result(self) -> Flags:
-        t = self._pending.wait().cpu()
-        self._pending = None
-        return Flags(t[0].item(), round(t[1].item()), t[2].item() > 0, t[3].item() > 0, t[4].item() > 0, t[5].item())
+    def result(self) -> torch.Tensor:
+        """The vector summed over the ranks (AGREED's entries), on the device: waiting for it makes the
+        device wait for the collective, not the host for the device."""
+        if self._pending is not None:
+            self._pending.wait()
+            self._pending = None
+        return self._agreed
+
+
+def host_tensor(values: list[float], device: torch.device) -> torch.Tensor:
+    """A float64 CPU tensor of `values`, in pinned memory where it goes to a CUDA device, so that copying
+    it there is asynchronous (a copy from ordinary memory waits for the device's queue). Each is a new
+    tensor: torch's pinned-memory cache gives a block back only once the copy that read it has run."""
+    t = torch.tensor(values, dtype=torch.float64)
+    return t.pin_memory() if device.type == "cuda" else t
+
+
+def agreed_flags(values: list[float]) -> Flags:
+    """The host's view of the agreed vector's entries (AGREED's order)."""
+    loss_sum, bad_norms, stops, save, regroup, stop_age = values
+    return Flags(loss_sum, round(stops), bad_norms > 0, save > 0, regroup > 0, stop_age)
+
+
+def stop_or_regroup(agreed: Flags, world: int, live: bool) -> tuple[bool, bool]:
+    """Whether the run stops at this step's end, and whether the group changes. A live run stops only when
+    every rank was asked to; when some were, they leave (a regroup without them) once their request is
+    LEAVE_GRACE_S old on average, a figure every rank reads alike from the flags."""
+    if not live:
+        return agreed.stops > 0, False
+    if agreed.stops >= world:
+        return True, False
+    leave = agreed.stops > 0 and agreed.stop_age / agreed.stops >= LEAVE_GRACE_S
+    return False, agreed.regroup or leave

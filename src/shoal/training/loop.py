@@ -24,7 +24,8 @@ from shoal.metrics.timers import StepTimer
 from shoal.metrics.trace import StepTrace
 from shoal.training.evaluate import evaluate
 from shoal.training.feed import Feed
-from shoal.training.step import Stepper, StepResult
+from shoal.training.report import StepReport, StepResult
+from shoal.training.step import Stepper
 
 
 @dataclass
@@ -44,6 +45,7 @@ class Hooks:
     # after every step, with (metrics, is_last_step, checkpoint agreed due by time)
     after_step: list[Callable[[dict, bool, bool], None]] = field(default_factory=list)
     step_metrics: Callable[[], dict] = dict  # what the way of training adds to a step's metrics
+    due: Callable[[int], bool] = lambda done: False  # a hook acts after step `done` whatever it reports
 
 
 @dataclass
@@ -70,6 +72,7 @@ class Trainer:
     sinks: MetricsSinks
     validates: bool = True  # this rank runs validation (Strategy.validates)
     record: Record = field(default_factory=Record)
+    late: StepReport | None = None  # a step queued and not read yet (see run)
 
     @property
     def comm(self) -> Comm:
@@ -81,10 +84,14 @@ class Trainer:
 
     def run(self, feed: Feed) -> str:
         """Train until the feed ends ("end"); or until the ranks agreed to stop early on a signal ("stop"),
-        or (a live elastic run) to change the group at this step's end ("regroup")."""
+        or (a live elastic run) to change the group at this step's end ("regroup").
+
+        A step the loop need not act on at once (not logged, validated, saved or the last) is read a step
+        late: its report is read once the next step is queued (report.py), so the device always has a
+        step's work ahead of it. What that late read says must be acted on (a stop, a save by time, a
+        regroup) makes the step just queued one that is read at once, and acted on at its end: a stop
+        signal stops the run within one step."""
         watch = self.watch
-        # with the profile on, the timer also reads the collective log's waits at each mark
-        timer = StepTimer(self.device, self.comm.log if watch.profile else None)
         if self.train.eval_on_start and self.sampler.step == 0 and self.validates:
             self.record.initial_val = self.validate(0)
         try:
@@ -93,34 +100,86 @@ class Trainer:
                 watch.phase.begin_step(step + 1)
                 if watch.trace:
                     watch.trace.before(step + 1)
+                # with the profile on, the timer also reads the collective log's waits at each mark
+                timer = StepTimer(self.device, self.comm.log if watch.profile else None)
                 timer.start()
                 micro_batches = feed.next()
                 timer.mark("data_wait_s")
-                lr = self.step.optimizer.param_groups[0]["lr"]
-                logged = (step + 1) % self.metrics.log_interval == 0 or step + 1 == self.train.steps
-                out = self.step(micro_batches, step, timer, measure_memory=logged)
-                if out.bad and self.step.bad_steps.record_bad(step + 1, out.loss, out.grad_norm) == "rollback":
-                    feed.close()  # nothing is prepared from the sampler while it is read back
-                    self.hooks.rollback(self.sampler.data_step(step))  # back to the checkpoint, minus this batch
-                    self.sinks.print(f"step {step + 1}: loss {out.loss}; rolled back to step {self.sampler.step}")
-                    feed.restart(self.sampler.step)
-                    continue
-                if not out.bad:
-                    self.step.bad_steps.record_good()
+                logged = self.logged(step)
+                report = self.step(micro_batches, step, timer, measure_memory=logged)
                 self.sampler.step = step + 1
-                if watch.trace:
-                    watch.trace.after(step + 1)
-                self.after_step(step + 1, lr, out, timer, last=feed.last())
-                if out.stop or out.regroup:
-                    return "stop" if out.stop else "regroup"
+                ended = self.advance(report, feed, logged)
+                if ended in ("stop", "regroup"):
+                    return ended
+            self.flush(feed)
         finally:
             feed.close()
             if watch.trace:
                 watch.trace.close()
         return "end"
 
-    def after_step(self, done: int, lr: float, out: StepResult, timer: StepTimer, last: bool) -> None:
-        """Metrics, validation and hooks of step `done` (1-based: steps completed)."""
+    def advance(self, report: StepReport, feed: Feed | None, logged: bool) -> str | None:
+        """A step is queued (the sampler has moved past it): read the step before it if that was left for
+        now, then this one at once or not. shoal's loop and a Session's step() complete every step here.
+        Returns what complete() says of the step read, or None. `feed`: None in a Session (no rollback)."""
+        at_once = logged or not self.step.lags or self.acts_after(report.step + 1, feed)
+        if self.late is not None:
+            ended, self.late = self.complete(self.late, feed, last=False), None
+            if ended == "rolled back":
+                return ended  # the step just queued trained on weights the rollback replaced
+            at_once = at_once or ended == "act"
+        if not at_once:
+            self.late = report
+            return None
+        return self.complete(report, feed, last=self.at_end(feed))
+
+    def flush(self, feed: Feed | None) -> None:
+        """Read the step left for later, if any (the run ends, or a Session saves)."""
+        if self.late is not None:
+            late, self.late = self.late, None
+            self.complete(late, feed, last=self.at_end(feed))
+
+    def at_end(self, feed: Feed | None) -> bool:
+        return feed.last() if feed is not None else self.sampler.step >= self.train.steps
+
+    def logged(self, step: int) -> bool:
+        """Whether step `step` (0-based) writes its line: every metrics.log_interval steps, and the last."""
+        return (step + 1) % self.metrics.log_interval == 0 or step + 1 == self.train.steps
+
+    def acts_after(self, done: int, feed: Feed | None) -> bool:
+        """Whether something happens after step `done` whatever its report says: validation, a checkpoint by
+        interval, the feed's end."""
+        t = self.train
+        return (self.at_end(feed) or bool(t.val_interval and done % t.val_interval == 0 and self.validates)
+                or self.hooks.due(done))
+
+    def complete(self, report: StepReport, feed: Feed | None, last: bool) -> str | None:
+        """Read a step's report and do what follows it: count a bad step (or roll back), the metrics, the
+        hooks. Returns "stop" or "regroup" when the ranks agreed to, "rolled back", "act" when a step read
+        late asks for a stop, a save or a regroup (which the step after it then carries out), else None."""
+        out, step = report.result(), report.step
+        if out.bad and self.step.bad_steps.record_bad(step + 1, out.loss, out.grad_norm) == "rollback":
+            feed.close()  # nothing is prepared from the sampler while it is read back
+            self.hooks.rollback(self.sampler.data_step(step))  # back to the checkpoint, minus this batch
+            self.sinks.print(f"step {step + 1}: loss {out.loss}; rolled back to step {self.sampler.step}")
+            feed.restart(self.sampler.step)
+            return "rolled back"
+        if not out.bad:
+            self.step.bad_steps.record_good()
+        if self.watch.trace:
+            self.watch.trace.after(step + 1)
+        acted_on_now = self.sampler.step == step + 1  # else the weights have moved on: a save waits
+        self.after_step(step + 1, report.lr, out, report.timer, last=last, by_time=out.save and acted_on_now)
+        if not acted_on_now:
+            return "act" if out.stop or out.save or out.regroup else None
+        if out.stop or out.regroup:
+            return "stop" if out.stop else "regroup"
+        return None
+
+    def after_step(self, done: int, lr: float, out: StepResult, timer: StepTimer, last: bool,
+                   by_time: bool = False) -> None:
+        """Metrics, validation and hooks of step `done` (1-based: steps completed); `by_time`: a checkpoint
+        the ranks agreed is due by time."""
         m = self.step_metrics(done, lr, out, timer)
         if self.step.balance:  # before the checkpoint hooks: a split agreed now is saved with this step
             m.update(self.step.balance.after_step(done))
@@ -141,7 +200,7 @@ class Trainer:
             self.sinks.log(m)
         self.watch.phase.outside("checkpoint and hooks")
         for hook in self.hooks.after_step:
-            hook(m, last, out.save)
+            hook(m, last, by_time)
 
     def step_metrics(self, done: int, lr: float, out: StepResult, timer: StepTimer) -> dict:
         """What metrics.jsonl records of step `done` (memory and validation aside)."""

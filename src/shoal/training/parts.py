@@ -1,4 +1,4 @@
-"""What one rank's run is built from (run.py's build makes them), and what is said and measured of them
+"""What one rank's run is built from (assemble.py makes them), and what is said and measured of them
 at start: the start-up lines and the step profile's profiler."""
 
 from __future__ import annotations
@@ -8,6 +8,7 @@ from pathlib import Path
 
 import torch
 
+from shoal.checkpoint.manager import CheckpointManager
 from shoal.checkpoint.train_state import TrainState
 from shoal.comm.collectives import Comm
 from shoal.comm.model_waits import time_model_waits
@@ -40,6 +41,7 @@ class Parts:
     sampler: GlobalBatchSampler
     state: TrainState  # every stateful part, for checkpoints
     resume_path: Path | None  # the checkpoint to resume from (None: a fresh start)
+    checkpoints: CheckpointManager
 
     @property
     def is_main(self) -> bool:

@@ -23,33 +23,26 @@ import torch
 
 from shoal import signals
 from shoal.checkpoint.export import export_weights
-from shoal.checkpoint.manager import CheckpointManager, load_checkpoint
+from shoal.checkpoint.manager import CheckpointManager
 from shoal.checkpoint.manifest import step_dir_name
-from shoal.checkpoint.resume import check_compatible, find_resume_point, newest_valid
-from shoal.checkpoint.train_state import TrainState, read_train_state
+from shoal.checkpoint.resume import check_compatible, find_resume_point
 from shoal.comm.collectives import Comm
 from shoal.comm.phase import Phase
 from shoal.config import Config
-from shoal.data.sampler import GlobalBatchSampler
 from shoal.dist import DistEnv
-from shoal.errors import TrainingError
 from shoal.layout import Layout
 from shoal.metrics.profile import summarize_profile
-from shoal.metrics.sinks import MetricsSinks
-from shoal.metrics.trace import StepTrace
 from shoal.models.spec import count_parameters
-from shoal.parallel.balance import ComputeClock, ThroughputBalance
-from shoal.parallel.precision import Precision
-from shoal.rundir import RunDir, read_json, write_json
-from shoal.training.bad_steps import BadStepPolicy
+from shoal.rundir import RunDir, read_json
+from shoal.training.assemble import Start, assemble, reload
+from shoal.training.assemble import trainer as assemble_trainer
 from shoal.training.build import build_on, freeze, plain_model
 from shoal.training.feed import Steps
 from shoal.training.live import Live, Regroup, capture, copied, one_replica, peer_failed, pooled
 from shoal.training.live import restore as restore_live
-from shoal.training.loop import Hooks, Trainer, Watch
-from shoal.training.optim import Schedule, optimizer_groups
+from shoal.training.loop import Hooks, Trainer
+from shoal.training.optim import optimizer_groups
 from shoal.training.parts import Parts, announce, profiler
-from shoal.training.step import Stepper
 from shoal.training.strategy import Strategy
 from shoal.training.summary import failure_info, fresh_start, summarize
 
@@ -126,7 +119,7 @@ def snapshot(parts: Parts):
 def build(cfg: Config, layout: Layout, source, run: RunDir, env: DistEnv, comm: Comm, *, phase: Phase,
           strategy: Strategy, resume: str, live: Live | None = None) -> Parts:
     """Collective: everything this rank's run is built from, before any checkpoint is read (a live run
-    going on from a Snapshot reads none)."""
+    going on from a Snapshot reads none): the config's model, then the one assembly (assemble.py)."""
     in_memory = live is not None and live.held is not None
     found = "" if in_memory else comm.agree("resume_from",
                                             lambda: str(find_resume_point(run.checkpoints, resume) or ""))
@@ -134,36 +127,17 @@ def build(cfg: Config, layout: Layout, source, run: RunDir, env: DistEnv, comm: 
     torch.manual_seed(cfg.train.seed)  # identical initial weights on every rank
     bundle = build_on(cfg.model, source.spec, init=resume_path is None and not in_memory)
     freeze(bundle.model, cfg.train.freeze)
-    n_params = count_parameters(bundle.model)
     # one pipeline micro-batch, for timing the layers (parallel.pp_balance = "time")
     sample = (source.train_batch(torch.arange(layout.per_rank_batch // layout.pp_microbatches))
               if layout.dims.pp > 1 else None)
-    par = strategy.parallelize(bundle, sample)
-    if not cfg.train.compile:  # a compiled model runs its layers as one graph
-        phase.track(par.model, bundle.block_types)
-    torch.manual_seed(cfg.train.seed + 1 + env.rank)  # dropout etc. differ per rank, reproducibly
-    optimizer_class, groups, hyper = optimizer_groups(par.model.parameters(), cfg.train)
-    optimizer = par.build_optimizer(groups, optimizer_class, **hyper)
-    precision = Precision(cfg.precision.dtype, env.device)
-    step = Stepper(par=par, optimizer=optimizer, schedule=Schedule(optimizer, cfg.train), precision=precision,
-                   bad_steps=BadStepPolicy(cfg.train.on_bad_step, cfg.train.max_bad_steps,
-                                           scaled=precision.scaler is not None),
-                   comm=comm, device=env.device, count_fn=bundle.count_fn, grad_clip=cfg.train.grad_clip, phase=phase,
-                   stop_requested=signals.requested, stop_age=signals.age)
-    if cfg.balance.mode == "throughput":  # a new split waits until the batches prefetched before it are used
-        step.balance = ThroughputBalance(cfg.train.global_batch_size, layout.dims.dp, par.dp_rank,
-                                         interval=cfg.balance.interval, lag=cfg.data.prefetch + 1, comm=comm,
-                                         dp_group=par.dp_group, clock=ComputeClock(par.model, env.device),
-                                         device=env.device)
-    sampler = GlobalBatchSampler(source.num_train, cfg.train.global_batch_size, cfg.train.seed)
-    stateful = {"sampler": sampler, "scheduler": step.schedule, "scaler": precision, "bad_steps": step.bad_steps,
-                "sync": par.sync, **({"balance": step.balance} if step.balance else {})}
-    state = TrainState(par.model, strategy.saved_optimizer(optimizer), stateful, replicas_differ=layout.replicas > 1)
-    if env.rank == 0:
-        run.path.mkdir(parents=True, exist_ok=True)
-        run.config.write_text(cfg.to_toml(), encoding="utf-8")
-    return Parts(cfg=cfg, layout=layout, source=source, run=run, env=env, comm=comm, strategy=strategy,
-                 bundle=bundle, n_params=n_params, step=step, sampler=sampler, state=state, resume_path=resume_path)
+
+    def optimizer(par):
+        optimizer_class, groups, hyper = optimizer_groups(par.model.parameters(), cfg.train)
+        return par.build_optimizer(groups, optimizer_class, **hyper)
+
+    start = Start(cfg=cfg, layout=layout, source=source, run=run, env=env, comm=comm, phase=phase, strategy=strategy)
+    return assemble(start, bundle, optimizer, n_params=count_parameters(bundle.model), num_train=source.num_train,
+                    resume_path=resume_path, sample=sample, regroup_wanted=live.regroup_wanted if live else None)
 
 
 def restore(parts: Parts, live: Live | None = None) -> dict | None:
@@ -186,30 +160,15 @@ def restore(parts: Parts, live: Live | None = None) -> dict | None:
             **failure_info(run, env.restart_count)}
 
 
-def reload(parts: Parts, path: Path, keep: tuple[str, ...] = ()) -> bool:
-    """Collective: every registered part as saved at `path` (but those in `keep`); returns whether the
-    RNG streams are the saved ones."""
-    state, env = parts.state, parts.env
-    load_checkpoint(path, state.model, state.optimizer, parts.comm)
-    return state.restore(path, read_train_state(path), env.rank, env.world_size, parts.cfg.train.seed, keep)
-
-
 def loop(parts: Parts, recovery: dict | None, live: Live | None = None) -> tuple[Trainer, CheckpointManager]:
     """The Trainer over the strategy's feed, checkpointing as it goes; raises signals.Interrupted when the
     ranks agreed to stop early (after saving), and (a live run) Regroup when they agreed to change the
     group."""
-    cfg, run, strategy, sampler = parts.cfg, parts.run, parts.strategy, parts.sampler
-    checkpoints = CheckpointManager(run.checkpoints, strategy.checkpointing(cfg.checkpoint), parts.comm,
-                                    before_write=strategy.before_save)
-    parts.step.save_wanted, parts.step.before_update = checkpoints.wants_save, checkpoints.wait_staged
-    sinks = MetricsSinks(run.path if parts.is_main else None, cfg.train.steps, sampler.step,
-                         parts.bundle.items_name, cfg.metrics.tensorboard, cfg.metrics.progress)
-    measuring, profile_line = watch(parts)
-    trainer = Trainer(train=cfg.train, metrics=cfg.metrics, step=parts.step, sampler=sampler, source=parts.source,
-                      items_name=parts.bundle.items_name, hooks=hooks(parts, checkpoints), watch=measuring,
-                      sinks=sinks, validates=strategy.validates)
+    cfg, strategy, sampler, checkpoints = parts.cfg, parts.strategy, parts.sampler, parts.checkpoints
+    trainer, profile_line = assemble_trainer(parts, items_name=parts.bundle.items_name,
+                                             profiler=lambda: profiler(parts), validates=strategy.validates)
+    sinks = trainer.sinks
     if live is not None:
-        parts.step.regroup_wanted = live.regroup_wanted
         if parts.state.replicas_differ:
             hold_rounds(parts, live, trainer.hooks)
         if live.record is not None:  # the history of the generations before this one
@@ -245,54 +204,18 @@ def handed_over(parts: Parts):
 
 
 def batches(parts: Parts):
-    """make(step): this rank's micro-batches of training step `step` (its share of the global batch)."""
+    """make(step): this rank's micro-batches of training step `step` (its share of the global batch), made
+    ready for the device and counted (Stepper.prepare), on the data thread."""
     sampler, source, balance = parts.sampler, parts.source, parts.step.balance
     dp, micro = parts.layout.dims.dp, parts.cfg.train.micro_batch_size
 
     def make(step: int):
         shares = balance.split_for(step) if balance else None
-        return [source.train_batch(i, sampler.data_step(step))
-                for i in sampler.local_micro_batches(step, parts.step.par.dp_rank, dp, micro, shares)]
+        return parts.step.prepare([source.train_batch(i, sampler.data_step(step))
+                                   for i in sampler.local_micro_batches(step, parts.step.par.dp_rank, dp, micro,
+                                                                        shares)])
 
     return make
-
-
-def hooks(parts: Parts, checkpoints: CheckpointManager) -> Hooks:
-    """The loop's hooks: the checkpoint when due, the heartbeat (rank 0), the rollback of a bad step."""
-    cfg, run, state = parts.cfg, parts.run, parts.state
-    data_spec, config_toml = dataclasses.asdict(parts.source.spec), cfg.to_toml()
-
-    def save_if_due(m: dict, last: bool, by_time: bool) -> None:
-        if checkpoints.due(m["step"], last, by_time):
-            checkpoints.save(m["step"], state, state.capture(m["step"], config_toml, data_spec))
-        checkpoints.poll()
-
-    def rollback(bad_data_step: int) -> None:
-        """Collective: back to the newest checkpoint, never to train on data step `bad_data_step` again."""
-        checkpoints.wait()
-        path = parts.comm.agree("rollback", lambda: str(newest_valid(run.checkpoints) or ""))
-        if not path:
-            raise TrainingError('train.on_bad_step = "rollback" found no checkpoint to go back to; save one '
-                                'earlier (checkpoint.interval) or use "skip"')
-        reload(parts, Path(path), keep=("bad_steps",))  # counting rollbacks goes on
-        parts.sampler.skip_data_step(bad_data_step)
-
-    after = [save_if_due]
-    if parts.is_main:
-        after.append(lambda m, last, _: write_json(run.progress, {"step": m["step"], "time": m["time"],
-                                                                  "world": parts.comm.world_size}))
-    return Hooks(rollback=rollback, after_step=after, step_metrics=parts.strategy.step_metrics)
-
-
-def watch(parts: Parts) -> tuple[Watch, str | None]:
-    """The step profile and traces, as [metrics] asks, and the line saying what MFU is measured against."""
-    cfg = parts.cfg
-    out, line = Watch(phase=parts.step.phase), None
-    if cfg.metrics.profile:
-        out.profile, line = profiler(parts)
-    if cfg.metrics.trace_steps:
-        out.trace = StepTrace(cfg.metrics.trace_steps, parts.run.traces, parts.env.rank, parts.env.device)
-    return out, line
 
 
 def stop(parts: Parts, checkpoints: CheckpointManager) -> None:

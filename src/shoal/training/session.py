@@ -34,10 +34,9 @@ import torch
 import torch.distributed as dist
 
 from shoal import dist as shoal_dist
-from shoal.checkpoint.manager import CheckpointManager
 from shoal.checkpoint.resume import find_resume_point
 from shoal.checkpoint.tensors import original_name
-from shoal.checkpoint.train_state import TrainState, read_train_state
+from shoal.checkpoint.train_state import read_train_state
 from shoal.comm.collectives import Comm
 from shoal.comm.model_waits import time_model_waits
 from shoal.comm.phase import Phase
@@ -48,20 +47,21 @@ from shoal.data.sampler import GlobalBatchSampler
 from shoal.errors import UserError
 from shoal.layout import choose_backend, choose_device, resolve_layout
 from shoal.metrics.profile import Profiler, resolve_peak
-from shoal.metrics.sinks import MetricsSinks
 from shoal.metrics.timers import StepTimer
 from shoal.models.keras import KerasModule, check_layout, is_keras
-from shoal.models.spec import DataSpec, ModelBundle
+from shoal.models.spec import DataSpec, ModelBundle, count_parameters
 from shoal.parallel.data import set_grad_sync
 from shoal.parallel.fit import check_model_fits
 from shoal.parallel.precision import Precision
-from shoal.parallel.zero import local_optimizer
 from shoal.rundir import RunDir, default_run_dir, write_json
-from shoal.training.bad_steps import BadStepPolicy
-from shoal.training.loop import Trainer, Watch
-from shoal.training.optim import Schedule
-from shoal.training.run import hooks, reload
-from shoal.training.step import Stepper, StepResult
+from shoal.training.assemble import Start, assemble, reload, trainer
+from shoal.training.build import freeze
+from shoal.training.feed import pinned
+from shoal.training.flags import host_tensor
+from shoal.training.loop import Trainer
+from shoal.training.parts import Parts
+from shoal.training.report import StepReport
+from shoal.training.step import Stepper
 from shoal.training.strategy import Strategy
 
 
@@ -71,9 +71,7 @@ class Session:
         """`config`: a TOML file, a loaded Config, or None (the defaults); `overrides`: {"train.steps": 100,
         ...} as --set gives them; `sections`: whole sections as dicts, e.g. parallel={"zero": 3}."""
         cfg = self.cfg = session_config(config, overrides, sections)
-        if cfg.train.on_bad_step == "rollback":
-            raise UserError('train.on_bad_step = "rollback" reruns steps inside shoal\'s own loop; in a Session use '
-                            '"skip" or "abort"')
+        refuse_unhonoured(cfg)
         self.env, self.comm = join(cfg)
         self.layout = resolve_layout(cfg, self.env.world_size, cuda=torch.cuda.is_available())
         if self.layout.dims.pp > 1 or self.layout.servers:
@@ -81,20 +79,19 @@ class Session:
                             "`shoal train` for them, or parallel.pp = 1 and another sync.mode in a Session")
         path = None if isinstance(config, Config) or config is None else str(config)
         where = Path(run_dir) if run_dir is not None else default_run_dir(path, cfg)
-        self.run = RunDir(Path(self.comm.agree("run_dir", lambda: str(where))))
-        self.phase = Phase()
-        self.source, self.strategy = _UserData(), Strategy(cfg, self.layout, self.env.device, self.env.rank, self.comm)
-        self.pairs: list[Stepper] = []
+        run = RunDir(Path(self.comm.agree("run_dir", lambda: str(where))))
+        strategy = Strategy(cfg, self.layout, self.env.device, self.env.rank, self.comm)
+        self.start = Start(cfg=cfg, layout=self.layout, source=_UserData(), run=run, env=self.env, comm=self.comm,
+                           phase=Phase(), strategy=strategy)
+        self.parts: list[Parts] = []  # one per prepared model; the first one's run is the Session's
         self.sampler = GlobalBatchSampler(1, cfg.train.global_batch_size, cfg.train.seed)  # sess.data() sets it
         self.micro = 0  # micro-batches backward has seen in this step
         self.per_step = self.layout.grad_accum  # micro-batches per step (sess.data() may say otherwise)
-        self.loss_sum = torch.zeros((), dtype=torch.float64)
+        self.loss_sum = torch.zeros((), dtype=torch.float64, device=self.env.device)
         self.logged: dict = {}
         self.trainer: Trainer | None = None
-        self.checkpoints: CheckpointManager | None = None
         self.timer: StepTimer | None = None  # the step's, from its start
         self.sent = 0  # comm.sync_bytes when the step began
-        self.lr = 0.0
         self.has_data = False  # sess.data() was called: the sampler knows the data set
         self.restored_position: dict | None = None  # a restored data position waiting for sess.data()
         self.flops_per_sample: float | None = None
@@ -120,8 +117,17 @@ class Session:
         return self.env.rank == 0
 
     @property
+    def run(self) -> RunDir:
+        return self.start.run
+
+    @property
     def steps_done(self) -> int:
         return self.sampler.step
+
+    @property
+    def pairs(self) -> list[Stepper]:
+        """Each prepared model's Stepper (its laid-out model, optimizer, schedule, number format)."""
+        return [p.step for p in self.parts]
 
     # --- the model ----------------------------------------------------------------------------------
 
@@ -135,36 +141,34 @@ class Session:
         ParallelStyles; models/tp_plan.py), else the plan a Hugging Face model declares;
         `flops_per_sample`: its training FLOPs per sample, for the step profile's MFU. Call it once per
         model; a step updates every prepared model."""
-        cfg = self.cfg
         model = self._accepted(model, optimizer)
+        refuse_conflicts(self.cfg, optimizer)
         self.flops_per_sample = (self.flops_per_sample or 0) + flops_per_sample if flops_per_sample else None
         groups = named_groups(model, optimizer)
         self.described.append(described(model, tuple(blocks), optimizer))
         if self.world_size > 1:  # every rank starts from rank 0's weights, as DDP's constructor makes them
             self.comm.broadcast_module(model)
+        freeze(model, self.cfg.train.freeze)
         bundle = self._bundle(model, tuple(blocks), tp_plan)
-        par = self.strategy.parallelize(bundle, None)
-        optimizer = rebuilt(optimizer, groups, par)
-        precision = Precision(cfg.precision.dtype, self.device)
+        parts = assemble(self.start, bundle, lambda par: rebuilt(optimizer, groups, par),
+                         n_params=count_parameters(model), num_train=1)
+        par, precision = parts.step.par, parts.step.precision
         if precision.dtype != torch.float32:  # the forward the user calls runs under autocast, as shoal's
             par.module.forward = _autocast(par.module.forward, precision)
-        self.pairs.append(Stepper(
-            par=par, optimizer=optimizer, schedule=Schedule(optimizer, cfg.train), precision=precision,
-            bad_steps=BadStepPolicy(cfg.train.on_bad_step, cfg.train.max_bad_steps,
-                                    scaled=precision.scaler is not None),
-            comm=self.comm, device=self.device, count_fn=lambda b: torch.tensor(1), grad_clip=cfg.train.grad_clip,
-            phase=self.phase))
-        torch.manual_seed(cfg.train.seed + 1 + self.rank)  # dropout etc. differ per rank, as in shoal train
-        self._trainer()
+        self.parts.append(parts)
+        if self.trainer is None:
+            parts.sampler = parts.state.parts["sampler"] = self.sampler
+            self.trainer, _ = trainer(parts, items_name="samples", profiler=self._profiler, validates=False)
+            self.trainer.hooks.step_metrics = lambda: {**self.start.strategy.step_metrics(), **self.logged}
         if self.is_main:
             write_json(self.run.session_models, self.described)
         self._grad_sync()
-        return par.module, optimizer
+        return par.module, parts.step.optimizer
 
     def _accepted(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> torch.nn.Module:
         """`model` as shoal trains it (a Keras model wrapped), after refusing what a Session cannot prepare."""
         cfg = self.cfg
-        if self.pairs and cfg.checkpoint.enabled:
+        if self.parts and cfg.checkpoint.enabled:
             raise UserError("a Session's checkpoints hold one prepared model and its optimizer; for a second one, "
                             "set checkpoint.enabled = false and save them yourself (torch.distributed.checkpoint)")
         if optimizer.state:
@@ -209,8 +213,9 @@ class Session:
             except ValueError as e:
                 raise UserError(f"sess.data(): cannot go on from the restored checkpoint: {e}") from None
             self.restored_position = None
-        if self.trainer is not None:  # the loop's and the checkpoints' sampler from now on
-            self.trainer.sampler = self.state.parts["sampler"] = self.sampler
+        if self.parts:  # the loop's and the checkpoints' sampler from now on
+            first = self.parts[0]
+            first.sampler = self.trainer.sampler = first.state.parts["sampler"] = self.sampler
         self.has_data = True
         self.per_step = batch // (micro * dp)
         return Loader(self, dataset, micro, collate or torch.utils.data.default_collate)
@@ -225,40 +230,39 @@ class Session:
             self._begin_step()
         if "data_wait_s" not in self.timer.phases:
             self.timer.mark("data_wait_s")  # no sess.data(): the data is the user's, inside its forward
-        self.loss_sum += loss.detach().double().cpu()
+        self.loss_sum += loss.detach().double()  # on the device: nothing waits for it
         for stepper in self.pairs[:1]:  # one backward covers every model the loss came from
             stepper.precision.backward(loss / self.per_step)
         self.micro += 1
         self._grad_sync()
 
-    def step(self) -> StepResult | None:
+    def step(self) -> StepReport | None:
         """After each micro-batch's backward: at the last micro-batch of a step, the update (clipping, the
         non-finite policy, the schedule), the step's metrics and a checkpoint when one is due; returns the
-        step's result then, None before."""
+        step's report then, None before. Its values (loss, grad_norm, bad, ...) are read from the device
+        when first asked for: a loop that never reads them never waits for the device, and shoal reads
+        them itself a step later, or at once on logged steps."""
         self._need_prepare("step")
         if self.micro < self.per_step:
             return None
-        step = self.sampler.step
-        timer = self.timer
+        step, timer, trainer = self.sampler.step, self.timer, self.trainer
         for stepper in self.pairs:
             stepper.par.after_backward()
         timer.mark("forward_backward_s")
-        dp, loss_sum = self.layout.dims.dp, self.loss_sum.to(self.device)
-        self.lr = self.pairs[0].optimizer.param_groups[0]["lr"]  # the step's rate, before the schedule moves on
-        results = [s.finish(loss_sum, lambda: float(self.per_step * dp), step, timer, step_logged(self, step),
-                            self.sent) for s in self.pairs]
-        out = results[0]
-        bad_steps = self.pairs[0].bad_steps  # a non-finite step was skipped: counted, or the run stops
-        bad_steps.record_bad(step + 1, out.loss, out.grad_norm) if out.bad else bad_steps.record_good()
-        self.micro, self.loss_sum = 0, torch.zeros((), dtype=torch.float64)
+        samples = host_tensor([float(self.per_step * self.layout.dims.dp)], self.device).to(self.device,
+                                                                                           non_blocking=True)
+        logged = trainer.logged(step)
+        lr = self.pairs[0].optimizer.param_groups[0]["lr"]  # the step's rate, before the schedule moves on
+        reports = [s.finish(self.loss_sum, lambda: samples.reshape(()), step, timer, logged, self.sent, lr)
+                   for s in self.pairs]
+        self.micro = 0
+        self.loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
         self.sampler.step = step + 1
-        trainer = self._trainer()
-        trainer.hooks.step_metrics = lambda: {**self.strategy.step_metrics(), **self.logged}
-        trainer.after_step(step + 1, self.lr, out, timer, last=step + 1 == self.cfg.train.steps)
+        trainer.advance(reports[0], None, logged or bool(self.logged))  # values logged by hand: read now
         self.logged = {}
         self._grad_sync()
         self._begin_step()
-        return out
+        return reports[0]
 
     def log(self, **metrics: float) -> None:
         """Your own numbers, in metrics.jsonl and TensorBoard (rank 0's): during a step (before the step()
@@ -278,10 +282,10 @@ class Session:
         self._need_prepare("save")
         if not self.cfg.checkpoint.enabled:
             return None
-        manager = self._checkpoints()
-        step = self.sampler.step
-        manager.save(step, self.state, self.state.capture(step, self.cfg.to_toml(), {}))
-        manager.wait()
+        self.trainer.flush(None)
+        parts, step = self.parts[0], self.sampler.step
+        parts.checkpoints.save(step, parts.state, parts.state.capture(step, self.cfg.to_toml(), {}))
+        parts.checkpoints.wait()
         return self.run.checkpoints / f"step_{step:08d}"
 
     def restore(self) -> int:
@@ -294,7 +298,7 @@ class Session:
             return 0
         saved = read_train_state(Path(found))
         # before sess.data() the data set is not known: its position waits for it
-        reload(self, Path(found), keep=() if self.has_data else ("sampler",))
+        reload(self.parts[0], Path(found), keep=() if self.has_data else ("sampler",))
         if not self.has_data:
             self.restored_position = saved["parts"]["sampler"]
             self.sampler.step = saved["step"]
@@ -302,28 +306,27 @@ class Session:
         return self.sampler.step
 
     def close(self) -> dict:
-        """Collective. Finish: a pending checkpoint written, the final weights (model.safetensors, as shoal
-        train writes them, when checkpoint.final_weights and one model is prepared), summary.json (rank 0);
-        returns the summary."""
+        """Collective. Finish: the last step's metrics, a pending checkpoint written, the final weights
+        (model.safetensors, as shoal train writes them, when checkpoint.final_weights and one model is
+        prepared), summary.json (rank 0); returns the summary."""
         from shoal.training.summary import summarize
 
-        trainer = self._trainer() if self.pairs else None
-        if self.checkpoints is not None:
-            self.checkpoints.close()
         summary = {}
-        if trainer is not None:
-            if self.cfg.checkpoint.final_weights and len(self.pairs) == 1:
+        if self.trainer is not None:
+            self.trainer.flush(None)
+            self.parts[0].checkpoints.close()
+            if self.cfg.checkpoint.final_weights and len(self.parts) == 1:
                 self._save_weights()
             params = sum(p.numel() for s in self.pairs for p in s.par.model.parameters())
             name = type(self.pairs[0].par.model).__name__
-            summary = summarize(trainer.record, "samples", model_name=name, n_params=params,
+            summary = summarize(self.trainer.record, "samples", model_name=name, n_params=params,
                                 dims=self.layout.dims, total_s=time.perf_counter() - self.started,
                                 restart_count=self.env.restart_count, recovery=None, run=self.run,
                                 is_main=self.is_main, bad_steps=self.pairs[0].bad_steps.state_dict(), start_step=0)
-            trainer.sinks.close()
+            self.trainer.sinks.close()
             if self.is_main:
                 write_json(self.run.summary, summary)
-        self.strategy.finish()
+        self.start.strategy.finish()
         return summary
 
     def _save_weights(self) -> None:
@@ -345,57 +348,20 @@ class Session:
     def __exit__(self, exc_type, *exc) -> None:
         if exc_type is None:
             self.close()
-        elif self.checkpoints is not None:  # failing: no summary, but a save in flight is finished
-            self.checkpoints.close()
+        elif self.parts:  # failing: no summary, but a save in flight is finished
+            self.parts[0].checkpoints.close()
 
-    # --- the pieces run.py builds for shoal's loop --------------------------------------------------
+    # --- what a step needs around it ------------------------------------------------------------------
 
-    # --- the pieces run.py builds for shoal's loop (its hooks() and reload() read them off a Session as
-    # off the Parts of a run: cfg, run, env, comm, sampler, state, source, strategy, is_main) ------------
-
-    @property
-    def state(self):
-        s = self.pairs[0]
-        if not hasattr(self, "_train_state"):
-            parts = {"sampler": self.sampler, "scheduler": s.schedule, "scaler": s.precision,
-                     "bad_steps": s.bad_steps, "sync": s.par.sync}
-            self._train_state = TrainState(s.par.model, local_optimizer(s.optimizer), parts,
-                                           replicas_differ=self.layout.replicas > 1)
-        return self._train_state
-
-    def _checkpoints(self) -> CheckpointManager:
-        if self.checkpoints is None:
-            self.checkpoints = CheckpointManager(self.run.checkpoints, self.cfg.checkpoint, self.comm)
-            self.pairs[0].save_wanted = self.checkpoints.wants_save
-            self.pairs[0].before_update = self.checkpoints.wait_staged
-            if self.is_main:
-                self.run.path.mkdir(parents=True, exist_ok=True)
-                self.run.config.write_text(self.cfg.to_toml(), encoding="utf-8")
-        return self.checkpoints
-
-    def _trainer(self) -> Trainer:
-        if self.trainer is None:
-            cfg = self.cfg
-            checkpoints = self._checkpoints()
-            sinks = MetricsSinks(self.run.path if self.is_main else None, cfg.train.steps, self.sampler.step,
-                                 "samples", cfg.metrics.tensorboard, cfg.metrics.progress)
-            self.trainer = Trainer(train=cfg.train, metrics=cfg.metrics, step=self.pairs[0], sampler=self.sampler,
-                                   source=None, items_name="samples", hooks=hooks(self, checkpoints),
-                                   watch=Watch(phase=self.phase, profile=self._profiler()), sinks=sinks,
-                                   validates=False)
-        return self.trainer
-
-    def _profiler(self) -> Profiler | None:
+    def _profiler(self) -> tuple[Profiler, str]:
         """metrics.profile: the step profile, as shoal train's (parts.profiler), MFU where the FLOPs are given."""
         cfg, dims = self.cfg, self.layout.dims
-        if not cfg.metrics.profile:
-            return None
         time_model_waits(self.comm.log, "dp", pipeline=False)  # FSDP2's all-gathers: exposed dp time
         axes = ("dp",) * (dims.dp > 1) + ("world",) * (self.world_size > 1)
-        peak, _ = resolve_peak(cfg.metrics.peak, self.device, cfg.precision.dtype)
+        peak, line = resolve_peak(cfg.metrics.peak, self.device, cfg.precision.dtype)
         flops = self.flops_per_sample * cfg.train.global_batch_size if self.flops_per_sample else None
         return Profiler(axes, 0.0, self.world_size, flops, peak, cfg.metrics.straggler_ratio,
-                        logged_step=self.sampler.step)
+                        logged_step=self.sampler.step), line
 
     def _begin_step(self) -> None:
         """A step's clock starts when the one before it ended (or at its first backward)."""
@@ -403,6 +369,7 @@ class Session:
         self.timer = StepTimer(self.device, self.comm.log if profile else None)
         self.timer.start()
         self.sent = self.comm.sync_bytes
+        self.start.phase.begin_step(self.sampler.step + 1)
 
     def _grad_sync(self) -> None:
         """Whether the coming micro-batch's backward averages over dp: set before its forward, which is
@@ -411,7 +378,7 @@ class Session:
             set_grad_sync(stepper.par.module, stepper.par.sync.reduces(self.micro, self.per_step))
 
     def _need_prepare(self, call: str) -> None:
-        if not self.pairs:
+        if not self.parts:
             raise UserError(f"sess.{call}() before sess.prepare(model, optimizer): prepare the model first")
 
 
@@ -447,15 +414,54 @@ class Loader:
 
 def on_device(batch, device: torch.device):
     """A collated batch's tensors on the device the model trains on (in tuples, lists and dicts, as
-    default_collate makes them), the rest as it is: Accelerate's prepared loader does the same."""
+    default_collate makes them), the rest as it is: Accelerate's prepared loader does the same. Bound for a
+    GPU, each is pinned first, so that the copy does not wait for the device's queue."""
     if isinstance(batch, torch.Tensor):
-        return batch.to(device, non_blocking=True)
+        return (pinned(batch) if device.type == "cuda" else batch).to(device, non_blocking=True)
     if isinstance(batch, dict):
         return {k: on_device(v, device) for k, v in batch.items()}
     if isinstance(batch, (list, tuple)):
         moved = [on_device(v, device) for v in batch]
         return type(batch)(*moved) if hasattr(batch, "_fields") else type(batch)(moved)
     return batch
+
+
+def refuse_unhonoured(cfg: Config) -> None:
+    """One line for a key that asks a Session for what it does not do. [model] and [data] (but
+    data.prefetch) describe what your code builds and are left to it; the optimizer's keys are checked
+    against the optimizer you prepare (refuse_conflicts)."""
+    t, default = cfg.train, Config().train
+    if t.on_bad_step == "rollback":
+        raise UserError('train.on_bad_step = "rollback" reruns steps inside shoal\'s own loop; in a Session use '
+                        '"skip" or "abort"')
+    asks = {"balance.mode": (cfg.balance.mode != "uniform", "sess.data() splits every step's batch evenly; use "
+                             "`shoal train` to balance by throughput"),
+            "train.eval_on_start": (t.eval_on_start, NO_VALIDATION),
+            "train.val_interval": (t.val_interval not in (0, default.val_interval), NO_VALIDATION)}
+    for key, (asked, fix) in asks.items():
+        if asked:
+            raise UserError(f"{key} asks a Session for what it does not do: {fix}")
+
+
+NO_VALIDATION = "a Session runs no validation; evaluate in your loop and sess.log() the result"
+
+
+def refuse_conflicts(cfg: Config, optimizer: torch.optim.Optimizer) -> None:
+    """A train.* optimizer key set in the config and not what the prepared optimizer does: a Session keeps
+    your optimizer, so say so rather than train with another value than the config shows."""
+    t, default, d = cfg.train, Config().train, optimizer.defaults
+    kinds = {torch.optim.SGD: "sgd", torch.optim.AdamW: "adamw"}
+    kind = next((name for cls, name in kinds.items() if isinstance(optimizer, cls)), t.optimizer)
+    checks = {"train.optimizer": (t.optimizer, default.optimizer, kind),
+              "train.lr": (t.lr, default.lr, d.get("lr", t.lr)),
+              "train.beta1": (t.beta1, default.beta1, d.get("betas", (t.beta1,))[0]),
+              "train.beta2": (t.beta2, default.beta2, d.get("betas", (0, t.beta2))[1]),
+              "train.momentum": (t.momentum, default.momentum, d.get("momentum", t.momentum)),
+              "train.weight_decay": (t.weight_decay, default.weight_decay, d.get("weight_decay", t.weight_decay))}
+    for key, (mine, unset, theirs) in checks.items():
+        if mine != unset and mine != theirs:
+            raise UserError(f"{key} = {mine}, but the optimizer you prepare has {theirs}: a Session keeps your "
+                            f"optimizer; set it there, or leave {key} out")
 
 
 def session_config(config: str | Path | Config | None, overrides: dict | None, sections: dict) -> Config:

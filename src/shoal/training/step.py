@@ -1,9 +1,14 @@
 """One optimizer step over this rank's micro-batches:
 
-    forward/backward (the StepSync's gradient communication inside) -> after_backward -> gradient norm
+    batches to the device (pinned on the host, copied without waiting) and their items, counted on the
+    host, summed over dp while the first forward runs
+    -> forward/backward (the StepSync's gradient communication inside) -> after_backward -> gradient norm
     -> the step's flags all-reduce started (loss, stop, bad norm, checkpoint due) -> clip, while it runs
-    -> the verdict (a bad step is skipped) -> optimizer step -> zero_grad
+    -> the verdict (a bad step is skipped by the optimizer itself) -> optimizer step -> zero_grad
+    -> the step's report: its values copied to the host without waiting (report.py)
 
+Nothing here reads a tensor's value on the host: on a GPU the host queues the step and goes on to the
+next one while the device computes it; the loop reads the report when it needs it (training/loop.py).
 How the model is laid out and how gradients are synchronised is the Parallelized object's business
 (parallel/); the step reads the same for every layout. See [Note: loss contract] in models/spec.py
 for the loss scaling.
@@ -12,9 +17,8 @@ for the loss scaling.
 from __future__ import annotations
 
 import contextlib
-import math
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -28,35 +32,30 @@ from shoal.parallel.parallelized import Parallelized
 from shoal.parallel.precision import Precision
 from shoal.parallel.zero import local_optimizer
 from shoal.training.bad_steps import BadStepPolicy
-from shoal.training.flags import Flags, StepFlags
+from shoal.training.feed import Prepared, prepare
+from shoal.training.flags import StepFlags, host_tensor, stop_or_regroup
 from shoal.training.optim import Schedule
-
-# a live elastic run: ranks asked to stop while others were not leave once the request is this old, and
-# not at the next step's end; a job's cancel signals every node within a moment, and without the wait a
-# step boundary falling in between split it into a leave of some ranks and a stop of the rest
-LEAVE_GRACE_S = 2.0
+from shoal.training.report import StepReport
 
 
 @dataclass(frozen=True)
-class StepResult:
-    """What a step leaves, the same on every rank but `held` and `comm_bytes`."""
+class Controls:
+    """What the run around the step asks it and tells it, all decided on the host: whether this process was
+    asked to stop (nonzero) and how long ago, whether its clock says a checkpoint is due, what must run
+    before the optimizer changes the weights (an asynchronous checkpoint still copying them), and (a live
+    elastic run) whether this rank wants the group to change at the step's end: it leaves, or, on rank 0,
+    a joiner waits. None: not a live run, and a stop signal stops every rank."""
 
-    loss: float  # the global batch's mean loss
-    grad_norm: float
-    items: int  # tokens (or samples) in the global batch
-    bad: bool  # the loss or gradient norm was not finite: the update was skipped
-    stop: bool  # some rank was asked to stop (a live elastic run: every rank; some leave by regrouping)
-    save: bool  # some rank's clock says a checkpoint is due
-    held: dict[str, int] | None  # this rank's model-state bytes (on steps that measure memory)
-    comm_bytes: int  # bytes this rank sent to keep the replicas in sync
-    regroup: bool = False  # a live elastic run's group changes after this step (training/live.py)
-    # fp16: the gradients overflowed, the loss scaler skipped the update and lowered its scale to this
-    loss_scale_after_overflow: float | None = None
+    stop_requested: Callable[[], int] = lambda: 0
+    stop_age: Callable[[], float] = lambda: 0.0
+    save_wanted: Callable[[], bool] = lambda: False
+    before_update: Callable[[], None] = lambda: None
+    regroup_wanted: Callable[[], bool] | None = None
 
 
 @dataclass(kw_only=True)
 class Stepper:
-    """Everything a step changes or asks (assembled by run.py)."""
+    """Everything a step changes or asks (assembled by training/assemble.py)."""
 
     par: Parallelized
     optimizer: torch.optim.Optimizer
@@ -68,97 +67,104 @@ class Stepper:
     count_fn: Callable[[Batch], torch.Tensor]  # tokens or samples in a batch
     grad_clip: float  # 0: no clipping (the norm is still taken)
     phase: Phase
+    controls: Controls = field(default_factory=Controls)
     balance: ThroughputBalance | None = None  # balance.mode = "throughput": this rank's compute is timed
-    stop_requested: Callable[[], int] = lambda: 0  # nonzero when this process was asked to stop
-    stop_age: Callable[[], float] = lambda: 0.0  # seconds since it was asked
-    save_wanted: Callable[[], bool] = lambda: False  # this rank's clock says a checkpoint is due
-    before_update: Callable[[], None] = lambda: None  # runs before the optimizer changes the weights
-    # a live elastic run: this rank wants the group to change at the step's end (it leaves, or, on
-    # rank 0, a joiner waits); None: not a live run, and a stop signal stops every rank
-    regroup_wanted: Callable[[], bool] | None = None
 
-    def __call__(self, micro_batches: list[Batch], step: int, timer: StepTimer, measure_memory: bool) -> StepResult:
+    @property
+    def lags(self) -> bool:
+        """Whether the loop may read a step's report a step later: not where the host must know at once how a
+        step went (a live elastic run regroups at step boundaries; a sync mode that undoes a skipped step's
+        codec state or schedules by it; balancing reads its clocks)."""
+        return self.controls.regroup_wanted is None and not self.par.sync.verdict_at_once and self.balance is None
+
+    def prepare(self, micro_batches: list[Batch]) -> Prepared:
+        """A step's micro-batches made ready for the device, and their items counted (the data thread's work)."""
+        return prepare(micro_batches, self.count_fn, self.device)
+
+    def __call__(self, micro_batches: list[Batch] | Prepared, step: int, timer: StepTimer,
+                 measure_memory: bool) -> StepReport:
         """Step `step` (0-based: the steps done before it)."""
         par, precision = self.par, self.precision
-        sent = self.comm.sync_bytes
-        batches = [{k: v.to(self.device, non_blocking=True) for k, v in b.items()} for b in micro_batches]
-        count = ItemCount(batches, self.count_fn, self.comm, par, self.device)  # runs during the first forward
+        sent, lr = self.comm.sync_bytes, self.optimizer.param_groups[0]["lr"]
+        ready = micro_batches if isinstance(micro_batches, Prepared) else self.prepare(micro_batches)
+        batches = [{k: v.to(self.device, non_blocking=True) for k, v in b.items()} for b in ready.batches]
+        count = ItemCount(ready.items, self.comm, par, self.device)  # summed over dp during the first forward
         self.phase.outside("forward/backward")  # the model's layers refine it (comm/phase.py)
         with self.balance.measuring(step) if self.balance else contextlib.nullcontext():
             loss_sum = par.forward_backward(batches, count.scale, precision)
         par.after_backward()
         timer.mark("forward_backward_s")
-        return self.finish(loss_sum, count.total, step, timer, measure_memory, sent)
+        return self.finish(loss_sum, count.total, step, timer, measure_memory, sent, lr)
 
-    def finish(self, loss_sum: torch.Tensor, total: Callable[[], float], step: int, timer: StepTimer,
-               measure_memory: bool, sent: int) -> StepResult:
+    def finish(self, loss_sum: torch.Tensor, total: Callable[[], torch.Tensor], step: int, timer: StepTimer,
+               measure_memory: bool, sent: int, lr: float) -> StepReport:
         """The step after its backward (and the StepSync's after_backward): the norm, the flags, clipping,
         the verdict, the update. `loss_sum`: this rank's share of the global loss sum; `total()`: the items
-        it is over, on all ranks; `sent`: comm.sync_bytes when the step began. shoal's loop and a Session's
-        step() (session.py) both end their steps here."""
-        par, optimizer, precision = self.par, self.optimizer, self.precision
+        it is over, on all ranks (a device scalar); `sent`: comm.sync_bytes when the step began; `lr`: the
+        step's learning rate. shoal's loop and a Session's step() both end their steps here."""
+        par, optimizer, precision, c = self.par, self.optimizer, self.precision, self.controls
         self.phase.outside("optimizer step")
         precision.unscale(optimizer)
         norm = par.grad_norm()
         flags = StepFlags(self.comm, self.device)  # one all-reduce for every shared decision
-        flags.start(loss_sum if par.owns_loss else torch.zeros_like(loss_sum), stop=self.stop_requested() > 0,
-                    bad_norm=not math.isfinite(norm.item()), save=self.save_wanted(),
-                    regroup=self.regroup_wanted is not None and self.regroup_wanted(), stop_age=self.stop_age())
-        par.clip_grads(self.grad_clip or math.inf, norm)  # while the flags travel
+        flags.start(loss_sum if par.owns_loss else torch.zeros_like(loss_sum), ~torch.isfinite(norm),
+                    stop=c.stop_requested() > 0, save=c.save_wanted(),
+                    regroup=c.regroup_wanted is not None and c.regroup_wanted(), stop_age=c.stop_age())
+        if self.grad_clip:
+            par.clip_grads(self.grad_clip, norm)  # while the flags travel
         agreed = flags.result()
-        loss = agreed.loss_sum / total()
-        bad = self.bad_steps.is_bad(loss, math.nan if agreed.bad_norm else norm.item())  # both inputs are global
-        if bad:
-            precision.skip(optimizer)
-            par.skipped()
-        else:
-            self.before_update()  # e.g. an async checkpoint still copying the weights
-            precision.step(optimizer)
-            self.schedule.step()
-            par.after_step(step + 1)
+        bad = self.bad_steps.verdict(agreed[0] / total(), agreed[1])  # both inputs are global
+        c.before_update()
+        precision.step(optimizer, skip=bad)
+        self.schedule.step()  # the rate follows the step count, skipped steps included
+        self._after_update(bad, step)
         held = model_state_bytes(par.model, local_optimizer(optimizer)) if measure_memory else None
         optimizer.zero_grad(set_to_none=True)
         timer.mark("optimizer_s")
-        stop, regroup = stop_or_regroup(agreed, self.comm.world_size, live=self.regroup_wanted is not None)
-        regroup = regroup and par.in_sync(step + 1)  # else at the end of the first step where they are
-        overflow = precision.scaler is not None and not bad and not math.isfinite(norm.item())
-        return StepResult(loss=loss, grad_norm=norm.item(), items=int(total()), bad=bad, stop=stop,
-                          save=agreed.save, held=held, comm_bytes=self.comm.sync_bytes - sent, regroup=regroup,
-                          loss_scale_after_overflow=precision.scaler.get_scale() if overflow else None)
+        overflow = (~torch.isfinite(norm)).double() if precision.scaler else torch.zeros_like(norm)
+        scale = precision.scale()
+        values = torch.cat([agreed, norm.reshape(1), total().reshape(1), bad.double().reshape(1),
+                            overflow.reshape(1), (scale.double() if scale is not None else torch.zeros_like(norm))
+                            .to(self.device).reshape(1)])
+        live, world, in_sync = c.regroup_wanted is not None, self.comm.world_size, par.in_sync(step + 1)
 
+        def decide(flags) -> tuple[bool, bool]:
+            stop, regroup = stop_or_regroup(flags, world, live)
+            return stop, regroup and in_sync  # else at the end of the first step where they are
+        return StepReport(values, step=step, lr=lr, timer=timer, held=held, comm_bytes=self.comm.sync_bytes - sent,
+                          decide=decide)
 
-def stop_or_regroup(agreed: Flags, world: int, live: bool) -> tuple[bool, bool]:
-    """Whether the run stops at this step's end, and whether the group changes. A live run stops only when
-    every rank was asked to; when some were, they leave (a regroup without them) once their request is
-    LEAVE_GRACE_S old on average, a figure every rank reads alike from the flags."""
-    if not live:
-        return agreed.stops > 0, False
-    if agreed.stops >= world:
-        return True, False
-    leave = agreed.stops > 0 and agreed.stop_age / agreed.stops >= LEAVE_GRACE_S
-    return False, agreed.regroup or leave
+    def _after_update(self, bad: torch.Tensor, step: int) -> None:
+        """What the StepSync does after the update. A mode that must know at once whether the update ran
+        (it undoes a skipped step's codec state, or syncs only after steps that ran) reads the verdict."""
+        par = self.par
+        if par.sync.verdict_at_once and bool(bad):
+            par.skipped()
+        else:
+            par.after_step(step + 1)
 
 
 class ItemCount:
-    """The items (tokens or samples) of the whole global batch: this rank's, summed over dp by an
-    all-reduce that runs while the first forward does."""
+    """The items (tokens or samples) of the whole global batch: this rank's, counted on the host, summed
+    over dp by an all-reduce that runs while the first forward does. Only the device ever holds the sum."""
 
-    def __init__(self, batches: list[Batch], count_fn, comm: Comm, par: Parallelized, device: torch.device):
-        self.local = torch.stack([count_fn(b) for b in batches]).sum().double().to(device)
+    def __init__(self, local: int, comm: Comm, par: Parallelized, device: torch.device):
+        self.local = host_tensor([float(local)], device).to(device, non_blocking=True)
         self.dp = par.dp
-        self._pending: Pending | None = comm.all_reduce(self.local, group=par.dp_group, label="dp", async_op=True)
+        self._pending: Pending | None = (comm.all_reduce(self.local, group=par.dp_group, label="dp", async_op=True)
+                                         if par.dp > 1 else None)
         self._scale: torch.Tensor | None = None
 
-    def total(self) -> float:
+    def total(self) -> torch.Tensor:
         if self._pending is not None:
             self._pending.wait()
             self._pending = None
-        return self.local.item()
+        return self.local.reshape(())
 
     def scale(self) -> torch.Tensor:
         """What each backward is scaled by: gradient averaging divides by dp, so multiply it back and
         divide by the global count."""
         if self._scale is None:
-            self.total()
-            self._scale = self.dp / self.local.float()
+            self._scale = self.dp / self.total().float()
         return self._scale
+

@@ -1,0 +1,162 @@
+"""One rank's run, assembled once, for `shoal train` (run.py) and `shoal.Session` (session.py) alike:
+
+    assemble()  the model laid out by the strategy, its optimizer, number format, checkpoints, the
+                Stepper built whole (its stop / save / regroup controls one object), the sampler, and every
+                stateful part registered for checkpoints
+    trainer()   the loop over those parts: its metrics sinks, the step profile and traces, the hooks
+                (checkpoint when due, heartbeat, rollback)
+
+What differs between the two is only what comes before: `shoal train` builds the model from the config
+and the optimizer from train.*; a Session is handed the user's model and optimizer (its class and
+hyperparameters), and refuses the keys it cannot honour (session_keys.py).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+from shoal import signals
+from shoal.checkpoint.manager import CheckpointManager, load_checkpoint
+from shoal.checkpoint.resume import newest_valid
+from shoal.checkpoint.train_state import TrainState, read_train_state
+from shoal.comm.collectives import Comm
+from shoal.comm.phase import Phase
+from shoal.config import Config
+from shoal.data.sampler import GlobalBatchSampler
+from shoal.dist import DistEnv
+from shoal.errors import TrainingError
+from shoal.layout import Layout
+from shoal.metrics.profile import Profiler
+from shoal.metrics.sinks import MetricsSinks
+from shoal.metrics.trace import StepTrace
+from shoal.models.spec import ModelBundle
+from shoal.parallel.balance import ComputeClock, ThroughputBalance
+from shoal.parallel.parallelized import Parallelized
+from shoal.parallel.precision import Precision, one_kind_per_group
+from shoal.parallel.zero import local_optimizer
+from shoal.rundir import RunDir, write_json
+from shoal.training.bad_steps import BadStepPolicy
+from shoal.training.loop import Hooks, Trainer, Watch
+from shoal.training.optim import Schedule
+from shoal.training.parts import Parts
+from shoal.training.step import Controls, Stepper
+from shoal.training.strategy import Strategy
+
+
+@dataclasses.dataclass(frozen=True)
+class Start:
+    """Where a rank's run starts from, and what it was given: the config, the layout, the data source
+    (data/sources.py; a Session's: the user's), the run dir, the process group, the strategy."""
+
+    cfg: Config
+    layout: Layout
+    source: object
+    run: RunDir
+    env: DistEnv
+    comm: Comm
+    phase: Phase
+    strategy: Strategy
+
+
+def assemble(start: Start, bundle: ModelBundle, optimizer: Callable[[Parallelized], torch.optim.Optimizer], *,
+             n_params: int, num_train: int, resume_path: Path | None = None, sample: dict | None = None,
+             regroup_wanted: Callable[[], bool] | None = None) -> Parts:
+    """Collective: `bundle`'s model laid out, `optimizer(par)` over it, and every part of the run around
+    them. `num_train`: the samples the sampler draws from; `sample`: one pipeline micro-batch to time the
+    layers with; `regroup_wanted`: a live elastic run's (training/live.py)."""
+    cfg, env, run, strategy = start.cfg, start.env, start.run, start.strategy
+    par = strategy.parallelize(bundle, sample)
+    if not cfg.train.compile:  # a compiled model runs its layers as one graph
+        start.phase.track(par.model, bundle.block_types)
+    torch.manual_seed(cfg.train.seed + 1 + env.rank)  # dropout etc. differ per rank, reproducibly
+    opt = optimizer(par)
+    one_kind_per_group(local_optimizer(opt))
+    precision = Precision(cfg.precision.dtype, env.device)
+    checkpoints = CheckpointManager(run.checkpoints, strategy.checkpointing(cfg.checkpoint), start.comm,
+                                    before_write=strategy.before_save)
+    controls = Controls(stop_requested=signals.requested, stop_age=signals.age, save_wanted=checkpoints.wants_save,
+                        before_update=checkpoints.wait_staged, regroup_wanted=regroup_wanted)
+    step = Stepper(par=par, optimizer=opt, schedule=Schedule(opt, cfg.train), precision=precision,
+                   bad_steps=BadStepPolicy(cfg.train.on_bad_step, cfg.train.max_bad_steps,
+                                           scaled=precision.scaler is not None),
+                   comm=start.comm, device=env.device, count_fn=bundle.count_fn, grad_clip=cfg.train.grad_clip,
+                   phase=start.phase, controls=controls, balance=balance(start, par))
+    sampler = GlobalBatchSampler(num_train, cfg.train.global_batch_size, cfg.train.seed)
+    stateful = {"sampler": sampler, "scheduler": step.schedule, "scaler": precision, "bad_steps": step.bad_steps,
+                "sync": par.sync, **({"balance": step.balance} if step.balance else {})}
+    state = TrainState(par.model, strategy.saved_optimizer(opt), stateful, replicas_differ=start.layout.replicas > 1)
+    if env.rank == 0:
+        run.path.mkdir(parents=True, exist_ok=True)
+        run.config.write_text(cfg.to_toml(), encoding="utf-8")
+    return Parts(cfg=cfg, layout=start.layout, source=start.source, run=run, env=env, comm=start.comm,
+                 strategy=strategy, bundle=bundle, n_params=n_params, step=step, sampler=sampler, state=state,
+                 resume_path=resume_path, checkpoints=checkpoints)
+
+
+def balance(start: Start, par: Parallelized) -> ThroughputBalance | None:
+    """balance.mode = "throughput": the split of each step's batch by measured speed. A new split waits until
+    the batches prefetched before it are used."""
+    cfg = start.cfg
+    if cfg.balance.mode != "throughput":
+        return None
+    return ThroughputBalance(cfg.train.global_batch_size, start.layout.dims.dp, par.dp_rank,
+                             interval=cfg.balance.interval, lag=cfg.data.prefetch + 1, comm=start.comm,
+                             dp_group=par.dp_group, clock=ComputeClock(par.model, start.env.device),
+                             device=start.env.device)
+
+
+def trainer(parts: Parts, *, items_name: str, profiler: Callable[[], tuple[Profiler, str]] | None,
+            validates: bool) -> tuple[Trainer, str | None]:
+    """The loop over `parts`, and the line saying what MFU is measured against (None: no step profile).
+    `profiler()`: metrics.profile's profiler and that line."""
+    cfg, run = parts.cfg, parts.run
+    sinks = MetricsSinks(run.path if parts.is_main else None, cfg.train.steps, parts.sampler.step, items_name,
+                         cfg.metrics.tensorboard, cfg.metrics.progress)
+    watch, line = Watch(phase=parts.step.phase), None
+    if cfg.metrics.profile and profiler is not None:
+        watch.profile, line = profiler()
+    if cfg.metrics.trace_steps:
+        watch.trace = StepTrace(cfg.metrics.trace_steps, run.traces, parts.env.rank, parts.env.device)
+    loop = Trainer(train=cfg.train, metrics=cfg.metrics, step=parts.step, sampler=parts.sampler, source=parts.source,
+                   items_name=items_name, hooks=hooks(parts), watch=watch, sinks=sinks, validates=validates)
+    return loop, line
+
+
+def hooks(parts: Parts) -> Hooks:
+    """The loop's hooks: the checkpoint when due, the heartbeat (rank 0), the rollback of a bad step."""
+    cfg, run, state, checkpoints = parts.cfg, parts.run, parts.state, parts.checkpoints
+    data_spec, config_toml = dataclasses.asdict(parts.source.spec), cfg.to_toml()
+
+    def save_if_due(m: dict, last: bool, by_time: bool) -> None:
+        if checkpoints.due(m["step"], last, by_time):
+            checkpoints.save(m["step"], state, state.capture(m["step"], config_toml, data_spec))
+        checkpoints.poll()
+
+    def rollback(bad_data_step: int) -> None:
+        """Collective: back to the newest checkpoint, never to train on data step `bad_data_step` again."""
+        checkpoints.wait()
+        path = parts.comm.agree("rollback", lambda: str(newest_valid(run.checkpoints) or ""))
+        if not path:
+            raise TrainingError('train.on_bad_step = "rollback" found no checkpoint to go back to; save one '
+                                'earlier (checkpoint.interval) or use "skip"')
+        reload(parts, Path(path), keep=("bad_steps",))  # counting rollbacks goes on
+        parts.sampler.skip_data_step(bad_data_step)
+
+    after = [save_if_due]
+    if parts.is_main:
+        after.append(lambda m, last, _: write_json(run.progress, {"step": m["step"], "time": m["time"],
+                                                                  "world": parts.comm.world_size}))
+    return Hooks(rollback=rollback, after_step=after, step_metrics=parts.strategy.step_metrics,
+                 due=lambda done: checkpoints.due(done, last=False))
+
+
+def reload(parts: Parts, path: Path, keep: tuple[str, ...] = ()) -> bool:
+    """Collective: every registered part as saved at `path` (but those in `keep`); returns whether the
+    RNG streams are the saved ones."""
+    state, env = parts.state, parts.env
+    load_checkpoint(path, state.model, state.optimizer, parts.comm)
+    return state.restore(path, read_train_state(path), env.rank, env.world_size, parts.cfg.train.seed, keep)

@@ -1,0 +1,90 @@
+"""What the host learns of a step, and when.
+
+Everything a step decides stays on the device while it runs: the loss, the gradient norm, the verdict
+on a bad step (which the optimizer applies itself: parallel/precision.py), the agreed flags (flags.py).
+At the step's end those values are gathered into one small vector and copied, without waiting, into
+host memory (pinned on a GPU, where the copy is then asynchronous), with a CUDA event behind it. The
+loop reads that copy a step later (training/loop.py), when the device is already busy with the next
+step: the host waits for the copy, the device never waits for the host. A step the loop must act on at
+once (a logged, validating or saving step, the last one) is read right away.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from shoal.metrics.timers import StepTimer
+from shoal.training.flags import AGREED, Flags, agreed_flags
+
+# the report's entries after the agreed flags
+OWN = ("grad_norm", "items", "bad", "overflow", "loss_scale")
+
+
+@dataclass(frozen=True)
+class StepResult:
+    """What a step leaves, the same on every rank but `held` and `comm_bytes`."""
+
+    loss: float  # the global batch's mean loss
+    grad_norm: float
+    items: int  # tokens (or samples) in the global batch
+    bad: bool  # the loss or gradient norm was not finite: the update was skipped
+    stop: bool  # some rank was asked to stop (a live elastic run: every rank; some leave by regrouping)
+    save: bool  # some rank's clock says a checkpoint is due
+    held: dict[str, int] | None  # this rank's model-state bytes (on steps that measure memory)
+    comm_bytes: int  # bytes this rank sent to keep the replicas in sync
+    regroup: bool = False  # a live elastic run's group changes after this step (training/live.py)
+    # fp16: the gradients overflowed, the loss scaler skipped the update and lowered its scale to this
+    loss_scale_after_overflow: float | None = None
+    stop_age: float = 0.0  # seconds since the ranks asked to stop were asked, summed over them
+
+
+class StepReport:
+    """One step's values on their way to the host. `values`: the agreed flags (flags.AGREED) then OWN, a
+    float64 vector on the step's device."""
+
+    def __init__(self, values: torch.Tensor, *, step: int, lr: float, timer: StepTimer, held: dict | None,
+                 comm_bytes: int, decide: Callable[[Flags], tuple[bool, bool]]):
+        self.step, self.lr, self.timer, self.held, self.comm_bytes = step, lr, timer, held, comm_bytes
+        self.decide = decide  # (stop, regroup) from the agreed flags (flags.stop_or_regroup)
+        cuda = values.device.type == "cuda"
+        self.host = torch.empty(values.shape, dtype=values.dtype, pin_memory=cuda)
+        self.host.copy_(values, non_blocking=True)
+        self.copied = torch.cuda.Event() if cuda else None
+        if self.copied is not None:
+            self.copied.record()
+        self._result: StepResult | None = None
+
+    def result(self) -> StepResult:
+        """The step's values, read from the host copy (waiting for the copy only, and only once)."""
+        if self._result is None:
+            self._result = self._make(self.read())
+        return self._result
+
+    def read(self) -> list[float]:
+        """The one read of the step's values on the host."""
+        if self.copied is not None:
+            self.copied.synchronize()
+        return self.host.tolist()
+
+    def __getattr__(self, name: str):
+        """A StepResult's fields (report.loss, report.grad_norm, ...), read when first asked for: what a
+        Session's step() returns, so that a loop that never looks never waits."""
+        if name in StepResult.__dataclass_fields__:
+            return getattr(self.result(), name)
+        raise AttributeError(f"{type(self).__name__!s} has no attribute {name!r}")
+
+    def _make(self, values: list[float]) -> StepResult:
+        agreed = agreed_flags(values[:len(AGREED)])
+        own = dict(zip(OWN, values[len(AGREED):], strict=True))
+        items = own["items"]
+        overflow = own["overflow"] > 0 and own["bad"] == 0
+        stop, regroup = self.decide(agreed)
+        return StepResult(loss=agreed.loss_sum / items if items else math.nan, grad_norm=own["grad_norm"],
+                          items=round(items), bad=own["bad"] > 0, stop=stop, save=agreed.save, held=self.held,
+                          comm_bytes=self.comm_bytes, regroup=regroup,
+                          loss_scale_after_overflow=own["loss_scale"] if overflow else None,
+                          stop_age=agreed.stop_age)
