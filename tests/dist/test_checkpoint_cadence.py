@@ -52,8 +52,10 @@ def train_where_one_clock_says_save(env, overrides, run_dir, rank, at_call):
 def test_one_rank_s_clock_makes_every_rank_save_the_same_step(tmp_path, ranks, rank):
     results = ranks(2).run(train_where_one_clock_says_save, SMALL, str(tmp_path / "run"), rank, 3)
     for summary, _ in results:
-        assert [c["step"] for c in summary["checkpoints"]] == [3, 8]  # step 3 by time, step 8 the end
+        # step 3's flags carry the wish; a step that is not logged is read once the next one is queued, so
+        # the ranks save at the end of step 4 (by time), and step 8 is the end
+        assert [c["step"] for c in summary["checkpoints"]] == [4, 8]
     saved = sorted(p.name for p in (tmp_path / "run" / "checkpoints").iterdir())
-    assert saved == ["step_00000003", "step_00000008"]
-    manifest = json.loads((tmp_path / "run" / "checkpoints" / "step_00000003" / "manifest.json").read_text())
+    assert saved == ["step_00000004", "step_00000008"]
+    manifest = json.loads((tmp_path / "run" / "checkpoints" / "step_00000004" / "manifest.json").read_text())
     assert manifest["world_size"] == 2 and "rng_rank00001.json" in manifest["files"]  # both ranks wrote it

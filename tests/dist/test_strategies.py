@@ -92,7 +92,7 @@ def tp_whole_model(env, sequence_parallel):
     # clipped to a tenth of the norm: every gradient scaled alike, sequence parallelism's partial sums
     # (the norms' gains and biases) included
     params = [(p, True) for p in bundle.model.parameters()]
-    norm = grad_norm(params, None)
+    norm = grad_norm(params, None, torch.device("cpu"))
     clip_grads(params, 0.1 * norm.item(), norm)
     torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.1 * norm.item())
     clipped = max((full(p.grad) - grads[n].grad).abs().max().item() for n, p in bundle.model.named_parameters())
@@ -226,7 +226,7 @@ def test_every_step_sync_gives_the_mean_gradient(ranks):
 
 def comm_basics(env):
     from shoal.comm.collectives import Comm
-    from shoal.training.flags import StepFlags
+    from shoal.training.flags import StepFlags, agreed_flags
 
     comm = Comm(env.store, env.rank, env.world_size)
     agreed = comm.agree("choice", lambda: f"decided by rank {env.rank}")
@@ -235,8 +235,8 @@ def comm_basics(env):
     value = pending.wait()
     gathered = comm.all_gather(torch.tensor([float(env.rank)]))
     flags = StepFlags(comm, torch.device("cpu"))
-    flags.start(torch.tensor(0.5 * (env.rank + 1)), stop=env.rank == 1, bad_norm=False, save=env.rank == 0)
-    f = flags.result()
+    flags.start(torch.tensor(0.5 * (env.rank + 1)), torch.tensor(False), stop=env.rank == 1, save=env.rank == 0)
+    f = agreed_flags(flags.result().tolist())
     records = list(comm.log.records)
     return (agreed, t.item(), value.item(), [x.item() for x in gathered], (f.loss_sum, f.stop, f.bad_norm, f.save),
             all(r["done"] for r in records), sorted(comm.log.totals))

@@ -117,10 +117,19 @@ def one_kind_per_group(optimizer: torch.optim.Optimizer) -> None:
     optimizer.step = types.MethodType(split_step, optimizer)
 
 
+def keep_implementation(optimizer: torch.optim.Optimizer | None) -> None:
+    """After loading a saved state: each group runs the implementation this optimizer was built with (fused or
+    foreach), not the one the saved groups name (a checkpoint from before the fused step names foreach)."""
+    if optimizer is None:
+        return
+    for group in optimizer.param_groups:
+        group.update({k: optimizer.defaults.get(k) for k in ("fused", "foreach") if k in group})
+
+
 def takes_found_inf(optimizer: torch.optim.Optimizer) -> bool:
     """Whether `optimizer` skips its update by a device tensor: torch's fused Adam, AdamW and SGD read the
     `found_inf` attribute GradScaler sets (their kernels return early where it is nonzero)."""
-    return bool(optimizer.defaults.get("fused")) and isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW,
+    return all(g.get("fused") for g in optimizer.param_groups) and isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW,
                                                                              torch.optim.SGD))
 
 

@@ -36,7 +36,7 @@ from shoal.metrics.trace import StepTrace
 from shoal.models.spec import ModelBundle
 from shoal.parallel.balance import ComputeClock, ThroughputBalance
 from shoal.parallel.parallelized import Parallelized
-from shoal.parallel.precision import Precision, one_kind_per_group
+from shoal.parallel.precision import Precision, keep_implementation, one_kind_per_group
 from shoal.parallel.zero import local_optimizer
 from shoal.rundir import RunDir, write_json
 from shoal.training.bad_steps import BadStepPolicy
@@ -159,4 +159,5 @@ def reload(parts: Parts, path: Path, keep: tuple[str, ...] = ()) -> bool:
     RNG streams are the saved ones."""
     state, env = parts.state, parts.env
     load_checkpoint(path, state.model, state.optimizer, parts.comm)
+    keep_implementation(state.optimizer)
     return state.restore(path, read_train_state(path), env.rank, env.world_size, parts.cfg.train.seed, keep)

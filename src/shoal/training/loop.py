@@ -123,15 +123,17 @@ class Trainer:
         now, then this one at once or not. shoal's loop and a Session's step() complete every step here.
         Returns what complete() says of the step read, or None. `feed`: None in a Session (no rollback)."""
         at_once = logged or not self.step.lags or self.acts_after(report.step + 1, feed)
+        owed_save = False  # a save the ranks agreed on a step read late: taken at the end of this one
         if self.late is not None:
-            ended, self.late = self.complete(self.late, feed, last=False), None
+            late, self.late = self.late, None
+            ended = self.complete(late, feed, last=False)
             if ended == "rolled back":
                 return ended  # the step just queued trained on weights the rollback replaced
-            at_once = at_once or ended == "act"
+            at_once, owed_save = at_once or ended == "act", late.result().save
         if not at_once:
             self.late = report
             return None
-        return self.complete(report, feed, last=self.at_end(feed))
+        return self.complete(report, feed, last=self.at_end(feed), owed_save=owed_save)
 
     def flush(self, feed: Feed | None) -> None:
         """Read the step left for later, if any (the run ends, or a Session saves)."""
@@ -153,7 +155,7 @@ class Trainer:
         return (self.at_end(feed) or bool(t.val_interval and done % t.val_interval == 0 and self.validates)
                 or self.hooks.due(done))
 
-    def complete(self, report: StepReport, feed: Feed | None, last: bool) -> str | None:
+    def complete(self, report: StepReport, feed: Feed | None, last: bool, owed_save: bool = False) -> str | None:
         """Read a step's report and do what follows it: count a bad step (or roll back), the metrics, the
         hooks. Returns "stop" or "regroup" when the ranks agreed to, "rolled back", "act" when a step read
         late asks for a stop, a save or a regroup (which the step after it then carries out), else None."""
@@ -169,7 +171,8 @@ class Trainer:
         if self.watch.trace:
             self.watch.trace.after(step + 1)
         acted_on_now = self.sampler.step == step + 1  # else the weights have moved on: a save waits
-        self.after_step(step + 1, report.lr, out, report.timer, last=last, by_time=out.save and acted_on_now)
+        self.after_step(step + 1, report.lr, out, report.timer, last=last,
+                        by_time=acted_on_now and (out.save or owed_save))
         if not acted_on_now:
             return "act" if out.stop or out.save or out.regroup else None
         if out.stop or out.regroup:
