@@ -234,3 +234,35 @@ def test_a_keras_model_in_your_own_loop_trains_as_one_process(ranks, tmp_path):
         # in order: Keras numbers a process's second model's names on ("sequential_1/dense_2/kernel")
         for (k, v), w in zip(alone.items(), other.values(), strict=True):
             torch.testing.assert_close(w, v, rtol=1e-5, atol=1e-6, msg=k)
+
+
+def traced(env, run_dir: str) -> tuple[list, int]:
+    """A Session with metrics.trace_steps and steps read late (log_interval past the end): the losses its
+    step() results give when read, and how many steps summary.json counts."""
+    from shoal import Session
+
+    sess = Session(run_dir=run_dir, train={"steps": 4, "global_batch_size": 8, "micro_batch_size": 4,
+                                           "warmup_steps": 0},
+                   checkpoint={"enabled": False}, metrics={"tensorboard": False, "trace_steps": [2, 3],
+                                                           "log_interval": 100})
+    torch.manual_seed(0)
+    model = torch.nn.Linear(6, 3)
+    model, optimizer = sess.prepare(model, torch.optim.AdamW(model.parameters(), lr=1e-2))
+    g = torch.Generator().manual_seed(1)
+    data = [(torch.randn(6, generator=g), torch.randint(0, 3, (), generator=g)) for _ in range(32)]
+    results = []
+    for x, y in sess.data(data):
+        sess.backward(torch.nn.functional.cross_entropy(model(x), y))
+        if (out := sess.step()) is not None:
+            results.append(out)
+    summary = sess.close()
+    return [r.loss for r in results], summary["steps"]
+
+
+def test_a_session_traces_the_steps_it_is_asked_to(ranks, tmp_path):
+    [(losses, steps)] = ranks(1).run(traced, str(tmp_path / "run"))
+    assert steps == 4 and len(losses) == 4 and all(loss > 0 for loss in losses)
+    metrics = read_metrics(tmp_path / "run")
+    assert [m["step"] for m in metrics] == [4] and metrics[0]["loss"] == pytest.approx(losses[-1])
+    traces = list((tmp_path / "run" / "traces").glob("rank0*.pt.trace.json"))
+    assert len(traces) == 1, traces

@@ -314,6 +314,8 @@ class Session:
         summary = {}
         if self.trainer is not None:
             self.trainer.flush(None)
+            if self.trainer.watch.trace:
+                self.trainer.watch.trace.close()
             self.parts[0].checkpoints.close()
             if self.cfg.checkpoint.final_weights and len(self.parts) == 1:
                 self._save_weights()
@@ -370,6 +372,8 @@ class Session:
         self.timer.start()
         self.sent = self.comm.sync_bytes
         self.start.phase.begin_step(self.sampler.step + 1)
+        if self.trainer is not None and self.trainer.watch.trace:  # metrics.trace_steps, as shoal train's loop
+            self.trainer.watch.trace.before(self.sampler.step + 1)
 
     def _grad_sync(self) -> None:
         """Whether the coming micro-batch's backward averages over dp: set before its forward, which is
