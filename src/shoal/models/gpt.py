@@ -15,6 +15,7 @@ from pydantic import Field, model_validator
 from torch import nn
 
 from shoal.errors import UserError
+from shoal.models.cross_entropy import chunked_cross_entropy, cross_entropy_sum
 from shoal.models.spec import Batch, DataSpec, ModelBundle, ModelSection
 
 
@@ -39,6 +40,12 @@ class GPTConfig(ModelSection):
     """Pad the vocabulary (embedding and output rows) up to a multiple of this, as GPT-2's 50257 ->
     50304: tensor parallelism needs the vocabulary divisible by tp. Padded classes never occur in the
     data; their logits are trained down like any wrong class."""
+    loss_chunks: int = Field(1, ge=1)
+    """Take the loss over this many chunks of a micro-batch's tokens, each chunk's logits made, upcast to fp32,
+    turned into its loss and gradients and freed, so that the logits (tokens x vocab) never exist whole, in
+    fp32 or in the compute dtype (as Liger-Kernel's fused linear cross-entropy); 1: over the whole logits.
+    The same loss (fp32: within 1e-6). Not with parallel.tp > 1 (the logits are split over the vocabulary
+    already) or parallel.pp > 1."""
 
     @model_validator(mode="after")
     def _heads_divide(self) -> GPTConfig:
@@ -100,6 +107,7 @@ class GPT(nn.Module):
     def __init__(self, cfg: GPTConfig, vocab_size: int):
         super().__init__()
         self.seq_len = cfg.seq_len
+        self.loss_chunks = cfg.loss_chunks
         self.tok_emb = nn.Embedding(vocab_size, cfg.d_model)
         self.pos_emb = nn.Embedding(cfg.seq_len, cfg.d_model)
         self.drop = nn.Dropout(cfg.dropout)
@@ -120,20 +128,26 @@ class GPT(nn.Module):
         if isinstance(m, nn.Linear) and m.bias is not None:
             nn.init.zeros_(m.bias)
 
-    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+    def forward(self, idx: torch.Tensor, target: torch.Tensor | None = None) -> torch.Tensor:
+        """The logits (B, T, vocab); given the target (B, T), the loss summed over its counted tokens instead."""
         B, T = idx.shape
         pos = torch.arange(T, device=idx.device)
         x = self.drop(self.tok_emb(idx) + self.pos_emb(pos))  # (B, T, C)
         for block in self.blocks:
             x = block(x)
-        return self.head(self.ln_f(x))  # (B, T, vocab)
+        x = self.ln_f(x)
+        if target is None:
+            return self.head(x)
+        if self.loss_chunks > 1:
+            return chunked_cross_entropy(x, self.head.weight, target, self.loss_chunks)
+        return cross_entropy_sum(self.head(x), target)
 
 
 def lm_loss(model: nn.Module, batch: Batch) -> torch.Tensor:
-    """Next-token cross-entropy summed over counted tokens (see [Note: loss contract])."""
-    logits = model(batch["input"])  # (B, T, vocab)
-    return F.cross_entropy(logits.flatten(0, 1).float(), batch["target"].flatten(), ignore_index=-1,
-                           reduction="sum")
+    """Next-token cross-entropy summed over counted tokens (see [Note: loss contract]). Taken inside the
+    model's forward: ZeRO 3 holds the head's gathered weight only there (the chunked loss reads it), and a
+    compiled model compiles its loss too."""
+    return model(batch["input"], batch["target"])
 
 
 def count_tokens(batch: Batch) -> torch.Tensor:
@@ -159,13 +173,23 @@ def build(cfg: GPTConfig, spec: DataSpec) -> ModelBundle:
 def tensor_parallel(model, tp: int, mesh=None, sequence_parallel: bool = False):
     from shoal.models import gpt_parallel
 
+    refuse_chunked_loss(model, f"parallel.tp = {tp}", "tensor parallelism splits the logits over the vocabulary "
+                        "already (loss_parallel: each rank holds 1/tp of them)")
     return gpt_parallel.tensor_parallel(model, tp, mesh, sequence_parallel)
 
 
 def pipeline_layers(model):
     from shoal.models import gpt_parallel
 
+    refuse_chunked_loss(model, "parallel.pp > 1", "the pipeline takes the last stage's loss from its whole logits "
+                        "(the schedule calls the loss apart from the head)")
     return gpt_parallel.pipeline_layers(model)
+
+
+def refuse_chunked_loss(model: GPT, layout: str, why: str) -> None:
+    """model.loss_chunks needs the loss taken in the model's forward, where the head's weight is."""
+    if model.loss_chunks > 1:
+        raise UserError(f"model.loss_chunks = {model.loss_chunks} with {layout}: {why}; set model.loss_chunks = 1")
 
 
 def flops(model: GPT, cfg: GPTConfig) -> float:

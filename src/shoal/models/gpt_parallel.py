@@ -19,7 +19,6 @@ sequence first; the same bytes move, and activations outside the split layers ta
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.parallel import (
@@ -33,6 +32,7 @@ from torch.distributed.tensor.parallel import (
 )
 
 from shoal.errors import UserError
+from shoal.models.cross_entropy import cross_entropy_sum
 from shoal.models.spec import PipelineLayers
 
 
@@ -129,4 +129,4 @@ def pipeline_layers(model) -> PipelineLayers:
 
 def output_loss(logits, target):
     """The last stage's loss: lm_loss without the forward (a sum, see [Note: loss contract])."""
-    return F.cross_entropy(logits.flatten(0, 1).float(), target.flatten(), ignore_index=-1, reduction="sum")
+    return cross_entropy_sum(logits, target)
