@@ -8,8 +8,8 @@ buckets go through shoal's logged comm hook (comm/hooks.py) around torch's all-r
 step, in alternating order:
 - the step flags all-reduce (training/flags.py) started before the gradient clipping and waited for
   after it, against the clipping alone: the wait it adds;
-- the item-count all-reduce (training/step.py ItemCount) started before the forward, waited for after
-  it: the wait it adds;
+- the item-count all-reduce (training/step.py ItemCount: the count made on the host) started before
+  the forward, waited for after it: the wait it adds;
 - one publish of this rank's status to the rendezvous store, on the training thread (comm/watchdog.py;
   its thread does it once a second);
 - building the step's micro-batches from the corpus in the training thread: what data.prefetch's
@@ -85,8 +85,8 @@ def worker(steps: int) -> None:
             batch = source.train_batch(torch.randint(source.num_train, (16,), generator=g))
             t_batch = time.perf_counter() - t0
             t_step = time.perf_counter()
-            count = ItemCount([batch], lambda b: torch.tensor(b["target"].numel()), comm,
-                              SimpleNamespace(dp=dist.get_world_size(), dp_group=None), device)
+            count = ItemCount(batch["target"].numel(), comm, SimpleNamespace(dp=dist.get_world_size(), dp_group=None),
+                              device)
             t0 = time.perf_counter()
             logits = ddp(batch["input"])
             t_fwd = time.perf_counter() - t0
@@ -104,7 +104,7 @@ def worker(steps: int) -> None:
                 t0 = time.perf_counter()
                 if order:
                     flags = StepFlags(comm, device)
-                    flags.start(loss.detach(), stop=False, bad_norm=False, save=False)
+                    flags.start(loss.detach(), ~torch.isfinite(norm), stop=False, save=False)
                 torch.nn.utils.clip_grads_with_norm_(params, 1e9, norm)  # a factor of 1: the work, no change
                 if order:
                     flags.result()
