@@ -98,6 +98,7 @@ def resolve_layout(cfg: Config, world_size: int, cuda: bool) -> Layout:
         )
     _check_sharding(cfg, dims, device, world_size)
     _check_precision(cfg, device)
+    check_cuda_graphs(cfg, device)
     per_rank = t.global_batch_size // dims.dp
     microbatches = _pipeline_microbatches(cfg, dims, per_rank) if dims.pp > 1 else 0
     replicas = _replicas(cfg, dims) if cfg.sync.mode in ("local-sgd", "diloco") else 1
@@ -153,6 +154,14 @@ def _check_precision(cfg: Config, device: str) -> None:
         raise UserError(f'precision.dtype = "fp8" with parallel.tp = {cfg.parallel.tp} is not supported (float8 '
                         f'tensor parallelism needs torchao\'s own sharding styles); use parallel.tp = 1 (dp, ZeRO or '
                         f'pp) or "bf16"')
+
+
+def check_cuda_graphs(cfg: Config, device: str) -> None:
+    """CUDA graphs (train.compile's reduce-overhead and max-autotune modes) for workers on `device` ("cpu" or
+    "cuda"); what else they need of the layout is checked with the config (config/run.py)."""
+    if cfg.train.cuda_graphs and device != "cuda":
+        raise UserError(f'train.compile = "{cfg.train.compile}" captures CUDA graphs, but the workers train on the '
+                        f'CPU (CUDA is not available, or parallel.device = "cpu"); use train.compile = true')
 
 
 def _pipeline_microbatches(cfg: Config, dims: ParallelDims, per_rank: int) -> int:

@@ -20,6 +20,14 @@ CASES = {
     "fp16 on CPU": (["--set", "precision.dtype=fp16"], '"fp16" trains on GPUs only'),
     "fp8 on CPU": (["--set", "precision.dtype=fp8"], 'precision.dtype = "fp8" trains on NVIDIA GPUs of compute '
                    'capability 8.9 or newer (L4, L40S, H100, H200), not on the CPU; use "bf16"'),
+    "CUDA graphs on the CPU": (["--set", "train.compile=reduce-overhead", "--set", "parallel.device=cpu"],
+                               'train.compile = "reduce-overhead" captures CUDA graphs, but the workers train on '
+                               "the CPU"),
+    "CUDA graphs with a pipeline": (["--set", "train.compile=reduce-overhead", "--set", "parallel.pp=2"],
+                                    'train.compile = "reduce-overhead" captures CUDA graphs, but parallel.pp = 2'),
+    "chunked loss with tensor parallelism": (
+        ["--nproc", "2", "--set", "parallel.tp=2", "--set", "model.loss_chunks=4"],
+        "model.loss_chunks = 4 with parallel.tp = 2: tensor parallelism splits the logits over the vocabulary"),
     "bad --nproc": (["--nproc", "0"], "--nproc (0) must be >= 1"),
     "bad --nnodes": (["--nnodes", "two"], "--nnodes 'two': expected a number of nodes"),
     "elastic range MIN > MAX": (["--nnodes", "3:2"], "--nnodes 3:2: MIN (3) is above MAX (2); give MIN:MAX"),

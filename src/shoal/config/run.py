@@ -38,6 +38,7 @@ class Config(Section):
         _check_sync(self)
         _check_fragments(self)
         _check_compression(self)
+        _check_cuda_graphs(self)
         return self
 
     def to_toml(self) -> str:
@@ -105,6 +106,26 @@ def _check_compression(cfg: Config) -> None:
     if c.compression == "powersgd" and mode == "every-step" and p.zero >= 2:
         raise ValueError(f'comm.compression = "powersgd" needs whole matrices, but parallel.zero = {p.zero} '
                          f'reduce-scatters flat shards; use "int8", "topk", "fp16" or "bf16", or zero <= 1')
+
+
+def _check_cuda_graphs(cfg: Config) -> None:
+    """A CUDA graph replays one recorded step: the same kernels on the same shapes at the same addresses.
+    Whether the workers are on CUDA is known with the layout (layout.py)."""
+    t, p = cfg.train, cfg.parallel
+    if not t.cuda_graphs:
+        return
+    graphs, fix = f'train.compile = "{t.compile}" captures CUDA graphs', "or train.compile = true (no CUDA graphs)"
+    if p.pp > 1:
+        raise ValueError(f"{graphs}, but parallel.pp = {p.pp}: a pipeline schedule keeps several micro-batches' "
+                         f"forwards in flight before their backwards, and a replayed graph reuses its output memory; "
+                         f"set parallel.pp = 1, {fix}")
+    if p.zero >= 2:
+        raise ValueError(f"{graphs}, but parallel.zero = {p.zero} (FSDP2) gathers and frees the parameters every "
+                         f"step (zero 3 after every forward), which torch's CUDA graphs do not follow "
+                         f"(pytorch#164264); set parallel.zero = 0 or 1, {fix}")
+    if cfg.balance.mode == "throughput":
+        raise ValueError(f'{graphs}, but balance.mode = "throughput" changes each rank\'s micro-batch size as the run '
+                         f'goes (dynamic shapes: a graph recorded per size); set balance.mode = "uniform", {fix}')
 
 
 def _drop_none(d: dict) -> dict:

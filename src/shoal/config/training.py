@@ -5,9 +5,21 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import ConfigDict, Field, model_validator
+from pydantic import ConfigDict, Field, field_validator, model_validator
 
 from shoal.config.base import Section
+
+# torch.compile's modes (its `mode` argument), by torch's names
+CompileMode = Literal["default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"]
+# the modes in which inductor records the compiled graphs as CUDA graphs and replays them (cudagraph trees)
+CUDA_GRAPH_MODES = ("reduce-overhead", "max-autotune")
+
+
+def compile_mode(compile: bool | str) -> str | None:
+    """torch.compile's mode for a train.compile value; None: not compiled."""
+    if compile is False:
+        return None
+    return "default" if compile is True else compile
 
 
 class TrainConfig(Section):
@@ -42,8 +54,14 @@ class TrainConfig(Section):
     batch, or abort the run."""
     max_bad_steps: int = Field(5, ge=1)
     """skip: abort after this many bad steps in a row; rollback: abort after this many rollbacks."""
-    compile: bool = False
-    """torch.compile the model (first step is slow; measured no speedup for small models on CPU)."""
+    compile: bool | CompileMode = False
+    """torch.compile the model and its loss: true, or one of torch.compile's modes by its name ("default", the
+    same as true; "reduce-overhead" and "max-autotune" capture CUDA graphs; "max-autotune-no-cudagraphs").
+    The loss function is compiled over the wrapped model, so the loss and its fp32 upcast are in the compiled
+    region; each pipeline stage is compiled on its own and its loss is not. CUDA graphs need the workers on
+    CUDA and a step of fixed shapes and fixed parameter memory: not with parallel.pp > 1, zero 2/3 or
+    balance.mode = "throughput". The first steps are slow (compiling); no speedup measured for small models
+    on CPU."""
     optimizer: Literal["adamw", "sgd"] = "adamw"
     """The (inner) optimizer: AdamW, or SGD with `momentum` (weight decay as for AdamW, added to the
     gradient). Under sync.mode = "local-sgd" / "diloco" it is what each replica steps with."""
@@ -55,6 +73,19 @@ class TrainConfig(Section):
     eval_on_start: bool = False
     """Validate once before the first step of a fresh start (summary.json: initial_val_*), e.g. to see
     what pretrained weights (model.init_from) score before fine-tuning."""
+
+    @field_validator("compile", mode="before")
+    @classmethod
+    def _compile_mode(cls, value):
+        if isinstance(value, bool) or value in CompileMode.__args__:
+            return value
+        modes = ", ".join(f'"{m}"' for m in CompileMode.__args__)
+        raise ValueError(f"train.compile = {value!r} must be true, false or one of torch.compile's modes: {modes}")
+
+    @property
+    def cuda_graphs(self) -> bool:
+        """train.compile's mode captures CUDA graphs."""
+        return compile_mode(self.compile) in CUDA_GRAPH_MODES
 
 
 

@@ -1,9 +1,12 @@
 """Turn a single-device model into the model each rank trains, in one fixed order:
 
     tensor parallel -> pipeline split -> activation checkpointing -> torch.compile -> ZeRO / data parallel
+        -> the loss function compiled over the wrapped module
 
 Sharding goes first because the later steps wrap what they see: checkpointing and compile must see
-the sharded modules, and the data-parallel wrapper must see the final parameters it synchronizes.
+the sharded modules, and the data-parallel wrapper must see the final parameters it synchronizes. The
+loss function is compiled last (compiled_loss), so that the loss is in the compiled region too; under a
+pipeline each stage is compiled and the schedule takes the loss.
 ZeRO 2/3 (FSDP2) takes the place of DDP; ZeRO 1 is DDP plus a sharded optimizer (zero.py). With
 pipeline parallelism the split comes before the wrappers, so each stage gets its own.
 """
@@ -11,6 +14,7 @@ pipeline parallelism the split comes before the wrappers, so each stage gets its
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 
 import torch
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import apply_activation_checkpointing
@@ -19,8 +23,9 @@ from torch.distributed.fsdp import FSDPModule
 from shoal.comm.codecs import make_codec
 from shoal.comm.collectives import Comm
 from shoal.config import CommConfig, ParallelConfig, PrecisionConfig, SyncConfig
+from shoal.config.training import CUDA_GRAPH_MODES, compile_mode
 from shoal.layout import Layout
-from shoal.models.spec import ModelBundle
+from shoal.models.spec import LossFn, ModelBundle
 from shoal.parallel.data import replicate_ddp, replicate_dtensor
 from shoal.parallel.float8 import float8_training
 from shoal.parallel.local_sgd import PeriodicSync
@@ -65,10 +70,10 @@ def replica_meshes(layout: Layout, mesh, dp_group, device_type: str):
 
 
 def parallelize(bundle: ModelBundle, layout: Layout, *, parallel: ParallelConfig, precision: PrecisionConfig,
-                compile: bool, device: torch.device, rank: int, comm: Comm, sync: StepSync | None = None,
+                compile: bool | str, device: torch.device, rank: int, comm: Comm, sync: StepSync | None = None,
                 sample: dict | None = None) -> Parallelized:
-    """This rank's share of `bundle.model`, wrapped for `layout`. `sample`: one pipeline micro-batch,
-    to time the layers with (parallel.pp_balance = "time"). `sync`: by default every step, uncompressed."""
+    """This rank's share of `bundle.model`, wrapped for `layout` (`compile`: train.compile). `sample`: one pipeline
+    micro-batch, to time the layers with (parallel.pp_balance = "time"). `sync`: by default every step, uncompressed."""
     dims = layout.dims
     sync = sync or make_sync(SyncConfig(), CommConfig(), comm)
     model = bundle.model.to(device)
@@ -94,7 +99,7 @@ def parallelize(bundle: ModelBundle, layout: Layout, *, parallel: ParallelConfig
         module = wrapped(model)
         sync.attach(model, outer_group, layout.replicas)
         # tensor-parallel peers compute the same loss: only the first one's counts
-        return Parallelized(model, module, bundle, owns_loss=coords["tp"] == 0,
+        return Parallelized(model, module, with_compiled_loss(bundle, compile), owns_loss=coords["tp"] == 0,
                             sharded=isinstance(module, FSDPModule), **common)
 
     layers = bundle.pipeline(model)
@@ -123,6 +128,32 @@ def parallelize(bundle: ModelBundle, layout: Layout, *, parallel: ParallelConfig
                           sharded=any(isinstance(m, FSDPModule) for m in modules), **common)
 
 
+def with_compiled_loss(bundle: ModelBundle, compile: bool | str) -> ModelBundle:
+    """`bundle` with its loss function compiled as train.compile says (unchanged when it is false)."""
+    if not compile:
+        return bundle
+    return dataclasses.replace(bundle, loss_fn=compiled_loss(bundle.loss_fn, compile_mode(compile)))
+
+
+def compiled_loss(loss_fn: LossFn, mode: str) -> LossFn:
+    """`loss_fn(module, batch)` compiled with torch.compile's `mode`, over whichever module it is given, as
+    torchtitan compiles its loss beside the model: the loss and its fp32 upcast run in the compiled region.
+    Dynamo inlines a compiled model into it (the model and the loss one graph) and breaks the graph at
+    DDP's and FSDP2's forward hooks: the model's own compiled forward runs between them, the loss in the
+    graph after. The model stays compiled on its own for evaluation and pipeline stages."""
+    compiled = torch.compile(loss_fn, mode=mode)
+    if mode not in CUDA_GRAPH_MODES:
+        return compiled
+
+    def captured(module: torch.nn.Module, batch: dict) -> torch.Tensor:
+        # each micro-batch's forward and backward run before the next one's forward: a step for the CUDA
+        # graphs, whose next replay overwrites their outputs (the loss is copied out of them)
+        torch.compiler.cudagraph_mark_step_begin()
+        return compiled(module, batch).clone()
+
+    return captured
+
+
 def layer_times(layers, sample: dict, loss_context, device: torch.device, comm: Comm) -> list[float]:
     """Collective: each layer's measured forward + backward seconds, averaged over every rank so that all
     ranks split the model the same way (tp peers measure their shards together)."""
@@ -133,7 +164,7 @@ def layer_times(layers, sample: dict, loss_context, device: torch.device, comm: 
 
 
 def wrap(model: torch.nn.Module, block_types: tuple[type, ...], dims: ParallelDims, *, dp_mesh, dp_group, zero: int,
-         parallel: ParallelConfig, precision: PrecisionConfig, compile: bool, device: torch.device,
+         parallel: ParallelConfig, precision: PrecisionConfig, compile: bool | str, device: torch.device,
          sync: StepSync, comm: Comm, filled_later: bool = False) -> torch.nn.Module:
     """Activation checkpointing, compile, then ZeRO / data parallelism over `dp_mesh` (None: no
     wrapper; `dp_group`: its group, None for the default group) around one model (or stage).
@@ -141,7 +172,7 @@ def wrap(model: torch.nn.Module, block_types: tuple[type, ...], dims: ParallelDi
     if precision.activation_checkpointing:
         apply_activation_checkpointing(model, check_fn=lambda m: isinstance(m, block_types))
     if compile:
-        model = torch.compile(model)
+        model = torch.compile(model, mode=compile_mode(compile))
     if dp_mesh is None or dp_mesh.size() == 1:
         return model
     if zero >= 2:
