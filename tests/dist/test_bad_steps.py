@@ -70,3 +70,30 @@ def test_rollback_reloads_the_checkpoint_and_skips_the_batch(tmp_path, ranks):
     assert s["steps"] == STEPS and s["rollbacks"] == 1 and s["bad_steps"] == 1
     train_state = json.loads((run_dir / "checkpoints/step_00000012/train_state.json").read_text())
     assert train_state["parts"]["sampler"]["skipped"] == [6]  # data step 6 (0-based) fed step 7: never trained on
+
+
+# steps that are not logged are read a step late (training/loop.py): the bad step is found once the next
+# step is queued, and that step's work is what a rollback throws away
+LATE = ["metrics.log_interval=100"]
+
+
+def test_a_bad_step_read_late_is_skipped_and_counted(tmp_path, ranks):
+    run_dir = tmp_path / "run"
+    [(_, out), _] = ranks(2).run(train_on_ranks, [*nan_at(STEP5, tmp_path / "fired"), *LATE], str(run_dir))
+    assert "step 5: loss nan, gradient norm nan: update skipped" in out
+    m = {x["step"]: x for x in read_metrics(run_dir)}
+    assert sorted(m) == [5, STEPS] and m[5]["skipped"] is True  # the skipped step's line, and the last
+    s = summary(run_dir)
+    assert s["steps"] == STEPS and s["bad_steps"] == 1 and s["final_loss"] is not None
+
+
+def test_a_bad_step_read_late_rolls_back(tmp_path, ranks):
+    run_dir = tmp_path / "run"
+    step7 = 6 * FORWARDS_PER_STEP + 1
+    [(_, out), _] = ranks(2).run(train_on_ranks, [*nan_at(step7, tmp_path / "fired"), "train.on_bad_step=rollback",
+                                                  *LATE], str(run_dir))
+    assert "step 7: loss nan; rolled back to step 4" in out
+    s = summary(run_dir)
+    assert s["steps"] == STEPS and s["rollbacks"] == 1 and s["bad_steps"] == 1
+    train_state = json.loads((run_dir / "checkpoints/step_00000012/train_state.json").read_text())
+    assert train_state["parts"]["sampler"]["skipped"] == [6]

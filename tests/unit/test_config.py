@@ -66,8 +66,8 @@ def test_out_of_range_names_allowed_range(tmp_path):
 
 
 def test_literal_lists_choices():
-    msg = error_of(load_config, None, ["precision.dtype=fp8"])
-    assert "precision.dtype = 'fp8'" in msg and "'bf16'" in msg and "--set" in msg
+    msg = error_of(load_config, None, ["precision.dtype=fp4"])
+    assert "precision.dtype = 'fp4'" in msg and "'bf16'" in msg and "'fp8'" in msg and "--set" in msg
 
 
 def test_bad_override_syntax():

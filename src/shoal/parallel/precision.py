@@ -129,8 +129,8 @@ def keep_implementation(optimizer: torch.optim.Optimizer | None) -> None:
 def takes_found_inf(optimizer: torch.optim.Optimizer) -> bool:
     """Whether `optimizer` skips its update by a device tensor: torch's fused Adam, AdamW and SGD read the
     `found_inf` attribute GradScaler sets (their kernels return early where it is nonzero)."""
-    return all(g.get("fused") for g in optimizer.param_groups) and isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW,
-                                                                             torch.optim.SGD))
+    fused = all(g.get("fused") for g in optimizer.param_groups)
+    return fused and isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW, torch.optim.SGD))
 
 
 def sharded_mixed_precision(cfg: PrecisionConfig) -> MixedPrecisionPolicy:
