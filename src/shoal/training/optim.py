@@ -17,20 +17,25 @@ def optimizer_groups(parameters, cfg: TrainConfig) -> tuple[type[torch.optim.Opt
     decay = [p for p in params if p.dim() >= 2]
     no_decay = [p for p in params if p.dim() < 2]
     groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-    implementation = {"fused": True} if fusable(params) else {}  # else torch's default: foreach
+    implementation = {"fused": True} if fusable(params, sgd=cfg.optimizer == "sgd") else {}  # else foreach
     if cfg.optimizer == "sgd":
         return torch.optim.SGD, groups, {"lr": cfg.lr, "momentum": cfg.momentum, **implementation}
     return torch.optim.AdamW, groups, {"lr": cfg.lr, "betas": (cfg.beta1, cfg.beta2), **implementation}
 
 
-def fusable(params: list[torch.Tensor]) -> bool:
+def fusable(params: list[torch.Tensor], sgd: bool = False) -> bool:
     """Whether torch's fused optimizer kernels take these parameters: floating point, on a device they
-    support (CUDA and CPU among them; a DTensor counts by its local device). The fused step is one kernel
-    per parameter group instead of a handful of foreach kernels, and it skips a bad step by a device flag
-    (parallel/precision.py), where the foreach step would need the host to decide."""
+    support (CUDA and CPU among them; a DTensor counts by its local device), and for SGD no DTensor (torch
+    has no sharding rule for its fused kernel: ZeRO 2/3 and tensor parallelism step SGD with foreach, and
+    read the bad-step verdict on the host). The fused step is one kernel per parameter group instead of a
+    handful of foreach kernels, and it skips a bad step by a device flag (parallel/precision.py), where
+    the foreach step needs the host to decide."""
+    from torch.distributed.tensor import DTensor
     from torch.optim.optimizer import _get_fused_kernels_supported_devices
 
     devices = _get_fused_kernels_supported_devices()
+    if sgd and any(isinstance(p, DTensor) for p in params):
+        return False  # DTensor has no sharding rule for the fused SGD kernel (it has one for Adam's)
     return bool(params) and all(p.is_floating_point() and p.device.type in devices for p in params)
 
 
