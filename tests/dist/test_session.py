@@ -266,3 +266,27 @@ def test_a_session_traces_the_steps_it_is_asked_to(ranks, tmp_path):
     assert [m["step"] for m in metrics] == [4] and metrics[0]["loss"] == pytest.approx(losses[-1])
     traces = list((tmp_path / "run" / "traces").glob("rank0*.pt.trace.json"))
     assert len(traces) == 1, traces
+
+
+def logged_by_hand(env, run_dir: str) -> list:
+    """Values a loop logs during each step (step k logs k), with steps read late: each step's record."""
+    from shoal import Session
+
+    sess = Session(run_dir=run_dir, train={"steps": 4, "global_batch_size": 4, "micro_batch_size": 4,
+                                           "warmup_steps": 0},
+                   checkpoint={"enabled": False}, metrics={"tensorboard": False, "log_interval": 100})
+    model = torch.nn.Linear(6, 3)
+    model, optimizer = sess.prepare(model, torch.optim.AdamW(model.parameters(), lr=1e-2))
+    data = [(torch.randn(6), torch.tensor(1)) for _ in range(16)]
+    for x, y in sess.data(data):
+        sess.backward(torch.nn.functional.cross_entropy(model(x), y))
+        if sess.steps_done % 2:
+            sess.log(mine=sess.steps_done + 1)
+        sess.step()
+    sess.close()
+    return [(m["step"], m.get("mine")) for m in sess.trainer.record.history]
+
+
+def test_values_a_loop_logs_stay_with_their_step(ranks, tmp_path):
+    [history] = ranks(1).run(logged_by_hand, str(tmp_path / "run"))
+    assert history == [(1, None), (2, 2.0), (3, None), (4, 4.0)]

@@ -246,6 +246,10 @@ class Session:
         if self.micro < self.per_step:
             return None
         step, timer, trainer = self.sampler.step, self.timer, self.trainer
+        if self.logged:  # the step before, if still unread, is recorded without the values logged for this one
+            mine, self.logged = self.logged, {}
+            trainer.flush(None)
+            self.logged = mine
         for stepper in self.pairs:
             stepper.par.after_backward()
         timer.mark("forward_backward_s")
