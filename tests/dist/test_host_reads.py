@@ -57,7 +57,15 @@ def counted_run(env, overrides: list[str], run_dir: str) -> dict[int, list[str]]
     return dict(reads.where)
 
 
-@pytest.mark.parametrize("layout", LAYOUTS)
+# the fast tier keeps one of a kind: one process, a sharded layout, a split one, a pipeline
+FAST = ("dp1", "dp2-zero3", "tp2-sp", "pp2-1f1b")
+
+
+def tiered(names):
+    return [n if n in FAST else pytest.param(n, marks=pytest.mark.slow) for n in names]
+
+
+@pytest.mark.parametrize("layout", tiered(LAYOUTS))
 def test_a_step_that_is_not_logged_reads_nothing_from_the_device(ranks, tmp_path, layout):
     nproc, extra = LAYOUTS[layout]
     per_rank = ranks(nproc).run(counted_run, [*BASE, *extra, "metrics.log_interval=100"], str(tmp_path / "run"))
@@ -70,7 +78,7 @@ def test_a_step_that_is_not_logged_reads_nothing_from_the_device(ranks, tmp_path
         assert where.get(STEPS), "the logged step reads its values (else the counter counts nothing)"
 
 
-@pytest.mark.parametrize("layout", ["dp1", "dp2-zero3", "tp2-sp"])
+@pytest.mark.parametrize("layout", ["dp1", *[pytest.param(n, marks=pytest.mark.slow) for n in ("dp2-zero3", "tp2-sp")]])
 def test_steps_read_late_train_the_run_whose_steps_are_read_at_once(ranks, tmp_path, layout):
     from harness import train
 
