@@ -53,6 +53,10 @@ class StepTimer:
                 waited[axis] = waited.get(axis, 0.0) + total - self._seen.get(axis, 0.0)
             self._seen = dict(seen)
 
+    def marked(self, phase: str) -> bool:
+        """Whether `phase` has been marked in this step (asked without reading the device's clock)."""
+        return phase in self._host
+
     @property
     def phases(self) -> dict[str, float]:
         """Seconds per phase. CUDA: the device's, waiting for the step's last event (already done when the

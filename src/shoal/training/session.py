@@ -228,7 +228,7 @@ class Session:
         self._need_prepare("backward")
         if self.timer is None:
             self._begin_step()
-        if "data_wait_s" not in self.timer.phases:
+        if not self.timer.marked("data_wait_s"):
             self.timer.mark("data_wait_s")  # no sess.data(): the data is the user's, inside its forward
         self.loss_sum += loss.detach().double()  # on the device: nothing waits for it
         for stepper in self.pairs[:1]:  # one backward covers every model the loss came from
