@@ -75,7 +75,7 @@ def test_tensor_parallel_layers_hold_their_slice_of_nn_linear(ranks):
 def tp_whole_model(env, sequence_parallel):
     from torch.distributed.device_mesh import init_device_mesh
 
-    from shoal.parallel.clip import clip_grads, grad_norm, plain
+    from shoal.parallel.clip import GradGroups, clip_grads, grad_norm, plain
 
     bundle = tiny_gpt()
     ref = copy.deepcopy(bundle.model)
@@ -91,7 +91,7 @@ def tp_whole_model(env, sequence_parallel):
     worst = max((full(p.grad) - grads[n].grad).abs().max().item() for n, p in bundle.model.named_parameters())
     # clipped to a tenth of the norm: every gradient scaled alike, sequence parallelism's partial sums
     # (the norms' gains and biases) included
-    params = [(p, True) for p in bundle.model.parameters()]
+    params = GradGroups([(p, True) for p in bundle.model.parameters()])
     norm = grad_norm(params, None, torch.device("cpu"))
     clip_grads(params, 0.1 * norm.item(), norm)
     torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.1 * norm.item())

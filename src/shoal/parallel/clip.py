@@ -13,24 +13,46 @@ def plain(t: torch.Tensor) -> torch.Tensor:
     return t.full_tensor() if isinstance(t, DTensor) else t
 
 
-def grad_norm(params: list[tuple[torch.Tensor, bool]], comm: Comm, device: torch.device, stage_group=None
-              ) -> torch.Tensor:
+class GradGroups:
+    """A model's trained parameters grouped once (walking the model and grouping took ~0.6 ms a step for
+    GPT-2 124M's 196 tensors, 1% of its step on an H100): per step only their gradients are gathered,
+    a list per group. `params`: (parameter, counted in the norm); a weight tied across stages is counted
+    on one of them. By mesh for the norm: tensors of different kinds cannot share one foreach kernel, so
+    each kind's norm is taken apart and the total combined. By the local device and dtype for the clip,
+    which scales each gradient's local part."""
+
+    def __init__(self, params: list[tuple[torch.Tensor, bool]]):
+        meshes: dict[object, list[torch.Tensor]] = {}
+        kinds: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
+        for p, counted in params:
+            local = p.to_local() if isinstance(p, DTensor) else p
+            kinds.setdefault((local.device, local.dtype), []).append(p)
+            if counted:
+                meshes.setdefault(p.device_mesh if isinstance(p, DTensor) else None, []).append(p)
+        self.by_mesh = list(meshes.values())
+        self.by_kind = [(device, ps) for (device, _), ps in kinds.items()]
+
+    def for_norm(self) -> list[list[torch.Tensor]]:
+        return [grads for ps in self.by_mesh if (grads := [p.grad for p in ps if p.grad is not None])]
+
+    def for_clip(self) -> list[tuple[torch.device, list[torch.Tensor]]]:
+        return [(device, [g.to_local() if isinstance(g, DTensor) else g for p in ps if (g := p.grad) is not None])
+                for device, ps in self.by_kind]
+
+
+def grad_norm(groups: GradGroups, comm: Comm, device: torch.device, stage_group=None) -> torch.Tensor:
     """The total gradient norm (a float64 scalar on `device`, never read by the host here) of gradients that
     are plain tensors and DTensors on different meshes (tensor-parallel layers on dp x tp, replicated ones
-    on dp only, ...): tensors of different kinds cannot share one foreach kernel, so each kind's norm is
-    taken apart and the total combined; with pipeline stages (`stage_group`), summed over the stages.
-    `params`: (parameter, counted in the norm); a weight tied across stages is counted on one of them."""
+    on dp only, ...), with pipeline stages (`stage_group`) summed over the stages."""
     squares = torch.zeros((), dtype=torch.float64, device=device)
-    for group in _by_mesh(params).values():
-        grads = [p.grad for p, counted in group if counted]
-        if grads:
-            squares = squares + plain(torch.nn.utils.get_total_norm(grads)).double().to(device) ** 2
+    for grads in groups.for_norm():
+        squares = squares + plain(torch.nn.utils.get_total_norm(grads)).double().to(device) ** 2
     if stage_group is not None:
         squares = comm.all_reduce(squares, group=stage_group, label="pp, gradient norm")
     return squares.sqrt()
 
 
-def clip_grads(params: list[tuple[torch.Tensor, bool]], max_norm: float, total: torch.Tensor) -> None:
+def clip_grads(groups: GradGroups, max_norm: float, total: torch.Tensor) -> None:
     """Scale every gradient by torch's clip coefficient, min(1, max_norm / (total + 1e-6)), given the total
     norm: clip_grads_with_norm_'s arithmetic, applied to each gradient's local part (a DTensor's shard, a
     partial sum or a replica: scaling the part scales the whole, whatever its placement). torch 2.11's
@@ -38,16 +60,6 @@ def clip_grads(params: list[tuple[torch.Tensor, bool]], max_norm: float, total: 
     norm gains and biases: measured, their clipped gradients were the unclipped ones), so the clip never
     goes through DTensor's dispatch."""
     coef = torch.clamp(max_norm / (total.float() + 1e-6), max=1.0)
-    kinds: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
-    for p, _ in params:
-        g = p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
-        kinds.setdefault((g.device, g.dtype), []).append(g)
-    for (device, _), grads in kinds.items():
-        torch._foreach_mul_(grads, coef.to(device))
-
-
-def _by_mesh(params: list[tuple[torch.Tensor, bool]]) -> dict[object, list[tuple[torch.Tensor, bool]]]:
-    groups: dict[object, list[tuple[torch.Tensor, bool]]] = {}
-    for p, counted in params:
-        groups.setdefault(p.grad.device_mesh if isinstance(p.grad, DTensor) else None, []).append((p, counted))
-    return groups
+    for device, grads in groups.for_clip():
+        if grads:
+            torch._foreach_mul_(grads, coef.to(device))

@@ -19,7 +19,7 @@ from torch.distributed.tensor import DTensor
 
 from shoal.comm.collectives import Comm
 from shoal.models.spec import Batch, ModelBundle
-from shoal.parallel.clip import clip_grads, grad_norm, plain
+from shoal.parallel.clip import GradGroups, clip_grads, grad_norm, plain
 from shoal.parallel.data import grad_sync
 from shoal.parallel.precision import Precision
 from shoal.parallel.sync import StepSync
@@ -42,6 +42,7 @@ class Parallelized:
         # this rank's loss sum enters the global loss (a tensor-parallel peer's copy of it does not)
         self.owns_loss = owns_loss
         self.sharded, self.zero = sharded, zero  # parameters sharded over dp: every rank runs every forward
+        self._grad_groups: GradGroups | None = None
 
     def describe(self) -> str | None:
         """What the start-up print adds about this layout (the pipeline's split), if anything."""
@@ -79,19 +80,25 @@ class Parallelized:
         self.sync.skipped()
 
     def norm_params(self) -> list[tuple[torch.Tensor, bool]]:
-        """Parameters with gradients, and whether each counts in the gradient norm."""
-        return [(p, True) for p in self.model.parameters() if p.grad is not None]
+        """The trained parameters, and whether each counts in the gradient norm."""
+        return [(p, True) for p in self.model.parameters() if p.requires_grad]
+
+    def grad_groups(self) -> GradGroups:
+        """norm_params() grouped for the norm and the clip, once: they never change during a run."""
+        if self._grad_groups is None:
+            self._grad_groups = GradGroups(self.norm_params())
+        return self._grad_groups
 
     def grad_norm(self) -> torch.Tensor:
         """The total norm of the gradients (every rank's share combined where the model is split)."""
-        return self._grad_norm(self.norm_params())
+        return self._grad_norm(self.grad_groups())
 
     def clip_grads(self, max_norm: float, norm: torch.Tensor) -> None:
         """Scale the gradients so that their total norm, `norm` (grad_norm()), is at most `max_norm`."""
-        clip_grads(self.norm_params(), max_norm, norm)
+        clip_grads(self.grad_groups(), max_norm, norm)
 
-    def _grad_norm(self, params: list[tuple[torch.Tensor, bool]]) -> torch.Tensor:
-        return grad_norm(params, self.comm, self.device)
+    def _grad_norm(self, groups: GradGroups) -> torch.Tensor:
+        return grad_norm(groups, self.comm, self.device)
 
     def build_optimizer(self, groups: list[dict], optimizer_class: type[torch.optim.Optimizer],
                         **defaults) -> torch.optim.Optimizer:

@@ -11,7 +11,7 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from shoal.models.spec import Batch
-from shoal.parallel.clip import grad_norm, plain
+from shoal.parallel.clip import GradGroups, grad_norm, plain
 from shoal.parallel.parallelized import Parallelized, Totals, add_to
 from shoal.parallel.pipeline import Pipeline
 from shoal.parallel.precision import Precision
@@ -59,10 +59,10 @@ class PipelinedModel(Parallelized):
     def norm_params(self) -> list[tuple[torch.Tensor, bool]]:
         """A weight tied across stages counts on the first stage only."""
         skip = {id(p) for p in self.tied} if self.tie_group is not None and not self.pipeline.first else set()
-        return [(p, id(p) not in skip) for p in self.model.parameters() if p.grad is not None]
+        return [(p, id(p) not in skip) for p in self.model.parameters() if p.requires_grad]
 
-    def _grad_norm(self, params: list[tuple[torch.Tensor, bool]]) -> torch.Tensor:
-        return grad_norm(params, self.comm, self.device, self.stage_group)  # summed over the stages
+    def _grad_norm(self, groups: GradGroups) -> torch.Tensor:
+        return grad_norm(groups, self.comm, self.device, self.stage_group)  # summed over the stages
 
     def evaluate(self, share: torch.Tensor, longest: int, micro: int, val_batch: Callable[[torch.Tensor], Batch],
                  precision: Precision) -> Totals:
