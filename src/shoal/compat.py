@@ -86,3 +86,24 @@ def flop_formula(packet):
     if formula is None and TORCH < (2, 15) and packet in _CPU_FLASH:
         formula = flop_registry.get(_CPU_FLASH[packet])
     return formula
+
+
+# --- torch internals the step reads (private: checked here on every supported release) ---------------
+
+
+def fused_optimizer_devices() -> list[str]:
+    """The device types torch's fused optimizer kernels run on (CUDA and CPU among them on 2.11+)."""
+    from torch.optim.optimizer import _get_fused_kernels_supported_devices
+
+    return _get_fused_kernels_supported_devices()
+
+
+def scaler_found_inf(scaler: torch.amp.GradScaler, optimizer: torch.optim.Optimizer) -> dict:
+    """What GradScaler.unscale_() recorded for `optimizer`: device -> 1.0 where its gradients overflowed, a
+    device tensor, the dict update() reads (so that entries set in it are what update() sees)."""
+    return scaler._per_optimizer_states[id(optimizer)]["found_inf_per_device"]
+
+
+def scaler_scale(scaler: torch.amp.GradScaler) -> torch.Tensor:
+    """GradScaler's loss scale as the device tensor it keeps (get_scale() reads it on the host)."""
+    return scaler._scale

@@ -15,6 +15,7 @@ import torch
 from torch.distributed.fsdp import MixedPrecisionPolicy
 from torch.distributed.tensor import DTensor
 
+from shoal.compat import scaler_found_inf, scaler_scale
 from shoal.config import PrecisionConfig
 from shoal.parallel.zero import local_optimizer
 
@@ -45,12 +46,12 @@ class Precision:
         on the device; None without loss scaling."""
         if not self.scaler:
             return None
-        found = self.scaler._per_optimizer_states[id(optimizer)]["found_inf_per_device"].values()
+        found = scaler_found_inf(self.scaler, optimizer).values()
         return torch.stack([f.to(self.device) for f in found]).sum().clamp(max=1.0)
 
     def scale(self) -> torch.Tensor | None:
         """fp16: the loss scale, on the device (GradScaler.get_scale() would read it on the host)."""
-        return self.scaler._scale if self.scaler else None
+        return scaler_scale(self.scaler) if self.scaler else None
 
     def step(self, optimizer: torch.optim.Optimizer, skip: torch.Tensor) -> None:
         """The update, unless `skip` (a device scalar: 1.0 skips) or, with fp16, an overflow says no, decided
@@ -72,7 +73,7 @@ class Precision:
         if self.scaler:
             # what unscale_() recorded for this optimizer, with the bad-step verdict added, is what
             # update() reads to lower the scale
-            states = self.scaler._per_optimizer_states[id(optimizer)]["found_inf_per_device"]
+            states = scaler_found_inf(self.scaler, optimizer)
             for device, found in states.items():
                 states[device] = found_inf.to(found.device)
             self.scaler.update()

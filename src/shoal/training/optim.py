@@ -6,6 +6,7 @@ import math
 
 import torch
 
+from shoal.compat import fused_optimizer_devices
 from shoal.config import TrainConfig
 
 
@@ -31,9 +32,7 @@ def fusable(params: list[torch.Tensor], sgd: bool = False) -> bool:
     handful of foreach kernels, and it skips a bad step by a device flag (parallel/precision.py), where
     the foreach step needs the host to decide."""
     from torch.distributed.tensor import DTensor
-    from torch.optim.optimizer import _get_fused_kernels_supported_devices
-
-    devices = _get_fused_kernels_supported_devices()
+    devices = fused_optimizer_devices()
     if sgd and any(isinstance(p, DTensor) for p in params):
         return False  # DTensor has no sharding rule for the fused SGD kernel (it has one for Adam's)
     return bool(params) and all(p.is_floating_point() and p.device.type in devices for p in params)
