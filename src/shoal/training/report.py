@@ -39,7 +39,6 @@ class StepResult:
     regroup: bool = False  # a live elastic run's group changes after this step (training/live.py)
     # fp16: the gradients overflowed, the loss scaler skipped the update and lowered its scale to this
     loss_scale_after_overflow: float | None = None
-    stop_age: float = 0.0  # seconds since the ranks asked to stop were asked, summed over them
 
 
 class StepReport:
@@ -86,5 +85,4 @@ class StepReport:
         return StepResult(loss=agreed.loss_sum / items if items else math.nan, grad_norm=own["grad_norm"],
                           items=round(items), bad=own["bad"] > 0, stop=stop, save=agreed.save, held=self.held,
                           comm_bytes=self.comm_bytes, regroup=regroup,
-                          loss_scale_after_overflow=own["loss_scale"] if overflow else None,
-                          stop_age=agreed.stop_age)
+                          loss_scale_after_overflow=own["loss_scale"] if overflow else None)
