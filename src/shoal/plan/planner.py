@@ -16,18 +16,10 @@ from shoal.hardware import HardwareProfile
 from shoal.layout import resolve_layout
 from shoal.models.meta import on_meta
 from shoal.models.registry import build_model
-from shoal.parallel.pipeline import split_stages
+from shoal.parallel.state_bytes import ModelShape, numel, rank_params, shape_of, stage_params
 from shoal.plan.cost import MicroBatchCost, affine, trace_micro_batch, trace_optimizer_step
 from shoal.plan.enumerate import Candidate, candidates
-from shoal.plan.predict import (
-    ModelShape,
-    Prediction,
-    activation_scale,
-    numel,
-    predict_memory,
-    predict_time,
-    rank_params,
-)
+from shoal.plan.predict import Prediction, activation_scale, predict_memory, predict_time
 from shoal.training.build import freeze
 
 _UNITS = {"": 1, "b": 1, "kb": 1e3, "mb": 1e6, "gb": 1e9, "tb": 1e12, "kib": 2 ** 10, "mib": 2 ** 20,
@@ -94,8 +86,7 @@ class Model:
         with on_meta():
             bundle = build_model(cfg.model, source.spec)
         freeze(bundle.model, cfg.train.freeze)
-        blocks = [m for m in bundle.model.modules() if bundle.block_types and isinstance(m, bundle.block_types)]
-        shape = ModelShape(_describe(bundle.model.parameters()), [_describe(b.parameters()) for b in blocks])
+        shape = shape_of(bundle.model, bundle.block_types)
         model = cls(cfg, bundle, source, shape, fused_attention=fused_attention,
                     attention_dropout=attention_dropout, hidden_dropout=hidden_dropout, cuda=cuda)
         model.opt_ops = trace_optimizer_step(bundle.model, cfg.train.optimizer, cfg.train.momentum,
@@ -128,13 +119,7 @@ class Model:
         if key not in self.stages:
             if self.layers is None:
                 self.layers = self.bundle.pipeline(self.bundle.model)
-            layers = self.layers
-            split = split_stages(layers.names, layers.costs, p.pp, p.pp_schedule, p.pp_stages_per_rank, p.pp_split)
-            out = []
-            for k in range(split.stages_per_rank):
-                with on_meta():
-                    out += _describe(layers.build_stage(*split.bounds(pp_rank + k * p.pp)).parameters())
-            self.stages[key] = out
+            self.stages[key] = stage_params(self.layers, p, pp_rank)
         return self.stages[key]
 
 
@@ -146,15 +131,6 @@ def _nbytes(value) -> int:
     import numpy as np
 
     return value.nbytes if isinstance(value, np.ndarray) and not isinstance(value, np.memmap) else 0
-
-
-def _describe(params) -> list:
-    seen, out = set(), []
-    for p in params:
-        if id(p) not in seen:  # tied weights count once
-            seen.add(id(p))
-            out.append((p.numel(), p.shape[0] if p.dim() else 1, p.dim(), p.requires_grad))
-    return out
 
 
 def predict(model: Model, cfg: Config, layout, profile: HardwareProfile | None,

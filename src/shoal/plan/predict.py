@@ -2,7 +2,9 @@
 (cost.py) and a hardware profile (hardware.py). The largest rank is predicted, as summary.json's
 memory_per_rank is read (the rank that runs out first).
 
-Memory, the quantities metrics/memory.py measures (STATE_KINDS), each parameter counted where it lives:
+Memory, the quantities metrics/memory.py measures (STATE_KINDS), each parameter counted where it lives
+(params, grads, optimizer and the parameters' copies in buffers: parallel/state_bytes.py, which the
+preflight's memory check shares):
   params      tp splits matrices (ndim >= 2) by tp; pp keeps the rank's stages' layers; ZeRO 2/3
               (FSDP2) shard every tensor's first dimension over dp (rank 0's chunk is the ceiling)
   grads       as params for ZeRO 2/3; whole (this rank's tp/pp part) for ZeRO 0/1; none when frozen
@@ -54,45 +56,18 @@ Time, per optimizer step of the slowest rank:
 from __future__ import annotations
 
 import math
-from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from functools import partial
 
 from shoal.hardware import OVERHEAD_MESSAGE_BYTES, HardwareProfile
 from shoal.layout import Layout
 from shoal.parallel.pipeline import bubble_fraction
+from shoal.parallel.state_bytes import ModelShape, copies, state_bytes
 from shoal.plan.cost import MicroBatchCost, Ops
 from shoal.plan.network import network
 
 DDP_BUCKET_BYTES = 25 * 2 ** 20  # torch DDP's bucket_cap_mb
 DEFAULT_OP_OVERHEAD_S = {"cpu": 5e-6, "cuda": 6e-6}  # a preset has no measured one: a kernel launch
-
-
-@dataclass
-class ModelShape:
-    """What predict needs of the model: each parameter as (numel, first dimension, ndim, trainable),
-    grouped by where it is (per block, or outside), and each pipeline stage's parameters."""
-
-    params: list[tuple[int, int, int, bool]]
-    block_params: list[list[tuple[int, int, int, bool]]]
-    stage_params: dict[tuple[int, int], list[tuple[int, int, int, bool]]] = field(default_factory=dict)
-    element_size: int = 4
-    memo: dict = field(default_factory=dict, repr=False, compare=False)  # figures of parameter lists, once each
-
-    def grouped(self, params: list) -> list[tuple[tuple[int, int, int, bool], int]]:
-        """`params` as its distinct (numel, first dimension, ndim, trainable) and how many of each: a model's
-        blocks repeat a dozen shapes, and a plan asks thousands of layouts for their bytes. Kept per list
-        (the list is held with it, so that its id stays its own)."""
-        key = ("grouped", id(params))
-        if key not in self.memo:
-            self.memo[key] = (params, list(Counter(params).items()))
-        return self.memo[key][1]
-
-    def once(self, key: tuple, make):
-        """`make()`, kept under `key`: a figure many layouts share."""
-        if key not in self.memo:
-            self.memo[key] = make()
-        return self.memo[key]
 
 
 @dataclass
@@ -103,43 +78,6 @@ class Prediction:
     @property
     def step_time(self) -> float | None:
         return self.time["step"]
-
-
-def _bytes(shape: ModelShape, params, shard: int, zero_sharded: bool, tp: int, esize: int, what: str) -> int:
-    """Bytes of `params` on the largest rank: matrices split by tp, then (ZeRO 2/3) the first
-    dimension chunked over `shard` ranks, rank 0's chunk the ceiling. `what`: "params" all of them,
-    "grads" the trainable ones, "matrices" those of two dimensions or more."""
-    total = 0
-    for (numel, dim0, ndim, trainable), count in shape.grouped(params):
-        if (what == "grads" and not trainable) or (what == "matrices" and ndim < 2):
-            continue
-        rest = numel // max(dim0, 1)
-        d0 = dim0 // tp if (tp > 1 and ndim >= 2) else dim0
-        if zero_sharded and shard > 1:
-            d0 = math.ceil(d0 / shard)
-        total += count * d0 * rest * esize
-    return total
-
-
-def _zero1_max(params, dp: int, tp: int, per_element: int, per_param: int) -> int:
-    """ZeroRedundancyOptimizer: parameters sorted by size, each to the least loaded rank."""
-    loads = [0] * dp
-    for numel in sorted((n for n, _, _, t in params if t), reverse=True):
-        i = loads.index(min(loads))
-        loads[i] += numel * per_element + per_param
-    return max(loads)
-
-
-def numel(shape: ModelShape, params: list, trainable: bool = False) -> int:
-    """Elements of `params` (`trainable`: of those that train)."""
-    return sum(g[0] * count for g, count in shape.grouped(params) if g[3] or not trainable)
-
-
-def rank_params(shape: ModelShape, layout: Layout, schedule: str, stage_of) -> list:
-    """Parameters of the largest pp rank (its stages), or all."""
-    if layout.dims.pp == 1:
-        return shape.params
-    return max((stage_of(r) for r in range(layout.dims.pp)), key=lambda ps: numel(shape, ps))
 
 
 def in_flight(layout: Layout, schedule: str, stages_per_rank: int = 1) -> float:
@@ -163,47 +101,19 @@ def predict_memory(shape: ModelShape, params: list, cost: MicroBatchCost, layout
                    momentum: float, checkpointing: bool, schedule: str, profile: HardwareProfile | None,
                    stage_fraction: float, data_bytes: int = 0, act_scale: float = 1.0, dtype: str = "fp32",
                    stages_per_rank: int = 1, sequence_parallel: bool = False) -> dict[str, int]:
-    d, zero, es = layout.dims, layout.zero, shape.element_size
-    sharded = zero >= 2
-    p_bytes = _bytes(shape, params, d.dp, sharded, d.tp, es, "params")
-    g_bytes = _bytes(shape, params, d.dp, sharded, d.tp, es, "grads")
-    moments = 2 if optimizer == "adamw" else (1 if momentum else 0)
-    step_bytes = 4 if optimizer == "adamw" else 0  # AdamW's step: a one-element fp32 tensor per parameter
-    n_trainable = sum(count for g, count in shape.grouped(params) if g[3])
-    if zero == 1:
-        opt = shape.once(("zero1", id(params), d.dp, d.tp, moments * es, step_bytes), lambda: _zero1_max(
-            [(n // d.tp if d.tp > 1 and nd >= 2 else n, d0, nd, t) for n, d0, nd, t in params],
-            d.dp, 1, moments * es, step_bytes))
-    else:
-        opt = g_bytes * moments + n_trainable * step_bytes
+    d = layout.dims
+    state = state_bytes(shape, params, layout, optimizer=optimizer, momentum=momentum)
     act = cost.activation_bytes(checkpointing, stage_fraction, in_flight(layout, schedule, stages_per_rank),
                                 scale=act_scale, tp=d.tp, sequence_parallel=sequence_parallel)
-    buffers = _copies(shape, params, layout, dtype, p_bytes) + int(cost.largest * act_scale) // d.tp
+    buffers = copies(shape, params, layout, dtype, state["params"]) + int(cost.largest * act_scale) // d.tp
     cpu = profile is not None and profile.device == "cpu"
     base = (profile.process_bytes or 0) if cpu else 0
-    mem = {"params": p_bytes, "grads": g_bytes, "optimizer": opt, "activations": act, "buffers": buffers,
-           "data": data_bytes}
+    mem = {**state, "activations": act, "buffers": buffers, "data": data_bytes}
     tensors = sum(v for k, v in mem.items() if k != "data")
     if cpu and profile.heap_ratio:  # the heap keeps freed pieces: resident memory grows by more (probe.py)
         tensors = (profile.heap_fixed_bytes or 0) + profile.heap_ratio * tensors
     mem["peak"] = int(base + data_bytes + tensors)
     return mem
-
-
-def _copies(shape: ModelShape, params: list, layout: Layout, dtype: str, p_bytes: int) -> int:
-    """Bytes of the parameters' copies that compute uses: ZeRO 2 keeps every block gathered from forward to
-    backward, ZeRO 3 two blocks (one prefetched); ZeRO 0/1 in 16 bits autocast's copies."""
-    d, zero, es, half = layout.dims, layout.zero, shape.element_size, dtype in ("bf16", "fp16")
-    if zero >= 2:
-        # FSDP2 gathers in the compute dtype under bf16 (precision.sharded_mixed_precision): a 16-bit copy
-        gs = 2 if half else es
-        if zero == 2:
-            return _bytes(shape, params, 1, False, d.tp, gs, "params") - (p_bytes if gs == es else 0)
-        return 2 * shape.once(("block", d.tp, gs), lambda: max(
-            (_bytes(shape, b, 1, False, d.tp, gs, "params") for b in shape.block_params), default=0))
-    # autocast casts each weight matrix to 16 bits once per autocast region and the layer keeps the copy for
-    # backward: a 16-bit copy of the rank's matrices lives from forward to backward
-    return _bytes(shape, params, 1, False, d.tp, 2, "matrices") if half else 0
 
 
 def activation_scale(profile: HardwareProfile | None, dtype: str) -> float:
