@@ -89,6 +89,25 @@ def check_pretrained(model: torch.nn.Module, path: str | Path, key: str = KEY) -
     return mapping
 
 
+def defer_pretrained(model: torch.nn.Module, path: str | Path, recording, key: str = KEY) -> None:
+    """Log into `recording` (models/deferred.py) that each of `model`'s meta tensors takes its value from the
+    files at `path`, read when the record is replayed: one tensor at a time, memory-mapped, and only those the
+    replaying rank holds (strictly matched, see check_pretrained)."""
+    mapping = check_pretrained(model, path, key)
+    where = {name: f for f in weight_files(path, key) for name in _shapes([f])}
+    state = model.state_dict(keep_vars=True)
+    done: set[int] = set()
+    for name, source in mapping.items():
+        if id(state[name]) not in done:  # a tied weight is read once
+            done.add(id(state[name]))
+            recording.load(state[name], lambda f=where[source], n=source: _read(f, n))
+
+
+def _read(file: Path, name: str) -> torch.Tensor:
+    with safe_open(str(file), framework="pt") as sf:
+        return sf.get_tensor(name)
+
+
 def load_pretrained(model: torch.nn.Module, path: str | Path, key: str = KEY) -> None:
     """Copy the weights at `path` into `model` in place (strictly matched, see check_pretrained)."""
     mapping = check_pretrained(model, path, key)

@@ -53,9 +53,12 @@ def model_config_class(name: Any) -> type[ModelSection]:
     )
 
 
-def build_model(cfg: ModelSection, spec: DataSpec, pretrained: bool = False, adapters: bool = True) -> ModelBundle:
+def build_model(cfg: ModelSection, spec: DataSpec, pretrained: bool = False, adapters: bool = True,
+                recording=None) -> ModelBundle:
     """The model of `cfg`; with `pretrained`, its initial weights loaded (model.init_from) before any
-    adapters (model.lora; left out with adapters=False) wrap it: their names are the base model's."""
+    adapters (model.lora; left out with adapters=False) wrap it: their names are the base model's.
+    `recording`: the build is being recorded (models/deferred.py): the weights are logged as read from
+    their files when replayed, not read now."""
     builtins = _builtins()
     if cfg.name in builtins:
         bundle = builtins[cfg.name][1](cfg, spec)
@@ -64,9 +67,12 @@ def build_model(cfg: ModelSection, spec: DataSpec, pretrained: bool = False, ada
     if isinstance(bundle, tuple):  # user models may return (model, loss_fn)
         bundle = ModelBundle(*bundle)
     if pretrained and cfg.initial_weights():
-        from shoal.models.pretrained import load_pretrained
+        from shoal.models.pretrained import defer_pretrained, load_pretrained
 
-        load_pretrained(bundle.model, cfg.initial_weights())
+        if recording is not None:
+            defer_pretrained(bundle.model, cfg.initial_weights(), recording)
+        else:
+            load_pretrained(bundle.model, cfg.initial_weights())
     if adapters and getattr(cfg, "lora", None) is not None:
         from shoal.models.hf import with_lora
 

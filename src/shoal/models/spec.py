@@ -105,6 +105,9 @@ class ModelBundle:
     # its weights are uninitialised memory that a checkpoint or a live peer fills after the wrap: DDP's
     # initial broadcast of rank 0's weights would send nothing of use
     uninitialised: bool = False
+    # the model is on the meta device, its values a record of its build (models/deferred.py, a Deferred):
+    # the layouts apply to it as it is, and each rank then fills only its share (parallel/materialize.py)
+    deferred: object | None = None
 
 
 class ModelSection(BaseModel):

@@ -3,6 +3,10 @@
     tensor parallel -> pipeline split -> activation checkpointing -> torch.compile -> ZeRO / data parallel
         -> the loss function compiled over the wrapped module
 
+A model built on the meta device (bundle.deferred) goes through the same steps as shapes only, and is made
+real once sharded: after ZeRO 2/3 or a DTensor replica wrapped it, each rank allocates and fills only its
+share (materialize.py); DDP, which broadcasts and buckets real tensors, gets it filled just before.
+
 Sharding goes first because the later steps wrap what they see: checkpointing and compile must see
 the sharded modules, and the data-parallel wrapper must see the final parameters it synchronizes. The
 loss function is compiled last (compiled_loss), so that the loss is in the compiled region too; under a
@@ -29,6 +33,7 @@ from shoal.models.spec import LossFn, ModelBundle
 from shoal.parallel.data import replicate_ddp, replicate_dtensor
 from shoal.parallel.float8 import float8_training
 from shoal.parallel.local_sgd import PeriodicSync
+from shoal.parallel.materialize import Materializer
 from shoal.parallel.parallelized import Parallelized
 from shoal.parallel.pipeline import Pipeline, StageUnion, measure_layer_times, split_stages
 from shoal.parallel.pipelined import PipelinedModel
@@ -76,7 +81,8 @@ def parallelize(bundle: ModelBundle, layout: Layout, *, parallel: ParallelConfig
     micro-batch, to time the layers with (parallel.pp_balance = "time"). `sync`: by default every step, uncompressed."""
     dims = layout.dims
     sync = sync or make_sync(SyncConfig(), CommConfig(), comm)
-    model = bundle.model.to(device)
+    real = Materializer(bundle.deferred, device)  # a model built whole: nothing to fill
+    model = bundle.model if bundle.deferred is not None else bundle.model.to(device)
     model = float8_training(model, precision.dtype, device)  # before any wrapper: they wrap Float8Linear (float8.py)
     mesh = dims.device_mesh(device.type)  # collective; the model's wrappers keep what they use of it
     loss_context = contextlib.nullcontext
@@ -91,12 +97,13 @@ def parallelize(bundle: ModelBundle, layout: Layout, *, parallel: ParallelConfig
     def wrapped(m: torch.nn.Module) -> torch.nn.Module:
         return wrap(m, bundle.block_types, dims, dp_mesh=inner_mesh, dp_group=inner_group, zero=layout.zero,
                     parallel=parallel, precision=precision, compile=compile, device=device, sync=sync, comm=comm,
-                    filled_later=bundle.uninitialised)
+                    filled_later=bundle.uninitialised, fill=real.fill)
 
     common = {"comm": comm, "sync": sync, "device": device, "dp_rank": coords["dp"], "dp": dims.dp,
               "dp_group": dp_group, "zero_group": inner_group, "loss_context": loss_context, "zero": layout.zero}
     if dims.pp == 1:
         module = wrapped(model)
+        real.fill(model)
         sync.attach(model, outer_group, layout.replicas)
         # tensor-parallel peers compute the same loss: only the first one's counts
         return Parallelized(model, module, with_compiled_loss(bundle, compile), owns_loss=coords["tp"] == 0,
@@ -115,6 +122,7 @@ def parallelize(bundle: ModelBundle, layout: Layout, *, parallel: ParallelConfig
     stages = [layers.build_stage(*split.bounds(i)) for i in stage_ids]
     union = StageUnion(stages)  # this rank's stages under the whole model's names
     modules = [wrapped(stage) for stage in stages]
+    real.fill(union)
     # the parameters as the wrappers left them (ZeRO 2/3 replaces them with sharded ones)
     tied_here = [param for name, param in union.named_parameters() if name in tied]
     sync.attach(union, outer_group, layout.replicas)
@@ -165,10 +173,11 @@ def layer_times(layers, sample: dict, loss_context, device: torch.device, comm: 
 
 def wrap(model: torch.nn.Module, block_types: tuple[type, ...], dims: ParallelDims, *, dp_mesh, dp_group, zero: int,
          parallel: ParallelConfig, precision: PrecisionConfig, compile: bool | str, device: torch.device,
-         sync: StepSync, comm: Comm, filled_later: bool = False) -> torch.nn.Module:
+         sync: StepSync, comm: Comm, filled_later: bool = False, fill=None) -> torch.nn.Module:
     """Activation checkpointing, compile, then ZeRO / data parallelism over `dp_mesh` (None: no
     wrapper; `dp_group`: its group, None for the default group) around one model (or stage).
-    `filled_later`: the weights are loaded after this (a checkpoint, a live peer): not broadcast now."""
+    `filled_later`: the weights are loaded after this (a checkpoint, a live peer): not broadcast now.
+    `fill(module)`: makes a meta model real, called here where the wrapper needs real tensors (DDP)."""
     if precision.activation_checkpointing:
         apply_activation_checkpointing(model, check_fn=lambda m: isinstance(m, block_types))
     if compile:
@@ -183,6 +192,8 @@ def wrap(model: torch.nn.Module, block_types: tuple[type, ...], dims: ParallelDi
         # pipeline schedule's interleaved forwards and backwards break
         model = replicate_dtensor(model, block_types, dp_mesh)
     else:
+        if fill is not None:
+            fill(model)
         model = replicate_ddp(model, device, dp_group, init_sync=not filled_later)
     sync.install(model, dp_group, comm.log)
     return model

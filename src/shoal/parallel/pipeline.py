@@ -17,7 +17,9 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import itertools
 import time
+from copy import deepcopy
 from dataclasses import dataclass
 
 import torch
@@ -66,37 +68,54 @@ def measure_layer_times(build_stage, n_layers: int, batch: dict, output_loss, de
     """Seconds of forward + backward of each layer on one micro-batch: the fastest of `repeats` passes
     after a warm-up pass (being descheduled only adds time: on a loaded machine a 0.5 ms layer was timed
     at 25 ms in 2 of 3 passes, so their median made it look 50 times its cost). Layers run one at a time,
-    each on the previous one's output (detached), so only one layer's activations are alive; the last
-    layer's backward starts from its loss. `context` wraps each layer's forward and backward (a
-    tensor-parallel loss needs its own). Gradients are dropped and buffers (a norm's running statistics)
-    restored afterwards: timing trains nothing."""
-    layers = [build_stage(i, i + 1) for i in range(n_layers)]
-    buffers = [(b, b.detach().clone()) for layer in layers for b in layer.buffers()]
-    times: list[list[float]] = [[] for _ in layers]
-    for rep in range(repeats + 1):
-        x = batch["input"].to(device)
-        for i, layer in enumerate(layers):
-            if x.is_floating_point():
-                x = x.detach().requires_grad_()
+    each on the previous one's output (detached), so only one layer and its activations are alive (a model
+    laid out on the meta device is timed on a real copy of each layer in turn); the last layer's backward
+    starts from its loss. `context` wraps each layer's forward and backward (a tensor-parallel loss needs its
+    own). Gradients are dropped and buffers (a norm's running statistics) restored afterwards: timing trains
+    nothing."""
+    times: list[float] = []
+    x = batch["input"].to(device)
+    for i in range(n_layers):
+        layer = build_stage(i, i + 1)
+        if any(t.is_meta for t in itertools.chain(layer.parameters(), layer.buffers())):
+            layer = _scratch_copy(layer, device)
+        buffers = [(b, b.detach().clone()) for b in layer.buffers()]
+        passes = []
+        for rep in range(repeats + 1):
+            inp = x.detach().requires_grad_() if x.is_floating_point() else x
             _synchronize(device)
             start = time.perf_counter()
             with context():
-                out = layer(x)
+                out = layer(inp)
                 if i == n_layers - 1:
                     output_loss(out, batch["target"].to(device)).backward()
                 else:
                     out.backward(torch.ones_like(out))
             _synchronize(device)
             if rep:
-                times[i].append(time.perf_counter() - start)
-            x = out.detach()
-    for layer in layers:
+                passes.append(time.perf_counter() - start)
+        times.append(min(passes))
+        x = out.detach()
         for param in layer.parameters():
             param.grad = None
+        with torch.no_grad():
+            for buffer, saved in buffers:
+                buffer.copy_(saved)
+    return times
+
+
+def _scratch_copy(layer: torch.nn.Module, device: torch.device) -> torch.nn.Module:
+    """A real copy of a meta layer with arbitrary weights of the usual scale, for timing only (the time of
+    its arithmetic does not depend on the values; a generator of its own leaves the run's untouched)."""
+    from shoal.models.meta import materialize
+
+    copy = materialize(deepcopy(layer), device)
+    generator = torch.Generator(device=device).manual_seed(0)
     with torch.no_grad():
-        for buffer, saved in buffers:
-            buffer.copy_(saved)
-    return [min(t) for t in times]
+        for t in copy.parameters():
+            local = t.to_local() if hasattr(t, "to_local") else t
+            local.normal_(0.0, 0.02, generator=generator)
+    return copy
 
 
 def _synchronize(device: torch.device) -> None:

@@ -19,6 +19,7 @@ from shoal.comm.collectives import Comm
 from shoal.config import CheckpointConfig, Config
 from shoal.layout import Layout
 from shoal.models.spec import ModelBundle
+from shoal.parallel.materialize import whole
 from shoal.ps.async_worker import AsyncPushPull, DealtUnits
 from shoal.ps.worker import PushPull, ServedModel
 from shoal.training.feed import Feed, Steps
@@ -34,7 +35,7 @@ class SyncWorker(Strategy):
         self.push_pull = PushPull(comm, servers, rank == 0, cfg.ps.sparse)
 
     def parallelize(self, bundle: ModelBundle, sample: dict | None) -> ServedModel:
-        model = bundle.model.to(self.device)
+        model = whole(bundle, self.device)
         self.push_pull.attach(model, None, self.layout.dims.dp)
         return ServedModel(model, bundle, self.push_pull, comm=self.comm, device=self.device, dp_rank=self.rank,
                            dp=self.layout.dims.dp)
@@ -72,7 +73,7 @@ class AsyncWorker(Strategy):
         self.units: DealtUnits | None = None
 
     def parallelize(self, bundle: ModelBundle, sample: dict | None) -> ServedModel:
-        model = bundle.model.to(self.device)
+        model = whole(bundle, self.device)
         self.push_pull.attach(model, None, 1)  # it joins the servers when the loop asks for its first unit
         # each update is one worker's: its batch is its whole world
         return ServedModel(model, bundle, self.push_pull, comm=self.comm, device=self.device, dp_rank=0, dp=1)

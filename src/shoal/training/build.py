@@ -1,5 +1,6 @@
-"""The model a worker trains, built for real: initialised from the seed, or (resuming) allocated
-without computing an init that the checkpoint is about to overwrite."""
+"""The model a worker trains: built on the meta device with a record of its build, so that the layouts
+apply to shapes and each rank then computes only its own share of the weights (parallel/materialize.py):
+the seeded init and model.init_from's files on a fresh start, only what a checkpoint lacks on a resume."""
 
 from __future__ import annotations
 
@@ -9,13 +10,29 @@ import fnmatch
 import torch
 
 from shoal.errors import UserError
+from shoal.models.deferred import deferred, record
 from shoal.models.meta import has_transient_buffers, materialize, on_meta
-from shoal.models.registry import build_model
+from shoal.models.registry import build_model, builtin_model_configs
 from shoal.models.spec import DataSpec, ModelBundle, ModelSection
 
 
+def build_deferred(cfg: ModelSection, spec: DataSpec, init: bool = True) -> ModelBundle:
+    """The model on the meta device, its build recorded (bundle.deferred). `init`: a fresh start's weights
+    (seeded from the CPU generator as it is now, or model.init_from); else a resume's (from a checkpoint)."""
+    try:
+        bundle, recording = record(lambda rec: build_model(cfg, spec, pretrained=init, recording=rec))
+    except RuntimeError as e:
+        # a user's builder that reads a value back to the host (Keras reads its seed): it cannot be recorded,
+        # so every rank builds it whole, as one process does; shoal's own models always record
+        if cfg.name in builtin_model_configs() or "meta tensor" not in str(e):
+            raise
+        return build_on(cfg, spec, init=init)
+    return dataclasses.replace(bundle, deferred=deferred(bundle.model, recording, fresh=init), uninitialised=not init)
+
+
 def build_on(cfg: ModelSection, spec: DataSpec, device: torch.device | str = "cpu", init: bool = True) -> ModelBundle:
-    """`init`: a fresh start's weights (seeded, or model.init_from); else uninitialised memory."""
+    """The whole model on `device`. `init`: a fresh start's weights (seeded, or model.init_from); else
+    uninitialised memory."""
     if init:
         with torch.device(device):
             return build_model(cfg, spec, pretrained=True)

@@ -36,7 +36,7 @@ from shoal.models.spec import count_parameters
 from shoal.rundir import RunDir, read_json
 from shoal.training.assemble import Start, assemble, reload
 from shoal.training.assemble import trainer as assemble_trainer
-from shoal.training.build import build_on, freeze, plain_model
+from shoal.training.build import build_deferred, freeze, plain_model
 from shoal.training.feed import Steps
 from shoal.training.live import Live, Regroup, capture, copied, one_replica, peer_failed, pooled
 from shoal.training.live import restore as restore_live
@@ -125,7 +125,7 @@ def build(cfg: Config, layout: Layout, source, run: RunDir, env: DistEnv, comm: 
                                             lambda: str(find_resume_point(run.checkpoints, resume) or ""))
     resume_path = Path(found) if found and strategy.restores else None
     torch.manual_seed(cfg.train.seed)  # identical initial weights on every rank
-    bundle = build_on(cfg.model, source.spec, init=resume_path is None and not in_memory)
+    bundle = build_deferred(cfg.model, source.spec, init=resume_path is None and not in_memory)
     freeze(bundle.model, cfg.train.freeze)
     # one pipeline micro-batch, for timing the layers (parallel.pp_balance = "time")
     sample = (source.train_batch(torch.arange(layout.per_rank_batch // layout.pp_microbatches))

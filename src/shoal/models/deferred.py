@@ -1,0 +1,320 @@
+"""Deferred initialisation: a model built on the meta device with a record of how one process would have
+given each of its tensors its value, replayed later for only the tensors a rank holds (the idea of
+torchdistx's deferred_init, on torch's dispatch modes).
+
+    record     the model's builder runs as usual, but every tensor it creates is a meta tensor (no memory)
+               and every operation on them is logged: factories, random fills, copies, arithmetic
+    lay out    tensor / pipeline / ZeRO layouts are applied to the meta model (shapes only)
+    replay     the log runs again on the CPU, in order, for the tensors this rank keeps: each one is
+               computed whole, this rank's share of it copied out, and freed
+
+The values are bitwise those of one process building the model on the CPU (which is where shoal builds
+it): the same operations run in the same order on the same generator. Every random operation is run,
+even one whose result nobody keeps (on a scratch tensor of the same shape, freed at once), because it
+advances the generator the later ones draw from. An operation whose result is overwritten before anyone
+reads it, or that feeds only tensors this rank does not keep, is skipped. So a rank holds at any time its
+shares, plus the whole of the few tensors being computed: for a model built as usual (each parameter
+created, then filled, then left alone), one parameter.
+
+Storages, not tensor objects, carry values: `p.data`, `p[0]`, `p.t()` are new objects over the same
+storage, and a parameter is whatever view of its storage it is. A builder that reads a value back to the
+host (`.item()`, `.tolist()`) cannot be recorded: it fails on the meta device, as shoal's checks before a
+launch already require.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_map
+
+# operations that overwrite their first argument whatever it held before (nn.init's fills, copy_): the
+# storage's earlier history is dead when the argument covers it whole
+_OVERWRITES = frozenset({"normal_", "uniform_", "fill_", "zero_", "copy_", "random_", "bernoulli_", "exponential_",
+                         "geometric_", "cauchy_", "log_normal_"})
+
+
+@dataclass(frozen=True)
+class Ref:
+    """A tensor of the record: a view of storage `key` (a meta storage, kept alive by the Recording)."""
+
+    key: int
+    size: tuple[int, ...]
+    stride: tuple[int, ...]
+    offset: int
+    dtype: torch.dtype
+
+    def whole(self, nbytes: int) -> bool:
+        """Does this view cover its storage exactly once (row-major, from its start)?"""
+        expected = 1
+        for n, s in zip(reversed(self.size), reversed(self.stride), strict=True):
+            if n != 1 and s != expected:
+                return False
+            expected *= n
+        return self.offset == 0 and expected * self.dtype.itemsize == nbytes
+
+
+@dataclass
+class Op:
+    """One logged operation: `func` (an aten op, or a loader of stored values) over Refs and constants."""
+
+    func: Callable
+    args: tuple
+    kwargs: dict
+    outputs: tuple[Ref, ...]  # new storages it creates
+    writes: tuple[Ref, ...]  # existing storages it changes in place
+    reads: tuple[Ref, ...]
+    random: bool
+    overwrites: bool  # its writes do not depend on what the storage held
+    needed: bool = False
+
+
+@dataclass
+class Recording:
+    """The log of a model's build, and the generator state it started from."""
+
+    ops: list[Op] = field(default_factory=list)
+    nbytes: dict[int, int] = field(default_factory=dict)  # meta storage -> its size
+    rng_state: torch.Tensor | None = None
+    _alive: list[torch.Tensor] = field(default_factory=list)  # keeps meta storages (their keys) unique
+
+    def ref(self, t: torch.Tensor) -> Ref:
+        storage = t.untyped_storage()
+        key = storage._cdata
+        if key not in self.nbytes:
+            self.nbytes[key] = storage.nbytes()
+            self._alive.append(t)
+        return Ref(key, tuple(t.shape), tuple(t.stride()), t.storage_offset(), t.dtype)
+
+    def load(self, target: torch.Tensor, read: Callable[[], torch.Tensor]) -> None:
+        """Log that `target` (a meta tensor) takes the value `read()` returns, read only at replay (weights
+        from a file: they are never held whole, only each tensor in turn)."""
+        self.ops.append(Op(_loaded, (read,), {}, (), (self.ref(target),), (), random=False, overwrites=True))
+
+
+def _loaded(read: Callable[[], torch.Tensor], out: torch.Tensor) -> None:
+    out.copy_(read())
+
+
+def _constant(value: torch.Tensor, out: torch.Tensor) -> None:
+    out.copy_(value)
+
+
+class _Recorder(TorchDispatchMode):
+    """Every tensor created is a meta tensor, and every operation is logged into `recording`."""
+
+    def __init__(self, recording: Recording):
+        super().__init__()
+        self.rec = recording
+        self._constants: dict[int, torch.Tensor] = {}
+
+    def _meta(self, t: torch.Tensor) -> torch.Tensor:
+        """A real tensor met in the build (a constant made from Python data): a meta twin whose value is
+        logged as made by a copy of it."""
+        if t.is_meta:
+            return t
+        twin = self._constants.get(id(t))
+        if twin is None:
+            twin = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="meta")
+            value = t.detach().clone()
+            self.rec.ops.append(Op(_constant, (value,), {}, (), (self.rec.ref(twin),), (), False, True))
+            self._constants[id(t)] = twin
+            self.rec._alive.append(t)  # keeps id(t) unique
+        return twin
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = dict(kwargs or {})
+        if func in _LIFTS:
+            # torch.tensor(data): left a CPU tensor (libraries ask `torch.tensor([]).device` where they are
+            # being built, and skip their init on the meta device); made meta where it meets the model
+            return args[0]
+        args, kwargs = tree_map(lambda a: self._meta(a) if isinstance(a, torch.Tensor) else a, (args, kwargs))
+        if "device" in kwargs or _has_device_arg(func):
+            kwargs["device"] = torch.device("meta")  # a factory: where one process builds, the CPU, at replay
+        schema = func._schema
+        written = [a for a, spec in zip(_flat_args(schema, args, kwargs), schema.arguments, strict=False)
+                   if spec.alias_info is not None and spec.alias_info.is_write and isinstance(a, torch.Tensor)]
+        view = not written and any(r.alias_info is not None for r in schema.returns)
+        if view:  # a view of what it was given: the same storage, nothing computed
+            return func(*args, **kwargs)
+        name = schema.name.split("::")[-1]
+        if written and name.endswith("_"):  # in place: the result is its argument (no meta kernel run)
+            out = args[0]
+        else:
+            out = func(*args, **kwargs)
+        tensors_in = [a for a in _tensors((args, kwargs)) if not any(a is w for w in written)]
+        outputs = [] if written else _tensors(out)
+        rec = self.rec
+        rec.ops.append(Op(func, tree_map(_to_ref(rec), args), tree_map(_to_ref(rec), kwargs),
+                          tuple(rec.ref(o) for o in outputs), tuple(rec.ref(w) for w in written),
+                          tuple(rec.ref(t) for t in tensors_in), random=torch.Tag.nondeterministic_seeded in func.tags,
+                          overwrites=name in _OVERWRITES or not written))
+        for o in outputs:
+            rec._alive.append(o)
+        return out
+
+
+_LIFTS = (torch.ops.aten.lift_fresh.default, torch.ops.aten.lift_fresh_copy.default)
+
+
+def _has_device_arg(func) -> bool:
+    return any(a.name == "device" for a in func._schema.arguments)
+
+
+def _flat_args(schema, args, kwargs) -> list:
+    """The op's arguments in schema order (positional, then by name)."""
+    out = list(args)
+    for spec in schema.arguments[len(args):]:
+        out.append(kwargs.get(spec.name))
+    return out
+
+
+def _tensors(tree) -> list[torch.Tensor]:
+    found: list[torch.Tensor] = []
+    tree_map(lambda a: found.append(a) if isinstance(a, torch.Tensor) else a, tree)
+    return found
+
+
+def _to_ref(rec: Recording):
+    return lambda a: rec.ref(a) if isinstance(a, torch.Tensor) else a
+
+
+def record(build: Callable[[Recording], object]) -> tuple[object, Recording]:
+    """Run `build(recording)` with every tensor it makes on the meta device and its operations logged into
+    `recording` (which a build may also log into: Recording.load). Returns what it returned and the
+    Recording; the CPU generator is left as it was (nothing was drawn)."""
+    recording = Recording(rng_state=torch.get_rng_state())
+    with _Recorder(recording) as recorder:
+        built = build(recording)
+        if isinstance(built, torch.nn.Module):
+            _all_meta(built, recorder)
+    return built, recording
+
+
+def _all_meta(model: torch.nn.Module, recorder: _Recorder) -> None:
+    """Parameters and buffers the build left on the CPU (made from Python data by torch.tensor) become meta
+    tensors whose value the record holds, like every other."""
+    for module in model.modules():
+        for table in (module._parameters, module._buffers):
+            for name, t in table.items():
+                if t is not None and not t.is_meta:
+                    twin = recorder._meta(t)
+                    if isinstance(t, torch.nn.Parameter):
+                        twin = torch.nn.Parameter(twin, requires_grad=t.requires_grad)
+                    table[name] = twin
+
+
+Sink = Callable[[torch.Tensor], None]
+
+
+def replay(recording: Recording, wanted: dict[Ref, list[Sink]], *, draws: bool = True) -> None:
+    """Run the logged build again on the CPU for the tensors `wanted` names: each sink is called once with
+    its tensor's final value (a CPU tensor, freed when the sinks return; a sink copies out what it keeps).
+    `draws`: run every random operation, so that the values and the generator's state afterwards are one
+    process's (False: only what the wanted tensors need, on the generator as it is; a resume, whose
+    checkpoint brings the generator's state). The CPU generator ends as the build would have left it."""
+    ops, nbytes = recording.ops, recording.nbytes
+    by_key: dict[int, list[tuple[Ref, list[Sink]]]] = {}
+    for ref, sinks in wanted.items():
+        by_key.setdefault(ref.key, []).append((ref, sinks))
+    last_use = _plan(ops, nbytes, set(by_key))
+    real: dict[int, torch.UntypedStorage] = {}
+
+    def view(ref: Ref) -> torch.Tensor:
+        storage = real.get(ref.key)
+        if storage is None:
+            storage = real[ref.key] = torch.UntypedStorage(nbytes[ref.key])
+        return torch.empty(0, dtype=ref.dtype).set_(storage, ref.offset, ref.size, ref.stride)
+
+    def finish(key: int) -> None:
+        for ref, sinks in by_key.pop(key, ()):
+            value = view(ref)
+            for sink in sinks:
+                sink(value)
+        real.pop(key, None)
+
+    caller_rng = torch.get_rng_state()
+    if draws:
+        torch.set_rng_state(recording.rng_state)
+    with torch.no_grad():
+        for i, op in enumerate(ops):
+            if op.needed:
+                _run(op, view)
+            elif op.random and draws:  # for the generator only: on scratch tensors, gone at once
+                _run(op, lambda ref: torch.empty_strided(ref.size, ref.stride, dtype=ref.dtype).zero_())
+            for key in last_use.get(i, ()):
+                finish(key)
+        for key in list(by_key):  # never written in the build: as uninitialised as one process's
+            finish(key)
+    if not draws:
+        torch.set_rng_state(caller_rng)
+
+
+def _plan(ops: list[Op], nbytes: dict[int, int], roots: set[int]) -> dict[int, list[int]]:
+    """Mark the operations the roots' final values depend on (walking back from the end: a storage is live
+    until an operation that overwrites it whole, and an operation on a live storage makes what it reads
+    live); returns, per operation, the storages whose last use it is."""
+    live = set(roots)
+    last: dict[int, int] = {}
+    for i in range(len(ops) - 1, -1, -1):
+        op = ops[i]
+        targets = op.writes + op.outputs
+        op.needed = any(t.key in live for t in targets)
+        if not op.needed:
+            continue
+        for t in targets + op.reads:
+            last.setdefault(t.key, i)
+        for t in op.outputs:
+            live.discard(t.key)
+        for t in op.writes:
+            if op.overwrites and t.whole(nbytes[t.key]):
+                live.discard(t.key)
+        live.update(r.key for r in op.reads)
+    by_op: dict[int, list[int]] = {}
+    for key, i in last.items():
+        by_op.setdefault(i, []).append(key)
+    return by_op
+
+
+def _run(op: Op, tensor: Callable[[Ref], torch.Tensor]) -> None:
+    def real(a):
+        if isinstance(a, Ref):
+            return tensor(a)
+        return torch.device("cpu") if isinstance(a, torch.device) else a
+
+    if op.func in (_loaded, _constant):
+        op.func(*op.args, tensor(op.writes[0]))
+        return
+    out = op.func(*tree_map(real, op.args), **tree_map(real, op.kwargs))
+    if op.outputs:  # a new tensor: into the storage the record gave it
+        for ref, value in zip(op.outputs, _tensors(out), strict=True):
+            tensor(ref).copy_(value)
+
+
+@dataclass
+class Deferred:
+    """A model built by `record`: where each of its parameters and buffers is in the record, by name (tied
+    weights under each of their names), and what a replay fills. `fresh`: a fresh start (every tensor from the
+    build); otherwise a resume, whose checkpoint brings the parameters and persistent buffers, and only the
+    `transient` ones (non-persistent buffers) are replayed."""
+
+    recording: Recording
+    names: dict[str, Ref]
+    transient: frozenset[str]
+    fresh: bool = True
+
+
+def deferred(model: torch.nn.Module, recording: Recording, fresh: bool = True) -> Deferred:
+    names = {name: recording.ref(t) for name, t in model.named_parameters(remove_duplicate=False)}
+    transient = set()
+    for module_name, module in model.named_modules(remove_duplicate=False):
+        for name, t in module._buffers.items():
+            if t is not None:
+                full = f"{module_name}.{name}" if module_name else name
+                names[full] = recording.ref(t)
+                if name in module._non_persistent_buffers_set:
+                    transient.add(full)
+    return Deferred(recording, names, frozenset(transient), fresh)
