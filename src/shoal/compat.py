@@ -107,3 +107,42 @@ def scaler_found_inf(scaler: torch.amp.GradScaler, optimizer: torch.optim.Optimi
 def scaler_scale(scaler: torch.amp.GradScaler) -> torch.Tensor:
     """GradScaler's loss scale as the device tensor it keeps (get_scale() reads it on the host)."""
     return scaler._scale
+
+
+# --- what a GPU holds, asked without making a CUDA context ---------------------------------------------
+
+
+def visible_gpu_memory() -> list[tuple[str, int]] | None:
+    """(name, total bytes) of each GPU this process sees, in CUDA_VISIBLE_DEVICES's order, asked of NVML as
+    torch.cuda.device_count() asks it: no CUDA context is made, so the launcher, which forks its workers
+    afterwards, may ask (CUDA initialised before a fork fails in the children; get_device_properties would
+    initialise it). torch's private _get_nvml_device_index maps CUDA_VISIBLE_DEVICES (indices or UUIDs) to
+    NVML's numbering, on every supported release. None where NVML cannot say: no NVIDIA driver, a MIG
+    instance (whose memory is not its GPU's)."""
+    import ctypes
+
+    class Memory(ctypes.Structure):  # NVML's nvmlMemory_t
+        _fields_ = [("total", ctypes.c_ulonglong), ("free", ctypes.c_ulonglong), ("used", ctypes.c_ulonglong)]
+
+    try:
+        count = torch.cuda.device_count()
+        nvml = ctypes.CDLL("libnvidia-ml.so.1")
+        if count <= 0 or nvml.nvmlInit_v2() != 0:
+            return None
+    except (OSError, RuntimeError, AttributeError):
+        return None
+    out = []
+    try:
+        for i in range(count):
+            handle, memory, name = ctypes.c_void_p(), Memory(), ctypes.create_string_buffer(96)
+            if (nvml.nvmlDeviceGetHandleByIndex_v2(ctypes.c_uint(torch.cuda._get_nvml_device_index(i)),
+                                                   ctypes.byref(handle)) != 0
+                    or nvml.nvmlDeviceGetMemoryInfo(handle, ctypes.byref(memory)) != 0):
+                return None
+            nvml.nvmlDeviceGetName(handle, name, ctypes.c_uint(len(name)))
+            out.append((name.value.decode(errors="replace"), memory.total))
+    except (RuntimeError, AttributeError, IndexError, ValueError):
+        return None
+    finally:
+        nvml.nvmlShutdown()
+    return out

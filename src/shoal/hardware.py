@@ -211,3 +211,31 @@ def machine_differences(measured: dict, here: dict) -> list[str]:
     (here 2.13.0)'; a profile that did not record its machine differs in nothing that can be told."""
     return [f"{key} {measured[key]} (here {here[key]})" for key in here
             if key in measured and measured[key] != here[key]]
+
+
+def gpu_memory() -> list[tuple[str, int]] | None:
+    """(name, total bytes) of each GPU this process sees, without making a CUDA context
+    (compat.visible_gpu_memory); None where that cannot be told. A probe a test replaces."""
+    from shoal.compat import visible_gpu_memory
+
+    return visible_gpu_memory()
+
+
+def available_memory() -> int | None:
+    """Bytes this machine can still give to new processes: /proc/meminfo's MemAvailable (free memory and the
+    caches the kernel can drop), at most a cgroup's limit (a container's: the host's MemAvailable shows the
+    whole machine); None where neither can be read. A probe a test replaces."""
+    found = []
+    try:
+        with open("/proc/meminfo") as f:
+            found += [int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:")]
+    except (OSError, ValueError, IndexError):
+        pass
+    for limit in ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes"):  # cgroup v2, v1
+        try:
+            text = Path(limit).read_text().strip()
+        except OSError:
+            continue
+        if text.isdigit() and int(text) < 2 ** 60:  # v1 writes "no limit" as a huge number, v2 as "max"
+            found.append(int(text))
+    return min(found) if found else None
