@@ -3,7 +3,8 @@ torchrun, a Python caller): everything that can be checked is, before any worker
 
     config -> layout for each world size the job may take (layout.py: pure); fp8: this machine's GPUs
            -> data source, and the model on the meta device (shapes only, no weights)
-           -> does the model fit each layout (tensor-parallel sizes, pipeline split, validation set)
+           -> does the model fit each layout (tensor-parallel sizes, pipeline split, validation set), and
+              does one rank's model state fit its device (a GPU's memory, or the node's over its workers)
            -> run dir writable and large enough, checkpoint to resume compatible
 
 Every refusal is a UserError: one line naming the key, the value and a fix.
@@ -26,7 +27,7 @@ from shoal.models.pretrained import check_pretrained
 from shoal.models.registry import build_model
 from shoal.models.spec import ModelBundle, count_parameters
 from shoal.parallel import float8
-from shoal.parallel.fit import check_model_fits
+from shoal.parallel.fit import check_memory_fits, check_model_fits
 from shoal.rundir import RunDir, check_writable
 from shoal.training.build import freeze
 
@@ -51,8 +52,9 @@ class Job:
 
 
 def check_job(cfg: Config, world_sizes: list[int], cuda: bool, run_dir: Path | None = None,
-              resume: str = "auto", quiet: bool = False) -> Job:
-    """Check `cfg` for every world size in `world_sizes` (and the run dir, when given)."""
+              resume: str = "auto", quiet: bool = False, local_workers: int | None = None) -> Job:
+    """Check `cfg` for every world size in `world_sizes` (and the run dir, when given). `local_workers`: the
+    workers of this node, who share its memory (None: a CPU run's memory is not checked)."""
     layouts = [resolve_layout(cfg, w, cuda) for w in world_sizes]
     if cfg.precision.dtype == "fp8":  # this machine's GPUs and torchao (parallel/float8.py)
         float8.check(layouts[0].device)
@@ -61,6 +63,10 @@ def check_job(cfg: Config, world_sizes: list[int], cuda: bool, run_dir: Path | N
         bundle = build_model(cfg.model, source.spec)
     for layout in layouts:
         check_fit(cfg, layout, bundle, source)
+    freeze(bundle.model, cfg.train.freeze)  # frozen parameters have no gradients or optimizer state
+    shapes: dict = {}  # the model's parameters and stages, measured once
+    for layout in layouts:
+        check_memory_fits(bundle, cfg, layout, local_workers, shapes)
     n_params = count_parameters(bundle.model)
     resume_from, resume_step = None, 0
     if run_dir is not None:
@@ -71,7 +77,6 @@ def check_job(cfg: Config, world_sizes: list[int], cuda: bool, run_dir: Path | N
         if resume_from is not None:
             resume_step = read_train_state(resume_from)["step"]
             check_compatible(cfg, resume_from)
-    freeze(bundle.model, cfg.train.freeze)
     if resume_from is None and cfg.model.initial_weights():  # names and shapes, from the files' headers
         with on_meta():
             check_pretrained(build_model(cfg.model, source.spec, adapters=False).model, cfg.model.initial_weights())

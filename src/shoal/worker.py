@@ -155,8 +155,10 @@ def train(cfg: Config, run_dir: str | None, config_path: str | None, resume: str
     torch.set_num_threads(threads_per_worker(cfg, int(os.environ.get("LOCAL_WORLD_SIZE", 1))))
     if cfg.parallel.zero >= 2 and not torch.cuda.is_available():  # so that sharding shows in peak RSS
         release_freed_memory()
-    # a torchrun launch reaches here unchecked; under `shoal train` this repeats the launcher's checks
-    job = check_job(cfg, [total_world(int(os.environ["WORLD_SIZE"]))], cuda=torch.cuda.is_available(), quiet=True)
+    # a torchrun launch reaches here unchecked; under `shoal train` this repeats the launcher's checks (its
+    # memory too: no worker holds a model before all have passed here and joined the group)
+    job = check_job(cfg, [total_world(int(os.environ["WORLD_SIZE"]))], cuda=torch.cuda.is_available(), quiet=True,
+                    local_workers=int(os.environ.get("LOCAL_WORLD_SIZE", 1)))
     env = dist.init(job.layout.backend, cfg.parallel.timeout_s, device=job.layout.device)
     name_process(f"shoal rank {env.rank}")
     comm, phase = Comm(env.store, env.rank, env.world_size), Phase()

@@ -89,7 +89,8 @@ def preflight(args: argparse.Namespace, cfg, nodes: tuple[int, int]):
 
         check_live(cfg, nodes, args.nproc)
         worlds = list(range(nodes[0] * args.nproc, nodes[1] * args.nproc + 1))
-    job = check_job(cfg, worlds, cuda=torch.cuda.is_available(), run_dir=run_dir, resume=args.resume, quiet=True)
+    job = check_job(cfg, worlds, cuda=torch.cuda.is_available(), run_dir=run_dir, resume=args.resume, quiet=True,
+                    local_workers=args.nproc)
     check_gpus_per_node(job.layout, args.nproc, torch.cuda.device_count())
     if job.finished and RunDir(run_dir).summary.exists():
         print(finished_message(run_dir, job.resume_step, cfg.train.steps))

@@ -43,6 +43,11 @@ class ParallelConfig(Section):
     offload: bool = False
     """ZeRO 2/3 on CUDA: keep parameters, gradients and optimizer state in CPU memory and run the
     optimizer step there (FSDP2 CPUOffloadPolicy)."""
+    memory_check: bool = True
+    """Refuse, before any worker starts, a layout whose model state cannot fit one rank: its parameters,
+    gradients and optimizer state as the layout shards them, and the largest block gathered on top, against
+    its GPU's memory (on the CPU: the node's available memory over its workers); activations are not
+    counted. false: start anyway (memory the check cannot see: unified memory, swap)."""
     backend: Literal["auto", "gloo", "nccl"] = "auto"
     """Collective backend; auto: nccl when the workers train on GPUs, gloo otherwise."""
     device: Literal["auto", "cpu", "cuda"] = "auto"

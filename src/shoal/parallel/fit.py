@@ -1,12 +1,29 @@
 """Does a model fit a layout? Checked before any worker starts, on the meta device (only shapes are
-looked at), and kept light: the launcher imports it without the strategies' libraries."""
+looked at), and kept light: the launcher imports it without the strategies' libraries. Its shapes
+(tensor-parallel sizes, pipeline split, blocks to checkpoint), then its memory: the model state one rank
+holds, by the planner's arithmetic (state_bytes.py), against what its device has."""
 
 from __future__ import annotations
 
-from shoal.config import ParallelConfig, PrecisionConfig
+import dataclasses
+import math
+
+from shoal import hardware
+from shoal.config import Config, ParallelConfig, PrecisionConfig
 from shoal.errors import UserError
+from shoal.layout import Layout
 from shoal.models.spec import ModelBundle
 from shoal.parallel.pipeline import split_stages
+from shoal.parallel.state_bytes import (
+    ModelShape,
+    copies,
+    largest_unit,
+    rank_params,
+    shape_of,
+    stage_params,
+    state_bytes,
+)
+from shoal.topology import ParallelDims
 
 
 def check_model_fits(bundle: ModelBundle, model_name: str, parallel: ParallelConfig,
@@ -49,3 +66,110 @@ def _check_model_fits(bundle: ModelBundle, model_name: str, parallel: ParallelCo
             f'precision.activation_checkpointing = true, but model "{model_name}" names no blocks to '
             f"checkpoint (ModelBundle.block_types); set it to false"
         )
+
+
+def check_memory_fits(bundle: ModelBundle, cfg: Config, layout: Layout, local_workers: int | None,
+                      memo: dict) -> None:
+    """Refuse a layout whose model state clearly cannot fit one rank's device: the largest rank's parameters,
+    gradients and optimizer state as the layout shards them, and the largest transient on top (rank_memory),
+    against its GPU's total memory, or on the CPU this node's available memory over its `local_workers` (None:
+    not checked: a worker that joins a running job sees memory its peers already hold). Activations are not
+    guessed: a layout that passes may still run out. Not checked: a parameter server's layout (its servers
+    hold the state), where parallel.memory_check = false, or where the device's memory cannot be read.
+    `memo`: the model's shape and pipeline stages, across layouts."""
+    if layout.servers or not cfg.parallel.memory_check:
+        return
+    if "shape" not in memo:
+        memo["shape"] = shape_of(bundle.model, bundle.block_types)
+    shape = memo["shape"]
+
+    def stage_of(r: int) -> list:
+        p = cfg.parallel
+        key = ("stage", p.pp, p.pp_schedule, p.pp_stages_per_rank, repr(p.pp_split), r)
+        if key not in memo:
+            memo.setdefault("layers", bundle.pipeline(bundle.model) if layout.dims.pp > 1 else None)
+            memo[key] = stage_params(memo["layers"], p, r)
+        return memo[key]
+
+    params = rank_params(shape, layout, cfg.parallel.pp_schedule, stage_of)
+    need = rank_memory(shape, params, layout, cfg)
+    if cfg.parallel.offload:  # ZeRO 2/3 on CUDA (layout.py): the state in CPU memory, what is gathered on the GPU
+        checks = [({"copies": need.pop("copies")}, device_memory("cuda", local_workers)),
+                  (need, device_memory("cpu", local_workers))]
+    else:
+        checks = [(need, device_memory(layout.device, local_workers))]
+    for parts, has in checks:
+        if has is not None and sum(parts.values()) > has[0]:
+            raise UserError(_refusal(shape, params, cfg, layout, parts, has))
+
+
+def rank_memory(shape: ModelShape, params: list, layout: Layout, cfg: Config) -> dict[str, int]:
+    """Bytes one rank holding `params` keeps of the model state (params, grads, optimizer: state_bytes.py,
+    ZeRO sharding over a replica's ranks under local SGD) and `copies`, the largest transient on top: ZeRO
+    0/1 under bf16 / fp16 autocast's 16-bit weight matrices; ZeRO 2 every block gathered (state_bytes.copies)
+    and one unit's unsharded gradients; ZeRO 3 the largest unit gathered with its gradients (a block, or the
+    root: the layers outside blocks), in the gather's dtype. fp8 computes the rest in bf16."""
+    dtype = "bf16" if cfg.precision.dtype == "fp8" else cfg.precision.dtype
+    shard, tp = layout.dims.dp // layout.replicas, layout.dims.tp
+    need = state_bytes(shape, params, layout, optimizer=cfg.train.optimizer, momentum=cfg.train.momentum,
+                       shard=shard)
+    gathered = 2 if dtype in ("bf16", "fp16") else shape.element_size
+    if layout.zero == 3:
+        need["copies"] = largest_unit(shape, params, tp, gathered) + largest_unit(shape, params, tp, gathered, "grads")
+    else:
+        need["copies"] = copies(shape, params, layout, dtype, need["params"])
+        if layout.zero == 2:
+            need["copies"] += largest_unit(shape, params, tp, gathered, "grads")
+    return need
+
+
+def device_memory(device: str, local_workers: int | None) -> tuple[int, str] | None:
+    """(bytes one rank may hold, the device in words): a GPU's total memory (the smallest GPU of the node,
+    shared by the workers that share it: gloo lets several take one), or the node's available memory over
+    its workers; None where it cannot be told (no NVML, no /proc/meminfo, a CPU's workers not known)."""
+    if device == "cuda":
+        gpus = hardware.gpu_memory()
+        if not gpus:
+            return None
+        name, total = min(gpus, key=lambda g: g[1])
+        share = math.ceil(local_workers / len(gpus)) if local_workers else 1
+        shared = f", shared by {share} workers" if share > 1 else ""
+        return total // share, f"its GPU has {_gib(total)} ({name}{shared})"
+    available = hardware.available_memory() if local_workers else None
+    if available is None:
+        return None
+    return available // local_workers, (f"this node has {_gib(available)} available, {_gib(available / local_workers)} "
+                                        f"for each of its {local_workers} workers")
+
+
+def _refusal(shape: ModelShape, params: list, cfg: Config, layout: Layout, parts: dict[str, int],
+             has: tuple[int, str]) -> str:
+    """The one line: the layout, what one rank needs and of what, what the device has, and what would fit."""
+    d, p, t = layout.dims, cfg.parallel, cfg.train
+    half = "bf16" if cfg.precision.dtype == "fp8" else cfg.precision.dtype  # what autocast copies weights to
+    names = {"params": "parameters", "grads": "gradients",
+             "optimizer": "AdamW state" if t.optimizer == "adamw" else "SGD momentum",
+             "copies": {0: f"{half} weight copies", 1: f"{half} weight copies", 2: "gathered blocks",
+                        3: "a gathered block"}[layout.zero]}
+    what = ", ".join(f"{names[k]} {_gib(v)}" for k, v in parts.items() if v)
+    where = "of CPU memory under parallel.offload = true" if p.offload and "params" in parts else ""
+    fixes = []
+    if layout.zero < 3 and d.dp // layout.replicas > 1 and not p.offload:
+        z3 = sum(rank_memory(shape, params, dataclasses.replace(layout, zero=3), cfg).values())
+        if z3 <= has[0]:
+            fixes.append(f"parallel.zero = 3 needs {_gib(z3)}")
+    one = dataclasses.replace(layout, dims=ParallelDims(1, 1, 1, 1), zero=0, replicas=1)
+    whole = sum(state_bytes(shape, shape.params, one, optimizer=t.optimizer, momentum=t.momentum).values())
+    fixes.append(f"a larger parallel.tp or parallel.pp, or more {'GPUs' if layout.device == 'cuda' else 'nodes'} (the "
+                 f"state is {_gib(whole)} in all: fully sharded, at least {math.ceil(whole / max(has[0], 1))} ranks "
+                 f"of {_gib(has[0])})")
+    if layout.device == "cuda" and not p.offload:
+        fixes.append("parallel.offload = true with ZeRO 2/3 (the state in CPU memory)")
+    return (f"parallel.zero = {layout.zero} on dp {d.dp} x tp {d.tp} x pp {d.pp}: one rank needs "
+            f"{_gib(sum(parts.values()))} {where or 'for the model state'} ({what}), but {has[1]}; activations come "
+            f"on top, so no micro-batch size makes it fit: {', or '.join(fixes)}; parallel.memory_check = false "
+            f"starts it anyway")
+
+
+def _gib(n: float) -> str:
+    return f"{n / 2 ** 30:.2f} GiB"

@@ -160,3 +160,15 @@ def largest_block(shape: ModelShape, tp: int, esize: int) -> int:
     gathers at once."""
     return shape.once(("block", tp, esize), lambda: max(
         (shard_bytes(shape, b, 1, False, tp, esize, "params") for b in shape.block_params), default=0))
+
+
+def largest_unit(shape: ModelShape, params: list, tp: int, esize: int, what: str = "params") -> int:
+    """Bytes of the largest unit ZeRO 2/3 gathers whole (`what` as shard_bytes takes it; its tp part, at `esize`
+    bytes an element): a block, or the root, which is `params` outside the blocks (all of them for a model
+    that names no blocks: FSDP2 then gathers the whole model at once)."""
+    def make() -> int:
+        in_blocks = Counter(p for b in shape.block_params for p in b)
+        root = list((Counter(params) - in_blocks).elements())
+        return max(shard_bytes(shape, u, 1, False, tp, esize, what) for u in [*shape.block_params, root])
+
+    return shape.once(("unit", id(params), tp, esize, what), lambda: (params, make()))[1]  # held: its id stays its own
