@@ -76,7 +76,7 @@ def test_the_figures_are_the_hand_arithmetic(monkeypatch):
         check_job(cfg, [4], cuda=True, local_workers=4)
     need = {"params": P, "grads": P, "optimizer": 2 * P + TENSORS * 4, "copies": 4 * BLOCK + 4 * BLOCK}
     assert (f"one rank needs {gib(sum(need.values()))} for the model state (parameters {gib(P)}, gradients "
-            f"{gib(P)}, AdamW state {gib(2 * P + TENSORS * 4)}, a gathered block {gib(8 * BLOCK)}), but its GPU "
+            f"{gib(P)}, AdamW state {gib(2 * P + TENSORS * 4)}, gathered for compute {gib(8 * BLOCK)}), but its GPU "
             f"has 0.25 GiB (Fake GPU)") in str(refused.value)
     # the state in all, 16 bytes a parameter and the steps: at least that many ranks of 0.25 GiB
     whole = 16 * P + TENSORS * 4

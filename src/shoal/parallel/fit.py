@@ -149,8 +149,8 @@ def _refusal(shape: ModelShape, params: list, cfg: Config, layout: Layout, parts
     half = "bf16" if cfg.precision.dtype == "fp8" else cfg.precision.dtype  # what autocast copies weights to
     names = {"params": "parameters", "grads": "gradients",
              "optimizer": "AdamW state" if t.optimizer == "adamw" else "SGD momentum",
-             "copies": {0: f"{half} weight copies", 1: f"{half} weight copies", 2: "gathered blocks",
-                        3: "a gathered block"}[layout.zero]}
+             # ZeRO 2/3: blocks, or the layers outside them (a large vocabulary's embeddings and head)
+             "copies": f"{half} weight copies" if layout.zero < 2 else "gathered for compute"}
     what = ", ".join(f"{names[k]} {_gib(v)}" for k, v in parts.items() if v)
     where = "of CPU memory under parallel.offload = true" if p.offload and "params" in parts else ""
     fixes = []
