@@ -87,7 +87,8 @@ def check_memory_fits(bundle: ModelBundle, cfg: Config, layout: Layout, local_wo
         p = cfg.parallel
         key = ("stage", p.pp, p.pp_schedule, p.pp_stages_per_rank, repr(p.pp_split), r)
         if key not in memo:
-            memo.setdefault("layers", bundle.pipeline(bundle.model) if layout.dims.pp > 1 else None)
+            if "layers" not in memo:  # the model as pipeline layers, made once
+                memo["layers"] = bundle.pipeline(bundle.model)
             memo[key] = stage_params(memo["layers"], p, r)
         return memo[key]
 
