@@ -72,6 +72,20 @@ def test_literal_lists_choices():
 
 def test_bad_override_syntax():
     assert "section.key=value" in error_of(load_config, None, ["steps=3"])
+    assert "section.key=value" in error_of(load_config, None, ["model..x=3"])
+
+
+def test_a_deeper_override_sets_one_key_of_a_table(tmp_path):
+    """A Hugging Face model's inline config shrinks by width and depth; the file's other keys stay."""
+    path = write(tmp_path, '[model]\nname = "hf"\n[model.config]\nmodel_type = "llama"\nhidden_size = 4096\n'
+                           "rope_theta = 500000.0\n")
+    cfg = load_config(path, ["model.config.hidden_size=64", "model.config.num_hidden_layers=2"])
+    assert cfg.model.config == {"model_type": "llama", "hidden_size": 64, "rope_theta": 500000.0,
+                                "num_hidden_layers": 2}
+    assert load_config(None, ['model.name="hf"', "model.config.model_type=llama"]).model.config == \
+        {"model_type": "llama"}  # a table the file does not have is made
+    assert error_of(load_config, path, ["model.name.x=1"]) == \
+        "--set 'model.name.x=1': model.name is not a table, so it has no key x; set model.name itself"
 
 
 def test_unknown_model_name():

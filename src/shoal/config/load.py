@@ -50,11 +50,20 @@ def load_config(path: str | Path | None = None, overrides: list[str] = (), store
     overridden = set()
     for item in overrides:
         key, value = _parse_override(item)
-        section, _, field = key.partition(".")
+        section, *path = key.split(".")
         if not isinstance(raw.setdefault(section, {}), dict):
             raise UserError(f"{origin}: {section} must be a [section] table")
-        raw[section][field] = value
-        overridden.add(key)
+        table = raw[section]
+        # a deeper key sets one entry of a table-valued key (model.config.hidden_size=64), keeping the file's
+        # others: shrinking a Hugging Face model's config.json-style table for a smoke test by width and depth
+        for i, part in enumerate(path[:-1]):
+            table = table.setdefault(part, {})
+            if not isinstance(table, dict):
+                outer = ".".join([section, *path[:i + 1]])
+                raise UserError(f"--set {item!r}: {outer} is not a table, so it has no key {path[i + 1]}; set "
+                                f"{outer} itself")
+        table[path[-1]] = value
+        overridden.update(".".join([section, *path[:i]]) for i in range(1, len(path) + 1))
     return validate_config(raw, origin, overridden, stored=stored)
 
 
@@ -108,8 +117,9 @@ def _move_keys(raw: dict[str, Any], where, stored: bool) -> dict[str, Any]:
 def _parse_override(item: str) -> tuple[str, Any]:
     key, sep, text = item.partition("=")
     key = key.strip()
-    if not sep or key.count(".") != 1 or not all(key.split(".")):
-        raise UserError(f"--set {item!r}: expected section.key=value, for example --set train.steps=100")
+    if not sep or "." not in key or not all(key.split(".")):
+        raise UserError(f"--set {item!r}: expected section.key=value, for example --set train.steps=100 (a key of a "
+                        f"table in a section: --set model.config.hidden_size=64)")
     try:  # a TOML value (number, bool, quoted string, array); a bare word is taken as a string
         value = tomllib.loads(f"v = {text}")["v"]
     except tomllib.TOMLDecodeError:
