@@ -17,6 +17,7 @@ Batches: causal-lm takes the token sources' {"input", "target"}; sequence-classi
 
 from __future__ import annotations
 
+import contextlib
 import warnings
 from pathlib import Path
 from typing import Any, ClassVar, Literal
@@ -141,8 +142,35 @@ def build(cfg: HFConfig, spec: DataSpec) -> ModelBundle:
                        tensor_parallel=tensor_parallel if tp_plan(model) else None)
 
 
+@contextlib.contextmanager
+def unpacked_rows():
+    """[Note: unpacked rows] Before a forward without an attention mask, transformers looks for several
+    sequences packed into one row (position ids that start again: masking_utils.find_packed_sequence_indices)
+    and branches on `(packed[:, -1] == 0).all()`, read on the host: on a GPU every micro-batch's forward
+    waits there for the device, and on the meta device (`shoal plan` traces the model there) it cannot be
+    read at all. shoal passes no position ids, so the model numbers every row 0..T-1 and the answer is
+    always "nothing packed" (None); given here, the forward is the same (bitwise) and never reads the
+    device. A transformers without the function is left as it is."""
+    from transformers import masking_utils
+
+    find = getattr(masking_utils, "find_packed_sequence_indices", None)
+    if find is None:
+        yield
+        return
+    masking_utils.find_packed_sequence_indices = _nothing_packed
+    try:
+        yield
+    finally:
+        masking_utils.find_packed_sequence_indices = find
+
+
+def _nothing_packed(position_ids: torch.Tensor) -> None:
+    return None
+
+
 def causal_lm_loss(model: nn.Module, batch: Batch) -> torch.Tensor:
-    logits = model(input_ids=batch["input"], use_cache=False).logits  # (B, T, vocab)
+    with unpacked_rows():
+        logits = model(input_ids=batch["input"], use_cache=False).logits  # (B, T, vocab)
     return F.cross_entropy(logits.flatten(0, 1).float(), batch["target"].flatten(), ignore_index=-1,
                            reduction="sum")
 
@@ -156,7 +184,8 @@ def count_labels(batch: Batch) -> torch.Tensor:
 
 
 def _logits(model: nn.Module, batch: Batch) -> torch.Tensor:
-    return model(input_ids=batch["input"], attention_mask=batch.get("attention_mask"), use_cache=False).logits
+    with unpacked_rows():  # without an attention mask, as in causal_lm_loss
+        return model(input_ids=batch["input"], attention_mask=batch.get("attention_mask"), use_cache=False).logits
 
 
 def classification_loss(model: nn.Module, batch: Batch) -> torch.Tensor:
@@ -176,6 +205,21 @@ def tp_plan(model: nn.Module) -> dict[str, str]:
     plan = getattr(model.config, "base_model_tp_plan", None) or {}
     prefix = getattr(model, "base_model_prefix", "")
     return {f"{prefix}.{k}" if prefix else k: v for k, v in plan.items()}
+
+
+def tp_split_parameters(model: nn.Module) -> list[nn.Parameter]:
+    """The parameters `tensor_parallel` splits (for the planner): the weights of the layers the plan names
+    and a column-wise layer's bias; the embeddings, norms, output head and a row-wise layer's bias are
+    whole on every tp rank."""
+    from torch.distributed.tensor.parallel import ColwiseParallel
+
+    modules = dict(model.named_modules())
+    out = []
+    for name, style in resolve(model, tp_plan(model), 1, strict=False).items():
+        module = modules[name]
+        out += [p for key, p in module.named_parameters(recurse=False)
+                if key == "weight" or isinstance(style, ColwiseParallel)]
+    return out
 
 
 def tensor_parallel(model, tp: int, mesh=None, sequence_parallel: bool = False):

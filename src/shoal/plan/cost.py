@@ -148,17 +148,20 @@ class _Attention(TorchFunctionMode):
             given = {**dict(zip(("input", "p", "training", "inplace"), args, strict=False)), **kwargs}
             return self._dropout(given["input"], given.get("p", 0.5) or self.hidden_dropout,
                                  given.get("training", True), given.get("inplace", False))
-        if func is F.scaled_dot_product_attention and not kwargs.get("enable_gqa"):
+        if func is F.scaled_dot_product_attention and args[0].device.type == "meta":
             q, k, v, *rest = args
-            names = ("attn_mask", "dropout_p", "is_causal", "scale")
+            names = ("attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
             given = {**dict(zip(names, rest, strict=False)), **kwargs}
-            if q.device.type == "meta" and not self.fused:
+            if given.pop("enable_gqa", False) and k.shape[-3] != q.shape[-3]:
+                k, v = _repeat_heads(k, q.shape[-3]), _repeat_heads(v, q.shape[-3])
+            if not self.fused:
                 return self._materialised(q, k, v, given.get("attn_mask"), given.get("dropout_p") or self.dropout,
                                           given.get("is_causal", False), given.get("scale"))
-            if q.device.type == "meta" and q.shape[-1] == v.shape[-1]:
+            if q.shape[-1] == v.shape[-1]:
                 return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
                     q, k, v, given.get("dropout_p", 0.0), given.get("is_causal", False),
                     attn_mask=given.get("attn_mask"), scale=given.get("scale"))[0]
+            return func(q, k, v, **given)
         return func(*args, **kwargs)
 
     def _dropout(self, x: torch.Tensor, p: float, training: bool, inplace: bool = False) -> torch.Tensor:
@@ -177,6 +180,15 @@ class _Attention(TorchFunctionMode):
             scores = scores.masked_fill(~attn_mask, float("-inf")) if attn_mask.dtype == torch.bool \
                 else scores + attn_mask
         return self._dropout(torch.softmax(scores, -1), dropout, True) @ v
+
+
+def _repeat_heads(t: torch.Tensor, heads: int) -> torch.Tensor:
+    """Grouped-query attention's keys or values (B, kv heads, T, d) as (B, heads, T, d), each serving heads / kv
+    heads query heads in turn (transformers' repeat_kv; Llama 3 8B: 8 for 32). A GPU's fused kernel reads them
+    shared (`enable_gqa`); the trace's kernel takes as many as the query has, and so counts a copy of each and
+    B T d (heads - kv heads) saved elements a layer more than the run (6% of what a Llama 3 8B layer saves)."""
+    b, kv, n, d = t.shape
+    return t[:, :, None].expand(b, kv, heads // kv, n, d).reshape(b, heads, n, d)
 
 
 @dataclass
@@ -269,13 +281,17 @@ class _Saved:
 
 def trace_micro_batch(bundle, batch: dict, block_types: tuple, fused_attention: bool = True,
                       attention_dropout: float = 0.0, hidden_dropout: float = 0.0,
-                      native_dropout: bool = False) -> MicroBatchCost:
+                      native_dropout: bool = False, tp_split: list | None = None) -> MicroBatchCost:
     """Forward and backward of `batch` (meta tensors) through `bundle.model` (on meta); attention fused
-    (flash) or materialised with its dropout, and dropout as a GPU or a CPU runs it (_Attention)."""
+    (flash) or materialised with its dropout, and dropout as a GPU or a CPU runs it (_Attention).
+    `tp_split`: the parameters tensor parallelism splits, where the model's plan leaves others whole (a
+    Hugging Face model's embeddings and output head: its logits are whole on every tp rank); None: every
+    parameter, the Megatron-LM split of _Trace._place (shoal's GPT splits its vocabulary too)."""
     model = bundle.model
     weights = frozenset(_storage(p) for p in model.parameters())
     saved = _Saved(weights, [m for m in model.modules() if block_types and isinstance(m, block_types)])
-    trace = _Trace(weights, lambda: saved.current >= 0)
+    split = weights if tp_split is None else frozenset(_storage(p) for p in tp_split)
+    trace = _Trace(split, lambda: saved.current >= 0)
     try:
         with _Attention(fused_attention, attention_dropout, hidden_dropout, native_dropout), trace, \
                 torch.autograd.graph.saved_tensors_hooks(saved.pack, lambda t: t):

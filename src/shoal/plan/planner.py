@@ -14,6 +14,7 @@ from shoal.data.sources import build_source
 from shoal.errors import UserError
 from shoal.hardware import HardwareProfile
 from shoal.layout import resolve_layout
+from shoal.models import hf
 from shoal.models.meta import on_meta
 from shoal.models.registry import build_model
 from shoal.parallel.state_bytes import ModelShape, numel, rank_params, shape_of, stage_params
@@ -76,6 +77,7 @@ class Model:
     attention_dropout: float = 0.0
     hidden_dropout: float = 0.0
     cuda: bool = False
+    tp_split: list | None = None  # the parameters tensor parallelism splits (_tp_split)
 
     @classmethod
     def build(cls, cfg: Config, fused_attention: bool = True, attention_dropout: float = 0.0,
@@ -88,7 +90,8 @@ class Model:
         freeze(bundle.model, cfg.train.freeze)
         shape = shape_of(bundle.model, bundle.block_types)
         model = cls(cfg, bundle, source, shape, fused_attention=fused_attention,
-                    attention_dropout=attention_dropout, hidden_dropout=hidden_dropout, cuda=cuda)
+                    attention_dropout=attention_dropout, hidden_dropout=hidden_dropout, cuda=cuda,
+                    tp_split=_tp_split(bundle))
         model.opt_ops = trace_optimizer_step(bundle.model, cfg.train.optimizer, cfg.train.momentum,
                                              bool(cfg.train.grad_clip))
         model.data_bytes = sum(_nbytes(v) for v in vars(source).values())
@@ -108,7 +111,7 @@ class Model:
                 batch = {k: v.to("meta") if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
                 self.costs[micro] = trace_micro_batch(self.bundle, batch, self.bundle.block_types,
                                                       self.fused_attention, self.attention_dropout,
-                                                      self.hidden_dropout, self.cuda)
+                                                      self.hidden_dropout, self.cuda, self.tp_split)
                 self.traced.append(self.costs[micro])
         return self.costs[micro]
 
@@ -121,6 +124,12 @@ class Model:
                 self.layers = self.bundle.pipeline(self.bundle.model)
             self.stages[key] = stage_params(self.layers, p, pp_rank)
         return self.stages[key]
+
+
+def _tp_split(bundle) -> list | None:
+    """The parameters tensor parallelism splits where the model's plan names them (a Hugging Face model's
+    `base_model_tp_plan`: attention and MLP projections); None: every one (shoal's GPT)."""
+    return hf.tp_split_parameters(bundle.model) if bundle.tensor_parallel is hf.tensor_parallel else None
 
 
 def _nbytes(value) -> int:
