@@ -153,8 +153,8 @@ class RankPools:
 
 # --- training through the harness -------------------------------------------------------------------
 
-def train(env, overrides: list[str], run_dir, resume: str = "auto") -> tuple[dict, str]:
-    """`shoal train` on this rank without the launcher: preflight, then run_training. Returns the
+def train(env, overrides: list[str], run_dir, resume: str = "auto", config: str | None = None) -> tuple[dict, str]:
+    """`shoal train [config]` on this rank without the launcher: preflight, then run_training. Returns the
     summary and what the rank printed; rank 0 writes the run dir as a CLI run would."""
     import contextlib
     import io
@@ -164,7 +164,7 @@ def train(env, overrides: list[str], run_dir, resume: str = "auto") -> tuple[dic
     from shoal.preflight import check_job
     from shoal.worker import run_rank
 
-    cfg = load_config(None, overrides)
+    cfg = load_config(config, overrides)
     job = check_job(cfg, [env.world_size], cuda=False, quiet=True)
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
