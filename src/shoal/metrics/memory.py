@@ -21,6 +21,40 @@ def peak_memory_bytes(device: torch.device) -> int:
     return rss if sys.platform == "darwin" else rss * 1024  # Linux reports KiB
 
 
+def memory_mark(device: torch.device) -> int:
+    """What this process holds now, to measure a phase's growth from (memory_since): the device's allocated
+    bytes on a GPU (its peak counter restarted here), the resident set on the CPU."""
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+        return torch.cuda.memory_allocated(device)
+    try:  # Linux: "5" restarts the resident set's high-water mark (VmHWM) from what is resident now
+        with open("/proc/self/clear_refs", "w", encoding="ascii") as f:
+            f.write("5")
+    except OSError:
+        pass  # an earlier peak then counts too: the growth is overstated, never understated
+    return _status_bytes("VmRSS")
+
+
+def memory_since(device: torch.device, mark: int) -> int:
+    """The most this process held since `mark` was taken, above it: a GPU's peak allocation; on the CPU the
+    resident set's high-water mark."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) - mark
+    return max(_status_bytes("VmHWM") - mark, 0)
+
+
+def _status_bytes(field: str) -> int:
+    """A field of /proc/self/status in bytes (Linux; 0 elsewhere)."""
+    try:
+        with open("/proc/self/status", encoding="ascii") as f:
+            for line in f:
+                if line.startswith(field + ":"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
+
+
 def _local_bytes(tensors: Iterable[torch.Tensor]) -> int:
     """Bytes held here: a DTensor counts its local shard; tensors sharing memory (tied weights,
     gradients that are views of DDP buckets) count once per storage."""

@@ -189,8 +189,9 @@ def record(build: Callable[[Recording], object]) -> tuple[object, Recording]:
     recording = Recording(rng_state=torch.get_rng_state())
     with _Recorder(recording) as recorder:
         built = build(recording)
-        if isinstance(built, torch.nn.Module):
-            _all_meta(built, recorder)
+        model = getattr(built, "model", built)  # a module, or a ModelBundle holding one
+        if isinstance(model, torch.nn.Module):
+            _all_meta(model, recorder)
     return built, recording
 
 
@@ -210,47 +211,66 @@ def _all_meta(model: torch.nn.Module, recorder: _Recorder) -> None:
 Sink = Callable[[torch.Tensor], None]
 
 
-def replay(recording: Recording, wanted: dict[Ref, list[Sink]], *, draws: bool = True) -> None:
+def replay(recording: Recording, wanted: dict[Ref, list[Sink]], *, draws: bool = True) -> int:
     """Run the logged build again on the CPU for the tensors `wanted` names: each sink is called once with
     its tensor's final value (a CPU tensor, freed when the sinks return; a sink copies out what it keeps).
     `draws`: run every random operation, so that the values and the generator's state afterwards are one
     process's (False: only what the wanted tensors need, on the generator as it is; a resume, whose
-    checkpoint brings the generator's state). The CPU generator ends as the build would have left it."""
-    ops, nbytes = recording.ops, recording.nbytes
+    checkpoint brings the generator's state). The CPU generator ends as the build would have left it.
+    Returns the most bytes held whole at once (values being computed, and a scratch tensor)."""
     by_key: dict[int, list[tuple[Ref, list[Sink]]]] = {}
     for ref, sinks in wanted.items():
         by_key.setdefault(ref.key, []).append((ref, sinks))
-    last_use = _plan(ops, nbytes, set(by_key))
-    real: dict[int, torch.UntypedStorage] = {}
-
-    def view(ref: Ref) -> torch.Tensor:
-        storage = real.get(ref.key)
-        if storage is None:
-            storage = real[ref.key] = torch.UntypedStorage(nbytes[ref.key])
-        return torch.empty(0, dtype=ref.dtype).set_(storage, ref.offset, ref.size, ref.stride)
+    last_use = _plan(recording.ops, recording.nbytes, set(by_key))
+    values = _Values(recording.nbytes)
 
     def finish(key: int) -> None:
         for ref, sinks in by_key.pop(key, ()):
-            value = view(ref)
+            value = values.view(ref)
             for sink in sinks:
                 sink(value)
-        real.pop(key, None)
+        values.free(key)
 
     caller_rng = torch.get_rng_state()
     if draws:
         torch.set_rng_state(recording.rng_state)
     with torch.no_grad():
-        for i, op in enumerate(ops):
+        for i, op in enumerate(recording.ops):
             if op.needed:
-                _run(op, view)
+                _run(op, values.view)
             elif op.random and draws:  # for the generator only: on scratch tensors, gone at once
-                _run(op, lambda ref: torch.empty_strided(ref.size, ref.stride, dtype=ref.dtype).zero_())
+                _run(op, values.scratch)
             for key in last_use.get(i, ()):
                 finish(key)
         for key in list(by_key):  # never written in the build: as uninitialised as one process's
             finish(key)
     if not draws:
         torch.set_rng_state(caller_rng)
+    return values.peak
+
+
+class _Values:
+    """The CPU storages a replay holds, by the record's storage key, and the most bytes they took at once."""
+
+    def __init__(self, nbytes: dict[int, int]):
+        self.nbytes, self.real = nbytes, {}
+        self.held = self.peak = 0
+
+    def view(self, ref: Ref) -> torch.Tensor:
+        storage = self.real.get(ref.key)
+        if storage is None:
+            storage = self.real[ref.key] = torch.UntypedStorage(self.nbytes[ref.key])
+            self.held += self.nbytes[ref.key]
+            self.peak = max(self.peak, self.held)
+        return torch.empty(0, dtype=ref.dtype).set_(storage, ref.offset, ref.size, ref.stride)
+
+    def scratch(self, ref: Ref) -> torch.Tensor:
+        self.peak = max(self.peak, self.held + self.nbytes[ref.key])
+        return torch.empty_strided(ref.size, ref.stride, dtype=ref.dtype).zero_()
+
+    def free(self, key: int) -> None:
+        if self.real.pop(key, None) is not None:
+            self.held -= self.nbytes[key]
 
 
 def _plan(ops: list[Op], nbytes: dict[int, int], roots: set[int]) -> dict[int, list[int]]:

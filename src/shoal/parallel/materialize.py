@@ -39,10 +39,11 @@ class Materializer:
     deferred: Deferred | None
     device: torch.device
     done: bool = False
+    whole_bytes: int = 0
 
     def fill(self, root: torch.nn.Module) -> None:
         """Allocate `root`'s meta tensors on the device and fill them (collective-free: every rank replays
-        the same build and keeps its own part)."""
+        the same build and keeps its own part). `whole_bytes`: the most the replay held whole at once."""
         if self.done or self.deferred is None:
             return
         self.done = True
@@ -59,7 +60,7 @@ class Materializer:
                 if isinstance(value, torch.Tensor) and value.is_meta:
                     ref = self.deferred.recording.ref(value)
                     wanted.setdefault(ref, []).append(_set_attribute(module, attr, self.device))
-        replay(self.deferred.recording, wanted, draws=self.deferred.fresh)
+        self.whole_bytes = replay(self.deferred.recording, wanted, draws=self.deferred.fresh)
 
 
 def _named_tensors(root: torch.nn.Module):

@@ -20,6 +20,7 @@ import time
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 
 from shoal import signals
 from shoal.checkpoint.export import export_weights
@@ -31,6 +32,7 @@ from shoal.comm.phase import Phase
 from shoal.config import Config
 from shoal.dist import DistEnv
 from shoal.layout import Layout
+from shoal.metrics.memory import memory_mark, memory_since
 from shoal.metrics.profile import summarize_profile
 from shoal.models.spec import count_parameters
 from shoal.rundir import RunDir, read_json
@@ -56,8 +58,11 @@ def run_training(cfg: Config, layout: Layout, source, run_dir: Path, env: DistEn
     t_start = live.started if live else time.perf_counter()
     strategy = strategy or Strategy(cfg, layout, env.device, env.rank, comm)
     phase = phase or Phase()
+    mark = memory_mark(env.device)
     parts = build(cfg, layout, source, RunDir(run_dir), env, comm, phase=phase, strategy=strategy,
                   resume=resume, live=live)
+    start_memory = comm.all_reduce(torch.tensor(float(memory_since(env.device, mark))), op=dist.ReduceOp.MAX,
+                                   label="world, start memory")
     recovery = restore(parts, live)
     if parts.sampler.step >= cfg.train.steps and parts.run.summary.exists():  # finished before: leave it be
         strategy.finish()
@@ -84,6 +89,7 @@ def run_training(cfg: Config, layout: Layout, source, run_dir: Path, env: DistEn
     if live:
         summary["membership"] = live.events
     summary["checkpoints"] = checkpoints.stats
+    summary["start_memory_bytes"] = int(start_memory)  # the most a rank's memory grew while it built its share
     if trainer.watch.profile:
         summary["profile"] = summarize_profile(trainer.record.history)
     summary.update(strategy.report())
