@@ -115,3 +115,20 @@ def test_init_from_is_read_tensor_by_tensor(tmp_path):
     assert_bitwise(model, saved)
     assert torch.equal(next_draw, ref_next)  # the seeded init it replaces still drew, as one process's did
     assert whole == 64 * 256 * 4  # the largest tensor read: one at a time
+
+
+@pytest.mark.slow
+def test_llama3_8b_records_without_memory():
+    """The full-size Llama 3 8B config's build is recorded (the first half of its sharded start) with every
+    parameter on the meta device: 8.03B parameters, a log of some hundred operations, nothing allocated."""
+    pytest.importorskip("transformers", reason="the hf extra is not installed")
+    from pathlib import Path
+
+    from shoal.config import load_config
+
+    cfg = load_config(str(Path(__file__).parents[2] / "configs" / "llama3-8b.toml"), [])
+    bundle = build_deferred(cfg.model, TOKENS)
+    params = list(bundle.model.parameters())
+    assert sum(p.numel() for p in params) == 8_030_261_248 and all(p.is_meta for p in params)
+    assert len(bundle.deferred.recording.ops) < 2000
+    assert sum(t.nbytes for t in bundle.deferred.recording._alive if not t.is_meta) < 2**20  # constants only
