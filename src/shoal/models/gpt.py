@@ -166,7 +166,8 @@ def build(cfg: GPTConfig, spec: DataSpec) -> ModelBundle:
     vocab = -(-vocab // cfg.vocab_multiple) * cfg.vocab_multiple
     model = GPT(cfg, vocab)
     return ModelBundle(model, lm_loss, count_tokens, block_types=(Block,), items_name="tokens",
-                       tensor_parallel=tensor_parallel, pipeline=pipeline_layers, flops_per_sample=flops(model, cfg))
+                       tensor_parallel=tensor_parallel, pipeline=pipeline_layers, flops_per_sample=flops(model, cfg),
+                       tp_split=tp_split)
 
 
 # gpt_parallel.py imports DTensor's parallel styles (~0.5 s): only a run that splits the model pays for it
@@ -176,6 +177,12 @@ def tensor_parallel(model, tp: int, mesh=None, sequence_parallel: bool = False):
     refuse_chunked_loss(model, f"parallel.tp = {tp}", "tensor parallelism splits the logits over the vocabulary "
                         "already (loss_parallel: each rank holds 1/tp of them)")
     return gpt_parallel.tensor_parallel(model, tp, mesh, sequence_parallel)
+
+
+def tp_split(model):
+    from shoal.models import gpt_parallel
+
+    return gpt_parallel.split_parameters(model)
 
 
 def pipeline_layers(model):

@@ -34,6 +34,7 @@ from torch.distributed.tensor.parallel import (
 from shoal.errors import UserError
 from shoal.models.cross_entropy import cross_entropy_sum
 from shoal.models.spec import PipelineLayers
+from shoal.models.tp_plan import split_by
 
 
 def tensor_parallel(model, tp: int, mesh=None, sequence_parallel: bool = False):
@@ -56,30 +57,43 @@ def tensor_parallel(model, tp: int, mesh=None, sequence_parallel: bool = False):
                         f"model.seq_len ({model.seq_len})")
     if mesh is None:
         return None
+    tied = model.head.weight is model.tok_emb.weight
+    parallelize_module(model, mesh, styles(model, sequence_parallel))
+    if tied:  # each style distributed its own copy of the shared matrix: share it again
+        model.head.weight = model.tok_emb.weight
+    return loss_parallel
+
+
+def split_parameters(model) -> list[nn.Parameter]:
+    """The parameters tensor_parallel splits over the tp ranks (ModelBundle.tp_split), read from the styles it
+    applies: q, k, v and mlp.up (weights and biases), proj and mlp.down (weights), the tied embedding and
+    head; the norms, pos_emb and the row-parallel layers' biases are whole on every rank (with or without
+    sequence parallelism, which splits the norms' activations, not their weights)."""
+    return split_by(model, styles(model, False))
+
+
+def styles(model, sequence_parallel: bool) -> dict:
+    """{module name: DTensor ParallelStyle}: the split of the module docstring, as parallelize_module takes it."""
     seq = Shard(1) if sequence_parallel else Replicate()  # the residual stream between split layers
-    styles = {
+    plan = {
         "tok_emb": RowwiseParallel(input_layouts=Replicate()),
         "head": ColwiseParallel(input_layouts=seq, output_layouts=Shard(-1), use_local_output=False),
     }
     if sequence_parallel:
         # the embeddings' sum is split by sequence where it leaves the dropout (a slice: no communication)
-        styles["drop"] = PrepareModuleOutput(output_layouts=Replicate(), desired_output_layouts=seq)
-        styles["ln_f"] = SequenceParallel()
+        plan["drop"] = PrepareModuleOutput(output_layouts=Replicate(), desired_output_layouts=seq)
+        plan["ln_f"] = SequenceParallel()
     for i in range(len(model.blocks)):
         block = f"blocks.{i}"
-        styles.update({f"{block}.attn.{name}": ColwiseParallel() for name in ("q", "k", "v")})
-        styles[f"{block}.attn.proj"] = RowwiseParallel(output_layouts=seq)
-        styles[f"{block}.mlp.up"] = ColwiseParallel()
-        styles[f"{block}.mlp.down"] = RowwiseParallel(output_layouts=seq)
+        plan.update({f"{block}.attn.{name}": ColwiseParallel() for name in ("q", "k", "v")})
+        plan[f"{block}.attn.proj"] = RowwiseParallel(output_layouts=seq)
+        plan[f"{block}.mlp.up"] = ColwiseParallel()
+        plan[f"{block}.mlp.down"] = RowwiseParallel(output_layouts=seq)
         if sequence_parallel:  # norms on the sequence shard; the whole sequence gathered for attention / MLP
-            styles.update({f"{block}.{norm}": SequenceParallel() for norm in ("ln1", "ln2")})
+            plan.update({f"{block}.{norm}": SequenceParallel() for norm in ("ln1", "ln2")})
             gather = PrepareModuleInput(input_layouts=(seq,), desired_input_layouts=(Replicate(),))
-            styles.update({f"{block}.{sub}": gather for sub in ("attn", "mlp")})
-    tied = model.head.weight is model.tok_emb.weight
-    parallelize_module(model, mesh, styles)
-    if tied:  # each style distributed its own copy of the shared matrix: share it again
-        model.head.weight = model.tok_emb.weight
-    return loss_parallel
+            plan.update({f"{block}.{sub}": gather for sub in ("attn", "mlp")})
+    return plan
 
 
 # --- pipeline parallelism -------------------------------------------------------------------------

@@ -29,7 +29,7 @@ from torch import nn
 
 from shoal.errors import UserError, first_line, require
 from shoal.models.spec import Batch, DataSpec, ModelBundle, ModelSection
-from shoal.models.tp_plan import refuse_sequence_parallel, resolve
+from shoal.models.tp_plan import refuse_sequence_parallel, resolve, split_by
 
 FEATURE = 'model.name = "hf"'
 
@@ -139,7 +139,8 @@ def build(cfg: HFConfig, spec: DataSpec) -> ModelBundle:
     names = set(getattr(model, "_no_split_modules", None) or ())
     blocks = tuple({type(m) for m in model.modules() if type(m).__name__ in names})
     return ModelBundle(model, loss_fn, count_fn, eval_fn=eval_fn, block_types=blocks, items_name=items,
-                       tensor_parallel=tensor_parallel if tp_plan(model) else None)
+                       tensor_parallel=tensor_parallel if tp_plan(model) else None,
+                       tp_split=tp_split_parameters if tp_plan(model) else None)
 
 
 @contextlib.contextmanager
@@ -208,18 +209,10 @@ def tp_plan(model: nn.Module) -> dict[str, str]:
 
 
 def tp_split_parameters(model: nn.Module) -> list[nn.Parameter]:
-    """The parameters `tensor_parallel` splits (for the planner): the weights of the layers the plan names
-    and a column-wise layer's bias; the embeddings, norms, output head and a row-wise layer's bias are
-    whole on every tp rank."""
-    from torch.distributed.tensor.parallel import ColwiseParallel
-
-    modules = dict(model.named_modules())
-    out = []
-    for name, style in resolve(model, tp_plan(model), 1, strict=False).items():
-        module = modules[name]
-        out += [p for key, p in module.named_parameters(recurse=False)
-                if key == "weight" or isinstance(style, ColwiseParallel)]
-    return out
+    """The parameters `tensor_parallel` splits (ModelBundle.tp_split): the weights of the layers the plan
+    names and a column-wise layer's bias (tp_plan.split_by); the embeddings, norms, output head and a
+    row-wise layer's bias are whole on every tp rank."""
+    return split_by(model, resolve(model, tp_plan(model), 1, strict=False))
 
 
 def tensor_parallel(model, tp: int, mesh=None, sequence_parallel: bool = False):

@@ -76,6 +76,34 @@ def resolve(model: nn.Module, plan: Mapping[str, object], tp: int, *, strict: bo
     return styles
 
 
+def split_by(model: nn.Module, styles: Mapping[str, object]) -> list[nn.Parameter]:
+    """The parameters that `styles` ({module name: ParallelStyle}, as parallelize_module takes them) split
+    over the tp ranks, as DTensor's styles place them: a column- or row-parallel layer's weight, and a
+    column-parallel linear layer's bias; a row-parallel layer's bias, and every parameter of a module the
+    styles leave out or only reshard the activations of (SequenceParallel, PrepareModuleInput / Output),
+    are whole on every tp rank. What `shoal plan` and the preflight count each rank's model state by."""
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    modules, out, seen = dict(model.named_modules()), [], set()
+    for name, s in styles.items():
+        if not isinstance(s, (ColwiseParallel, RowwiseParallel)):
+            continue
+        for key, p in modules[name].named_parameters(recurse=False):
+            if (key == "weight" or isinstance(s, ColwiseParallel)) and id(p) not in seen:
+                seen.add(id(p))
+                out.append(p)
+    return out
+
+
+def split_parameters(bundle) -> list[nn.Parameter] | None:
+    """The parameters the bundle's tensor parallelism splits over the tp ranks, from the model's own plan
+    (ModelBundle.tp_split); None where the bundle does not say (every matrix is taken as split): the one
+    answer `shoal plan` (the model's state and its trace) and the preflight's memory check count by."""
+    if bundle.tensor_parallel is None or bundle.tp_split is None:
+        return None
+    return list(bundle.tp_split(bundle.model))
+
+
 def tensor_parallel_by_plan(plan: Mapping[str, object]):
     """A ModelBundle.tensor_parallel that splits a model by a user's `plan` (see the module docstring)."""
 
