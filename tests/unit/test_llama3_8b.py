@@ -16,9 +16,12 @@ from shoal import hardware
 from shoal.config import load_config
 from shoal.errors import UserError
 from shoal.hardware import preset
+from shoal.layout import resolve_layout
 from shoal.models.meta import on_meta
 from shoal.models.registry import build_model
 from shoal.models.spec import DataSpec
+from shoal.parallel.fit import rank_memory
+from shoal.parallel.state_bytes import bundle_shape
 from shoal.plan.planner import Model, parse_bytes, plan
 from shoal.preflight import check_job
 
@@ -28,6 +31,16 @@ if importlib.util.find_spec("transformers") is None:
 CONFIG = Path(__file__).resolve().parents[2] / "configs" / "llama3-8b.toml"
 N_PARAMS = 8_030_261_248  # Meta's model card: 8.03B
 LAYOUT = "dp4 tp2 pp1 zero3 ckpt mb2"  # the config's own, on 8 GPUs
+# A rank's model state under that layout, by hand. The model's tp plan (base_model_tp_plan) splits the decoder
+# layers' q, o (4,096 x 4,096), k, v (1,024 x 4,096) and gate, up, down (14,336 x 4,096) over tp 2; the
+# embedding and the output head (128,256 x 4,096 each, untied) and the RMSNorms stay whole on both tp ranks.
+# ZeRO 3 then shards every tensor's first dimension over dp 4 (each divides): a split tensor is 1/8 on a rank, a
+# whole one 1/4. fp32 weights, gradients and AdamW's two moments, 16 bytes an element, and AdamW's
+# one-element step for each of the 291 tensors (9 a layer, the embedding, the head and the final norm).
+V, H, FF, LAYERS = 128_256, 4096, 14_336, 32
+SPLIT = LAYERS * (2 * H * H + 2 * 1024 * H + 3 * FF * H)
+WHOLE = 2 * V * H + (2 * LAYERS + 1) * H
+STATE = 16 * (SPLIT // 8 + WHOLE // 4) + 4 * (9 * LAYERS + 3)
 # the same config narrowed (as tests/dist/test_llama3_8b.py trains it): 4 query heads per key/value head as in
 # Llama 3 8B; 256 positions so that a head's scores (T x T) are the largest tensor a materialised attention makes
 SMALL = ["model.config.hidden_size=64", "model.config.intermediate_size=128", "model.config.num_hidden_layers=2",
@@ -64,6 +77,23 @@ def test_full_size_passes_the_preflight_and_builds_on_meta(monkeypatch):
         check_job(cfg, [8], cuda=True, quiet=True, local_workers=8)
 
 
+def test_a_rank_s_model_state_counts_the_embedding_and_head_whole():
+    """The preflight's memory check (fit.rank_memory) on the full-size model on meta, under the config's layout:
+    the hand count above, 2.1 GB more than if tp split the embedding and head too; on top, ZeRO 3's largest
+    unit gathered with its gradients: the root (embedding, head and final norm, whole, in bf16)."""
+    assert SPLIT + WHOLE == N_PARAMS
+    assert STATE == 18_162_402_444  # 16.9 GiB
+    # the embedding and head split by tp as well (what shoal counted before it read the model's plan)
+    assert STATE - 16 * 2 * V * H // 8 == 16_061_056_140
+    cfg = load_config(CONFIG)
+    with on_meta():
+        bundle = build_model(cfg.model, DataSpec(kind="tokens", vocab_size=256))
+    shape = bundle_shape(bundle)
+    need = rank_memory(shape, shape.params, resolve_layout(cfg, 8, True), cfg)
+    assert need["params"] + need["grads"] + need["optimizer"] == STATE
+    assert need["copies"] == 2 * 2 * (2 * V * H + H)
+
+
 @pytest.mark.slow  # ~560 layouts of the 8B model: ~7 s
 def test_plan_on_h100_says_the_config_fits_and_predicts_its_step():
     """As `shoal plan configs/llama3-8b.toml --nproc 8 --preset h100 --memory 80GB` plans it. The step is no
@@ -74,7 +104,8 @@ def test_plan_on_h100_says_the_config_fits_and_predicts_its_step():
     planned = {p.candidate.label(): p for p in plan(cfg, 8, profile, memory)}
     own = planned[LAYOUT]
     assert own.ok, own.reason
-    state = 16 * N_PARAMS / 8  # fp32 weights, gradients and AdamW's two moments, sharded over 8 ranks
+    state = sum(own.prediction.memory[k] for k in ("params", "grads", "optimizer"))
+    assert state == STATE  # as the preflight counts it (the embedding and head whole on both tp ranks)
     assert state < own.prediction.memory["peak"] < memory
     tokens = cfg.train.global_batch_size * cfg.model.seq_len
     assert 6 * N_PARAMS * tokens / (8 * profile.matmul_flops["bf16"]) < own.prediction.step_time < 3.0
@@ -97,6 +128,35 @@ def test_the_trace_runs_grouped_attention_fused_and_keeps_the_logits_whole():
     bundle_model = model.bundle.model
     assert id(bundle_model.lm_head.weight) not in split and id(bundle_model.model.embed_tokens.weight) not in split
     assert len(split) == 7 * 2  # q, k, v, o, gate, up, down in each of 2 layers
+
+
+@pytest.fixture
+def one_rank():
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+def test_the_split_counted_is_the_one_dtensor_places(one_rank):
+    """hf.tp_split_parameters reads the styles hf.tensor_parallel applies: after the model is split (over a
+    mesh of one rank, which places the tensors as any tp does), its sharded parameters are those and only
+    those: the decoder layers' projections, not the embedding, the head or the norms."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor
+
+    from shoal.models.tp_plan import split_parameters
+
+    cfg = load_config(CONFIG, SMALL)
+    bundle = build_model(cfg.model, DataSpec(kind="tokens", vocab_size=256))
+    counted = {id(p) for p in split_parameters(bundle)}
+    names = {n for n, p in bundle.model.named_parameters() if id(p) in counted}
+    bundle.tensor_parallel(bundle.model, 1, init_device_mesh("cpu", (1,)))
+    placed = {n for n, p in bundle.model.named_parameters()
+              if isinstance(p, DTensor) and any(pl.is_shard() for pl in p.placements)}
+    assert names == placed and len(placed) == 7 * 2
+    assert not {"lm_head.weight", "model.embed_tokens.weight", "model.norm.weight"} & placed
 
 
 def test_the_forward_without_a_host_read_is_transformers_own():

@@ -15,8 +15,9 @@ from shoal.errors import UserError
 from shoal.layout import resolve_layout
 from shoal.models.meta import on_meta
 from shoal.models.registry import build_model
+from shoal.models.tp_plan import split_parameters
 from shoal.parallel.fit import rank_memory
-from shoal.parallel.state_bytes import shape_of
+from shoal.parallel.state_bytes import bundle_shape, shape_of
 from shoal.preflight import check_job
 
 GiB = 2 ** 30
@@ -100,6 +101,58 @@ def test_the_figures_are_the_hand_arithmetic(monkeypatch):
     matrices = LAYERS * 12 * D * D + VOCAB * D + SEQ * D
     assert memory("parallel.zero=0") == {"params": 4 * P, "grads": 4 * P, "optimizer": 8 * P + TENSORS * 4, "copies": 0}
     assert memory("parallel.zero=0", 'precision.dtype="bf16"')["copies"] == 2 * matrices
+
+
+# what the GPT's tp plan (gpt_parallel.styles) splits: q, k, v, proj, up and down, the column-parallel layers'
+# biases (q, k, v and up: 7d), the token embedding (tied to the head); what it leaves whole on every tp rank:
+# proj's and down's biases, the LayerNorms, the position table
+SPLIT = LAYERS * (12 * D * D + 7 * D) + VOCAB * D
+WHOLE = LAYERS * (2 * D + 2 * 2 * D) + SEQ * D + 2 * D
+
+
+def test_tp_splits_what_the_gpt_s_plan_splits_and_no_more():
+    """ZeRO 3 over dp 2 x tp 2 in fp32 with AdamW: a split tensor is a quarter on each rank, a whole one half
+    (every first dimension divides); the largest block gathered with its gradients, its tp part."""
+    assert SPLIT + WHOLE == P
+    cfg = load_config(None, [*GPT, "parallel.zero=3", "parallel.tp=2"])
+    with on_meta():
+        bundle = build_model(cfg.model, check_job(load_config(None, GPT), [1], cuda=False).source.spec)
+    shape = bundle_shape(bundle)
+    elements = SPLIT // 4 + WHOLE // 2
+    block = (12 * D * D + 7 * D) // 2 + 6 * D
+    assert rank_memory(shape, shape.params, resolve_layout(cfg, 4, True), cfg) == {
+        "params": 4 * elements, "grads": 4 * elements, "optimizer": 8 * elements + TENSORS * 4,
+        "copies": 2 * 4 * block}
+    # without tp the split does not count: the shape the preflight then makes leaves the plan unread
+    assert bundle_shape(bundle, tp_split=False).split is None and len(split_parameters(bundle)) == LAYERS * 10 + 1
+
+
+@pytest.fixture
+def one_rank():
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+def test_the_split_counted_is_the_one_dtensor_places(one_rank):
+    """ModelBundle.tp_split reads the styles tensor_parallel applies (tp_plan.split_by): after the GPT is
+    split (here over a mesh of one rank, which places the tensors as any tp does), its sharded parameters are
+    those and only those."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor
+
+    cfg = load_config(None, ["model.n_layer=2", "model.d_model=64", "model.n_head=4", "model.seq_len=16",
+                             "data.max_bytes=200000"])
+    bundle = build_model(cfg.model, check_job(cfg, [1], cuda=False).source.spec)
+    counted = {id(p) for p in split_parameters(bundle)}
+    names = {n for n, p in bundle.model.named_parameters() if id(p) in counted}
+    bundle.tensor_parallel(bundle.model, 1, init_device_mesh("cpu", (1,)))
+    placed = {n for n, p in bundle.model.named_parameters()
+              if isinstance(p, DTensor) and any(pl.is_shard() for pl in p.placements)}
+    assert names == placed
+    assert "pos_emb.weight" not in placed and "blocks.0.attn.proj.bias" not in placed and "tok_emb.weight" in placed
 
 
 def test_the_cpu_shares_the_node_s_available_memory_among_its_workers(monkeypatch):

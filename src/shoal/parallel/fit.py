@@ -16,10 +16,10 @@ from shoal.models.spec import ModelBundle
 from shoal.parallel.pipeline import split_stages
 from shoal.parallel.state_bytes import (
     ModelShape,
+    bundle_shape,
     copies,
     largest_unit,
     rank_params,
-    shape_of,
     stage_params,
     state_bytes,
 )
@@ -76,20 +76,23 @@ def check_memory_fits(bundle: ModelBundle, cfg: Config, layout: Layout, local_wo
     not checked: a worker that joins a running job sees memory its peers already hold). Activations are not
     guessed: a layout that passes may still run out. Not checked: a parameter server's layout (its servers
     hold the state), where parallel.memory_check = false, or where the device's memory cannot be read.
-    `memo`: the model's shape and pipeline stages, across layouts."""
+    `memo`: the model's shape and pipeline stages, across layouts. Each parameter is counted as the model's
+    tp plan splits it (state_bytes.bundle_shape: a Hugging Face model's embeddings and head are whole on
+    every tp rank)."""
     if layout.servers or not cfg.parallel.memory_check:
         return
-    if "shape" not in memo:
-        memo["shape"] = shape_of(bundle.model, bundle.block_types)
-    shape = memo["shape"]
+    tp = layout.dims.tp > 1  # the split is read only where it counts
+    if ("shape", tp) not in memo:
+        memo["shape", tp] = bundle_shape(bundle, tp)
+    shape = memo["shape", tp]
 
     def stage_of(r: int) -> list:
         p = cfg.parallel
-        key = ("stage", p.pp, p.pp_schedule, p.pp_stages_per_rank, repr(p.pp_split), r)
+        key = ("stage", tp, p.pp, p.pp_schedule, p.pp_stages_per_rank, repr(p.pp_split), r)
         if key not in memo:
             if "layers" not in memo:  # the model as pipeline layers, made once
                 memo["layers"] = bundle.pipeline(bundle.model)
-            memo[key] = stage_params(memo["layers"], p, r)
+            memo[key] = stage_params(memo["layers"], p, r, shape.split)
         return memo[key]
 
     params = rank_params(shape, layout, cfg.parallel.pp_schedule, stage_of)

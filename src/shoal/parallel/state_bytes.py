@@ -1,8 +1,10 @@
 """The bytes of model state one rank holds under a layout, from the parameters' shapes alone: pure
 arithmetic, shared by the preflight's memory check (parallel/fit.py) and the planner's memory model
 (plan/predict.py, which adds activations, the data and the heap). Each parameter is counted where it lives:
-  params      tp splits matrices (ndim >= 2) by tp; pp keeps the rank's stages' layers; ZeRO 2/3 (FSDP2)
-              shard every tensor's first dimension over dp (rank 0's chunk is the ceiling)
+  params      tp splits the parameters the model's tp plan splits (ModelBundle.tp_split; for a Hugging Face
+              model its attention and MLP layers, not the embeddings, norms or head) and leaves the rest whole
+              on every tp rank; pp keeps the rank's stages' layers; ZeRO 2/3 (FSDP2) shard every tensor's
+              first dimension over dp (rank 0's chunk is the ceiling)
   grads       as params for ZeRO 2/3; whole (this rank's tp/pp part) for ZeRO 0/1; none when frozen
   optimizer   AdamW: 2 fp32 moments + a one-element step per parameter; SGD: the momentum buffer;
               ZeRO 1 gives whole parameters to ranks greedily by size (ZeroRedundancyOptimizer), 2/3 shard
@@ -22,24 +24,34 @@ from dataclasses import dataclass, field
 from shoal.config import ParallelConfig
 from shoal.layout import Layout
 from shoal.models.meta import on_meta
+from shoal.models.spec import ModelBundle
+from shoal.models.tp_plan import split_parameters
 from shoal.parallel.pipeline import split_stages
 
-Param = tuple[int, int, int, bool]  # (numel, first dimension, ndim, trainable)
+Param = tuple[int, int, int, bool, bool]  # (numel, first dimension, ndim, trainable, split by tp)
 
 
 @dataclass
 class ModelShape:
-    """What the arithmetic needs of the model: each parameter as (numel, first dimension, ndim, trainable),
-    grouped by where it is (per block, or outside), and each pipeline stage's parameters."""
+    """What the arithmetic needs of the model: each parameter as (numel, first dimension, ndim, trainable,
+    split by tp), grouped by where it is (per block, or outside), and each pipeline stage's parameters.
+    `split`: the ids of the parameters tp splits, for the stages described later (None: every matrix)."""
 
     params: list[Param]
     block_params: list[list[Param]]
     stage_params: dict[tuple[int, int], list[Param]] = field(default_factory=dict)
     element_size: int = 4
+    split: frozenset[int] | None = None
     memo: dict = field(default_factory=dict, repr=False, compare=False)  # figures of parameter lists, once each
 
+    def __post_init__(self):
+        # a record without the split (a Session's, plan/check.py: 4 fields) takes it as `param` does
+        if any(len(p) == 4 for ps in (self.params, *self.block_params) for p in ps):
+            self.params = [param(*p) for p in self.params]
+            self.block_params = [[param(*p) for p in b] for b in self.block_params]
+
     def grouped(self, params: list) -> list[tuple[Param, int]]:
-        """`params` as its distinct (numel, first dimension, ndim, trainable) and how many of each: a model's
+        """`params` as its distinct (numel, first dimension, ndim, trainable, split) and how many of each: a model's
         blocks repeat a dozen shapes, and a plan asks thousands of layouts for their bytes. Kept per list
         (the list is held with it, so that its id stays its own)."""
         key = ("grouped", id(params))
@@ -54,44 +66,63 @@ class ModelShape:
         return self.memo[key]
 
 
-def describe(params) -> list[Param]:
-    """Parameters as ModelShape holds them; tied weights count once."""
+def param(numel: int, dim0: int, ndim: int, trainable: bool, split: bool | None = None) -> Param:
+    """One parameter as ModelShape holds it; `split` None: not known (a model that does not say what its tp plan
+    splits, ModelBundle.tp_split; a Session's record), taken as split where it is a matrix (ndim >= 2)."""
+    return numel, dim0, ndim, bool(trainable), ndim >= 2 if split is None else bool(split)
+
+
+def describe(params, split: frozenset[int] | None = None) -> list[Param]:
+    """Parameters as ModelShape holds them; tied weights count once. `split`: the ids of those tensor
+    parallelism splits (None: not known, as `param` takes it)."""
     seen, out = set(), []
     for p in params:
         if id(p) not in seen:
             seen.add(id(p))
-            out.append((p.numel(), p.shape[0] if p.dim() else 1, p.dim(), p.requires_grad))
+            out.append(param(p.numel(), p.shape[0] if p.dim() else 1, p.dim(), p.requires_grad,
+                             None if split is None else id(p) in split))
     return out
 
 
-def shape_of(model, block_types: tuple) -> ModelShape:
-    """`model`'s ModelShape (on any device; the meta one costs nothing), its blocks those of `block_types`."""
+def shape_of(model, block_types: tuple, split=None) -> ModelShape:
+    """`model`'s ModelShape (on any device; the meta one costs nothing), its blocks those of `block_types`;
+    `split`: the parameters tensor parallelism splits (None: every matrix)."""
+    ids = None if split is None else frozenset(id(p) for p in split)
     blocks = [m for m in model.modules() if block_types and isinstance(m, block_types)]
-    return ModelShape(describe(model.parameters()), [describe(b.parameters()) for b in blocks])
+    return ModelShape(describe(model.parameters(), ids), [describe(b.parameters(), ids) for b in blocks], split=ids)
 
 
-def stage_params(layers, parallel: ParallelConfig, pp_rank: int) -> list[Param]:
+def bundle_shape(bundle: ModelBundle, tp_split: bool = True) -> ModelShape:
+    """The ModelShape of a bundle's model, each parameter split by tp as its tp plan splits it
+    (tp_plan.split_parameters). `tp_split=False`: for layouts without tp, where the split does not count (a GPT's
+    plan imports DTensor's parallel styles, which the launcher's preflight then need not)."""
+    return shape_of(bundle.model, bundle.block_types, split_parameters(bundle) if tp_split else None)
+
+
+def stage_params(layers, parallel: ParallelConfig, pp_rank: int, split: frozenset[int] | None = None) -> list[Param]:
     """Parameters of pipeline rank `pp_rank`'s stages under `parallel`'s split of `layers` (the model's
-    PipelineLayers), each stage built on the meta device."""
+    PipelineLayers), each stage built on the meta device; `split` as describe takes it (a stage holds the
+    model's own parameters: ModelShape.split)."""
     p = parallel
-    split = split_stages(layers.names, layers.costs, p.pp, p.pp_schedule, p.pp_stages_per_rank, p.pp_split)
+    stages = split_stages(layers.names, layers.costs, p.pp, p.pp_schedule, p.pp_stages_per_rank, p.pp_split)
     out = []
-    for k in range(split.stages_per_rank):
+    for k in range(stages.stages_per_rank):
         with on_meta():
-            out += describe(layers.build_stage(*split.bounds(pp_rank + k * p.pp)).parameters())
+            out += describe(layers.build_stage(*stages.bounds(pp_rank + k * p.pp)).parameters(), split)
     return out
 
 
 def shard_bytes(shape: ModelShape, params, shard: int, zero_sharded: bool, tp: int, esize: int, what: str) -> int:
-    """Bytes of `params` on the largest rank: matrices split by tp, then (ZeRO 2/3) the first
-    dimension chunked over `shard` ranks, rank 0's chunk the ceiling. `what`: "params" all of them,
-    "grads" the trainable ones, "matrices" those of two dimensions or more."""
+    """Bytes of `params` on the largest rank: those the model's tp plan splits divided by tp (the rest whole
+    on every tp rank), then (ZeRO 2/3) the first dimension chunked over `shard` ranks, rank 0's chunk the
+    ceiling. `what`: "params" all of them, "grads" the trainable ones, "matrices" those of two dimensions
+    or more."""
     total = 0
-    for (numel, dim0, ndim, trainable), count in shape.grouped(params):
+    for (numel, dim0, ndim, trainable, split), count in shape.grouped(params):
         if (what == "grads" and not trainable) or (what == "matrices" and ndim < 2):
             continue
         rest = numel // max(dim0, 1)
-        d0 = dim0 // tp if (tp > 1 and ndim >= 2) else dim0
+        d0 = dim0 // tp if (tp > 1 and split) else dim0
         if zero_sharded and shard > 1:
             d0 = math.ceil(d0 / shard)
         total += count * d0 * rest * esize
@@ -101,7 +132,7 @@ def shard_bytes(shape: ModelShape, params, shard: int, zero_sharded: bool, tp: i
 def zero1_max(params, dp: int, tp: int, per_element: int, per_param: int) -> int:
     """ZeroRedundancyOptimizer: parameters sorted by size, each to the least loaded rank."""
     loads = [0] * dp
-    for numel in sorted((n for n, _, _, t in params if t), reverse=True):
+    for numel in sorted((n for n, _, _, t, _ in params if t), reverse=True):
         i = loads.index(min(loads))
         loads[i] += numel * per_element + per_param
     return max(loads)
@@ -133,7 +164,7 @@ def state_bytes(shape: ModelShape, params: list, layout: Layout, *, optimizer: s
     n_trainable = sum(count for g, count in shape.grouped(params) if g[3])
     if zero == 1:
         opt = shape.once(("zero1", id(params), shard, d.tp, moments * es, step_bytes), lambda: zero1_max(
-            [(n // d.tp if d.tp > 1 and nd >= 2 else n, d0, nd, t) for n, d0, nd, t in params],
+            [(n // d.tp if d.tp > 1 and s else n, d0, nd, t, s) for n, d0, nd, t, s in params],
             shard, 1, moments * es, step_bytes))
     else:
         opt = g_bytes * moments + n_trainable * step_bytes

@@ -284,9 +284,10 @@ def trace_micro_batch(bundle, batch: dict, block_types: tuple, fused_attention: 
                       native_dropout: bool = False, tp_split: list | None = None) -> MicroBatchCost:
     """Forward and backward of `batch` (meta tensors) through `bundle.model` (on meta); attention fused
     (flash) or materialised with its dropout, and dropout as a GPU or a CPU runs it (_Attention).
-    `tp_split`: the parameters tensor parallelism splits, where the model's plan leaves others whole (a
-    Hugging Face model's embeddings and output head: its logits are whole on every tp rank); None: every
-    parameter, the Megatron-LM split of _Trace._place (shoal's GPT splits its vocabulary too)."""
+    `tp_split`: the parameters tensor parallelism splits, by the model's plan (tp_plan.split_parameters: a
+    Hugging Face model's embeddings and output head are whole, and so are its logits on every tp rank; shoal's
+    GPT splits its vocabulary, and so its logits); None: every parameter, the Megatron-LM split of
+    _Trace._place."""
     model = bundle.model
     weights = frozenset(_storage(p) for p in model.parameters())
     saved = _Saved(weights, [m for m in model.modules() if block_types and isinstance(m, block_types)])

@@ -14,10 +14,10 @@ from shoal.data.sources import build_source
 from shoal.errors import UserError
 from shoal.hardware import HardwareProfile
 from shoal.layout import resolve_layout
-from shoal.models import hf
 from shoal.models.meta import on_meta
 from shoal.models.registry import build_model
-from shoal.parallel.state_bytes import ModelShape, numel, rank_params, shape_of, stage_params
+from shoal.models.tp_plan import split_parameters
+from shoal.parallel.state_bytes import ModelShape, numel, rank_params, shape_of, shard_bytes, stage_params
 from shoal.plan.cost import MicroBatchCost, affine, trace_micro_batch, trace_optimizer_step
 from shoal.plan.enumerate import Candidate, candidates
 from shoal.plan.predict import Prediction, activation_scale, predict_memory, predict_time
@@ -77,7 +77,10 @@ class Model:
     attention_dropout: float = 0.0
     hidden_dropout: float = 0.0
     cuda: bool = False
-    tp_split: list | None = None  # the parameters tensor parallelism splits (_tp_split)
+    # the parameters tensor parallelism splits, by the model's tp plan (tp_plan.split_parameters: a Hugging Face
+    # model's attention and MLP layers, shoal's GPT all but its norms, positions and row-parallel biases); None:
+    # a model that does not say, every matrix
+    tp_split: list | None = None
 
     @classmethod
     def build(cls, cfg: Config, fused_attention: bool = True, attention_dropout: float = 0.0,
@@ -88,10 +91,11 @@ class Model:
         with on_meta():
             bundle = build_model(cfg.model, source.spec)
         freeze(bundle.model, cfg.train.freeze)
-        shape = shape_of(bundle.model, bundle.block_types)
+        split = split_parameters(bundle)
+        shape = shape_of(bundle.model, bundle.block_types, split)
         model = cls(cfg, bundle, source, shape, fused_attention=fused_attention,
                     attention_dropout=attention_dropout, hidden_dropout=hidden_dropout, cuda=cuda,
-                    tp_split=_tp_split(bundle))
+                    tp_split=split)
         model.opt_ops = trace_optimizer_step(bundle.model, cfg.train.optimizer, cfg.train.momentum,
                                              bool(cfg.train.grad_clip))
         model.data_bytes = sum(_nbytes(v) for v in vars(source).values())
@@ -122,14 +126,8 @@ class Model:
         if key not in self.stages:
             if self.layers is None:
                 self.layers = self.bundle.pipeline(self.bundle.model)
-            self.stages[key] = stage_params(self.layers, p, pp_rank)
+            self.stages[key] = stage_params(self.layers, p, pp_rank, self.shape.split)
         return self.stages[key]
-
-
-def _tp_split(bundle) -> list | None:
-    """The parameters tensor parallelism splits where the model's plan names them (a Hugging Face model's
-    `base_model_tp_plan`: attention and MLP projections); None: every one (shoal's GPT)."""
-    return hf.tp_split_parameters(bundle.model) if bundle.tensor_parallel is hf.tensor_parallel else None
 
 
 def _nbytes(value) -> int:
@@ -161,8 +159,9 @@ def predict(model: Model, cfg: Config, layout, profile: HardwareProfile | None,
                          stages_per_rank=stages, sequence_parallel=p.sequence_parallel)
     if profile is None or (memory is not None and mem["peak"] > memory):
         return Prediction(mem, {"compute": None, "comm": None, "bubble": None, "step": None})
-    grad_bytes = numel(model.shape, params, trainable=True) * model.shape.element_size // d.tp
-    full = total * model.shape.element_size // d.tp
+    # a rank's gradients and parameters whole (its tp part: what the model's tp plan leaves whole counts whole)
+    grad_bytes = shard_bytes(model.shape, params, 1, False, d.tp, model.shape.element_size, "grads")
+    full = shard_bytes(model.shape, params, 1, False, d.tp, model.shape.element_size, "params")
     t = predict_time(model.shape, cost, model.opt_ops, layout, profile, dtype=cfg.precision.dtype,
                      checkpointing=cfg.precision.activation_checkpointing, schedule=p.pp_schedule,
                      stages_per_rank=stages, grad_bytes=grad_bytes, param_bytes_full=full,

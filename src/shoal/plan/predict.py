@@ -5,8 +5,9 @@ memory_per_rank is read (the rank that runs out first).
 Memory, the quantities metrics/memory.py measures (STATE_KINDS), each parameter counted where it lives
 (params, grads, optimizer and the parameters' copies in buffers: parallel/state_bytes.py, which the
 preflight's memory check shares):
-  params      tp splits matrices (ndim >= 2) by tp; pp keeps the rank's stages' layers; ZeRO 2/3
-              (FSDP2) shard every tensor's first dimension over dp (rank 0's chunk is the ceiling)
+  params      tp splits what the model's tp plan splits (a Hugging Face model's embeddings, norms and head
+              stay whole on every tp rank); pp keeps the rank's stages' layers; ZeRO 2/3 (FSDP2) shard
+              every tensor's first dimension over dp (rank 0's chunk is the ceiling)
   grads       as params for ZeRO 2/3; whole (this rank's tp/pp part) for ZeRO 0/1; none when frozen
   optimizer   AdamW: 2 fp32 moments + a one-element step per parameter; SGD: the momentum buffer;
               ZeRO 1 gives whole parameters to ranks greedily by size (ZeroRedundancyOptimizer), 2/3 shard
@@ -62,7 +63,7 @@ from functools import partial
 from shoal.hardware import OVERHEAD_MESSAGE_BYTES, HardwareProfile
 from shoal.layout import Layout
 from shoal.parallel.pipeline import bubble_fraction
-from shoal.parallel.state_bytes import ModelShape, copies, state_bytes
+from shoal.parallel.state_bytes import ModelShape, copies, shard_bytes, state_bytes
 from shoal.plan.cost import MicroBatchCost, Ops
 from shoal.plan.network import network
 
@@ -273,9 +274,9 @@ def _ddp_comm(shape: ModelShape, profile: HardwareProfile, layout: Layout, n_mic
                  + (n_micro - 1) * over["ddp_local_s"] + n_micro * len(shape.params) * over["ddp_param_s"])
     comm += 2 * grad_bytes / (profile.memory_bandwidth or 1e11)
     if layout.zero == 1:
-        comm += sum(ct("send_recv", n * shape.element_size / (d.tp if nd >= 2 else 1))
+        comm += sum(ct("send_recv", n * shape.element_size / (d.tp if split else 1))
                     or ct("all_gather", n * shape.element_size / d.dp) or 0.0
-                    for n, _, nd, trainable in shape.params if trainable)
+                    for n, _, _, trainable, split in shape.params if trainable)
     return comm
 
 
@@ -292,8 +293,8 @@ def _fsdp_comm(shape: ModelShape, profile: HardwareProfile, layout: Layout, n_mi
     gradients in `reduce_dtype`."""
     d, zero, ct, over = layout.dims, layout.zero, collectives(profile, layout), profile.parallel_overheads
     n_blocks = max(len(shape.block_params), 1)
-    in_blocks = shape.once(("in blocks",), lambda: sum(n for b in shape.block_params for n, *_ in b)) \
-        * shape.element_size / d.tp
+    in_blocks = shape.once(("in blocks", d.tp), lambda: sum(
+        shard_bytes(shape, b, 1, False, d.tp, shape.element_size, "params") for b in shape.block_params))
     block_bytes = (in_blocks or param_bytes_full) / n_blocks
     rest_bytes = max(param_bytes_full - n_blocks * block_bytes, 0.0)  # the root's: embeddings, head
     half = dtype in ("bf16", "fp16")
