@@ -17,6 +17,9 @@ for 24 steps, fp32 unless said:
                        a lower CUDA peak than fp32's
   cuda-memory          train-fp32's metrics.jsonl and summary.json carry CUDA's peak allocated bytes: at least the
                        model state (parameters, gradients, AdamW moments), below the GPU's memory
+  start-memory         train-fp32's summary.json: its start (the model built on the meta device, the seeded init
+                       replayed on the CPU and copied to the GPU tensor by tensor) allocated on the GPU its
+                       parameters and at most 1 MiB more
   probe                shoal probe --no-calibrate --nproc 1: a profile of this device (matmul rates, copy bandwidth)
   plan                 shoal plan CONFIG with no profile cached: it measures one on the spot; a step time on every row
   plan-check           shoal plan --check on train-fp32's run: predicted and measured rows, model state within 1%
@@ -171,6 +174,16 @@ def p_cuda_memory(ctx: Ctx) -> str:
             f"{mib(ctx.gpu_bytes)}")
 
 
+def p_start_memory(ctx: Ctx) -> str:
+    run = fp32_run(ctx)
+    params = run.summary["memory_per_rank"][0]["params"]
+    start = run.summary["start_memory_bytes"]
+    if not params <= start <= params + 2**20:
+        raise Failed(f"the start allocated {start} bytes on the GPU for {params} bytes of parameters: expected those "
+                     f"and at most 1 MiB more (the init is computed on the CPU)")
+    return f"the start allocated {mib(start)} on the GPU for {mib(params)} of parameters"
+
+
 # name: (what it needs CUDA for, or None: it runs on a CPU too; the function)
 PATHS = {
     "train-fp32": ("shoal train on a GPU", p_train_fp32),
@@ -179,6 +192,7 @@ PATHS = {
     "train-compile": ("torch.compile of a GPU run", p_train_compile),
     "train-checkpointing": ("activation checkpointing on a GPU (the CUDA peak)", p_train_checkpointing),
     "cuda-memory": ("CUDA's peak memory", p_cuda_memory),
+    "start-memory": ("CUDA's allocated memory", p_start_memory),
     "probe": (None, commands.p_probe),
     "plan": (None, commands.p_plan),
     "plan-check": (None, commands.p_plan_check),
