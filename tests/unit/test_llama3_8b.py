@@ -4,7 +4,7 @@ H100 preset says that its own layout fits 80 GB and predicts its step. The plann
 Llama as a GPU runs it: attention fused, its key/value heads grouped, and the logits whole on every
 tensor-parallel rank (the model's plan splits attention and MLPs only). The forward shoal runs
 (hf.unpacked_rows) is transformers' own, bitwise. Meta device and a tiny model on the CPU (the
-reduced-size config's parity on 4 ranks: tests/dist/test_llama3_8b.py)."""
+reduced-size config's parity on 4 ranks: tests/dist/test_llama3_8b_layout.py)."""
 
 import importlib.util
 from pathlib import Path
@@ -41,7 +41,7 @@ V, H, FF, LAYERS = 128_256, 4096, 14_336, 32
 SPLIT = LAYERS * (2 * H * H + 2 * 1024 * H + 3 * FF * H)
 WHOLE = 2 * V * H + (2 * LAYERS + 1) * H
 STATE = 16 * (SPLIT // 8 + WHOLE // 4) + 4 * (9 * LAYERS + 3)
-# the same config narrowed (as tests/dist/test_llama3_8b.py trains it): 4 query heads per key/value head as in
+# the same config narrowed (as tests/dist/test_llama3_8b_layout.py trains it): 4 query heads per key/value head as in
 # Llama 3 8B; 256 positions so that a head's scores (T x T) are the largest tensor a materialised attention makes
 SMALL = ["model.config.hidden_size=64", "model.config.intermediate_size=128", "model.config.num_hidden_layers=2",
          "model.config.num_attention_heads=8", "model.config.num_key_value_heads=2", "model.config.vocab_size=256",

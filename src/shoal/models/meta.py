@@ -41,15 +41,16 @@ def has_transient_buffers(model: torch.nn.Module) -> bool:
     return any(m._non_persistent_buffers_set for m in model.modules())
 
 
-def materialize(model: torch.nn.Module, device: torch.device | str) -> torch.nn.Module:
+def materialize(model: torch.nn.Module, device: torch.device | str, keep_real: bool = False) -> torch.nn.Module:
     """Allocate a meta model's tensors on `device` (uninitialized), keeping tied parameters tied:
-    `to_empty` gives each module its own new tensor, which would untie, say, GPT's embedding and head."""
+    `to_empty` gives each module its own new tensor, which would untie, say, GPT's embedding and head.
+    `keep_real`: tensors that are not on the meta device keep their values (moved to `device`)."""
     owners: dict[int, list[tuple[torch.nn.Module, str]]] = defaultdict(list)
     for module in model.modules():
         for name, p in module._parameters.items():
             if p is not None:
                 owners[id(p)].append((module, name))
-    model.to_empty(device=device)
+    model._apply(lambda t: torch.empty_like(t, device=device) if t.is_meta or not keep_real else t.to(device))
     for places in owners.values():
         first_module, first_name = places[0]
         for module, name in places[1:]:

@@ -47,7 +47,7 @@ class Materializer:
         if self.done or self.deferred is None:
             return
         self.done = True
-        allocate(root, self.device)
+        allocate(root, self.device, keep_real=True)  # a tensor a layout made on its own keeps its value
         wanted: dict[Ref, list[Sink]] = {}
         names = self.deferred.names
         for name, t in _named_tensors(root):
