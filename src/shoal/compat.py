@@ -32,12 +32,13 @@ def release(version: str) -> tuple[int, int]:
         raise UserError(f"torch's version {version!r} is not a release number shoal can read") from None
 
 
-TORCH = release(torch.__version__)
+VERSION = torch.__version__  # the one place shoal reads it: `shoal env`, profiles and the checks below
+TORCH = release(VERSION)
 
 
 def unsupported(version: str | None = None) -> str | None:
     """Why this torch (or `version`) cannot run shoal, in one line with the fix; None when it can."""
-    version = torch.__version__ if version is None else version
+    version = VERSION if version is None else version
     if release(version) >= MINIMUM:
         return None
     need = ".".join(map(str, MINIMUM))

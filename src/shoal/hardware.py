@@ -200,10 +200,12 @@ def this_machine() -> dict[str, str | int]:
     its workers would use. Profiles are cached and checked under it (plan/profiles.py)."""
     import torch
 
+    from shoal.compat import VERSION
+
     cuda = torch.cuda.is_available()
     return {"cpu": cpu_name(), "cores": len(os.sched_getaffinity(0)),
             "gpu": torch.cuda.get_device_name(0) if cuda else "none", "gpus": torch.cuda.device_count() if cuda else 0,
-            "torch": torch.__version__, "backend": "nccl" if cuda else "gloo"}
+            "torch": VERSION, "backend": "nccl" if cuda else "gloo"}
 
 
 def machine_differences(measured: dict, here: dict) -> list[str]:

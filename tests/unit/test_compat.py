@@ -5,7 +5,6 @@ import ast
 from pathlib import Path
 
 import pytest
-import torch
 
 from shoal import compat
 from shoal.errors import UserError
@@ -34,7 +33,7 @@ def test_the_command_line_and_the_python_entries_refuse_an_older_torch(monkeypat
     import shoal
     from shoal.cli import main
 
-    monkeypatch.setattr(torch, "__version__", "2.10.0")
+    monkeypatch.setattr(compat, "VERSION", "2.10.0")
     assert main(["plan", "--nproc", "2"]) == 2
     err = capsys.readouterr().err
     assert err.startswith("shoal: error: shoal needs torch >= 2.11, and this environment has torch 2.10.0") \

@@ -7,6 +7,7 @@ import dataclasses
 import pytest
 import torch
 
+from shoal import compat
 from shoal.cli import main
 from shoal.env import facts as machine
 
@@ -94,7 +95,7 @@ def test_no_gpu_visible_says_which_of_its_causes(monkeypatch, capsys):
 
 
 def test_an_unsupported_torch_is_reported_not_crashed_on(monkeypatch, capsys):
-    monkeypatch.setattr(torch, "__version__", "2.9.1")
+    monkeypatch.setattr(compat, "VERSION", "2.9.1")
     assert main(["env"]) == 0
     out = capsys.readouterr().out
     assert "torch       2.9.1 (UNSUPPORTED: shoal needs torch >= 2.11" in out

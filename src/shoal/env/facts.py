@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from shoal import __version__
+from shoal import __version__, compat
 from shoal.compat import unsupported
 from shoal.layout import choose_backend, choose_device
 from shoal.parallel import float8
@@ -82,7 +82,7 @@ def gather() -> Facts:
 
     warning, gpus = visible_gpus()
     return Facts(python=platform.python_version(), platform=platform.platform(), cpu=cpu_name(),
-                 cores=len(os.sched_getaffinity(0)), torch=torch.__version__, torch_unsupported=unsupported(),
+                 cores=len(os.sched_getaffinity(0)), torch=compat.VERSION, torch_unsupported=unsupported(),
                  cuda=torch.version.cuda, cudnn=cudnn_version(), nccl=nccl_version(), driver=driver_version(),
                  driver_cuda=driver_cuda(), gpus=gpus, cuda_warning=warning,
                  visible_devices=os.environ.get("CUDA_VISIBLE_DEVICES"), shm_bytes=shm_bytes(),
