@@ -45,11 +45,6 @@ def shoal_run(run_dir: Path) -> tuple[int, int, int]:
     return summary["start_memory_bytes"], summary["peak_memory_bytes"], summary["parameters"] * 4
 
 
-def status_bytes(field: str) -> int:
-    with open("/proc/self/status") as f:
-        return next(int(line.split()[1]) * 1024 for line in f if line.startswith(field + ":"))
-
-
 def by_hand_worker(rank: int, port: int, out: str) -> None:
     """One rank of the hand-written loop."""
     import torch
@@ -57,14 +52,13 @@ def by_hand_worker(rank: int, port: int, out: str) -> None:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
+    from shoal.metrics.memory import memory_mark, memory_since, status_bytes
     from shoal.models.gpt import GPT, GPTConfig
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=NPROC)
     mesh = init_device_mesh("cpu", (NPROC,))
-    rss0 = status_bytes("VmRSS")
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")
+    mark = memory_mark(torch.device("cpu"))  # as shoal measures its start (summary.json's start_memory_bytes)
     cfg = GPTConfig(**SIZE)
     with torch.device("meta"):
         model = GPT(cfg, 256)
@@ -76,7 +70,7 @@ def by_hand_worker(rank: int, port: int, out: str) -> None:
     model.head.weight = model.tok_emb.weight
     with torch.no_grad():
         model.apply(GPT._init)  # the GPT's own init, on each rank's shards (DTensor ops act locally)
-    start = status_bytes("VmHWM") - rss0
+    start = memory_since(torch.device("cpu"), mark)
     optimizer = torch.optim.SGD(model.parameters(), lr=1e-4)
     tokens = torch.randint(0, 256, (1, SIZE["seq_len"] + 1), generator=torch.Generator().manual_seed(rank))
     model(tokens[:, :-1], tokens[:, 1:]).backward()

@@ -142,6 +142,16 @@ def shared_dir(tmp_path_factory, worker_id) -> Path:
     return base.parent if worker_id != "master" else base
 
 
+@pytest.fixture(scope="module")
+def one_rank():
+    """A gloo process group of this process alone (a DeviceMesh, DTensor placements, a DDP hook, in-process)."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
 @pytest.fixture(scope="session")
 def ranks():
     """ranks(n): n persistent worker processes with a gloo group per call (tests/harness.py)."""

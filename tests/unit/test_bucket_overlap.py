@@ -57,12 +57,6 @@ class Bucket:  # what a DDP comm hook reads of its GradBucket
         return self.params
 
 
-@pytest.fixture(scope="module")
-def one_rank():
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    yield
-    dist.destroy_process_group()
-
 
 # the tolerance as a fraction of a tensor's largest entry: half a quantisation step for int8 / int4
 @pytest.mark.parametrize("codec,tol", [("fp16", 1e-3), ("int8", 1 / 254), ("int4", 1 / 14), ("topk", 0.0),

@@ -130,14 +130,6 @@ def test_the_trace_runs_grouped_attention_fused_and_keeps_the_logits_whole():
     assert len(split) == 7 * 2  # q, k, v, o, gate, up, down in each of 2 layers
 
 
-@pytest.fixture
-def one_rank():
-    import torch.distributed as dist
-
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    yield
-    dist.destroy_process_group()
-
 
 def test_the_split_counted_is_the_one_dtensor_places(one_rank):
     """hf.tp_split_parameters reads the styles hf.tensor_parallel applies: after the model is split (over a

@@ -127,14 +127,6 @@ def test_tp_splits_what_the_gpt_s_plan_splits_and_no_more():
     assert bundle_shape(bundle, tp_split=False).split is None and len(split_parameters(bundle)) == LAYERS * 10 + 1
 
 
-@pytest.fixture
-def one_rank():
-    import torch.distributed as dist
-
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    yield
-    dist.destroy_process_group()
-
 
 def test_the_split_counted_is_the_one_dtensor_places(one_rank):
     """ModelBundle.tp_split reads the styles tensor_parallel applies (tp_plan.split_by): after the GPT is

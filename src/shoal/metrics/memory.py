@@ -32,7 +32,7 @@ def memory_mark(device: torch.device) -> int:
             f.write("5")
     except OSError:
         pass  # an earlier peak then counts too: the growth is overstated, never understated
-    return _status_bytes("VmRSS")
+    return status_bytes("VmRSS")
 
 
 def memory_since(device: torch.device, mark: int) -> int:
@@ -40,19 +40,17 @@ def memory_since(device: torch.device, mark: int) -> int:
     resident set's high-water mark."""
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device) - mark
-    return max(_status_bytes("VmHWM") - mark, 0)
+    return max(status_bytes("VmHWM") - mark, 0)
 
 
-def _status_bytes(field: str) -> int:
-    """A field of /proc/self/status in bytes (Linux; 0 elsewhere)."""
-    try:
-        with open("/proc/self/status", encoding="ascii") as f:
-            for line in f:
-                if line.startswith(field + ":"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return 0
+def status_bytes(field: str) -> int:
+    """A byte count of /proc/self/status (VmRSS, VmHWM) of this process. (Not getrusage's maxrss: Linux carries
+    that over from the parent across exec, so a new process started by a large one reports the parent's peak.)"""
+    with open("/proc/self/status", encoding="ascii") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) * 1024
+    raise OSError(f"/proc/self/status has no {field}")
 
 
 def _local_bytes(tensors: Iterable[torch.Tensor]) -> int:

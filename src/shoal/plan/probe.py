@@ -32,7 +32,7 @@ from shoal.allocator import THRESHOLD
 from shoal.comm.collectives import Comm
 from shoal.dist import DistEnv
 from shoal.hardware import PROBE_LAYERS, HardwareProfile, cpu_name, line_through, this_machine
-from shoal.metrics.memory import peak_memory_bytes
+from shoal.metrics.memory import peak_memory_bytes, status_bytes
 
 KIB = 1024
 DEFAULT_SIZES = tuple(4 * KIB * 4 ** k for k in range(8))  # 4 KiB .. 64 MiB
@@ -132,19 +132,9 @@ def reference_heap(repeats: int, width: int) -> int:
     the profile's process_bytes is measured."""
     import shoal.training.run  # noqa: F401 - as measure() imports it before reading process_bytes
 
-    before = _status_bytes("VmRSS")
+    before = status_bytes("VmRSS")
     _wall(_reference_step(width, torch.device("cpu"), repeats), repeats, lambda: None)
-    return _status_bytes("VmHWM") - before
-
-
-def _status_bytes(key: str) -> int:
-    """VmRSS or VmHWM of this process. (Not getrusage's maxrss: Linux carries that over from the parent
-    across exec, so a new process started by a large one reports the parent's peak.)"""
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(key + ":"):
-                return int(line.split()[1]) * 1024
-    raise OSError(f"/proc/self/status has no {key}")
+    return status_bytes("VmHWM") - before
 
 
 def reference_live_bytes(width: int) -> int:
