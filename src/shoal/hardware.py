@@ -35,6 +35,14 @@ PRESETS = {
              "matmul_flops": {"fp32": 19.5e12, "tf32": 156e12, "bf16": 312e12, "fp16": 312e12},
              "memory_bandwidth": 2.04e12, "network": "nvlink3-hdr200"},
 }
+# a GPU preset's memory beyond tensors (HardwareProfile.context_bytes, nccl_bytes) until `shoal probe` measures
+# them on the GPU: the CUDA context under lazy module loading (CUDA >= 11.7) is 300-430 MiB before a kernel
+# runs (426 MiB with torch 2.10 + CUDA 13.0), and the kernels a training step loads add to it; NCCL on 8 x
+# H100 held ~1 GB a GPU outside torch's allocator after its first collectives (its buffers grow with its
+# channels: NVLink4 runs up to 32 of them)
+GPU_MEMORY = {"context_bytes": 512 * 2 ** 20, "nccl_bytes": 2 ** 30}
+for _gpu in ("h100", "h200", "a100"):
+    PRESETS[_gpu] |= GPU_MEMORY
 # named clusters: a GPU's preset with its network (plan/network.py); the bare name takes the first
 CLUSTERS = {"h100-ib400": ("h100", "nvlink4-ndr400"), "h100-roce400": ("h100", "nvlink4-roce400"),
             "h100-eth100": ("h100", "nvlink4-eth100"), "h200-ib400": ("h200", "nvlink4-ndr400"),
@@ -76,6 +84,14 @@ class HardwareProfile(BaseModel):
     # the fraction of the peak (and of the memory bandwidth) that a training step's kernels reach: every
     # compute second the planner prices is divided by it (None: 1, the data sheet's figures as they are)
     compute_efficiency: float | None = None
+    # a GPU's memory beyond the tensors (plan/predict.py's device peak): what a worker holds outside torch's
+    # caching allocator after training steps (the CUDA context with the kernels it loaded, library handles);
+    # what one NCCL communicator adds to that once it has run collectives (its channels' buffers); and the
+    # caching allocator's reserved peak over its allocated peak in training (blocks rounded up, cached
+    # free blocks, fragmentation). Measured by `shoal probe` on the GPU; a preset's are public figures.
+    context_bytes: int | None = None
+    nccl_bytes: int | None = None
+    allocator_reserve: float | None = None
     # what makes the machine it was measured on (this_machine()): a profile of another one is not used
     # unless asked for (--hardware); when it was measured (seconds since the epoch); `spot`: measured by
     # `shoal plan` in seconds (no calibration, no heap measurement) rather than by `shoal probe`

@@ -21,6 +21,19 @@ def peak_memory_bytes(device: torch.device) -> int:
     return rss if sys.platform == "darwin" else rss * 1024  # Linux reports KiB
 
 
+def device_memory_bytes(device: torch.device) -> dict[str, int]:
+    """A GPU's memory beyond the tensors' peak: `reserved`, the caching allocator's peak of reserved bytes
+    (its blocks, rounded up and kept cached), and `outside`, what this process holds outside the allocator
+    now (the CUDA context with the kernels it loaded, NCCL's buffers): the device's used bytes less the
+    allocator's reserved ones (one process a GPU: another process's memory would count as ours). Empty off
+    a GPU."""
+    if device.type != "cuda":
+        return {}
+    free, total = torch.cuda.mem_get_info(device)
+    return {"reserved": torch.cuda.max_memory_reserved(device),
+            "outside": max(total - free - torch.cuda.memory_reserved(device), 0)}
+
+
 def memory_mark(device: torch.device) -> int:
     """What this process holds now, to measure a phase's growth from (memory_since): the device's allocated
     bytes on a GPU (its peak counter restarted here), the resident set on the CPU."""

@@ -17,7 +17,7 @@ from shoal.comm.collectives import Comm
 from shoal.comm.phase import Phase
 from shoal.config import MetricsConfig, TrainConfig
 from shoal.data.sampler import GlobalBatchSampler
-from shoal.metrics.memory import STATE_KINDS, peak_memory_bytes
+from shoal.metrics.memory import STATE_KINDS, device_memory_bytes, peak_memory_bytes
 from shoal.metrics.profile import Profiler
 from shoal.metrics.sinks import MetricsSinks
 from shoal.metrics.timers import StepTimer
@@ -253,10 +253,11 @@ def gather_memory(comm: Comm, device: torch.device, held: dict[str, int], comput
     """Every rank's model-state bytes and peak memory (one small all-gather over the world), and with
     `compute_s` every rank's mean compute per step since the last measured step (the step profile)."""
     extra = [compute_s] if compute_s is not None else []
-    mine = torch.tensor([float(held[k]) for k in STATE_KINDS] + [float(peak_memory_bytes(device))] + extra,
-                        dtype=torch.float64, device=device)
+    beyond = device_memory_bytes(device)  # a GPU's: reserved, outside the allocator (every rank's device alike)
+    mine = torch.tensor([float(held[k]) for k in STATE_KINDS] + [float(peak_memory_bytes(device))]
+                        + [float(v) for v in beyond.values()] + extra, dtype=torch.float64, device=device)
     out = comm.all_gather(mine, label="world, memory accounting")
-    kinds = (*STATE_KINDS, "peak")
+    kinds = (*STATE_KINDS, "peak", *beyond)
     rows = [{"rank": r, **{k: int(v) for k, v in zip(kinds, x.tolist()[:len(kinds)], strict=True)}}
             for r, x in enumerate(out)]
     if extra:
