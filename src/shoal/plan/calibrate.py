@@ -3,8 +3,8 @@ strategy, its measured step time against the prediction for it, fitted per strat
 
     measured = a x predicted + b
 
-over the widths of the model the probe passes (REFERENCE_WIDTHS). The formulas add up operators
-measured one at a time, with side-by-side processes; a real run also pays what they do not count: the
+over the widths of the device's reference GPT (plan/reference.py; on a GPU in bf16). The formulas add up
+operators measured one at a time, with side-by-side processes; a real run also pays what they do not count: the
 training loop (in one process a step ~4-6% longer than the bare model's), the communication library's
 threads taking cycles from the compute on shared cores, and the rest of each strategy's own work
 (largest under tensor parallelism). On this machine the formulas alone under-predict most layouts of
@@ -12,7 +12,7 @@ the planner benchmark, by 5-30%.
 
 A line from single runs extrapolates whatever noise its points carry (a tp line through two runs once
 came out 3.15 x predicted - 314 ms, the formulas' step at the smaller width priced at a collective slow
-mode the probe had met). So each reference point is REPEATS runs, in rounds (every point
+mode the probe had met). So on a CPU each reference point is two runs (plan/reference.py), in rounds (every point
 once, then again), so that a burst of other work lands on one run of several points rather than on
 every run of one; a point is the median of its runs. The line is then checked (check()): one whose
 slope or intercept no physics of the formulas' misses allows, or one that predicts the reference runs
@@ -41,9 +41,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from shoal.hardware import HardwareProfile, line_through
+from shoal.plan.reference import CPU_REFERENCE, Reference, reference_for
 
 STEPS = 10  # the run's median step: the first (warm-up) and the noisiest fall out
-REPEATS = 2  # runs per reference point (3 widths: one bad point does not move the line)
 CHECKS_KEY = "calibration_checks"  # the profile's record of the checks (an extra key of HardwareProfile)
 
 # what a line may say of the formulas and stay physics: what they miss grows with the work they count
@@ -73,16 +73,20 @@ def reference_layouts(nproc: int) -> dict[str, list[str]]:
     return runs
 
 
-def reference_config(width: int, layout: list[str], nproc: int, threads: int) -> list[str]:
-    """`--set` values for the probe's reference GPT (probe.py: 2 blocks of `width`, 4 heads, 128 byte
-    tokens, 4 sequences per replica a step) in `layout`, in micro-batches of 2."""
+def reference_config(width: int, layout: list[str], nproc: int, threads: int,
+                     reference: Reference = CPU_REFERENCE) -> list[str]:
+    """`--set` values for the probe's reference GPT (plan/reference.py; a CPU's: 2 blocks of `width`, 4 heads,
+    128 byte tokens, 4 sequences per replica a step) in `layout`, in micro-batches of 2; a GPU's with its
+    vocabulary and in its calibration dtype."""
     split = 2 if any(k.startswith(("parallel.tp=", "parallel.pp=")) for k in layout) else 1
-    return ["model.name=\"gpt\"", "model.n_layer=2", f"model.d_model={width}", "model.n_head=4", "model.seq_len=128",
-            'data.source="stdlib-text"', "data.max_bytes=400000", f"train.global_batch_size={4 * nproc // split}",
-            "train.micro_batch_size=2", f"train.steps={STEPS}", "train.val_interval=0", "train.val_batches=1",
-            "metrics.log_interval=1", "metrics.tensorboard=false", "metrics.progress=false",
-            "checkpoint.enabled=false", "checkpoint.final_weights=false", f"parallel.threads_per_worker={threads}",
-            *layout]
+    gpu = ([f"model.vocab_size={reference.vocab}"] if reference.vocab != CPU_REFERENCE.vocab else []) + \
+        ([f'precision.dtype="{reference.calibration_dtype}"'] if reference.calibration_dtype != "fp32" else [])
+    return ["model.name=\"gpt\"", "model.n_layer=2", f"model.d_model={width}", f"model.n_head={reference.heads(width)}",
+            f"model.seq_len={reference.seq_len}", 'data.source="stdlib-text"', "data.max_bytes=400000",
+            f"train.global_batch_size={reference.batch * nproc // split}", "train.micro_batch_size=2",
+            f"train.steps={STEPS}", "train.val_interval=0", "train.val_batches=1", "metrics.log_interval=1",
+            "metrics.tensorboard=false", "metrics.progress=false", "checkpoint.enabled=false",
+            "checkpoint.final_weights=false", f"parallel.threads_per_worker={threads}", *gpu, *layout]
 
 
 Point = tuple[float, "float | list[float]"]  # (predicted, measured: one run's step or several runs')
@@ -231,24 +235,25 @@ def busy_line(share: float, phase: str) -> str:
 
 
 def reference_points(profile: HardwareProfile, nproc: int, threads: int, widths: tuple[int, ...], work_dir: Path,
-                     strategies: list[str] | None = None, timeout: float = 600.0, repeats: int = REPEATS
+                     strategies: list[str] | None = None, timeout: float = 600.0, repeats: int | None = None
                      ) -> dict[str, list[tuple[float, list[float]]]]:
-    """{strategy: [(predicted, [measured step seconds per run]) per width]}: the reference GPT at each of
-    `widths` trained `repeats` times by `shoal train --nproc nproc` in each strategy (run dirs under
+    """{strategy: [(predicted, [measured step seconds per run]) per width]}: the reference GPT of the profile's
+    device (plan/reference.py) at each of `widths` trained `repeats` times (None: the reference's
+    calibration_repeats) by `shoal train --nproc nproc` in each strategy (run dirs under
     `work_dir`, named STRATEGY-WIDTH-RUN/ATTEMPT), in rounds of every point once, against the formulas'
     prediction for the same run from `profile` (uncalibrated). A run that has not ended in `timeout`
     seconds is killed and fails the calibration."""
     from shoal.config import load_config
     from shoal.plan.planner import predict_config
 
-    bare = profile.model_copy(update={"calibration": {}})
+    bare, reference = profile.model_copy(update={"calibration": {}}), reference_for(profile.device)
     layouts = {n: k for n, k in reference_layouts(nproc).items() if strategies is None or n in strategies}
     predicted: dict[tuple[str, int], float] = {}
     measured: dict[tuple[str, int], list[float]] = {}
-    for run in range(repeats):
+    for run in range(repeats or reference.calibration_repeats):
         for name, layout in layouts.items():
             for width in widths:
-                sets = reference_config(width, layout, nproc, threads)
+                sets = reference_config(width, layout, nproc, threads, reference)
                 for attempt in range(2):  # a run that fails to start (its forkserver gone) is tried once more
                     run_dir = work_dir / f"{name}-{width}-{run}" / str(attempt)
                     cmd = [sys.executable, "-m", "shoal", "train", "--nproc", str(nproc), "--run-dir", str(run_dir),
@@ -267,7 +272,7 @@ def reference_points(profile: HardwareProfile, nproc: int, threads: int, widths:
                     json.loads((run_dir / "summary.json").read_text())["median_step_time_s"])
                 if (name, width) not in predicted:
                     cfg = load_config(run_dir / "config.toml", stored=True)
-                    predicted[name, width] = predict_config(cfg, nproc, bare).step_time
+                    predicted[name, width] = predict_config(cfg, nproc, bare, cuda=profile.device == "cuda").step_time
     return {name: [(predicted[name, w], measured[name, w]) for w in widths] for name in layouts}
 
 

@@ -11,14 +11,19 @@ one node per host of the one-machine cluster, testbed/run.py). Each worker measu
   - what DTensor, DDP, a tensor-parallel layer and FSDP2 cost per operator, call, parameter tensor,
     layer or byte (parallel_overheads),
   - its resident memory after importing the training stack (what every worker holds before a model),
+  - on a GPU, its memory beyond the tensors: the caching allocator's reserve over its allocated peak in the
+    reference steps, the CUDA context's bytes before any collective and what NCCL's communicator adds,
 and the group measures all-reduce, all-gather, reduce-scatter and point-to-point (rank pairs 2i <->
 2i+1) over message sizes, issued through comm/ (each one recorded). A time is the median over the
-repetitions of the slowest rank's time (a collective ends when its last rank does).
+repetitions of the slowest rank's time (a collective ends when its last rank does). How much of each it
+measures depends on the device (plan/reference.py: a GPU's matmuls, copy and reference GPT are larger).
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import itertools
 import os
 import statistics
 import time
@@ -32,11 +37,12 @@ from shoal.allocator import THRESHOLD
 from shoal.comm.collectives import Comm
 from shoal.dist import DistEnv
 from shoal.hardware import PROBE_LAYERS, HardwareProfile, cpu_name, line_through, this_machine
-from shoal.metrics.memory import peak_memory_bytes, status_bytes
+from shoal.metrics.memory import device_memory_bytes, peak_memory_bytes, status_bytes
+from shoal.plan.reference import CPU_REFERENCE, Reference, Sizing, matmul_calls, reference_for, sizing
 
 KIB = 1024
 DEFAULT_SIZES = tuple(4 * KIB * 4 ** k for k in range(8))  # 4 KiB .. 64 MiB
-MATMUL_SIZES = (128, 256, 512, 1024)
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "send_recv")
 
 
@@ -54,11 +60,16 @@ def _timed(fn, repeats: int, sync) -> float:
 
 
 def matmul_curve(dtype: torch.dtype, device: torch.device, sizes, repeats: int, sync) -> list[tuple[float, float]]:
-    """[[n, FLOP/s of an n x n x n matmul], ...]."""
+    """[[n, FLOP/s of an n x n x n matmul], ...]: each timed sample matmul_calls(n) products in a row."""
     out = []
     for n in sizes:
         a, b = (torch.randn(n, n, device=device).to(dtype) for _ in range(2))
-        out.append((float(n), 2 * n ** 3 / _timed(lambda a=a, b=b: a @ b, repeats, sync)))
+        calls = matmul_calls(device.type, n)
+
+        def products(a=a, b=b, calls=calls):
+            for _ in range(calls):
+                a @ b
+        out.append((float(n), 2 * n ** 3 * calls / _timed(products, repeats, sync)))
     return out
 
 
@@ -68,7 +79,7 @@ def memory_bandwidth(device: torch.device, nbytes: int, repeats: int, sync) -> f
     return 2 * nbytes / _timed(lambda: dst.copy_(src), repeats, sync)  # read + write
 
 
-REFERENCE_WIDTHS = (128, 256, 512)  # d_model of the reference GPT: tensors from ~64 KiB to ~4 MiB
+REFERENCE_WIDTHS = CPU_REFERENCE.widths  # d_model of the CPU's reference GPT: tensors from ~64 KiB to ~4 MiB
 
 
 @dataclass
@@ -81,29 +92,44 @@ class StepCosts:
     fresh_memory_s_per_byte: float | None
     heap_fixed_bytes: float | None  # CPU: the resident set's growth in training = fixed + ratio x tensors
     heap_ratio: float | None
+    allocator_reserve: float | None = None  # a GPU: the caching allocator's reserved peak / allocated peak
 
 
-def _reference_bundle(width: int, device: torch.device):
-    """The reference GPT: 2 blocks of `width`, 4 heads, 128 tokens, byte vocabulary."""
+def _reference_bundle(width: int, device: torch.device, reference: Reference = CPU_REFERENCE):
+    """The reference GPT (plan/reference.py): 2 blocks of `width`; on a CPU 4 heads, 128 tokens, byte vocabulary."""
     from shoal.models.gpt import GPTConfig, build
     from shoal.models.spec import DataSpec
 
-    bundle = build(GPTConfig(n_layer=2, n_head=4, d_model=width, seq_len=128), DataSpec(kind="tokens", vocab_size=256))
+    bundle = build(GPTConfig(n_layer=2, n_head=reference.heads(width), d_model=width, seq_len=reference.seq_len),
+                   DataSpec(kind="tokens", vocab_size=reference.vocab))
     bundle.model.to(device)
     return bundle
 
 
-def _reference_step(width: int, device: torch.device, repeats: int):
-    """One training step of the reference GPT at `width` as a callable of the step's index."""
+def _autocast(device: torch.device, dtype: str):
+    """The context the forward and loss run in: none for fp32, autocast to `dtype` otherwise."""
+    if dtype == "fp32":
+        return contextlib.nullcontext
+    return lambda: torch.autocast(device.type, dtype=DTYPES[dtype])
+
+
+def _reference_step(width: int, device: torch.device, repeats: int, reference: Reference = CPU_REFERENCE,
+                    dtype: str = "fp32"):
+    """One training step of the reference GPT at `width` as a callable of the step's index; `dtype` bf16 or
+    fp16: its forward and loss under autocast, as a GPU user trains."""
     torch.manual_seed(0)
-    bundle = _reference_bundle(width, device)
+    bundle = _reference_bundle(width, device, reference)
     model = bundle.model
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
-    data = torch.randint(0, 256, (repeats + 3, 4, 128), device=device)
+    # on a GPU, torch's fused AdamW, as shoal trains there (training/optim.py): one kernel for every tensor
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, **({"fused": True} if device.type == "cuda" else {}))
+    data = torch.randint(0, reference.vocab, (repeats + 3, reference.batch, reference.seq_len), device=device)
+    cast = _autocast(device, dtype)
 
     def step(i: int) -> None:
         x = data[i % len(data)]
-        bundle.loss_fn(model, {"input": x, "target": x}).sum().backward()
+        with cast():
+            loss = bundle.loss_fn(model, {"input": x, "target": x}).sum()
+        loss.backward()
         # clipped as parallel/clip.py clips, one tensor at a time as the planner's meta trace sees it
         # (a CPU's foreach kernels loop over the same per-tensor kernels)
         grads = [p.grad for p in model.parameters()]
@@ -164,11 +190,12 @@ def _in_new_process(call: str, env: dict):
     return json.loads(out.splitlines()[-1])
 
 
-def reference_steps(device: torch.device, repeats: int, sync, widths=REFERENCE_WIDTHS,
-                    together=lambda: None, memory: bool = True) -> StepCosts:
-    """Training steps of the built-in GPT (2 blocks, 4 sequences of 128 tokens, a new batch each step:
-    forward, backward, gradient clipping, AdamW, zero_grad) at each of REFERENCE_WIDTHS, measured four
-    ways:
+def reference_steps(device: torch.device, repeats: int, sync, widths=REFERENCE_WIDTHS, together=lambda: None,
+                    memory: bool = True, reference: Reference = CPU_REFERENCE, dtype: str = "fp32",
+                    reserve: bool = False) -> StepCosts:
+    """Training steps of the built-in GPT (`reference`: on a CPU 2 blocks, 4 sequences of 128 tokens; a new
+    batch each step: forward, backward, gradient clipping, AdamW, zero_grad) at each of `widths`, the
+    forward and loss in `dtype` (_reference_step), measured four ways:
       - every operator timed one call at a time: those with FLOPs (matmuls) as {aten name: [[FLOPs,
         FLOP/s], ...]}: the model's rectangular and transposed matmuls run ~10% below the square ones of
         the matmul curve; the others (element-wise, norms, softmax, attention, the optimizer's updates)
@@ -183,30 +210,78 @@ def reference_steps(device: torch.device, repeats: int, sync, widths=REFERENCE_W
         workers fix it (allocator.py), against a new process without: every tensor over 64 KiB is then
         freshly mapped and its pages faulted in; the extra seconds per byte so allocated. (Set in a
         process that has already grown its heap, the threshold changes little: malloc serves requests
-        from the freed heap first. Measured here: +3% against +39% from the start.)"""
+        from the freed heap first. Measured here: +3% against +39% from the start.)
+    `reserve` (a GPU): the caching allocator's peaks restarted before each width, and at the widest its
+    reserved peak over its allocated peak (reserve_ratio) kept as StepCosts.allocator_reserve."""
     by_op: dict[str, list] = defaultdict(list)
     by_flops: dict[str, list] = defaultdict(list)
-    overheads, allocs = [], []
+    overheads, allocs, reserves = [], [], []
     for width in widths:
-        step = _reference_step(width, device, repeats)
-        together()
-        timer = OpTimer(sync)
-        for i in range(repeats):
-            with timer.step():
-                step(i + 1)
+        if reserve:
+            restart_peaks(device)
+        timer, overhead, floor = _time_width(width, device, repeats, sync, together, reference, dtype)
+        reserves.append(reserve_ratio(device) if reserve else None)
         allocs.append(timer.allocated)
-        overhead, floor = timer.overhead(_wall(step, repeats, sync))
         overheads.append(overhead)
-        for (name, amount, flops, _), times in timer.kernel.items():
-            if amount > 0:
-                (by_flops if flops else by_op)[name].append((amount, amount / max(statistics.median(times) - floor,
-                                                                                   1e-9)))
+        _add_rates(timer, floor, by_op, by_flops)
     fresh, heap_fit = _memory_costs(repeats, widths, allocs, together) if memory and device.type == "cpu" \
         else (None, (None, None))
     # the narrowest reference's: its operators are too small for cache misses to add to their time
     return StepCosts({name: _merge(points) for name, points in sorted(by_op.items())},
                      {name: _merge(points) for name, points in sorted(by_flops.items())}, overheads[0], fresh,
-                     *heap_fit)
+                     *heap_fit, allocator_reserve=reserves[-1])
+
+
+def _add_rates(timer: OpTimer, floor: float, by_op: dict[str, list], by_flops: dict[str, list]) -> None:
+    """Each operator's calls timed by `timer` as (amount, rate) points: FLOPs and FLOP/s for those with FLOPs,
+    bytes and bytes per second for the others; `floor` (what any call pays) taken off each call's time."""
+    for (name, amount, flops, _), times in timer.kernel.items():
+        if amount > 0:
+            (by_flops if flops else by_op)[name].append((amount, amount / max(statistics.median(times) - floor, 1e-9)))
+
+
+def _time_width(width: int, device: torch.device, repeats: int, sync, together, reference: Reference,
+                dtype: str) -> tuple[OpTimer, float, float]:
+    """The reference GPT at `width` built, every rank ready (`together`), `repeats` steps timed operator by
+    operator, then the steps' wall time: the OpTimer, and OpTimer.overhead's per-operator cost and floor."""
+    step = _reference_step(width, device, repeats, reference, dtype)
+    together()
+    timer = OpTimer(sync)
+    for i in range(repeats):
+        with timer.step():
+            step(i + 1)
+    return timer, *timer.overhead(_wall(step, repeats, sync))
+
+
+def host_op_seconds(device: torch.device, repeats: int, sync, dtype: str = "bf16") -> float:
+    """A GPU's host time per operator where kernels are small: the CPU's narrowest reference GPT (2 blocks of
+    128, 4 sequences of 128 tokens) stepped on the GPU in `dtype`, whose kernels take microseconds, so that
+    the step's wall time is the host's (Python, dispatch, the autograd engine, launches) while the GPU waits;
+    over the operators the planner counts (views cost host time too, but run no kernel and are not counted)."""
+    step = _reference_step(CPU_REFERENCE.widths[0], device, repeats, CPU_REFERENCE, dtype)
+    timer = OpTimer(sync)
+    with timer.step():
+        step(1)
+    return _wall(step, repeats, sync) / len(timer.kernel)
+
+
+def restart_peaks(device: torch.device) -> None:
+    """A GPU: the caching allocator's cached blocks freed and its peak counters restarted, so that what
+    follows is measured alone."""
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats(device)
+
+
+def reserve_ratio(device: torch.device) -> float | None:
+    """A GPU: the caching allocator's reserved peak over its allocated peak since restart_peaks (blocks
+    rounded up, freed blocks kept cached, fragmentation); None where nothing was allocated."""
+    allocated = torch.cuda.max_memory_allocated(device)
+    return torch.cuda.max_memory_reserved(device) / allocated if allocated else None
+
+
+def outside_bytes(device: torch.device) -> int:
+    """A GPU: what this process holds now outside the caching allocator (metrics/memory.py)."""
+    return device_memory_bytes(device)["outside"]
 
 
 class OpTimer:
@@ -286,8 +361,8 @@ def _merge(points: list[tuple[float, float]]) -> list[tuple[float, float]]:
     return [(b, len(r) / sum(1 / x for x in r)) for b, r in sorted(sizes.items())]
 
 
-def parallel_overheads(comm: Comm, device: torch.device, repeats: int, sync,
-                       widths=REFERENCE_WIDTHS, least: tuple[int, int] = (40, 8)) -> dict[str, float]:
+def parallel_overheads(comm: Comm, device: torch.device, repeats: int, sync, widths=REFERENCE_WIDTHS,
+                       least: tuple[int, int] = (40, 8), reference: Reference = CPU_REFERENCE) -> dict[str, float]:
     """What torch's parallel wrappers cost on top of their arithmetic, over the probe's group: stacks of 4
     and 32 tiny linear layers (8 and 64 parameter tensors, messages of ~1 KiB), forward and backward,
     wrapped against bare, fitted as a cost per call and per parameter tensor. A call's cost includes its
@@ -343,7 +418,7 @@ def parallel_overheads(comm: Comm, device: torch.device, repeats: int, sync,
     split = stacks(lambda m: parallelize_module(m, mesh, {str(i): ColwiseParallel() if i % 2 == 0
                                                           else RowwiseParallel() for i in range(len(m))}))
     out["tp_layer_s"] = _fit(split, list(PROBE_LAYERS))[1]
-    out.update(fsdp_costs(comm, device, max(repeats, least[1]), sync, mesh, (widths[0], widths[-1])))
+    out.update(fsdp_costs(comm, device, max(repeats, least[1]), sync, mesh, (widths[0], widths[-1]), reference))
     return out
 
 
@@ -362,9 +437,10 @@ def _fit(costs: list[float], amounts: list[float], calls: int = 1) -> tuple[floa
 
 
 def fsdp_costs(comm: Comm, device: torch.device, repeats: int, sync, mesh,
-               widths=(REFERENCE_WIDTHS[0], REFERENCE_WIDTHS[-1])) -> dict[str, float]:
+               widths=(REFERENCE_WIDTHS[0], REFERENCE_WIDTHS[-1]), reference: Reference = CPU_REFERENCE
+               ) -> dict[str, float]:
     """FSDP2 (ZeRO 3: every block and the root sharded, resharded after forward) on the reference GPT at
-    two `widths` (the narrowest and widest REFERENCE_WIDTHS), forward and backward against the same model
+    two `widths` (the reference's narrowest and widest), forward and backward against the same model
     unsharded: the extra seconds fitted as a cost per collective call (2 blocks and the root: 5
     all-gathers, 3 reduce-scatters) and per byte gathered or reduced (copy-in, copy-out, the network).
     Stacks of tiny layers cannot show the second: on a GPT's blocks most of FSDP2's cost is per byte
@@ -373,7 +449,7 @@ def fsdp_costs(comm: Comm, device: torch.device, repeats: int, sync, mesh,
 
     from shoal.models.gpt import Block
 
-    x = torch.randint(0, 256, (4, 128), device=device)
+    x = torch.randint(0, reference.vocab, (reference.batch, reference.seq_len), device=device)
 
     def fwd_bwd(bundle):
         bundle.loss_fn(bundle.model, {"input": x, "target": x}).sum().backward()
@@ -381,9 +457,9 @@ def fsdp_costs(comm: Comm, device: torch.device, repeats: int, sync, mesh,
     extra, moved = [], []
     for width in widths:
         torch.manual_seed(0)
-        plain = _reference_bundle(width, device)
+        plain = _reference_bundle(width, device, reference)
         torch.manual_seed(0)
-        sharded = _reference_bundle(width, device)
+        sharded = _reference_bundle(width, device, reference)
         blocks = [m for m in sharded.model.modules() if isinstance(m, Block)]
         for i, block in enumerate(blocks):
             fully_shard(block, mesh=mesh, reshard_after_forward=i < len(blocks) - 1)
@@ -398,9 +474,9 @@ def fsdp_costs(comm: Comm, device: torch.device, repeats: int, sync, mesh,
     return {"fsdp_call_s": call, "fsdp_byte_s": per_byte}
 
 
-def collective_curves(comm: Comm, device: torch.device, sizes, repeats: int, sync) -> dict:
-    """{op: [[message bytes, seconds], ...]} over the whole group; the message is what one rank
-    contributes (all-gather: its shard; reduce-scatter: the whole input it reduces)."""
+def collective_curves(comm: Comm, device: torch.device, sizes, repeats: int, sync, ops=COLLECTIVES) -> dict:
+    """{op: [[message bytes, seconds], ...]} over the whole group for each of `ops`; the message is what one
+    rank contributes (all-gather: its shard; reduce-scatter: the whole input it reduces)."""
     world, rank = comm.world_size, comm.rank
     curves: dict[str, list[tuple[float, float]]] = {op: [] for op in COLLECTIVES}
     for size in sizes:
@@ -426,7 +502,7 @@ def collective_curves(comm: Comm, device: torch.device, sizes, repeats: int, syn
         # small messages take 0.2 ms or, now and then, 3-4 (a peer's thread not yet scheduled): a median
         # needs more than a few of them
         times = repeats if size > 256 * KIB else max(repeats, 15)
-        for op, fn in runs.items():
+        for op, fn in ((op, fn) for op, fn in runs.items() if op in ops):
             seconds = [_group_time(comm, fn, sync, device) for _ in range(times + 1)][1:]  # 1st warms up
             sec = statistics.median(seconds)
             # keyed by what one rank contributes, as predict.py asks: an all-gather's shard
@@ -457,48 +533,128 @@ def _group_time(comm: Comm, fn, sync, device) -> float:
     return float(took.item())
 
 
-def measure(env: DistEnv, sizes=DEFAULT_SIZES, repeats: int = 3, matmul_sizes=MATMUL_SIZES,
-            copy_bytes: int = 64 * 1024 * KIB, nnodes: int = 1, widths=REFERENCE_WIDTHS,
-            spot: bool = False) -> HardwareProfile:
-    """Collective over the default group: every rank calls it; every rank gets the profile. `spot`: what
-    `shoal plan` measures when it has no profile, in about 11 s for 2 processes here (their start
-    included) instead of ~40: the reference steps' operators but not the resident memory they take
-    (three new processes, ~18 s), the parallel wrappers' costs as medians of 15 repetitions (not 40),
-    and FSDP2's of 4 (not 8) on the two narrowest references (the widest alone took ~6 s)."""
+def measure(env: DistEnv, sizes=DEFAULT_SIZES, repeats: int = 3, matmul_sizes=None, copy_bytes: int | None = None,
+            nnodes: int = 1, widths=None, spot: bool = False) -> HardwareProfile:
+    """Collective over the default group: every rank calls it; every rank gets the profile. Sized for the device
+    (plan/reference.py); `matmul_sizes` (every dtype's), `copy_bytes` and `widths` replace its sizes. `spot`: what
+    `shoal plan` measures when it has no profile, on a CPU in about 11 s for 2 processes here (their start
+    included) instead of ~40: the reference steps' operators but not the resident memory they take (three new
+    processes, ~18 s), the parallel wrappers' costs as medians of 15 repetitions (not 40), and FSDP2's of 4 (not
+    8) on the two narrowest references (the widest alone took ~6 s). A GPU's collectives run after the reference
+    steps (gpu_collectives). What each part took is kept as the profile's `measured_seconds`."""
     import shoal.training.run  # noqa: F401 - the training stack, imported as a worker imports it (resident memory)
 
-    device = env.device
-    cuda = device.type == "cuda"
+    device, cuda = env.device, env.device.type == "cuda"
     sync = (lambda: torch.cuda.synchronize(device)) if cuda else (lambda: None)
     base = peak_memory_bytes(device) if not cuda else None
-    dtypes = {"fp32": torch.float32, "bf16": torch.bfloat16, **({"fp16": torch.float16} if cuda else {})}
-    curves = {name: matmul_curve(dt, device, matmul_sizes, repeats, sync) for name, dt in dtypes.items()}
+    size, took, fields = _sizing(device.type, matmul_sizes, copy_bytes, widths), {}, {}
+    ref = size.reference
+    with _took(took, "matmul"):
+        curves = {name: matmul_curve(DTYPES[name], device, ns, repeats, sync) for name, ns in size.matmul_sizes.items()}
     comm = Comm(env.store, env.rank, env.world_size)
-    collectives = collective_curves(comm, device, sizes, repeats, sync)
+    if not cuda:
+        with _took(took, "collectives"):
+            fields["collectives"] = collective_curves(comm, device, sizes, repeats, sync)
     # every worker measures at once, as every worker trains at once: side by side, two processes on two
     # cores ran the reference operators 5-15% slower than one alone (memory bandwidth, caches)
-    steps = reference_steps(device, repeats, sync, widths, together=lambda: comm.barrier(label="probe"),
-                            memory=not spot)
-    overheads = parallel_overheads(comm, device, repeats, sync, *((widths[:2], (15, 4)) if spot else (widths,)))
-    return HardwareProfile(
-        name="probe", device=device.type,
-        device_name=torch.cuda.get_device_name(device) if cuda else cpu_name(),
-        nproc=env.world_size // nnodes, nnodes=nnodes,
-        matmul_flops={name: max(f for _, f in c) for name, c in curves.items()},
-        matmul_curve=curves,
-        memory_bandwidth=memory_bandwidth(device, copy_bytes, repeats, sync),
-        op_overhead_s=steps.op_overhead_s,
-        op_rates=steps.op_rates,
-        op_flop_rates=steps.op_flop_rates,
-        fresh_memory_s_per_byte=steps.fresh_memory_s_per_byte,
-        heap_fixed_bytes=steps.heap_fixed_bytes,
-        heap_ratio=steps.heap_ratio,
-        parallel_overheads=overheads,
-        process_bytes=base,
-        threads=torch.get_num_threads(),
-        collectives=collectives,
-        machine=this_machine(), measured_at=time.time(), spot=spot,
-    )
+    together = store_barrier(env.store, env.world_size) if cuda else lambda: comm.barrier(label="probe")
+    with _took(took, "reference steps"):
+        fields |= _reference_fields(device, repeats, sync, ref, together, spot)
+    if cuda:
+        with _took(took, "collectives"):
+            fields |= gpu_collectives(comm, device, sizes, repeats, sync)
+    with _took(took, "parallel wrappers"):
+        overheads = parallel_overheads(comm, device, repeats, sync, *((ref.widths[:2], (15, 4)) if spot
+                                                                      else (ref.widths,)), reference=ref)
+    with _took(took, "copy"):
+        bandwidth = memory_bandwidth(device, size.copy_bytes, repeats, sync)
+    return HardwareProfile(name="probe", device=device.type, nproc=env.world_size // nnodes, nnodes=nnodes,
+                           matmul_flops={name: max(f for _, f in c) for name, c in curves.items()},
+                           matmul_curve=curves, memory_bandwidth=bandwidth, parallel_overheads=overheads,
+                           process_bytes=base, threads=torch.get_num_threads(), machine=this_machine(),
+                           measured_at=time.time(), spot=spot, measured_seconds=took, **_device_fields(device),
+                           **fields)
+
+
+def _sizing(device_type: str, matmul_sizes=None, copy_bytes: int | None = None, widths=None) -> Sizing:
+    """The device's sizing (plan/reference.py) with the sizes a caller gives in place of its own."""
+    size = sizing(device_type)
+    return dataclasses.replace(
+        size, matmul_sizes={d: tuple(matmul_sizes) for d in size.matmul_sizes} if matmul_sizes else size.matmul_sizes,
+        copy_bytes=copy_bytes or size.copy_bytes,
+        reference=dataclasses.replace(size.reference, widths=tuple(widths)) if widths else size.reference)
+
+
+@contextlib.contextmanager
+def _took(took: dict[str, float], part: str):
+    """Seconds the block took, as took[part] (added to what the part took before)."""
+    t0 = time.perf_counter()
+    yield
+    took[part] = round(took.get(part, 0.0) + time.perf_counter() - t0, 3)
+
+
+def _device_fields(device: torch.device) -> dict:
+    """The device's name, and a GPU's streaming multiprocessors."""
+    if device.type != "cuda":
+        return {"device_name": cpu_name()}
+    return {"device_name": torch.cuda.get_device_name(device),
+            "multiprocessors": torch.cuda.get_device_properties(device).multi_processor_count}
+
+
+def _reference_fields(device: torch.device, repeats: int, sync, reference: Reference, together,
+                      spot: bool) -> dict:
+    """The reference steps (reference_steps) in each of the reference's dtypes, as the profile's fields
+    (step_fields); on a GPU the allocator's reserve measured with them and the host's time per operator
+    where kernels are small (host_op_seconds) besides."""
+    cuda = device.type == "cuda"
+    steps = {dtype: reference_steps(device, repeats, sync, reference.widths, together, memory=not spot,
+                                    reference=reference, dtype=dtype, reserve=cuda) for dtype in reference.dtypes}
+    return step_fields(steps) | ({"host_op_s": host_op_seconds(device, repeats, sync)} if cuda else {})
+
+
+def step_fields(steps: dict[str, StepCosts]) -> dict:
+    """The profile's fields from the reference steps by dtype: fp32's (a plain step) as op_rates,
+    op_flop_rates and op_overhead_s, with a CPU's heap and fresh-memory costs; every other dtype's (the forward
+    and loss under autocast) under op_rates_by_dtype, op_flop_rates_by_dtype and op_overhead_s_by_dtype,
+    keyed by its name ("bf16"), each as its fp32 counterpart is (the bytes those kernels move, in the dtype
+    they ran in); the allocator's reserve of the last dtype that measured one."""
+    plain = steps["fp32"]
+    out = {"op_rates": plain.op_rates, "op_flop_rates": plain.op_flop_rates, "op_overhead_s": plain.op_overhead_s,
+           "fresh_memory_s_per_byte": plain.fresh_memory_s_per_byte, "heap_fixed_bytes": plain.heap_fixed_bytes,
+           "heap_ratio": plain.heap_ratio}
+    cast = {dtype: s for dtype, s in steps.items() if dtype != "fp32"}
+    if cast:
+        out |= {"op_rates_by_dtype": {d: s.op_rates for d, s in cast.items()},
+                "op_flop_rates_by_dtype": {d: s.op_flop_rates for d, s in cast.items()},
+                "op_overhead_s_by_dtype": {d: s.op_overhead_s for d, s in cast.items()}}
+    reserves = [s.allocator_reserve for s in steps.values() if s.allocator_reserve is not None]
+    return out | ({"allocator_reserve": reserves[-1]} if reserves else {})
+
+
+def gpu_collectives(comm: Comm, device: torch.device, sizes, repeats: int, sync, outside=outside_bytes) -> dict:
+    """A GPU's collective curves, with what the process holds outside the caching allocator before them (the
+    CUDA context with the kernels loaded so far: context_bytes) and what that grew by across the all-reduces,
+    all-gathers and reduce-scatters of the default group at every size (its NCCL communicator's buffers, which
+    NCCL sets up at the first collective and as each new algorithm first runs: nccl_bytes). Point-to-point
+    runs after them: torch's NCCL backend may make a communicator of its own for a pair of ranks."""
+    context = outside(device)
+    curves = collective_curves(comm, device, sizes, repeats, sync, ops=COLLECTIVES[:3])
+    nccl = max(outside(device) - context, 0)
+    curves |= collective_curves(comm, device, sizes, repeats, sync, ops=COLLECTIVES[3:])
+    return {"collectives": curves, "context_bytes": context, "nccl_bytes": nccl}
+
+
+def store_barrier(store, world: int, name: str = "probe/together"):
+    """A barrier over the key-value store alone, as a callable (each call a new one): no collective runs, so
+    on a GPU NCCL has made no communicator when the probe reads what the CUDA context holds."""
+    count = itertools.count()
+
+    def wait() -> None:
+        key = f"{name}/{next(count)}"
+        if store.add(key, 1) == world:
+            store.set(f"{key}/all", "1")
+        store.wait([f"{key}/all"])
+    return wait
 
 
 def sizes_up_to(max_bytes: int) -> tuple[int, ...]:
@@ -543,7 +699,7 @@ def calibrate_profile(out: str, nproc: int, busy_measuring: float | None = None,
     if int(os.environ.get("SHOAL_NNODES", "1")) > 1:
         return
     profile = load_profile(out)
-    cal = calibrate(profile, nproc, profile.threads or 1, REFERENCE_WIDTHS, busy_measuring, force)
+    cal = calibrate(profile, nproc, profile.threads or 1, reference_for(profile.device).widths, busy_measuring, force)
     save_profile(profile.model_copy(update={"calibration": cal.lines, CHECKS_KEY: cal.record}), out)
     print(f"wrote {out}: the planner's calibration for {', '.join(cal.lines) or 'no strategy'}", flush=True)
 

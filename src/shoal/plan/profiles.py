@@ -7,8 +7,8 @@ model and count, torch version, backend): a home directory shared by machines of
 each one's profile apart. `plan` takes the profile of this machine for the job's processes; a cached
 profile of the same job from another machine or another torch version is refused in one line naming
 the difference (--hardware still forces one); with none, it measures on the spot (probe.measure's
-`spot`: ~11 s for 2 processes here, their start included; no calibration) and caches that until a
-`shoal probe` replaces it.
+`spot`: ~11 s for 2 processes on a CPU here, their start included; sized for ~20 s on a GPU; no
+calibration) and caches that until a `shoal probe` replaces it.
 """
 
 from __future__ import annotations
@@ -26,6 +26,10 @@ from shoal.errors import UserError
 from shoal.hardware import HardwareProfile, load_profile, machine_differences, save_profile, this_machine
 
 SPOT_MAX_BYTES = 16 * 2 ** 20  # the largest collective measured on the spot (beyond it: linear in bytes)
+# how long the measurement on the spot takes, said before it starts: as measured on this 2-core CPU for 2
+# processes, their start included; on a GPU the budget plan/reference.py's sizes were chosen for, not yet timed on
+# one (what each part took is said after it, from the profile's measured_seconds)
+SPOT_TIME = {False: "~11 s for 2", True: "~20 s"}
 
 
 def cache_dir() -> Path:
@@ -102,7 +106,7 @@ def choose(nproc: int, nnodes: int, measure: bool = True) -> Chosen:
         except UserError:  # unreadable (another shoal's format): measured again below
             profile = None
         if profile is not None:
-            note = "" if profile.calibration else f" (run `{probe}` to calibrate, ~5 min)"
+            note = "" if profile.calibration else f" (run `{probe}` to calibrate, {calibration_time(here, nproc)})"
             return Chosen(profile, describe(profile, str(path)) + note)
     stale = _stale(here, nproc, nnodes)
     if nnodes > 1 or not measure:
@@ -117,7 +121,16 @@ def choose(nproc: int, nnodes: int, measure: bool = True) -> Chosen:
     where = f"measured on the spot in {took:.0f} s, cached in {stored}" if stored else \
         f"measured on the spot in {took:.0f} s"
     return Chosen(profile, f"profile: {where}{f' ({stale})' if stale else ''}; not calibrated: `{probe}` "
-                           f"calibrates it (~5 min) and replaces it")
+                           f"calibrates it ({calibration_time(here, nproc)}) and replaces it")
+
+
+def calibration_time(machine: dict, nproc: int) -> str:
+    """How long `shoal probe` takes with its calibration: ~5 min for 2 processes on this 2-core CPU (36 runs);
+    on GPUs, where a reference run is once per width (plan/reference.py), ~1 min on one (3 runs of the world-1
+    strategy) and a few on more (3 runs per strategy the group allows)."""
+    if not machine.get("gpus"):
+        return "~5 min"
+    return "~1 min" if nproc == 1 else "a few min"
 
 
 def probe_command(nproc: int, nnodes: int) -> str:
@@ -147,12 +160,24 @@ def spot(nproc: int) -> HardwareProfile:
     curves, the reference steps' operators, the parallel wrappers' overheads; no calibration runs)."""
     from shoal.plan.probe import launch_probe
 
+    gpu = bool(this_machine().get("gpus"))
     with tempfile.TemporaryDirectory(prefix="shoal-spot-") as tmp:
         out = Path(tmp) / "profile.json"
-        print(f"shoal plan: no profile of this machine for {nproc} process(es); measuring it now (~11 s for 2)",
+        print(f"shoal plan: no profile of this machine for {nproc} process(es); measuring it now ({SPOT_TIME[gpu]})",
               file=sys.stderr, flush=True)
         code = launch_probe(["--out", str(out), "--max-size", f"{SPOT_MAX_BYTES}B", "--spot"], nproc)
         if code != 0 or not out.is_file():
             raise UserError(f"measuring this machine for {nproc} process(es) failed (exit {code}, output above); "
                             f"run `shoal probe --nproc {nproc}` to see why, or plan with --preset")
-        return load_profile(out)
+        profile = load_profile(out)
+    parts = measured_parts(profile)
+    if parts:
+        print(f"shoal plan: measured {parts}", file=sys.stderr, flush=True)
+    return profile
+
+
+def measured_parts(profile: HardwareProfile) -> str:
+    """What each part of the probe took ('matmul 0.9 s, reference steps 5.2 s, ...'): its `measured_seconds`
+    (probe.measure); empty for a profile that did not record them."""
+    took = getattr(profile, "measured_seconds", None) or {}
+    return ", ".join(f"{part} {seconds:.1f} s" for part, seconds in took.items())
