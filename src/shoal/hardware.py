@@ -27,13 +27,13 @@ from shoal.errors import UserError
 PRESETS = {
     "h100": {"device": "cuda", "device_name": "NVIDIA H100 SXM (data sheet)",
              "matmul_flops": {"fp32": 67e12, "tf32": 494.5e12, "bf16": 989.4e12, "fp16": 989.4e12},
-             "memory_bandwidth": 3.35e12, "network": "nvlink4-ndr400"},
+             "memory_bandwidth": 3.35e12, "multiprocessors": 132, "network": "nvlink4-ndr400"},
     "h200": {"device": "cuda", "device_name": "NVIDIA H200 SXM (data sheet)",
              "matmul_flops": {"fp32": 67e12, "tf32": 494.5e12, "bf16": 989.4e12, "fp16": 989.4e12},
-             "memory_bandwidth": 4.8e12, "network": "nvlink4-ndr400"},
+             "memory_bandwidth": 4.8e12, "multiprocessors": 132, "network": "nvlink4-ndr400"},
     "a100": {"device": "cuda", "device_name": "NVIDIA A100 SXM (data sheet)",
              "matmul_flops": {"fp32": 19.5e12, "tf32": 156e12, "bf16": 312e12, "fp16": 312e12},
-             "memory_bandwidth": 2.04e12, "network": "nvlink3-hdr200"},
+             "memory_bandwidth": 2.04e12, "multiprocessors": 108, "network": "nvlink3-hdr200"},
 }
 # a GPU preset's memory beyond tensors (HardwareProfile.context_bytes, nccl_bytes) until `shoal probe` measures
 # them on the GPU: the CUDA context under lazy module loading (CUDA >= 11.7) is 300-430 MiB before a kernel
@@ -89,6 +89,7 @@ class HardwareProfile(BaseModel):
     # what one NCCL communicator adds to that once it has run collectives (its channels' buffers); and the
     # caching allocator's reserved peak over its allocated peak in training (blocks rounded up, cached
     # free blocks, fragmentation). Measured by `shoal probe` on the GPU; a preset's are public figures.
+    multiprocessors: int | None = None  # a GPU's streaming multiprocessors: a matmul's tiles run in waves of them
     context_bytes: int | None = None
     nccl_bytes: int | None = None
     allocator_reserve: float | None = None

@@ -105,7 +105,7 @@ def test_measured_costs_enter_the_prediction(tiny):
     assert prediction(fresh).time == prediction(PROFILE).time  # ZeRO 0 keeps glibc's own threshold
     base = prediction(PROFILE).memory
     heap = prediction(PROFILE.model_copy(update={"heap_fixed_bytes": 2 ** 20, "heap_ratio": 2.0})).memory
-    tensors = sum(base[k] for k in ("params", "grads", "optimizer", "activations", "buffers"))
+    tensors = sum(base[k] for k in ("params", "grads", "optimizer", "activations", "buffers", "working"))
     assert heap["peak"] - base["peak"] == pytest.approx(2 ** 20 + tensors, abs=2)
 
 
@@ -150,10 +150,11 @@ def test_a_micro_batch_s_costs_from_three_traced_sizes_equal_its_own_trace(tiny)
     for m in (3, 8, 16):
         got, want = model.cost(m), Model.build(cfg).cost(m)  # interpolated; traced alone
         assert got == want, m
-    assert model.at and len(model.traced) == 3
-    straight = model.at(32)
+    assert model.at[None] and len(model.traced[None]) == 3
+    straight = model.at[None](32)
+    traced = model.traced[None]
     bent = dataclasses.replace(straight, saved_outside=straight.saved_outside + 1)
-    assert affine([*model.traced[:2], straight]) is not None and affine([*model.traced[:2], bent]) is None
+    assert affine([*traced[:2], straight]) is not None and affine([*traced[:2], bent]) is None
 
 
 def test_calibration_corrects_the_step_of_its_strategy(tiny):

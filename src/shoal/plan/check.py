@@ -18,6 +18,7 @@ from shoal.plan.predict import ModelShape, predict_memory
 from shoal.rundir import RunDir
 
 KINDS = ("params", "grads", "optimizer", "peak")
+BREAKDOWN = ("activations", "buffers", "working")  # predicted terms of the peak that no run measures apart
 
 
 def relative_error(predicted: float | None, measured: float | None) -> float | None:
@@ -41,18 +42,39 @@ def check_run(run_dir: str | Path, profile: HardwareProfile | None) -> list[tupl
         memory = session_state(json.loads(run.session_models.read_text()), cfg, summary["world_size"])
         step_time = None
     else:
-        pred = predict_config(cfg, summary["world_size"], profile, cuda=False)
+        gpu = profile is not None and profile.device == "cuda"
+        pred = predict_config(cfg, summary["world_size"], profile, cuda=gpu)
         memory, step_time = pred.memory, pred.step_time
     rows = []
     if profile is not None:
         rows.append(("step time (s)", step_time, summary.get("median_step_time_s"),
                      relative_error(step_time, summary.get("median_step_time_s"))))
-    for kind in KINDS:
-        measured = max((r[kind] for r in per_rank), default=None)
-        rows.append((f"{kind} (bytes)", memory.get(kind), measured, relative_error(memory.get(kind), measured)))
-    state_measured = max((sum(r[k] for k in KINDS[:3]) for r in per_rank), default=None)
+    return rows + memory_rows(memory, per_rank)
+
+
+def memory_rows(memory: dict, per_rank: list[dict]) -> list[tuple]:
+    """Each memory term predicted, against the largest rank's measurement where a run measures it: the model
+    state, the peak's other terms (predicted only), the peak, and on a GPU what the device holds beyond it
+    (the allocator's reserve, the context and NCCL outside the allocator, the total: metrics/memory.py)."""
+    rows = []
+
+    def row(name: str, predicted, fn=None) -> None:
+        measured = max((fn(r) for r in per_rank), default=None) if fn else None
+        rows.append((f"{name} (bytes)", predicted, measured, relative_error(predicted, measured)))
+
+    for kind in KINDS[:3]:
+        row(kind, memory.get(kind), lambda r, kind=kind: r[kind])
+    for kind in BREAKDOWN:
+        if kind in memory:
+            row(kind, memory[kind])
+    row("peak", memory.get("peak"), lambda r: r["peak"])
+    if "device" in memory:
+        gpu = bool(per_rank) and all("reserved" in r for r in per_rank)  # a run on a GPU measured these
+        row("reserve", memory["reserve"], (lambda r: r["reserved"] - r["peak"]) if gpu else None)
+        row("context + nccl", memory["context"] + memory["nccl"], (lambda r: r["outside"]) if gpu else None)
+        row("device", memory["device"], (lambda r: r["reserved"] + r["outside"]) if gpu else None)
     state_pred = None if None in (memory.get(k) for k in KINDS[:3]) else sum(memory[k] for k in KINDS[:3])
-    rows.append(("model state (bytes)", state_pred, state_measured, relative_error(state_pred, state_measured)))
+    row("model state", state_pred, lambda r: sum(r[k] for k in KINDS[:3]))
     return rows
 
 

@@ -5,6 +5,9 @@ parallelism puts it. The optimizer's step is traced the same way over the whole 
 
 from __future__ import annotations
 
+import contextlib
+import math
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import partial
@@ -26,6 +29,11 @@ class Ops:
     items: list[tuple[str, float, float]] = field(default_factory=list)
     fresh_bytes: int = 0  # outputs larger than the mmap threshold ZeRO 2/3 fix on CPU (allocator.py)
     outputs: list[int] = field(default_factory=list, repr=False)  # every output's bytes, in order
+    # per matrix product, by its index in items: (batch, m, n, k) of its (batched) m x k by k x n product
+    shapes: dict[int, tuple[int, int, int, int]] = field(default_factory=dict, repr=False)
+    # an optimizer's step as torch's fused kernels run it on a GPU: the bytes they read and write, each
+    # tensor once (trace_optimizer_step)
+    fused_bytes: float = 0.0
     times: dict = field(default_factory=dict, repr=False, compare=False)  # predict.op_time's, once per key
     summed: tuple = field(default=(0, 0.0), repr=False, compare=False)  # (operators, their FLOPs) last summed
 
@@ -60,7 +68,7 @@ def describe_op(func, args, kwargs, out) -> tuple[str, float, float] | None:
     view (no kernel runs). The planner's trace and the probe's timed reference step both use it, so the
     probe's per-operator rates are keyed as the planner looks them up."""
     packet = func._overloadpacket
-    if packet in _VIEWS:
+    if packet in _VIEWS or func.namespace == "prim":  # prim: a fake tensor's device asked, no kernel
         return None
     count = flop_formula(packet)
     flops = float(count(*args, **kwargs, out_val=out)) if count else 0.0
@@ -69,29 +77,45 @@ def describe_op(func, args, kwargs, out) -> tuple[str, float, float] | None:
     return str(packet).removeprefix("aten."), flops, float(moved)
 
 
-class _Trace(TorchDispatchMode):
-    """Every operator (Ops); while `placing`, which tensors tensor parallelism splits (_place)."""
+def matmul_shape(out: torch.Tensor, k: int) -> tuple[int, int, int, int]:
+    """(batch, m, n, k) of a matrix product from its output (batch x) m x n and its inner dimension."""
+    *batch, m, n = out.shape
+    return math.prod(batch), m, n, k
 
-    def __init__(self, weights: frozenset[int] = frozenset(), in_block=lambda: False):
+
+class _Trace(TorchDispatchMode):
+    """Every operator (Ops); while `placing`, which tensors tensor parallelism splits (_place); with `live`, the
+    bytes of the tensors operators made that are alive, and their most (_Live)."""
+
+    def __init__(self, weights: frozenset[int] = frozenset(), in_block=lambda: False, live: _Live | None = None):
+        """`live`: none for the optimizer's step (nothing of it is kept)."""
         super().__init__()
         self.ops = Ops()
-        self.weights = weights  # the parameters' storages
+        self.weights = set(weights)  # the split parameters' storages, and their casts' (autocast's copies)
+        self.casts: set[int] = set()
         self.placing = bool(weights)
         self.split, self.gathered = set(), set()  # storages
-        self.alive = []  # the tensors of those storages, kept so that no new tensor takes a storage's identity
         self.in_block, self.row_parallel = in_block, 0  # row-parallel products inside the blocks
+        self.live = live
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
         op = describe_op(func, args, kwargs, out)
         if op is not None:
+            if func._overloadpacket in _MATMULS:
+                self.ops.shapes[len(self.ops.items)] = matmul_shape(out, args[-1].shape[-2])  # (.., k, n)
             self.ops.items.append(op)
             sizes = [t.numel() * t.element_size() for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
             self.ops.outputs += sizes
             self.ops.fresh_bytes += sum(b for b in sizes if b > THRESHOLD)
-        if self.placing:
+        if func._overloadpacket is torch.ops.aten._to_copy and _storage(args[0]) in self.weights:
+            self.casts.add(_storage(out))  # the weight a product under autocast takes
+            self.weights.add(_storage(out))
+        elif self.placing:
             self._place(func, args, kwargs, out)
+        if self.live is not None:
+            self.live.made(func, args, out, self)
         return out
 
     def _place(self, func, args, kwargs, out) -> None:
@@ -106,14 +130,75 @@ class _Trace(TorchDispatchMode):
                 t.dim() >= 2 and _storage(t) in self.weights for t in inputs):
             if not split:
                 self.gathered.update(_storage(t) for t in acts)
-                self.alive += acts
             else:
                 self.row_parallel += self.in_block()
             split = not split
         if split:
-            outs = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
-            self.split.update(_storage(t) for t in outs)
-            self.alive += outs
+            self.split.update(_storage(t) for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor))
+
+    def forget(self, key: int) -> None:
+        """A storage was freed: its identity may be given to a new one."""
+        self.split.discard(key)
+        self.gathered.discard(key)
+        if key in self.casts:
+            self.casts.discard(key)
+            self.weights.discard(key)
+
+
+class _Live:
+    """The bytes alive of the tensors a forward and backward make, as a GPU's caching allocator holds them
+    allocated: each operator's new storage from when it is made until the last tensor on it is freed (a
+    weak reference to the storage). Not counted: the parameters; their copies in the autocast dtype (autocast
+    keeps one per weight for the forward and its backward: the planner's buffers count them, by layout); and
+    the parameters' gradients once accumulated (its model state). `most`: the largest total, the working set
+    a micro-batch's forward and backward need at their worst moment (the start of backward for a language
+    model: the saved activations, the fp32 log-probabilities and their gradient)."""
+
+    def __init__(self, weights: frozenset[int]):
+        self.weights = weights  # every parameter's storage
+        self.copies: set[int] = set()  # storages of the parameters' casts
+        self.sizes: dict[int, int] = {}  # alive storages counted, their bytes
+        self.grads: set[int] = set()
+        self.bytes = self.most = 0
+        self.grad_bytes = self.grads_at_most = 0  # accumulated gradients' bytes: now, and when `most` was reached
+        self.forgets = []  # called with a freed storage's key (the trace's and the saved tensors' sets)
+
+    def made(self, func, args, out, trace) -> None:
+        if func._overloadpacket is torch.ops.aten._to_copy and isinstance(args[0], torch.Tensor) \
+                and _storage(args[0]) in self.weights:
+            self.copies.add(_storage(out))
+            return
+        for t in tree_flatten(out)[0]:
+            if not isinstance(t, torch.Tensor):
+                continue
+            key = _storage(t)
+            if key in self.sizes or key in self.weights or key in self.copies:
+                continue
+            storage = t.untyped_storage()
+            self.sizes[key] = storage.nbytes()
+            self.bytes += self.sizes[key]
+            weakref.finalize(storage, self._freed, key)
+        if self.bytes > self.most:
+            self.most, self.grads_at_most = self.bytes, self.grad_bytes
+
+    def accumulated(self, param: torch.Tensor) -> None:
+        """A parameter's gradient is in .grad: model state from here on."""
+        key = _storage(param.grad)
+        if key in self.sizes and key not in self.grads:
+            self.grads.add(key)
+            self.bytes -= self.sizes[key]
+            self.grad_bytes += self.sizes[key]
+
+    def _freed(self, key: int) -> None:
+        size = self.sizes.pop(key, 0)
+        if key in self.grads:
+            self.grads.discard(key)
+            self.grad_bytes -= size
+        else:
+            self.bytes -= size
+        self.copies.discard(key)
+        for forget in self.forgets:
+            forget(key)
 
 
 class _Attention(TorchFunctionMode):
@@ -148,8 +233,10 @@ class _Attention(TorchFunctionMode):
             given = {**dict(zip(("input", "p", "training", "inplace"), args, strict=False)), **kwargs}
             return self._dropout(given["input"], given.get("p", 0.5) or self.hidden_dropout,
                                  given.get("training", True), given.get("inplace", False))
-        if func is F.scaled_dot_product_attention and args[0].device.type == "meta":
+        if func is F.scaled_dot_product_attention and _traced(args[0]):
             q, k, v, *rest = args
+            if torch.is_autocast_enabled("cpu"):  # what autocast does at the call this replaces
+                q, k, v = (t.to(torch.get_autocast_dtype("cpu")) for t in (q, k, v))
             names = ("attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
             given = {**dict(zip(names, rest, strict=False)), **kwargs}
             if given.pop("enable_gqa", False) and k.shape[-3] != q.shape[-3]:
@@ -182,6 +269,13 @@ class _Attention(TorchFunctionMode):
         return self._dropout(torch.softmax(scores, -1), dropout, True) @ v
 
 
+def _traced(t: torch.Tensor) -> bool:
+    """A tensor of the planner's trace (meta, or fake under autocast), not of a run."""
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    return t.device.type == "meta" or isinstance(t, FakeTensor)
+
+
 def _repeat_heads(t: torch.Tensor, heads: int) -> torch.Tensor:
     """Grouped-query attention's keys or values (B, kv heads, T, d) as (B, heads, T, d), each serving heads / kv
     heads query heads in turn (transformers' repeat_kv; Llama 3 8B: 8 for 32). A GPU's fused kernel reads them
@@ -207,21 +301,35 @@ class MicroBatchCost:
     # row-parallel products in the blocks' forward: each all-reduces its output, again where checkpointing
     # recomputes the forward
     row_parallel: int = 0
+    # the most a forward and backward hold at once beyond what the forward saves (activations' gradients,
+    # the loss's working tensors, what an operator makes before it frees its inputs; _Live), not counting the
+    # parameters, their autocast copies and their accumulated gradients
+    working: int = 0
+    # of the gradients a backward accumulates, the fraction that exists when the working set peaks (0 where
+    # it peaks at the start of backward: a step's first backward starts without gradients)
+    grads_at_peak: float = 1.0
     memo: dict = field(default_factory=dict, repr=False, compare=False)  # on_rank's, per its arguments
 
     def activation_bytes(self, checkpointing: bool, fraction: float = 1.0, in_flight: float = 1, *,
-                         scale: float = 1.0, tp: int = 1, sequence_parallel: bool = False) -> int:
+                         scale: float = 1.0, tp: int = 1, sequence_parallel: bool = False,
+                         recomputed: bool = True) -> int:
         """Saved for backward at the end of a forward on one tensor-parallel rank of `tp`, with `in_flight`
         micro-batches' forwards waiting for their backward (a pipeline); `fraction` of the blocks (a
-        pipeline stage); floating tensors at `scale` of the traced (fp32) bytes (activation_scale)."""
+        pipeline stage); floating tensors at `scale` of the traced bytes. Under checkpointing, with the
+        saved tensors of the block being recomputed (`recomputed`) or without (they come back after the
+        backward's start, the working set's peak: recomputed_block)."""
         outside, per_block, inputs = self.on_rank(scale, tp, sequence_parallel)
         n = len(per_block)
         k = max(1, round(n * fraction)) if n else 0
         if checkpointing and n:
             # block inputs are kept; one block's saved tensors come back while it is recomputed, in the one
             # micro-batch whose backward runs
-            return int(in_flight * (outside * fraction + sum(inputs[:k])) + max(per_block))
+            return int(in_flight * (outside * fraction + sum(inputs[:k])) + recomputed * max(per_block))
         return int(in_flight * (outside * fraction + sum(per_block[:k])))
+
+    def recomputed_block(self, tp: int = 1, sequence_parallel: bool = False) -> int:
+        """The most one block's recomputed forward saves (checkpointing)."""
+        return int(max(self.on_rank(1.0, tp, sequence_parallel)[1], default=0))
 
     def on_rank(self, scale: float, tp: int, sequence_parallel: bool) -> tuple[float, list[float], list[float]]:
         """(outside the blocks, per block, per block input) on one rank: SPLIT tensors 1/tp of the traced,
@@ -245,12 +353,13 @@ class MicroBatchCost:
 
 class _Saved:
     """What autograd saves in a forward, by the block running (-1: outside every block), each block's
-    input, and the tensors kept alive so that their storages stay unique."""
+    input, and per saved tensor its bytes, its block, where tensor parallelism puts it and whether it is
+    floating point (taken when it is saved: the trace has placed it by then)."""
 
-    def __init__(self, weights: frozenset[int], blocks: list):
-        self.weights, self.current = weights, -1
+    def __init__(self, weights: frozenset[int], blocks: list, trace: _Trace):
+        self.weights, self.current, self.trace = weights, -1, trace
         self.per_block, self.block_input = [0] * len(blocks), [0] * len(blocks)
-        self.outside, self.seen, self.keep, self.kinds = 0, set(), [], []
+        self.outside, self.seen, self.sizes, self.kinds, self.pending = 0, set(), [], [], {}
         self.handles = []
         for i, b in enumerate(blocks):
             self.handles += [b.register_forward_pre_hook(partial(self._enter, i)),
@@ -265,50 +374,109 @@ class _Saved:
 
     def pack(self, t: torch.Tensor) -> torch.Tensor:
         # memory is counted once however many views of it are saved (q, k and v's layers each save their
-        # input, one tensor), and a parameter's view (a linear layer saves its weight transposed) is the
-        # parameter: not an activation
+        # input, one tensor), and a parameter's view (a linear layer saves its weight transposed) or its cast
+        # to the autocast dtype is the parameter's: not an activation
         key = _storage(t)
-        if key not in self.weights and key not in self.seen:
+        if key not in self.weights and key not in self.seen and key not in self.trace.live.copies:
             self.seen.add(key)
-            self.keep.append(t)
+            nbytes = t.untyped_storage().nbytes()
+            # where tp puts it is known once the operator that saves it has run (autograd saves an
+            # operator's inputs before it runs): taken when its storage is freed, or at the end
+            self.pending.setdefault(key, []).append(len(self.kinds))
+            self.sizes.append(nbytes)
             self.kinds.append((self.current, key, t.is_floating_point()))
             if self.current >= 0:
-                self.per_block[self.current] += t.untyped_storage().nbytes()
+                self.per_block[self.current] += nbytes
             else:
-                self.outside += t.untyped_storage().nbytes()
+                self.outside += nbytes
         return t
+
+    def forget(self, key: int) -> None:
+        self.seen.discard(key)
+        self.place(key)
+
+    def place(self, key: int) -> None:
+        """The saved tensors of storage `key`: their (block, where tp puts them, floating)."""
+        where = SPLIT if key in self.trace.split else GATHERED if key in self.trace.gathered else WHOLE
+        for i in self.pending.pop(key, ()):
+            block, _, floating = self.kinds[i]
+            self.kinds[i] = (block, where, floating)
 
 
 def trace_micro_batch(bundle, batch: dict, block_types: tuple, fused_attention: bool = True,
                       attention_dropout: float = 0.0, hidden_dropout: float = 0.0,
-                      native_dropout: bool = False, tp_split: list | None = None) -> MicroBatchCost:
+                      native_dropout: bool = False, tp_split: list | None = None,
+                      autocast: torch.dtype | None = None) -> MicroBatchCost:
     """Forward and backward of `batch` (meta tensors) through `bundle.model` (on meta); attention fused
     (flash) or materialised with its dropout, and dropout as a GPU or a CPU runs it (_Attention).
     `tp_split`: the parameters tensor parallelism splits, by the model's plan (tp_plan.split_parameters: a
     Hugging Face model's embeddings and output head are whole, and so are its logits on every tp rank; shoal's
     GPT splits its vocabulary, and so its logits); None: every parameter, the Megatron-LM split of
-    _Trace._place."""
+    _Trace._place. `autocast`: as a run in that dtype computes it (_autocast: every tensor in the dtype
+    autocast gives it)."""
     model = bundle.model
-    weights = frozenset(_storage(p) for p in model.parameters())
-    saved = _Saved(weights, [m for m in model.modules() if block_types and isinstance(m, block_types)])
-    split = weights if tp_split is None else frozenset(_storage(p) for p in tp_split)
-    trace = _Trace(split, lambda: saved.current >= 0)
-    try:
-        with _Attention(fused_attention, attention_dropout, hidden_dropout, native_dropout), trace, \
-                torch.autograd.graph.saved_tensors_hooks(saved.pack, lambda t: t):
-            loss = bundle.loss_fn(model, batch).sum()
-            forward_flops = trace.ops.flops
-            trace.placing = False  # backward's tensors are not saved for anything
-            loss.backward()
-    finally:
-        for h in saved.handles:
-            h.remove()
-    model.zero_grad(set_to_none=True)
-    sizes = [t.untyped_storage().nbytes() for t in saved.keep]
-    places = [(block, SPLIT if key in trace.split else GATHERED if key in trace.gathered else WHOLE, floating)
-              for block, key, floating in saved.kinds]
+    with _autocast(model, batch, autocast) as (params, batch):
+        weights = frozenset(_storage(p) for p in params.values())
+        split = weights if tp_split is None else frozenset(_storage(params[id(p)]) for p in tp_split)
+        live = _Live(weights)
+        trace = _Trace(split, lambda: saved.current >= 0, live)
+        saved = _Saved(weights, [m for m in model.modules() if block_types and isinstance(m, block_types)], trace)
+        live.forgets += [saved.forget, trace.forget]  # placed before the trace forgets the storage
+        hooks = [p.register_post_accumulate_grad_hook(live.accumulated) for p in params.values() if p.requires_grad]
+        try:
+            with _Attention(fused_attention, attention_dropout, hidden_dropout, native_dropout), trace, \
+                    torch.autograd.graph.saved_tensors_hooks(saved.pack, lambda t: t):
+                loss = bundle.loss_fn(model, batch).sum()
+                forward_flops = trace.ops.flops
+                trace.placing = False  # backward's tensors are not saved for anything
+                loss.backward()
+                del loss
+        finally:
+            for h in saved.handles + hooks:
+                h.remove()
+        for key in list(saved.pending):
+            saved.place(key)
+        grads = live.grad_bytes
+        for p in params.values():
+            p.grad = None
+    sizes = saved.sizes
     return MicroBatchCost(_batch_size(batch), trace.ops, forward_flops, saved.outside, saved.per_block,
-                          saved.block_input, max(sizes, default=0), sizes, places, trace.row_parallel)
+                          saved.block_input, max(sizes, default=0), sizes, saved.kinds, trace.row_parallel,
+                          working=max(live.most - sum(sizes), 0),
+                          grads_at_peak=live.grads_at_most / grads if grads else 1.0)
+
+
+@contextlib.contextmanager
+def _autocast(model: torch.nn.Module, batch: dict, dtype: torch.dtype | None):
+    """({id(parameter): the tensor the trace runs it as}, the batch): the meta model as it is; with `dtype`,
+    the model run on fake CPU tensors (FakeTensorMode: shapes and dtypes, no data) under CPU autocast to
+    `dtype`, which gives each tensor the dtype a GPU's autocast gives it in the models shoal plans: matrix
+    products and attention in `dtype`; the loss's softmax upcast to fp32; a residual stream that an fp32
+    embedding starts stays fp32, and so do the norms over it (GPU autocast runs layer_norm and softmax in fp32
+    where their input is 16-bit; CPU autocast keeps the input's dtype: the planner's models never give them
+    one). Autocast itself runs only on a device's tensors, never on meta; CUDA's cannot run without CUDA."""
+    if dtype is None:
+        yield {id(p): p for p in model.parameters()}, batch
+        return
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.nn.utils.stateless import _reparametrize_module
+
+    mode = FakeTensorMode()
+    cpu = torch.device("cpu")
+
+    def fake(t: torch.Tensor) -> torch.Tensor:
+        return mode.fake_tensor_converter.from_meta_and_device(mode, t.detach(), cpu).requires_grad_(t.requires_grad)
+
+    made: dict[int, torch.Tensor] = {}  # tied tensors stay one
+    named = dict(model.named_parameters(remove_duplicate=False)) | dict(model.named_buffers(remove_duplicate=False))
+    for t in named.values():
+        if id(t) not in made:
+            made[id(t)] = fake(t)
+    params = {id(p): made[id(p)] for p in model.parameters()}
+    batch = {k: fake(v) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
+    with mode, _reparametrize_module(model, {n: made[id(t)] for n, t in named.items()}, tie_weights=True), \
+            torch.autocast("cpu", dtype=dtype):
+        yield params, batch
 
 
 def affine(traced: list[MicroBatchCost]) -> Callable[[int], MicroBatchCost] | None:
@@ -320,16 +488,13 @@ def affine(traced: list[MicroBatchCost]) -> Callable[[int], MicroBatchCost] | No
     saved tensors' blocks and placements are the same in all three, so the result is what a trace at that
     size gives. None where any number is not affine: trace each size."""
     a, b, c = sorted(traced[:3], key=lambda t: t.micro_batch)
-    same = [([n for n, *_ in t.ops.items], t.saved_kinds, t.row_parallel) for t in (a, b, c)]
+    same = [([n for n, *_ in t.ops.items], sorted(t.ops.shapes), t.saved_kinds, t.row_parallel, t.grads_at_peak)
+            for t in (a, b, c)]
     if len({a.micro_batch, b.micro_batch, c.micro_batch}) < 3 or not same[0] == same[1] == same[2]:
         return None
     ma, mb, mc = a.micro_batch, b.micro_batch, c.micro_batch
 
-    def numbers(t: MicroBatchCost) -> list[float]:
-        return [v for _, f, m in t.ops.items for v in (f, m)] + [
-            *t.ops.outputs, *t.saved, *t.saved_per_block, *t.block_input, t.forward_flops, t.saved_outside]
-
-    na, nb, nc = numbers(a), numbers(b), numbers(c)
+    na, nb, nc = _numbers(a), _numbers(b), _numbers(c)
     if not len(na) == len(nb) == len(nc) or any((z - x) * (mb - ma) != (y - x) * (mc - ma)
                                                  for x, y, z in zip(na, nb, nc, strict=True)):
         return None
@@ -346,12 +511,21 @@ def affine(traced: list[MicroBatchCost]) -> Callable[[int], MicroBatchCost] | No
         saved = [int(x) for x in v[k + n_out:k + n_out + n_saved]]
         k += n_out + n_saved
         per_block, inputs = [int(x) for x in v[k:k + n_blocks]], [int(x) for x in v[k + n_blocks:k + 2 * n_blocks]]
-        forward_flops, outside = v[-2], int(v[-1])
-        ops = Ops(items, sum(b for b in outputs if b > THRESHOLD), outputs)
+        k += 2 * n_blocks
+        shapes = {i: tuple(int(x) for x in v[k + 4 * j:k + 4 * j + 4]) for j, i in enumerate(sorted(a.ops.shapes))}
+        working, forward_flops, outside = int(v[-3]), v[-2], int(v[-1])
+        ops = Ops(items, sum(b for b in outputs if b > THRESHOLD), outputs, shapes)
         return MicroBatchCost(m, ops, forward_flops, outside, per_block, inputs, max(saved, default=0), saved,
-                              list(a.saved_kinds), a.row_parallel)
+                              list(a.saved_kinds), a.row_parallel, working, a.grads_at_peak)
 
     return at
+
+
+def _numbers(t: MicroBatchCost) -> list[float]:
+    """Every figure of a trace that cost.affine interpolates, in the order `at` reads them back."""
+    return [v for _, f, m in t.ops.items for v in (f, m)] + [
+        *t.ops.outputs, *t.saved, *t.saved_per_block, *t.block_input,
+        *(x for i in sorted(t.ops.shapes) for x in t.ops.shapes[i]), t.working, t.forward_flops, t.saved_outside]
 
 
 def _batch_size(batch: dict) -> int:
@@ -376,4 +550,9 @@ def trace_optimizer_step(model: torch.nn.Module, name: str, momentum: float, cli
         opt.step()
     for p in params:
         p.grad = None
+    # fused AdamW reads a parameter, its gradient and two moments and writes three; SGD the parameter, the
+    # gradient and its momentum buffer, writing two (one without momentum); the clip reads the gradients for
+    # their norm, then scales them in place
+    per_element = {"adamw": 7}.get(name, 5 if momentum else 3) + (3 if clip else 0)
+    trace.ops.fused_bytes = float(sum(p.numel() * p.element_size() for p in params) * per_element)
     return trace.ops

@@ -20,7 +20,7 @@ from shoal.models.tp_plan import split_parameters
 from shoal.parallel.state_bytes import ModelShape, numel, rank_params, shape_of, shard_bytes, stage_params
 from shoal.plan.cost import MicroBatchCost, affine, trace_micro_batch, trace_optimizer_step
 from shoal.plan.enumerate import Candidate, candidates
-from shoal.plan.predict import Prediction, activation_scale, predict_memory, predict_time
+from shoal.plan.predict import Prediction, autocast_dtype, predict_memory, predict_time, sixteen_bit_scale
 from shoal.training.build import freeze
 
 _UNITS = {"": 1, "b": 1, "kb": 1e3, "mb": 1e6, "gb": 1e9, "tb": 1e12, "kib": 2 ** 10, "mib": 2 ** 20,
@@ -61,16 +61,17 @@ class Model:
     bundle: object
     source: object
     shape: ModelShape
-    costs: dict[int, MicroBatchCost] = field(default_factory=dict)
+    costs: dict[tuple, MicroBatchCost] = field(default_factory=dict)  # by (micro-batch, autocast dtype)
     opt_ops: object = None
     data_bytes: int = 0  # tensors the data source holds in every worker
     # per pipeline split and rank: its stages' parameters (many layouts share a split: a plan for 1,024
     # workers rebuilt them thousands of times)
     stages: dict[tuple, list] = field(default_factory=dict)
     layers: object = None  # the model as pipeline layers, made once
-    # the micro-batch sizes traced so far, and (from the third) their costs at any size, where they are affine
-    traced: list[MicroBatchCost] = field(default_factory=list)
-    at: object = None  # cost.affine's function; False: not affine, trace every size
+    # per autocast dtype, the micro-batch sizes traced so far, and (from the third) their costs at any size,
+    # where they are affine (cost.affine's function; False: not affine, trace every size)
+    traced: dict = field(default_factory=dict)
+    at: dict = field(default_factory=dict)
     # attention as the trace runs it: fused (flash), or materialised with this dropout; dropout where the
     # model runs none; dropout as a GPU runs it (cost._Attention)
     fused_attention: bool = True
@@ -101,23 +102,26 @@ class Model:
         model.data_bytes = sum(_nbytes(v) for v in vars(source).values())
         return model
 
-    def cost(self, micro: int) -> MicroBatchCost:
-        """One micro-batch's costs: traced for the first three sizes asked, then taken from them where every
-        figure is affine in the size (cost.affine: the same as a trace gives; a trace of a 70B GPT took
-        ~0.8 s here, and a plan asks up to a dozen sizes)."""
-        if micro not in self.costs:
-            if self.at is None and len(self.traced) >= 3:
-                self.at = affine(self.traced) or False
-            if self.at:
-                self.costs[micro] = self.at(micro)
+    def cost(self, micro: int, autocast: torch.dtype | None = None) -> MicroBatchCost:
+        """One micro-batch's costs, run in fp32 or under `autocast` (cost.trace_micro_batch): traced for the
+        first three sizes asked, then taken from them where every figure is affine in the size (cost.affine:
+        the same as a trace gives; a trace of a 70B GPT took ~0.8 s here, and a plan asks up to a dozen
+        sizes)."""
+        key = (micro, autocast)
+        if key not in self.costs:
+            traced = self.traced.setdefault(autocast, [])
+            if self.at.get(autocast) is None and len(traced) >= 3:
+                self.at[autocast] = affine(traced) or False
+            if self.at.get(autocast):
+                self.costs[key] = self.at[autocast](micro)
             else:
                 batch = self.source.train_batch(torch.arange(micro))
                 batch = {k: v.to("meta") if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
-                self.costs[micro] = trace_micro_batch(self.bundle, batch, self.bundle.block_types,
-                                                      self.fused_attention, self.attention_dropout,
-                                                      self.hidden_dropout, self.cuda, self.tp_split)
-                self.traced.append(self.costs[micro])
-        return self.costs[micro]
+                self.costs[key] = trace_micro_batch(self.bundle, batch, self.bundle.block_types,
+                                                    self.fused_attention, self.attention_dropout,
+                                                    self.hidden_dropout, self.cuda, self.tp_split, autocast)
+                traced.append(self.costs[key])
+        return self.costs[key]
 
     def stage_params(self, cfg: Config, pp_rank: int) -> list:
         """Parameters of pipeline rank `pp_rank`'s stages for `cfg`'s split."""
@@ -144,7 +148,11 @@ def predict(model: Model, cfg: Config, layout, profile: HardwareProfile | None,
             memory: int | None = None) -> Prediction:
     """Memory, then time (not priced for a layout above `memory`: it is rejected)."""
     p, d = cfg.parallel, layout.dims
-    cost = model.cost(cfg.train.micro_batch_size)
+    # shoal's runs are traced under autocast; a stack without fused attention (Megatron-LM's) keeps every
+    # activation in 16 bits: the fp32 trace at half its bytes
+    unfused = not model.fused_attention
+    cost = model.cost(cfg.train.micro_batch_size, None if unfused else autocast_dtype(profile, cfg.precision.dtype))
+    act_scale = sixteen_bit_scale(profile, cfg.precision.dtype) if unfused else 1.0
     split = (p.pp, p.pp_schedule, p.pp_stages_per_rank, repr(p.pp_split))
     params = model.shape.once(("largest stage", *split), lambda: rank_params(
         model.shape, layout, p.pp_schedule, lambda r: model.stage_params(cfg, r)))
@@ -155,9 +163,9 @@ def predict(model: Model, cfg: Config, layout, profile: HardwareProfile | None,
                          momentum=cfg.train.momentum, checkpointing=cfg.precision.activation_checkpointing,
                          schedule=p.pp_schedule, profile=profile, stage_fraction=fraction,
                          data_bytes=model.data_bytes if profile is not None and profile.device == "cpu" else 0,
-                         act_scale=activation_scale(profile, cfg.precision.dtype), dtype=cfg.precision.dtype,
+                         dtype=cfg.precision.dtype, act_scale=act_scale,
                          stages_per_rank=stages, sequence_parallel=p.sequence_parallel)
-    if profile is None or (memory is not None and mem["peak"] > memory):
+    if profile is None or (memory is not None and mem.get("device", mem["peak"]) > memory):
         return Prediction(mem, {"compute": None, "comm": None, "bubble": None, "step": None})
     # a rank's gradients and parameters whole (its tp part: what the model's tp plan leaves whole counts whole)
     grad_bytes = shard_bytes(model.shape, params, 1, False, d.tp, model.shape.element_size, "grads")
@@ -165,7 +173,7 @@ def predict(model: Model, cfg: Config, layout, profile: HardwareProfile | None,
     t = predict_time(model.shape, cost, model.opt_ops, layout, profile, dtype=cfg.precision.dtype,
                      checkpointing=cfg.precision.activation_checkpointing, schedule=p.pp_schedule,
                      stages_per_rank=stages, grad_bytes=grad_bytes, param_bytes_full=full,
-                     reduce_dtype=cfg.precision.reduce_dtype)
+                     reduce_dtype=cfg.precision.reduce_dtype, act_scale=act_scale)
     return Prediction(mem, t)
 
 
@@ -189,8 +197,8 @@ def plan(cfg: Config, world: int, profile: HardwareProfile | None, memory: int |
             continue
         pred = predict(model, c.cfg, c.layout, profile, memory)
         reason = None
-        if memory is not None and pred.memory["peak"] > memory:
-            reason = (f"does not fit: {human_bytes(pred.memory['peak'])} per rank predicted, "
+        if memory is not None and pred.fit_bytes > memory:
+            reason = (f"does not fit: {human_bytes(pred.fit_bytes)} per rank predicted, "
                       f"--memory {human_bytes(memory)}")
         out.append(Planned(c, pred, reason))
 
@@ -204,4 +212,4 @@ def ranking(pl: Planned) -> tuple:
     step = pl.prediction.step_time if pl.prediction else None
     t = step if step is not None else pl.prediction.time["compute"] if pl.prediction else None
     return (not pl.ok, pl.prediction is None, step is None, t if t is not None else float("inf"),
-            pl.prediction.memory["peak"] if pl.prediction else 0)
+            pl.prediction.fit_bytes if pl.prediction else 0)

@@ -21,12 +21,28 @@ preflight's memory check shares):
               10 + 24/t + 5as/(ht))
   buffers     ZeRO 2 keeps every block's gathered parameters from forward to backward, ZeRO 3 two
               blocks (one prefetched), in the gather's dtype (16 bits under bf16); ZeRO 0/1 in 16 bits:
-              autocast's 16-bit copy of every weight matrix, kept for backward; the largest tensor's
-              gradient in backward
+              autocast's 16-bit copy of every weight matrix, kept for backward
+  working     on a GPU, the most the micro-batch's forward and backward hold at once beyond the saved
+              activations, as the trace followed every tensor from the operator that makes it to its last
+              use (cost._Live): for a language model the start of backward, the fp32 log-probabilities'
+              gradient and the logits' gradient before its cast (8 bytes a logit), or under model.loss_chunks
+              one chunk's; activations' gradients elsewhere; on CPU the largest tensor's gradient (the
+              probe's heap measurement was made against it); tp's share
   data        the data source's tensors each worker holds (CPU: counted in its resident memory)
   peak        the worker's resident memory before a model (profile's process_bytes; 0 on a GPU) + data
               + all of the above; on CPU the tensors' part as the probe measured the resident set grow
-              in training (a fixed part and a ratio: the heap keeps what it frees in pieces)
+              in training (a fixed part and a ratio: the heap keeps what it frees in pieces); on a GPU
+              the tensors the caching allocator has handed out (torch.cuda.max_memory_allocated), counted
+              with every gradient though a step's first backward starts with none (a margin of the
+              gradients' bytes where the peak is the start of backward)
+  on a GPU, what the device holds beyond the peak (the profile's, measured by the probe on the GPU; a
+  preset's from public figures):
+  reserve     the caching allocator's reserved blocks beyond the allocated peak (rounding, cached free
+              blocks): peak x (allocator_reserve - 1)
+  context     the CUDA context and the kernels loaded into it (context_bytes)
+  nccl        each NCCL communicator's buffers (nccl_bytes): one for the world and one per parallel
+              group that is neither one rank nor the world
+  device      peak + reserve + context + nccl: what must fit in the GPU's memory (--memory)
 Time, per optimizer step of the slowest rank:
   compute     every traced operator at the rate the probe measured for it in reference training steps:
               with FLOPs, FLOPs / its FLOP/s at that many FLOPs (the matmul curve for one never measured);
@@ -60,11 +76,14 @@ import math
 from dataclasses import dataclass
 from functools import partial
 
+import torch
+
 from shoal.hardware import OVERHEAD_MESSAGE_BYTES, HardwareProfile
 from shoal.layout import Layout
 from shoal.parallel.pipeline import bubble_fraction
 from shoal.parallel.state_bytes import ModelShape, copies, shard_bytes, state_bytes
 from shoal.plan.cost import MicroBatchCost, Ops
+from shoal.plan.kernels import fused_step_seconds, kernel_seconds
 from shoal.plan.network import network
 
 DDP_BUCKET_BYTES = 25 * 2 ** 20  # torch DDP's bucket_cap_mb
@@ -79,6 +98,12 @@ class Prediction:
     @property
     def step_time(self) -> float | None:
         return self.time["step"]
+
+    @property
+    def fit_bytes(self) -> int:
+        """What must fit in a rank's memory: on a GPU the device's total (the allocator's peak, its reserve,
+        the CUDA context, NCCL's buffers), elsewhere the peak."""
+        return self.memory.get("device", self.memory["peak"])
 
 
 def in_flight(layout: Layout, schedule: str, stages_per_rank: int = 1) -> float:
@@ -100,35 +125,71 @@ def in_flight(layout: Layout, schedule: str, stages_per_rank: int = 1) -> float:
 
 def predict_memory(shape: ModelShape, params: list, cost: MicroBatchCost, layout: Layout, *, optimizer: str,
                    momentum: float, checkpointing: bool, schedule: str, profile: HardwareProfile | None,
-                   stage_fraction: float, data_bytes: int = 0, act_scale: float = 1.0, dtype: str = "fp32",
-                   stages_per_rank: int = 1, sequence_parallel: bool = False) -> dict[str, int]:
+                   stage_fraction: float, data_bytes: int = 0, dtype: str = "fp32",
+                   stages_per_rank: int = 1, sequence_parallel: bool = False, act_scale: float = 1.0) -> dict[str, int]:
     d = layout.dims
+    n_micro = layout.per_rank_batch // max(cost.micro_batch, 1)
     state = state_bytes(shape, params, layout, optimizer=optimizer, momentum=momentum)
+    gpu = profile is not None and profile.device == "cuda"
     act = cost.activation_bytes(checkpointing, stage_fraction, in_flight(layout, schedule, stages_per_rank),
-                                scale=act_scale, tp=d.tp, sequence_parallel=sequence_parallel)
-    buffers = copies(shape, params, layout, dtype, state["params"]) + int(cost.largest * act_scale) // d.tp
+                                scale=act_scale, tp=d.tp, sequence_parallel=sequence_parallel, recomputed=not gpu)
+    working = int(cost.largest * act_scale)
+    if gpu:  # a recomputed block's saved tensors come back after the start of backward, the loss's peak
+        working = int(max(cost.working, cost.recomputed_block(d.tp, sequence_parallel) if checkpointing else 0)
+                      * act_scale)
+    mem = {**state, "activations": act, "buffers": copies(shape, params, layout, dtype, state["params"]),
+           "working": working // d.tp, "data": data_bytes}
     cpu = profile is not None and profile.device == "cpu"
     base = (profile.process_bytes or 0) if cpu else 0
-    mem = {**state, "activations": act, "buffers": buffers, "data": data_bytes}
     tensors = sum(v for k, v in mem.items() if k != "data")
+    if gpu and not grads_kept(layout, n_micro):  # the step's first backward starts without gradients
+        tensors -= int(mem["grads"] * (1.0 - cost.grads_at_peak))
     if cpu and profile.heap_ratio:  # the heap keeps freed pieces: resident memory grows by more (probe.py)
         tensors = (profile.heap_fixed_bytes or 0) + profile.heap_ratio * tensors
     mem["peak"] = int(base + data_bytes + tensors)
+    if gpu:
+        mem.update(device_beyond(profile, layout, mem["peak"]))
     return mem
 
 
-def activation_scale(profile: HardwareProfile | None, dtype: str) -> float:
-    """Bytes of an activation against the trace's fp32 ones: a GPU run in bf16 / fp16 keeps and moves its
-    activations in 16 bits (the trace runs the model in fp32 on meta); on CPU autocast leaves most of
-    them fp32, as the probe measured them."""
-    return 0.5 if profile is not None and profile.device == "cuda" and dtype in ("bf16", "fp16") else 1.0
+def grads_kept(layout: Layout, n_micro: int) -> bool:
+    """Whether gradients exist when a micro-batch's backward starts: DDP's (ZeRO 0/1 over dp > 1) live in
+    its buckets from its start, and an accumulating step's later micro-batches add to the earlier ones';
+    otherwise a step's gradients are set to None after it (training/step.py) and made by its backward."""
+    return (layout.dims.dp > 1 and layout.zero <= 1) or n_micro > 1
+
+
+def device_beyond(profile: HardwareProfile, layout: Layout, peak: int) -> dict[str, int]:
+    """A GPU's memory beyond the allocated peak (reserve, context, nccl) and the device's total; a term the
+    profile has not measured counts 0."""
+    d = layout.dims
+    reserve = int(peak * max((profile.allocator_reserve or 1.0) - 1.0, 0.0))
+    groups = (d.world_size > 1) + sum(1 < n < d.world_size for n in (d.dp, d.tp, d.pp))
+    out = {"reserve": reserve, "context": profile.context_bytes or 0, "nccl": groups * (profile.nccl_bytes or 0)}
+    return {**out, "device": peak + sum(out.values())}
+
+
+def sixteen_bit_scale(profile: HardwareProfile | None, dtype: str) -> float:
+    """Bytes of an activation against the fp32 trace's in a stack that keeps every activation in 16 bits on a
+    GPU (Megatron-LM's and DeepSpeed's fp16 / bf16 models, Korthikanti et al.'s count: the planner's
+    unfused-attention pricing, benchmarks/published_runs.py); shoal's own runs are traced under autocast."""
+    return 0.5 if autocast_dtype(profile, dtype) is not None else 1.0
+
+
+def autocast_dtype(profile: HardwareProfile | None, dtype: str) -> torch.dtype | None:
+    """The dtype a run's trace is made under (cost.trace_micro_batch): a GPU run in bf16 / fp16 keeps and
+    moves its tensors in the dtypes autocast gives them (16-bit matrix products and attention, an fp32
+    residual stream and loss); on CPU the fp32 trace, as the probe measured its operators' rates and the
+    resident memory's growth against it."""
+    if profile is not None and profile.device == "cuda" and dtype in ("bf16", "fp16"):
+        return torch.bfloat16 if dtype == "bf16" else torch.float16
+    return None
 
 
 def op_time(ops: Ops, profile: HardwareProfile, dtype: str, scale: float = 1.0, byte_scale: float = 1.0) -> float:
-    """Seconds of the operators, each on `scale` of its data (tp's share), their bytes at `byte_scale` of
-    the traced ones (activation_scale), divided by the profile's compute efficiency; kept on `ops` per
-    profile, dtype and scales, which many layouts share (the entry holds the profile, so its id stays its
-    own)."""
+    """Seconds of the operators, each on `scale` of its data (tp's share), their bytes at `byte_scale` of the
+    traced ones (sixteen_bit_scale), divided by the profile's compute efficiency; kept on `ops` per profile,
+    dtype and scales, which many layouts share (the entry holds the profile, so its id stays its own)."""
     key = (id(profile), dtype, scale, byte_scale)
     if key not in ops.times:
         seconds = _op_time(ops, profile, dtype, scale, byte_scale) / (profile.compute_efficiency or 1.0)
@@ -144,17 +205,26 @@ def step_at_efficiency(t: dict[str, float | None], efficiency: float) -> float:
 
 
 def _op_time(ops: Ops, profile: HardwareProfile, dtype: str, scale: float, byte_scale: float = 1.0) -> float:
+    """On CPU each operator at its measured rate plus the per-operator cost; on a GPU each kernel at its
+    measured rate, else by kind and size (kernels.py), and never shorter than its launch."""
     bw = profile.memory_bandwidth or 1e11
     overhead = profile.op_overhead_s if profile.op_overhead_s is not None else DEFAULT_OP_OVERHEAD_S.get(
         profile.device, 5e-6)
+    gpu = profile.device == "cuda"
     total = 0.0
-    for name, flops, moved in ops.items:
-        moved *= byte_scale
+    for i, (name, flops, moved) in enumerate(ops.items):
+        flops, moved = flops * scale, moved * scale * byte_scale
+        if gpu and not (profile.op_flop_rates.get(name) if flops else profile.op_rates.get(name)):
+            shape = ops.shapes.get(i)
+            if shape is not None and scale != 1.0:  # tp splits the product's columns (or its inner dimension)
+                shape = (shape[0], shape[1], max(1, round(shape[2] * scale)), shape[3])
+            total += max(kernel_seconds(name, flops, moved, shape, profile, dtype), overhead)
+            continue
         if flops:
-            t = max(moved * scale / bw, flops * scale / profile.op_flop_rate(name, dtype, flops * scale))
+            t = max(moved / bw, flops / profile.op_flop_rate(name, dtype, flops))
         else:
-            t = moved * scale / profile.op_rate(name, moved * scale)
-        total += t + overhead
+            t = moved / profile.op_rate(name, moved)
+        total += max(t, overhead) if gpu else t + overhead
     return total
 
 
@@ -194,19 +264,16 @@ def collectives(profile: HardwareProfile, layout: Layout):
 
 def predict_time(shape: ModelShape, cost: MicroBatchCost, opt_ops: Ops, layout: Layout, profile: HardwareProfile, *,
                  dtype: str, checkpointing: bool, schedule: str, stages_per_rank: int, grad_bytes: int,
-                 param_bytes_full: int, reduce_dtype: str = "fp32") -> dict[str, float | None]:
+                 param_bytes_full: int, reduce_dtype: str = "fp32", act_scale: float = 1.0) -> dict[str, float | None]:
     d, zero = layout.dims, layout.zero
     micro = cost.micro_batch
     n_micro = layout.per_rank_batch // micro
-    act16 = activation_scale(profile, dtype)
-    per_micro = op_time(cost.ops, profile, dtype, 1.0 / d.tp, act16) / d.pp
+    per_micro = op_time(cost.ops, profile, dtype, 1.0 / d.tp, act_scale) / d.pp
     fwd_share = cost.forward_flops / max(cost.ops.flops, 1.0)
     if checkpointing:
         per_micro *= 1 + fwd_share  # blocks run their forward again in backward
     shard = (1.0 / d.dp if zero >= 1 else 1.0) / (d.tp * d.pp)
-    optimizer = op_time(opt_ops, profile, dtype, 1.0) * shard if zero >= 1 else op_time(opt_ops, profile, dtype,
-                                                                                           1.0 / (d.tp * d.pp))
-    compute = per_micro * n_micro + optimizer
+    compute = per_micro * n_micro + _optimizer_time(opt_ops, profile, dtype, layout)
     if zero >= 2 and profile.fresh_memory_s_per_byte:  # CPU: every large tensor freshly mapped (allocator.py)
         compute += profile.fresh_memory_s_per_byte * (cost.ops.fresh_bytes * n_micro / (d.tp * d.pp)
                                                       + opt_ops.fresh_bytes * shard)
@@ -227,14 +294,26 @@ def predict_time(shape: ModelShape, cost: MicroBatchCost, opt_ops: Ops, layout: 
         comm += seconds
         t["compute"] = compute = compute + (profile.fresh_memory_s_per_byte or 0.0) * fresh
     if d.tp > 1:
-        comm += _tp_comm(shape, cost, profile, layout, n_micro, len(opt_ops.items), act16, checkpointing)
+        comm += _tp_comm(shape, cost, profile, layout, n_micro, len(opt_ops.items), act_scale, checkpointing)
     if d.pp > 1:
-        act = (cost.block_input[0] if cost.block_input else 0) * act16
+        act = (cost.block_input[0] if cost.block_input else 0) * act_scale
         hops = 2 * (n_micro + d.pp - 1) * stages_per_rank
         comm += hops * (collectives(profile, layout)("send_recv", act, "pp") or 0.0)
     t["comm"] = comm
     t["step"] = compute + bubble + comm
     return calibrated(t, layout, profile)
+
+
+def _optimizer_time(opt_ops: Ops, profile: HardwareProfile, dtype: str, layout: Layout) -> float:
+    """The clip and the optimizer's step on a rank's share of the parameters (ZeRO's shard, tp's and pp's
+    part): on a GPU torch's fused kernels (training/optim.py), elsewhere the traced per-tensor operators."""
+    d = layout.dims
+    shard = (1.0 / d.dp if layout.zero >= 1 else 1.0) / (d.tp * d.pp)
+    if profile.device == "cuda":
+        return fused_step_seconds(opt_ops.fused_bytes, profile) / (profile.compute_efficiency or 1.0) * shard
+    if layout.zero >= 1:
+        return op_time(opt_ops, profile, dtype, 1.0) * shard
+    return op_time(opt_ops, profile, dtype, 1.0 / (d.tp * d.pp))
 
 
 def strategy(layout: Layout) -> str:
@@ -319,7 +398,7 @@ def _fsdp_comm(shape: ModelShape, profile: HardwareProfile, layout: Layout, n_mi
 
 
 def _tp_comm(shape: ModelShape, cost: MicroBatchCost, profile: HardwareProfile, layout: Layout, n_micro: int,
-             optimizer_ops: int, act16: float = 1.0, checkpointing: bool = False) -> float:
+             optimizer_ops: int, act_scale: float = 1.0, checkpointing: bool = False) -> float:
     """Tensor parallelism: one all-reduce of a block's activations per split matrix and micro-batch (a
     row-wise layer's output in forward, a column-wise layer's input gradient in backward), at the probe's
     measured cost of a split layer (DTensor's work and a tiny all-reduce between layers) plus what a
@@ -327,7 +406,7 @@ def _tp_comm(shape: ModelShape, cost: MicroBatchCost, profile: HardwareProfile, 
     again in the recomputed forward; DTensor's cost per optimizer operator on split parameters."""
     d, over = layout.dims, profile.parallel_overheads
     ct = partial(collectives(profile, layout), axis="tp")
-    act = (cost.block_input[0] if cost.block_input else 0) * act16
+    act = (cost.block_input[0] if cost.block_input else 0) * act_scale
     matrices, outside, tensors = shape.once(("tp matrices",), lambda: _matrices(shape))
     message = max(0.0, (ct("all_reduce", act) or 0.0) - (ct("all_reduce", OVERHEAD_MESSAGE_BYTES["tp"]) or 0.0))
     per_layer = over["tp_layer_s"] + message if "tp_layer_s" in over else (ct("all_reduce", act) or 0.0)

@@ -42,13 +42,14 @@ def render(planned: list[Planned], top: int, console: Console | None = None, mis
             "no step times (no hardware profile)"
         console.print(f"{len(untimed)} of {len(ok)} layouts without a step time: {what}; "
                       f"{missing or 'run `shoal probe` on the machines, or plan with --preset'}")
+    gpu = any("device" in p.prediction.memory for p in ok)  # the device's total: what must fit (predict.py)
     t = Table("#", "layout", "step", "compute", "comm", "bubble", "calibration", "params", "grads", "optimizer",
-              "activations", "peak / rank", title=title)
+              "activations", *(("working", "peak", "device / rank") if gpu else ("peak / rank",)), title=title)
     for i, p in enumerate(ok[:top], 1):
         m, tm = p.prediction.memory, p.prediction.time
+        kinds = ("params", "grads", "optimizer", "activations", *(("working", "peak", "device") if gpu else ("peak",)))
         t.add_row(str(i), p.candidate.label(), _s(tm["step"]), _s(tm["compute"]), _s(tm["comm"]), _s(tm["bubble"]),
-                  _s(tm.get("calibration")),
-                  *(human_bytes(m[k]) for k in ("params", "grads", "optimizer", "activations", "peak")))
+                  _s(tm.get("calibration")), *(human_bytes(m[k]) for k in kinds))
     console.print(t)
     rejected: dict[str, list[str]] = {}
     for p in planned:
