@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# A benchmarks/ script (gpu_paths or gpu_step) on a machine whose python3 holds a CUDA torch but not shoal's other
-# dependencies, with no network, in one call from the repository root:
-#   bash benchmarks/gpu_run.sh NAME [NAME.py's arguments]      (gpu_paths.sh and gpu_step.sh call it)
+# A benchmarks/ script (gpu_paths, gpu_step or gpu_planner) on a machine whose python3 holds a CUDA torch but not
+# shoal's other dependencies, with no network, in one call from the repository root:
+#   bash benchmarks/gpu_run.sh NAME [NAME.py's arguments]      (gpu_paths.sh, gpu_step.sh and gpu_planner.sh call it)
 # Before, where there is a network: the wheels of what it lacks (pydantic, tomli-w, ...; torchao for fp8) go in
 # .whl/, which must travel with the checkout (it is ignored by git): ../shared/tools/device-wheels [torchao]. They go
 # to /tmp/site, src/ onto PYTHONPATH: no virtualenv. Run dirs go to /tmp/NAME; every command's output to
