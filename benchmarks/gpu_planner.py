@@ -123,10 +123,10 @@ def facts_of_this_machine() -> dict:
     """The card (no CUDA context is made here), torch, and the preset of the card's data sheet."""
     import torch
 
-    from shoal.hardware import gpu_preset_for
+    from shoal.hardware import cpu_name, gpu_preset_for
 
     cuda = torch.cuda.is_available()
-    card = torch.cuda.get_device_name(0) if cuda else "cpu"
+    card = torch.cuda.get_device_name(0) if cuda else f"CPU ({cpu_name()})"
     preset = gpu_preset_for(card) if cuda else None
     return {"card": card, "device": "cuda" if cuda else "cpu", "torch": torch.__version__, "cuda": cuda,
             "preset": preset.name if preset else "h100"}

@@ -40,11 +40,11 @@ def pct(error: float | None) -> str:
     return "?" if error is None else f"{error:+.1%}"
 
 
-TABLE_HEAD = f"{'run':<14} {'profile':<12} {'quantity':<22} {'predicted':>12} {'measured':>12} {'error':>8}"
+TABLE_HEAD = f"{'run':<14} {'profile':<12} {'quantity':<22} {'predicted':>12} {'measured':>12} {'error':>9}"
 
 
 def table_lines(run: str, profile: str, rows: list[dict]) -> list[str]:
-    return [f"{run:<14} {profile:<12} {r['name']:<22} {r['predicted']:>12} {r['measured']:>12} {pct(r['error']):>8}"
+    return [f"{run:<14} {profile:<12} {r['name']:<22} {r['predicted']:>12} {r['measured']:>12} {pct(r['error']):>9}"
             for r in rows]
 
 
@@ -75,9 +75,9 @@ def summary(results: list[dict]) -> dict[str, dict[str, dict]]:
 
 def summary_lines(spreads: dict[str, dict[str, dict]]) -> list[str]:
     """Per profile and quantity: over how many runs, the median error's size and the worst error."""
-    lines = [f"{'profile':<12} {'quantity':<22} {'runs':>4} {'median':>8} {'worst':>8}"]
+    lines = [f"{'profile':<12} {'quantity':<22} {'runs':>4} {'median':>8} {'worst':>9}"]
     for profile, quantities in spreads.items():
-        lines += [f"{profile:<12} {name:<22} {s['runs']:>4} {s['median']:>8.1%} {pct(s['worst']):>8} ({s['worst_run']})"
+        lines += [f"{profile:<12} {name:<22} {s['runs']:>4} {s['median']:>8.1%} {pct(s['worst']):>9} ({s['worst_run']})"
                   for name, s in quantities.items()]
     return lines
 
