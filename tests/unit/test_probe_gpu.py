@@ -231,3 +231,13 @@ def test_a_cpu_probe_measures_in_its_order_and_keeps_what_each_part_took():
     assert not {"op_rates_by_dtype", "host_op_s"} & set(profile.model_dump())
     assert [n for n, _ in profile.matmul_curve["fp32"]] == [32.0] and set(profile.matmul_curve) == {"fp32", "bf16"}
     assert profile.op_rates and profile.spot and profile.heap_ratio is None
+
+
+def test_a_gpu_probe_s_line_says_what_the_gpu_holds_beyond_the_tensors():
+    gpu = HardwareProfile(matmul_flops={"bf16": 7.99e14}, device="cuda", device_name="NVIDIA H100 80GB HBM3",
+                          memory_bandwidth=3e12, op_overhead_s=6e-6, context_bytes=530 * MIB, nccl_bytes=300 * MIB,
+                          allocator_reserve=1.084)
+    line = probe.summary_line(gpu, "profile.json")
+    assert line.endswith("; beyond the tensors: CUDA context 530 MiB, NCCL 300 MiB, allocator reserve x1.08"), line
+    cpu = gpu.model_copy(update={"context_bytes": None, "nccl_bytes": None, "allocator_reserve": None})
+    assert "beyond the tensors" not in probe.summary_line(cpu, "profile.json")

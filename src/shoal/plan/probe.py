@@ -681,9 +681,12 @@ def summary_line(profile: HardwareProfile, out: str) -> str:
     flops = ", ".join(f"{k} {v / 1e9:.1f} GFLOP/s" for k, v in profile.matmul_flops.items())
     ar = profile.collectives.get("all_reduce", [])
     big = f"; all-reduce of {ar[-1][0] / 2 ** 20:.2f} MiB: {ar[-1][1] * 1e3:.2f} ms" if ar else ""
+    gpu = "" if profile.context_bytes is None else (
+        f"; beyond the tensors: CUDA context {profile.context_bytes / 2 ** 20:.0f} MiB, NCCL "
+        f"{(profile.nccl_bytes or 0) / 2 ** 20:.0f} MiB, allocator reserve x{profile.allocator_reserve or 1:.2f}")
     return (f"wrote {out}: {profile.nproc * profile.nnodes} process(es) on {profile.device_name}: {flops}; copy "
             f"{(profile.memory_bandwidth or 0) / 1e9:.1f} GB/s; {(profile.op_overhead_s or 0) * 1e6:.1f} us per "
-            f"operator{big}")
+            f"operator{big}{gpu}")
 
 
 def calibrate_profile(out: str, nproc: int, busy_measuring: float | None = None, force: bool = False) -> None:
