@@ -327,6 +327,14 @@ class MicroBatchCost:
             return int(in_flight * (outside * fraction + sum(inputs[:k])) + recomputed * max(per_block))
         return int(in_flight * (outside * fraction + sum(per_block[:k])))
 
+    def working_on_rank(self, tp: int) -> int:
+        """The working set on one tp rank: a tp-th where the loss is split over the vocabulary (shoal's GPT:
+        its largest saved tensor outside the blocks, the log-probabilities, is split), whole where every
+        rank takes the whole loss (a Hugging Face model's head is whole on every tp rank)."""
+        outside = [(n, where) for (block, where, _), n in zip(self.saved_kinds, self.saved, strict=True) if block < 0]
+        split = bool(outside) and max(outside)[1] == SPLIT
+        return self.working // tp if split else self.working
+
     def recomputed_block(self, tp: int = 1, sequence_parallel: bool = False) -> int:
         """The most one block's recomputed forward saves (checkpointing)."""
         return int(max(self.on_rank(1.0, tp, sequence_parallel)[1], default=0))

@@ -133,12 +133,12 @@ def predict_memory(shape: ModelShape, params: list, cost: MicroBatchCost, layout
     gpu = profile is not None and profile.device == "cuda"
     act = cost.activation_bytes(checkpointing, stage_fraction, in_flight(layout, schedule, stages_per_rank),
                                 scale=act_scale, tp=d.tp, sequence_parallel=sequence_parallel, recomputed=not gpu)
-    working = int(cost.largest * act_scale)
+    working = int(cost.largest * act_scale) // d.tp
     if gpu:  # a recomputed block's saved tensors come back after the start of backward, the loss's peak
-        working = int(max(cost.working, cost.recomputed_block(d.tp, sequence_parallel) if checkpointing else 0)
-                      * act_scale)
+        working = int(max(cost.working_on_rank(d.tp), cost.recomputed_block(d.tp, sequence_parallel)
+                          if checkpointing else 0) * act_scale)
     mem = {**state, "activations": act, "buffers": copies(shape, params, layout, dtype, state["params"]),
-           "working": working // d.tp, "data": data_bytes}
+           "working": working, "data": data_bytes}
     cpu = profile is not None and profile.device == "cpu"
     base = (profile.process_bytes or 0) if cpu else 0
     tensors = sum(v for k, v in mem.items() if k != "data")
