@@ -203,3 +203,18 @@ def test_a_cpu_prediction_is_the_fp32_trace_s():
     pred = predict(model, cfg, resolve_layout(cfg, 1, False), profile)
     assert "device" not in pred.memory and pred.memory["working"] == model.cost(B).largest
     assert list(model.costs) == [(B, None)]
+
+
+def test_a_gpu_probe_s_rates_in_the_run_s_dtype_come_first():
+    """A probe's profile of a GPU: an operator it measured in the run's dtype at its measured rate (bf16's
+    under autocast kept apart from fp32's), the others by kind and size, each at least the host's time per
+    operator it measured."""
+    from shoal.plan.cost import Ops
+    from shoal.plan.predict import op_time
+
+    measured = H100.model_copy(update={"op_rates_by_dtype": {"bf16": {"add": [[1e6, 1e9], [1e9, 1e9]]}},
+                                       "host_op_s": 2e-5})
+    ops = Ops([("add", 0.0, 1e8), ("mul", 0.0, 1e8), ("add", 0.0, 10.0)])
+    mul = 1e8 / (0.85 * H100.memory_bandwidth)
+    assert op_time(ops, measured, "bf16") == pytest.approx(1e8 / 1e9 + max(mul, 2e-5) + 2e-5)
+    assert op_time(ops, measured, "fp32") == pytest.approx(2 * max(mul, 2e-5) + 2e-5)  # fp32 measured nothing

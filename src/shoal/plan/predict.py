@@ -78,7 +78,7 @@ from functools import partial
 
 import torch
 
-from shoal.hardware import OVERHEAD_MESSAGE_BYTES, HardwareProfile
+from shoal.hardware import OVERHEAD_MESSAGE_BYTES, HardwareProfile, interpolate
 from shoal.layout import Layout
 from shoal.parallel.pipeline import bubble_fraction
 from shoal.parallel.state_bytes import ModelShape, copies, shard_bytes, state_bytes
@@ -205,26 +205,56 @@ def step_at_efficiency(t: dict[str, float | None], efficiency: float) -> float:
 
 
 def _op_time(ops: Ops, profile: HardwareProfile, dtype: str, scale: float, byte_scale: float = 1.0) -> float:
-    """On CPU each operator at its measured rate plus the per-operator cost; on a GPU each kernel at its
-    measured rate, else by kind and size (kernels.py), and never shorter than its launch."""
+    """On CPU each operator at its measured rate plus the per-operator cost; on a GPU each kernel at the rate
+    the probe measured for it in the run's dtype (gpu_rates), else by kind and size (kernels.py), and never
+    shorter than the host's time to launch it."""
     bw = profile.memory_bandwidth or 1e11
     overhead = profile.op_overhead_s if profile.op_overhead_s is not None else DEFAULT_OP_OVERHEAD_S.get(
         profile.device, 5e-6)
-    gpu = profile.device == "cuda"
+    if profile.device == "cuda":
+        return _gpu_op_time(ops, profile, dtype, scale, byte_scale)
     total = 0.0
-    for i, (name, flops, moved) in enumerate(ops.items):
+    for name, flops, moved in ops.items:
         flops, moved = flops * scale, moved * scale * byte_scale
-        if gpu and not (profile.op_flop_rates.get(name) if flops else profile.op_rates.get(name)):
-            shape = ops.shapes.get(i)
-            if shape is not None and scale != 1.0:  # tp splits the product's columns (or its inner dimension)
-                shape = (shape[0], shape[1], max(1, round(shape[2] * scale)), shape[3])
-            total += max(kernel_seconds(name, flops, moved, shape, profile, dtype), overhead)
-            continue
         if flops:
             t = max(moved / bw, flops / profile.op_flop_rate(name, dtype, flops))
         else:
             t = moved / profile.op_rate(name, moved)
-        total += max(t, overhead) if gpu else t + overhead
+        total += t + overhead
+    return total
+
+
+def gpu_rates(profile: HardwareProfile, dtype: str) -> tuple[dict, dict, float]:
+    """(bytes/s by operator, FLOP/s by operator, the host's seconds per operator) a probe measured on a GPU
+    for a run in `dtype`: fp32's as op_rates and op_flop_rates, a 16-bit dtype's (under autocast) by dtype
+    (probe.step_fields); the launch: the host's time per operator of a step of small kernels (host_op_s),
+    else the per-operator cost, else a kernel launch's."""
+    extra = profile.model_extra or {}
+    if dtype == "fp32":
+        rates, flop_rates = profile.op_rates, profile.op_flop_rates
+    else:
+        rates = extra.get("op_rates_by_dtype", {}).get(dtype, {})
+        flop_rates = extra.get("op_flop_rates_by_dtype", {}).get(dtype, {})
+    launch = extra.get("host_op_s") or profile.op_overhead_s or DEFAULT_OP_OVERHEAD_S["cuda"]
+    return rates, flop_rates, launch
+
+
+def _gpu_op_time(ops: Ops, profile: HardwareProfile, dtype: str, scale: float, byte_scale: float) -> float:
+    rates, flop_rates, launch = gpu_rates(profile, dtype)
+    bw = profile.memory_bandwidth or 1e11
+    total = 0.0
+    for i, (name, flops, moved) in enumerate(ops.items):
+        flops, moved = flops * scale, moved * scale * byte_scale
+        measured = flop_rates.get(name) if flops else rates.get(name)
+        if measured:
+            rate = interpolate(measured, flops or moved, extrapolate_linear=False)
+            t = max(moved / bw, flops / rate) if flops else moved / rate
+        else:
+            shape = ops.shapes.get(i)
+            if shape is not None and scale != 1.0:  # tp splits the product's columns (or its inner dimension)
+                shape = (shape[0], shape[1], max(1, round(shape[2] * scale)), shape[3])
+            t = kernel_seconds(name, flops, moved, shape, profile, dtype)
+        total += max(t, launch)
     return total
 
 
