@@ -218,3 +218,41 @@ def test_a_gpu_probe_s_rates_in_the_run_s_dtype_come_first():
     mul = 1e8 / (0.85 * H100.memory_bandwidth)
     assert op_time(ops, measured, "bf16") == pytest.approx(1e8 / 1e9 + max(mul, 2e-5) + 2e-5)
     assert op_time(ops, measured, "fp32") == pytest.approx(2 * max(mul, 2e-5) + 2e-5)  # fp32 measured nothing
+
+
+def test_compile_fuses_a_run_of_memory_bound_operators_into_one_kernel():
+    """Between two products: one kernel that reads what enters the run (the first product's output, a bias)
+    and writes what leaves it (a tensor saved for backward, the input of the next product); the run's other
+    operators have no kernel. A run stops at the forward's end."""
+    from shoal.plan.fusion import FUSED, Flow, fused_bytes
+
+    flow = Flow()
+    ops = [(("mm", 1.0), [(0, 40), (1, 40)], [(2, 100)]), (("add", 0.0), [(2, 100), (3, 10)], [(4, 100)]),
+           (("gelu", 0.0), [(4, 100)], [(5, 100)]), (("mul", 0.0), [(5, 100)], [(6, 100)]),
+           (("mm", 1.0), [(6, 100), (1, 40)], [(7, 100)]), (("sum", 0.0), [(7, 100)], [(8, 4)]),
+           (("neg", 0.0), [(8, 4)], [(9, 4)])]
+    flow.ops = [(ins, outs) for _, ins, outs in ops]
+    flow.kept = {4}
+    flow.barriers = {6}  # the forward ends after the sum
+    items = [(name, flops, float(sum(b for _, b in ins) + sum(b for _, b in outs))) for (name, flops), ins, outs in ops]
+    got = fused_bytes(items, flow)
+    assert got[1:4] == [100 + 10 + 100 + 100, FUSED, FUSED]  # reads 2 and 3; writes 4 (kept) and 6 (used after)
+    assert got[0] == items[0][2] and got[4] == items[4][2]  # the products as they are
+    assert got[5] == 100 + 4 and got[6] == 4  # the neg runs after the forward's end: its input leaves the sum's run
+
+
+def test_a_compiled_gpu_step_moves_fewer_bytes_in_fewer_kernels(gpt2):
+    """GPT-2 124M at mb 16 under train.compile: the same products and attention, the memory-bound operators
+    fused; a CPU prediction does not change with it (CPU compile is not priced)."""
+    cost = gpt2.cost(16, torch.bfloat16)
+    kernels = sum(1 for f in cost.ops.fused if f != -1.0)
+    assert kernels < 0.5 * len(cost.ops.items)
+    bound = [i for i, (_, flops, _) in enumerate(cost.ops.items) if not flops]  # the memory-bound operators
+    fused, eager_bytes = (sum(cost.ops.fused[i] for i in bound if cost.ops.fused[i] != -1.0),
+                          sum(cost.ops.items[i][2] for i in bound))
+    print(f"memory-bound bytes compiled / eager: {fused / eager_bytes:.2f}")
+    assert fused < 0.6 * eager_bytes
+    eager = _gpt2(gpt2, 16).step_time
+    cfg = load_config(None, [*GPT2, "train.micro_batch_size=16", "train.global_batch_size=16", "train.compile=true"])
+    compiled = predict(gpt2, cfg, resolve_layout(cfg, 1, True), H100).step_time
+    assert 0.6 * eager < compiled < eager

@@ -20,6 +20,7 @@ from torch.utils._pytree import tree_flatten
 
 from shoal.allocator import THRESHOLD
 from shoal.compat import flop_formula
+from shoal.plan.fusion import Flow, fused_bytes
 
 
 @dataclass
@@ -31,6 +32,9 @@ class Ops:
     outputs: list[int] = field(default_factory=list, repr=False)  # every output's bytes, in order
     # per matrix product, by its index in items: (batch, m, n, k) of its (batched) m x k by k x n product
     shapes: dict[int, tuple[int, int, int, int]] = field(default_factory=dict, repr=False)
+    # per operator, the bytes it moves under torch.compile (fusion.fused_bytes; fusion.FUSED: folded into the
+    # kernel of the run before it); empty where not traced for it (the optimizer's step)
+    fused: list[float] = field(default_factory=list, repr=False)
     # an optimizer's step as torch's fused kernels run it on a GPU: the bytes they read and write, each
     # tensor once (trace_optimizer_step)
     fused_bytes: float = 0.0
@@ -87,8 +91,9 @@ class _Trace(TorchDispatchMode):
     """Every operator (Ops); while `placing`, which tensors tensor parallelism splits (_place); with `live`, the
     bytes of the tensors operators made that are alive, and their most (_Live)."""
 
-    def __init__(self, weights: frozenset[int] = frozenset(), in_block=lambda: False, live: _Live | None = None):
-        """`live`: none for the optimizer's step (nothing of it is kept)."""
+    def __init__(self, weights: frozenset[int] = frozenset(), in_block=lambda: False, live: _Live | None = None,
+                 flow: Flow | None = None):
+        """`live` and `flow`: none for the optimizer's step (nothing of it is kept, nothing compiled)."""
         super().__init__()
         self.ops = Ops()
         self.weights = set(weights)  # the split parameters' storages, and their casts' (autocast's copies)
@@ -96,7 +101,7 @@ class _Trace(TorchDispatchMode):
         self.placing = bool(weights)
         self.split, self.gathered = set(), set()  # storages
         self.in_block, self.row_parallel = in_block, 0  # row-parallel products inside the blocks
-        self.live = live
+        self.live, self.flow = live, flow
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -106,6 +111,8 @@ class _Trace(TorchDispatchMode):
             if func._overloadpacket in _MATMULS:
                 self.ops.shapes[len(self.ops.items)] = matmul_shape(out, args[-1].shape[-2])  # (.., k, n)
             self.ops.items.append(op)
+            if self.flow is not None:
+                self.flow.record(args, kwargs, out)
             sizes = [t.numel() * t.element_size() for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
             self.ops.outputs += sizes
             self.ops.fresh_bytes += sum(b for b in sizes if b > THRESHOLD)
@@ -162,6 +169,7 @@ class _Live:
         self.bytes = self.most = 0
         self.grad_bytes = self.grads_at_most = 0  # accumulated gradients' bytes: now, and when `most` was reached
         self.forgets = []  # called with a freed storage's key (the trace's and the saved tensors' sets)
+        self.keeps = []  # called with each parameter's accumulated gradient (fusion.Flow.keep)
 
     def made(self, func, args, out, trace) -> None:
         if func._overloadpacket is torch.ops.aten._to_copy and isinstance(args[0], torch.Tensor) \
@@ -183,6 +191,8 @@ class _Live:
 
     def accumulated(self, param: torch.Tensor) -> None:
         """A parameter's gradient is in .grad: model state from here on."""
+        for keep in self.keeps:
+            keep(param.grad)
         key = _storage(param.grad)
         if key in self.sizes and key not in self.grads:
             self.grads.add(key)
@@ -391,6 +401,7 @@ class _Saved:
             # where tp puts it is known once the operator that saves it has run (autograd saves an
             # operator's inputs before it runs): taken when its storage is freed, or at the end
             self.pending.setdefault(key, []).append(len(self.kinds))
+            self.trace.flow.keep(t)
             self.sizes.append(nbytes)
             self.kinds.append((self.current, key, t.is_floating_point()))
             if self.current >= 0:
@@ -402,6 +413,10 @@ class _Saved:
     def forget(self, key: int) -> None:
         self.seen.discard(key)
         self.place(key)
+
+    def place_all(self) -> None:
+        for key in list(self.pending):
+            self.place(key)
 
     def place(self, key: int) -> None:
         """The saved tensors of storage `key`: their (block, where tp puts them, floating)."""
@@ -426,24 +441,26 @@ def trace_micro_batch(bundle, batch: dict, block_types: tuple, fused_attention: 
     with _autocast(model, batch, autocast) as (params, batch):
         weights = frozenset(_storage(p) for p in params.values())
         split = weights if tp_split is None else frozenset(_storage(params[id(p)]) for p in tp_split)
-        live = _Live(weights)
-        trace = _Trace(split, lambda: saved.current >= 0, live)
+        live, flow = _Live(weights), Flow()
+        trace = _Trace(split, lambda: saved.current >= 0, live, flow)
         saved = _Saved(weights, [m for m in model.modules() if block_types and isinstance(m, block_types)], trace)
-        live.forgets += [saved.forget, trace.forget]  # placed before the trace forgets the storage
+        live.forgets += [saved.forget, trace.forget, flow.forget]  # placed before the trace forgets the storage
+        live.keeps.append(flow.keep)
         hooks = [p.register_post_accumulate_grad_hook(live.accumulated) for p in params.values() if p.requires_grad]
         try:
             with _Attention(fused_attention, attention_dropout, hidden_dropout, native_dropout), trace, \
                     torch.autograd.graph.saved_tensors_hooks(saved.pack, lambda t: t):
                 loss = bundle.loss_fn(model, batch).sum()
                 forward_flops = trace.ops.flops
+                flow.barrier()
                 trace.placing = False  # backward's tensors are not saved for anything
                 loss.backward()
                 del loss
         finally:
             for h in saved.handles + hooks:
                 h.remove()
-        for key in list(saved.pending):
-            saved.place(key)
+        saved.place_all()
+        trace.ops.fused = fused_bytes(trace.ops.items, flow)
         grads = live.grad_bytes
         for p in params.values():
             p.grad = None
@@ -521,8 +538,10 @@ def affine(traced: list[MicroBatchCost]) -> Callable[[int], MicroBatchCost] | No
         per_block, inputs = [int(x) for x in v[k:k + n_blocks]], [int(x) for x in v[k + n_blocks:k + 2 * n_blocks]]
         k += 2 * n_blocks
         shapes = {i: tuple(int(x) for x in v[k + 4 * j:k + 4 * j + 4]) for j, i in enumerate(sorted(a.ops.shapes))}
+        k += 4 * len(shapes)
+        fused = v[k:k + len(a.ops.fused)]
         working, forward_flops, outside = int(v[-3]), v[-2], int(v[-1])
-        ops = Ops(items, sum(b for b in outputs if b > THRESHOLD), outputs, shapes)
+        ops = Ops(items, sum(b for b in outputs if b > THRESHOLD), outputs, shapes, fused)
         return MicroBatchCost(m, ops, forward_flops, outside, per_block, inputs, max(saved, default=0), saved,
                               list(a.saved_kinds), a.row_parallel, working, a.grads_at_peak)
 
@@ -533,7 +552,8 @@ def _numbers(t: MicroBatchCost) -> list[float]:
     """Every figure of a trace that cost.affine interpolates, in the order `at` reads them back."""
     return [v for _, f, m in t.ops.items for v in (f, m)] + [
         *t.ops.outputs, *t.saved, *t.saved_per_block, *t.block_input,
-        *(x for i in sorted(t.ops.shapes) for x in t.ops.shapes[i]), t.working, t.forward_flops, t.saved_outside]
+        *(x for i in sorted(t.ops.shapes) for x in t.ops.shapes[i]), *t.ops.fused, t.working, t.forward_flops,
+        t.saved_outside]
 
 
 def _batch_size(batch: dict) -> int:

@@ -173,7 +173,7 @@ def predict(model: Model, cfg: Config, layout, profile: HardwareProfile | None,
     t = predict_time(model.shape, cost, model.opt_ops, layout, profile, dtype=cfg.precision.dtype,
                      checkpointing=cfg.precision.activation_checkpointing, schedule=p.pp_schedule,
                      stages_per_rank=stages, grad_bytes=grad_bytes, param_bytes_full=full,
-                     reduce_dtype=cfg.precision.reduce_dtype, act_scale=act_scale)
+                     reduce_dtype=cfg.precision.reduce_dtype, act_scale=act_scale, compiled=cfg.train.compile)
     return Prediction(mem, t)
 
 

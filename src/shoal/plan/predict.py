@@ -83,6 +83,7 @@ from shoal.layout import Layout
 from shoal.parallel.pipeline import bubble_fraction
 from shoal.parallel.state_bytes import ModelShape, copies, shard_bytes, state_bytes
 from shoal.plan.cost import MicroBatchCost, Ops
+from shoal.plan.fusion import FUSED
 from shoal.plan.kernels import fused_step_seconds, kernel_seconds
 from shoal.plan.network import network
 
@@ -186,13 +187,15 @@ def autocast_dtype(profile: HardwareProfile | None, dtype: str) -> torch.dtype |
     return None
 
 
-def op_time(ops: Ops, profile: HardwareProfile, dtype: str, scale: float = 1.0, byte_scale: float = 1.0) -> float:
+def op_time(ops: Ops, profile: HardwareProfile, dtype: str, scale: float = 1.0, byte_scale: float = 1.0,
+            compiled: bool = False) -> float:
     """Seconds of the operators, each on `scale` of its data (tp's share), their bytes at `byte_scale` of the
-    traced ones (sixteen_bit_scale), divided by the profile's compute efficiency; kept on `ops` per profile,
-    dtype and scales, which many layouts share (the entry holds the profile, so its id stays its own)."""
-    key = (id(profile), dtype, scale, byte_scale)
+    traced ones (sixteen_bit_scale), on a GPU `compiled` by torch.compile (fusion.py), divided by the
+    profile's compute efficiency; kept on `ops` per profile, dtype, scales and compilation, which many
+    layouts share (the entry holds the profile, so its id stays its own)."""
+    key = (id(profile), dtype, scale, byte_scale, compiled)
     if key not in ops.times:
-        seconds = _op_time(ops, profile, dtype, scale, byte_scale) / (profile.compute_efficiency or 1.0)
+        seconds = _op_time(ops, profile, dtype, scale, byte_scale, compiled) / (profile.compute_efficiency or 1.0)
         ops.times[key] = (profile, seconds)
     return ops.times[key][1]
 
@@ -204,7 +207,8 @@ def step_at_efficiency(t: dict[str, float | None], efficiency: float) -> float:
     return (t["compute"] + t["bubble"]) / efficiency + t["comm"] + (t.get("calibration") or 0.0)
 
 
-def _op_time(ops: Ops, profile: HardwareProfile, dtype: str, scale: float, byte_scale: float = 1.0) -> float:
+def _op_time(ops: Ops, profile: HardwareProfile, dtype: str, scale: float, byte_scale: float = 1.0,
+             compiled: bool = False) -> float:
     """On CPU each operator at its measured rate plus the per-operator cost; on a GPU each kernel at the rate
     the probe measured for it in the run's dtype (gpu_rates), else by kind and size (kernels.py), and never
     shorter than the host's time to launch it."""
@@ -212,7 +216,7 @@ def _op_time(ops: Ops, profile: HardwareProfile, dtype: str, scale: float, byte_
     overhead = profile.op_overhead_s if profile.op_overhead_s is not None else DEFAULT_OP_OVERHEAD_S.get(
         profile.device, 5e-6)
     if profile.device == "cuda":
-        return _gpu_op_time(ops, profile, dtype, scale, byte_scale)
+        return _gpu_op_time(ops, profile, dtype, scale, byte_scale, compiled)
     total = 0.0
     for name, flops, moved in ops.items:
         flops, moved = flops * scale, moved * scale * byte_scale
@@ -239,13 +243,19 @@ def gpu_rates(profile: HardwareProfile, dtype: str) -> tuple[dict, dict, float]:
     return rates, flop_rates, launch
 
 
-def _gpu_op_time(ops: Ops, profile: HardwareProfile, dtype: str, scale: float, byte_scale: float) -> float:
+def _gpu_op_time(ops: Ops, profile: HardwareProfile, dtype: str, scale: float, byte_scale: float,
+                 compiled: bool = False) -> float:
     rates, flop_rates, launch = gpu_rates(profile, dtype)
     bw = profile.memory_bandwidth or 1e11
+    fused = ops.fused if compiled and ops.fused else None
     total = 0.0
     for i, (name, flops, moved) in enumerate(ops.items):
+        if fused is not None:  # torch.compile: a run of memory-bound operators is one kernel (fusion.py)
+            if fused[i] == FUSED:
+                continue
+            moved = fused[i]
         flops, moved = flops * scale, moved * scale * byte_scale
-        measured = flop_rates.get(name) if flops else rates.get(name)
+        measured = None if fused is not None and not flops else (flop_rates.get(name) if flops else rates.get(name))
         if measured:
             rate = interpolate(measured, flops or moved, extrapolate_linear=False)
             t = max(moved / bw, flops / rate) if flops else moved / rate
@@ -294,11 +304,12 @@ def collectives(profile: HardwareProfile, layout: Layout):
 
 def predict_time(shape: ModelShape, cost: MicroBatchCost, opt_ops: Ops, layout: Layout, profile: HardwareProfile, *,
                  dtype: str, checkpointing: bool, schedule: str, stages_per_rank: int, grad_bytes: int,
-                 param_bytes_full: int, reduce_dtype: str = "fp32", act_scale: float = 1.0) -> dict[str, float | None]:
+                 param_bytes_full: int, reduce_dtype: str = "fp32", act_scale: float = 1.0,
+                 compiled: bool = False) -> dict[str, float | None]:
     d, zero = layout.dims, layout.zero
     micro = cost.micro_batch
     n_micro = layout.per_rank_batch // micro
-    per_micro = op_time(cost.ops, profile, dtype, 1.0 / d.tp, act_scale) / d.pp
+    per_micro = op_time(cost.ops, profile, dtype, 1.0 / d.tp, act_scale, compiled) / d.pp
     fwd_share = cost.forward_flops / max(cost.ops.flops, 1.0)
     if checkpointing:
         per_micro *= 1 + fwd_share  # blocks run their forward again in backward
