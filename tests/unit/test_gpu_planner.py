@@ -4,6 +4,7 @@ profile and quantity, the RESULT line, the runs a device takes; and the script i
 from __future__ import annotations
 
 import json
+import shlex
 import subprocess
 import sys
 from pathlib import Path
@@ -79,7 +80,7 @@ def test_the_script_plans_trains_and_checks_on_the_cpu(tmp_path):
     lines = r.stdout.splitlines()
     assert "no CUDA GPU: ran on CPU with a tiny model" in r.stdout
     assert any(ln.startswith("the first plan: ") and "measured on the spot in " in ln for ln in lines)
-    result = dict(kv.split("=", 1) for kv in lines[-1].split()[1:])
+    result = dict(kv.split("=", 1) for kv in shlex.split(lines[-1])[1:])  # card="CPU (AMD EPYC)"
     assert lines[-1].startswith("RESULT ") and result["failed"] == "0" and result["runs"] == "1"
     assert {"preset_step_time_median", "spot_step_time_median", "spot_peak_worst"} <= set(result)
     saved = json.loads((tmp_path / "gpu_planner.json").read_text())
