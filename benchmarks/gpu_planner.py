@@ -37,6 +37,7 @@ import json
 import os
 import re
 import shutil
+import subprocess
 import sys
 import tempfile
 import time
@@ -119,17 +120,27 @@ def runs(micro: list[int], cuda: bool) -> dict[str, list[str]]:
     return out
 
 
-def facts_of_this_machine() -> dict:
-    """The card (no CUDA context is made here), torch, and the preset of the card's data sheet."""
-    import torch
+# the card's name and its data sheet's preset, read in a process of its own: a CUDA context this process kept would
+# count, for the whole run, in the device memory every run and the probe measure outside torch's allocator
+CARD = ("import json, torch; from shoal.hardware import gpu_preset_for; n = torch.cuda.get_device_name(0); "
+        "p = gpu_preset_for(n); print(json.dumps([n, p.name if p else None]))")
 
-    from shoal.hardware import cpu_name, gpu_preset_for
+
+def facts_of_this_machine() -> dict:
+    """The card, torch, and the preset of the card's data sheet (h100 for a card without one, and on a CPU)."""
+    import torch  # only to ask whether there is a GPU (no CUDA context is made here)
+
+    from shoal.hardware import cpu_name
 
     cuda = torch.cuda.is_available()
-    card = torch.cuda.get_device_name(0) if cuda else f"CPU ({cpu_name()})"
-    preset = gpu_preset_for(card) if cuda else None
+    card, preset = f"CPU ({cpu_name()})", None
+    if cuda:
+        path = os.pathsep.join(p for p in [str(ROOT / "src"), os.environ.get("PYTHONPATH")] if p)
+        r = subprocess.run([sys.executable, "-c", CARD], capture_output=True, text=True, timeout=120,
+                           env={**os.environ, "PYTHONPATH": path}, check=True)
+        card, preset = json.loads(r.stdout.strip().splitlines()[-1])
     return {"card": card, "device": "cuda" if cuda else "cpu", "torch": torch.__version__, "cuda": cuda,
-            "preset": preset.name if preset else "h100"}
+            "preset": preset or "h100"}
 
 
 def spot_plan(b: Bench, config: Path) -> dict:
