@@ -256,3 +256,23 @@ def test_a_compiled_gpu_step_moves_fewer_bytes_in_fewer_kernels(gpt2):
     cfg = load_config(None, [*GPT2, "train.micro_batch_size=16", "train.global_batch_size=16", "train.compile=true"])
     compiled = predict(gpt2, cfg, resolve_layout(cfg, 1, True), H100).step_time
     assert 0.6 * eager < compiled < eager
+
+
+def test_a_gpu_s_own_attention_kernel_and_fused_adamw_are_read_for_the_trace_s():
+    """The trace runs the CPU's flash kernel where a GPU runs its own: the GPU's measured attention rates
+    price it, forward and backward apart; the fused AdamW's measured rate prices the optimizer's step."""
+    from shoal.plan.cost import Ops
+    from shoal.plan.predict import _optimizer_time, op_time
+
+    gpu = H100.model_copy(update={"op_flop_rates_by_dtype": {"bf16": {
+        "_scaled_dot_product_flash_attention": [[1e9, 1e14]],
+        "_scaled_dot_product_flash_attention_backward": [[1e9, 5e13]]}},
+        "op_rates_by_dtype": {"bf16": {"_fused_adamw_": [[1e8, 1e12]]}}})
+    fwd = Ops([("_scaled_dot_product_flash_attention_for_cpu", 1e12, 1e3)])
+    bwd = Ops([("_scaled_dot_product_flash_attention_for_cpu_backward", 1e12, 1e3)])
+    assert op_time(fwd, gpu, "bf16") == pytest.approx(1e12 / 1e14)
+    assert op_time(bwd, gpu, "bf16") == pytest.approx(1e12 / 5e13)
+    step = Ops(fused_bytes=4e9)
+    layout = resolve_layout(load_config(None, TINY), 1, True)
+    assert _optimizer_time(step, gpu, "bf16", layout) == pytest.approx(4e9 / 1e12)
+    assert _optimizer_time(step, H100, "bf16", layout) == pytest.approx(4e9 / (0.85 * H100.memory_bandwidth))

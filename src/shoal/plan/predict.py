@@ -243,6 +243,16 @@ def gpu_rates(profile: HardwareProfile, dtype: str) -> tuple[dict, dict, float]:
     return rates, flop_rates, launch
 
 
+def _measured(table: dict, name: str) -> list | None:
+    """A GPU's measured rates for operator `name`; for attention, the kernel the GPU ran in its place (the
+    trace runs the CPU's flash kernel; a GPU runs its own flash, memory-efficient or cuDNN kernel), forward
+    or backward as `name` is."""
+    if name in table or "attention" not in name:
+        return table.get(name)
+    backward = "backward" in name
+    return next((v for k, v in sorted(table.items()) if "attention" in k and ("backward" in k) == backward), None)
+
+
 def _gpu_op_time(ops: Ops, profile: HardwareProfile, dtype: str, scale: float, byte_scale: float,
                  compiled: bool = False) -> float:
     rates, flop_rates, launch = gpu_rates(profile, dtype)
@@ -255,7 +265,7 @@ def _gpu_op_time(ops: Ops, profile: HardwareProfile, dtype: str, scale: float, b
                 continue
             moved = fused[i]
         flops, moved = flops * scale, moved * scale * byte_scale
-        measured = None if fused is not None and not flops else (flop_rates.get(name) if flops else rates.get(name))
+        measured = None if fused is not None and not flops else _measured(flop_rates if flops else rates, name)
         if measured:
             rate = interpolate(measured, flops or moved, extrapolate_linear=False)
             t = max(moved / bw, flops / rate) if flops else moved / rate
@@ -351,7 +361,10 @@ def _optimizer_time(opt_ops: Ops, profile: HardwareProfile, dtype: str, layout: 
     d = layout.dims
     shard = (1.0 / d.dp if layout.zero >= 1 else 1.0) / (d.tp * d.pp)
     if profile.device == "cuda":
-        return fused_step_seconds(opt_ops.fused_bytes, profile) / (profile.compute_efficiency or 1.0) * shard
+        rates = gpu_rates(profile, dtype)[0] or profile.op_rates
+        adamw = interpolate(rates.get("_fused_adamw_", []), opt_ops.fused_bytes, extrapolate_linear=False)
+        seconds = opt_ops.fused_bytes / adamw if adamw else fused_step_seconds(opt_ops.fused_bytes, profile)
+        return seconds / (profile.compute_efficiency or 1.0) * shard
     if layout.zero >= 1:
         return op_time(opt_ops, profile, dtype, 1.0) * shard
     return op_time(opt_ops, profile, dtype, 1.0 / (d.tp * d.pp))
