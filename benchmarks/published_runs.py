@@ -15,8 +15,9 @@ iteration time are compared on it directly. The error on throughput per GPU is t
 reported time / predicted time - 1 (the formula cancels).
 
 Achievable compute. A preset holds the vendor's dense peak (A100: 312 TFLOP/s), which no training run
-reaches; the planner's compute is the traced operators at that peak (and the memory-bound ones at the
-data sheet's bandwidth), so it needs the fraction of it a real run's kernels reach. No published
+reaches; the planner prices each traced operator by kind and size from it (a product's tile waves and
+inner dimension at one measured matmul efficiency, the memory-bound ones at 85% of the data sheet's
+bandwidth: plan/kernels.py), and what a real run's kernels reach beyond that is one more factor. No published
 end-to-end measurement of that fraction was found for these stacks, so it is CALIBRATED, as one global
 factor (HardwareProfile.compute_efficiency: every compute second divided by it), and scored
 LEAVE-ONE-OUT: each row is predicted with the median of the factors the other rows imply, never its own.
