@@ -220,8 +220,12 @@ def this_machine() -> dict[str, str | int]:
     from shoal.compat import VERSION
 
     cuda = torch.cuda.is_available()
+    # the GPU's name as NVML gives it where it can: the plan that measures this machine on the spot then holds
+    # no CUDA state of its own on the GPU its probe measures (torch.cuda.get_device_name initialises CUDA)
+    named = gpu_memory() if cuda else None
     return {"cpu": cpu_name(), "cores": len(os.sched_getaffinity(0)),
-            "gpu": torch.cuda.get_device_name(0) if cuda else "none", "gpus": torch.cuda.device_count() if cuda else 0,
+            "gpu": (named[0][0] if named else torch.cuda.get_device_name(0)) if cuda else "none",
+            "gpus": torch.cuda.device_count() if cuda else 0,
             "torch": VERSION, "backend": "nccl" if cuda else "gloo"}
 
 

@@ -276,3 +276,21 @@ def test_a_gpu_s_own_attention_kernel_and_fused_adamw_are_read_for_the_trace_s()
     layout = resolve_layout(load_config(None, TINY), 1, True)
     assert _optimizer_time(step, gpu, "bf16", layout) == pytest.approx(4e9 / 1e12)
     assert _optimizer_time(step, H100, "bf16", layout) == pytest.approx(4e9 / (0.85 * H100.memory_bandwidth))
+
+
+def test_the_machine_s_gpu_is_named_without_initialising_cuda(monkeypatch):
+    """A plan that measures a GPU machine on the spot names its GPU through NVML (no CUDA state in the plan's
+    own process while its probe measures the device's memory); torch's name only where NVML cannot say."""
+    import shoal.hardware as hw
+
+    def initialises(_index=0):
+        raise AssertionError("torch.cuda.get_device_name initialises CUDA")
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(torch.cuda, "get_device_name", initialises)
+    monkeypatch.setattr(hw, "gpu_memory", lambda: [("NVIDIA H100 80GB HBM3", 85 * 10 ** 9)])
+    assert hw.this_machine()["gpu"] == "NVIDIA H100 80GB HBM3"
+    monkeypatch.setattr(hw, "gpu_memory", lambda: None)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda _index=0: "NVIDIA H100 80GB HBM3")
+    assert hw.this_machine()["gpu"] == "NVIDIA H100 80GB HBM3"
