@@ -12,9 +12,14 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
+# imported with benchmarks/ on the path for their sibling imports, then taken off it: left there, its
+# horovod.py and host_reads.py would stand in for the real horovod and tests/host_reads.py in later tests
 sys.path.insert(0, str(ROOT / "benchmarks"))
-import gpu_planner  # noqa: E402
-import gpu_planner_report as report  # noqa: E402
+try:
+    import gpu_planner
+    import gpu_planner_report as report
+finally:
+    sys.path.remove(str(ROOT / "benchmarks"))
 
 # as `shoal plan --check` prints them (cli/plan.py), a row it may add included
 CHECK = """profile: preset h100 (NVIDIA H100 SXM (data sheet); network nvlink4-ndr400)
