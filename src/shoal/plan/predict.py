@@ -44,14 +44,18 @@ preflight's memory check shares):
               group that is neither one rank nor the world
   device      peak + reserve + context + nccl: what must fit in the GPU's memory (--memory)
 Time, per optimizer step of the slowest rank:
-  compute     every traced operator at the rate the probe measured for it in reference training steps:
-              with FLOPs, FLOPs / its FLOP/s at that many FLOPs (the matmul curve for one never measured);
-              without, bytes / its bytes per second at that size (the copy bandwidth for one never
-              measured); + the profile's per-operator cost; tp divides FLOPs and bytes, not operators;
-              under ZeRO 2/3 on CPU, the bytes of tensors freshly mapped (allocator.py) at the measured
-              cost per byte; on a GPU in bf16 / fp16 the activations' bytes at half the fp32 trace's
-              (activation_scale: also their memory, tp's and pp's messages); all of it divided by the
-              profile's compute_efficiency where it has one (the fraction of the data sheet a run reaches)
+  compute     on CPU every traced operator at the rate the probe measured for it in reference training
+              steps: with FLOPs, FLOPs / its FLOP/s at that many FLOPs (the matmul curve for one never
+              measured); without, bytes / its bytes per second at that size (the copy bandwidth for one
+              never measured); + the profile's per-operator cost; under ZeRO 2/3 the bytes of tensors
+              freshly mapped (allocator.py) at the measured cost per byte. On a GPU each kernel of the
+              autocast trace at the rate a GPU probe measured for it in the run's dtype, else by kind and
+              size (kernels.py), never below the host's launch; under train.compile each run of
+              memory-bound operators one kernel (fusion.py); the optimizer's step torch's fused kernels.
+              A stack that keeps every activation in 16 bits (the unfused pricing of published runs):
+              the fp32 trace's activation bytes halved (sixteen_bit_scale: their memory, the memory-bound
+              operators, tp's and pp's messages). tp divides FLOPs and bytes, not operators; all of it
+              divided by the profile's compute_efficiency where it has one
   comm        from the profile's collective curves, interpolated by message size (a preset: its network's
               model for each group's size and placement, plan/network.py), with the overlap each
               strategy allows (on CPU none: gloo reduces on the cores the compute has): DDP's bucketed
