@@ -46,14 +46,21 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.slow)
 
 
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(session, config, items):
+    """Every test collected, before `-m` and `-k` deselect any (the guard below checks collection, not
+    selection: `make test`'s markers and a developer's `-k WORD` select from what was collected)."""
+    session.collected_folders = {Path(str(item.fspath)).parent.name for item in items}
+
+
 def pytest_collection_finish(session):
     """A whole-suite run must collect every test folder: a folder skipped by a collection rule (pytest
-    ignores folders named "dist" unless told otherwise) would otherwise pass silently."""
+    ignores folders named "dist" unless told otherwise) would otherwise pass silently, under `make test`'s
+    markers too."""
     roots = [Path(a.split("::")[0]).resolve() for a in session.config.args]
     here = Path(__file__).parent.resolve()
-    if (here in roots or ROOT in roots) and not session.config.option.markexpr:
-        found = {Path(str(item.fspath)).parent.name for item in session.items}
-        missing = {"unit", "dist", "integration"} - found
+    if here in roots or ROOT in roots:
+        missing = {"unit", "dist", "integration"} - getattr(session, "collected_folders", set())
         if missing:
             raise pytest.UsageError(f"no tests were collected from tests/{', tests/'.join(sorted(missing))}")
 

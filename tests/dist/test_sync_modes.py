@@ -101,12 +101,16 @@ def test_codec_collectives_on_known_tensors(ranks):
     torch.testing.assert_close(v, mean_vec, rtol=1e-6, atol=1e-6)
     # its residual: this rank's matrix minus the approximation all ranks decoded (as torch's PowerSGD hook)
     torch.testing.assert_close(residual["mat"], (mat - mean_mat).reshape(-1), rtol=1e-5, atol=1e-5)
-    # reduce-scatter: chunk r of (x1 + x2)
-    for name in ("none", "fp16", "bf16", "int8", "int4"):
-        for rank in (0, 1):
-            want = torch.arange(8.0)[4 * rank:4 * rank + 4] * 3
-            tol = {"none": 0, "fp16": 1e-3, "bf16": 2e-2, "int8": 0.1, "int4": 0.7}[name]
+    # reduce-scatter: chunk r of (x1 + x2); int8 and int4 quantise each rank's chunk on its own scale (one
+    # block of int4 here), so each rank's part is within half its step: the sum within the halves summed
+    for rank in (0, 1):
+        parts = [torch.arange(8.0)[4 * rank:4 * rank + 4] * (r + 1) for r in (0, 1)]
+        want = sum(parts)
+        for name, tol in (("none", 0), ("fp16", 1e-3), ("bf16", 2e-2)):
             torch.testing.assert_close(res[rank][name][3], want, rtol=tol, atol=tol)
+        for name, levels in (("int8", 127), ("int4", 7)):
+            bound = sum(part.abs().max().item() / levels / 2 for part in parts) + 1e-6
+            assert (res[rank][name][3] - want).abs().max().item() <= bound, (name, rank, res[rank][name][3], bound)
     topk_rs = [res[rank]["topk"][3] for rank in (0, 1)]  # each sends its largest entry of each chunk
     assert topk_rs[0].tolist() == [0, 0, 0, 9] and topk_rs[1].tolist() == [0, 0, 0, 21]
     # bytes counted as a ring sends them: fp32 all-reduce of 56 entries over 2 ranks = 224 bytes, plus

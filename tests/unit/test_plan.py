@@ -225,6 +225,7 @@ def test_probe_writes_a_profile(tmp_path):
         dist.shutdown()
     save_profile(profile, tmp_path / "p.json")
     got = load_profile(tmp_path / "p.json")
+    assert got == profile  # every field, and every figure the probe added, back as measured
     assert got.matmul_flops["fp32"] > 0 and got.matmul_flops["bf16"] > 0 and got.memory_bandwidth > 0
     assert got.machine == this_machine() and got.measured_at > 0 and not got.spot  # where and when, for the cache
     assert set(got.collectives) == {"all_reduce", "all_gather", "reduce_scatter"}  # no pair in a group of 1
