@@ -36,20 +36,17 @@ class Result:
         return self.stdout + self.stderr
 
 
-def pytest_collection_modifyitems(config, items):
+@pytest.hookimpl(tryfirst=True)  # before `-m` and `-k` deselect anything
+def pytest_collection_modifyitems(session, config, items):
     """The tiers: `make test-fast` (`-m "not slow"`) is the unit tests and the in-process harness; a test
     that runs the real CLI (integration/, and dist/ tests that do not use the harness) is slow, as is one
-    marked so by hand (a harness test that also runs the CLI, or one that takes many seconds)."""
+    marked so by hand (a harness test that also runs the CLI, or one that takes many seconds). And the
+    folders every test was collected from, for the guard below: it checks collection, not selection
+    (`make test`'s markers and a developer's `-k WORD` select from what was collected)."""
     for item in items:
         folder = Path(str(item.fspath)).parent.name
         if folder == "integration" or (folder == "dist" and "ranks" not in item.fixturenames):
             item.add_marker(pytest.mark.slow)
-
-
-@pytest.hookimpl(tryfirst=True)
-def pytest_collection_modifyitems(session, config, items):
-    """Every test collected, before `-m` and `-k` deselect any (the guard below checks collection, not
-    selection: `make test`'s markers and a developer's `-k WORD` select from what was collected)."""
     session.collected_folders = {Path(str(item.fspath)).parent.name for item in items}
 
 
