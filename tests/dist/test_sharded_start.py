@@ -21,8 +21,12 @@ D, LAYERS = 768, 8  # 57.0M parameters, 217 MiB in fp32; the largest, mlp.up's w
 WHOLE = 4 * (LAYERS * (12 * D * D + 13 * D) + 256 * D + 32 * D + 2 * D)
 LARGEST = 4 * D * 4 * D
 # what a start adds besides the weights (process groups, DTensor and FSDP2's records, the replay's bookkeeping,
-# the allocator's rounding): measured 10-14 MiB on this model's ZeRO 3 start
-ALLOWANCE = 32 * 2**20
+# the allocator's rounding): measured 10-14 MiB on this model's ZeRO 3 start alone, 10-26 MiB on the three
+# layouts, and once 36 MiB under `make test`'s two workers (another test's processes on the same 2 cores;
+# the cause not pinned down: ranks further apart with their collectives' buffers in flight is the likely
+# one). 40 MiB: with tp 2's half and the largest weight still under 0.75x the whole model (0.73x), where
+# building it whole adds 1.1x (238 MiB measured)
+ALLOWANCE = 40 * 2**20
 BASE = [f"model.d_model={D}", f"model.n_layer={LAYERS}", "model.n_head=12", "model.seq_len=32",
         "data.max_bytes=200000", "train.optimizer=\"sgd\"", "train.momentum=0", "train.steps=2", "train.warmup_steps=0",
         "train.global_batch_size=4", "train.micro_batch_size=1", "train.val_interval=0", "metrics.log_interval=1",
