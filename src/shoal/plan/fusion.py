@@ -58,7 +58,7 @@ class Flow:
         self.ids.pop(key, None)
 
 
-def fusable(name: str, flops: float) -> bool:
+def fusable(flops: float) -> bool:
     """Inductor generates the kernel of every operator without FLOPs (element-wise, norms, reductions,
     casts, the loss, gathers); the products and attention, which have FLOPs, stay library kernels."""
     return not flops
@@ -73,11 +73,11 @@ def fused_bytes(items: list[tuple[str, float, float]], flow: Flow) -> list[float
     out = [moved for _, _, moved in items]
     i, n = 0, len(items)
     while i < n:
-        if not fusable(items[i][0], items[i][1]):
+        if not fusable(items[i][1]):
             i += 1
             continue
         j = i + 1
-        while j < n and fusable(items[j][0], items[j][1]) and j not in flow.barriers:
+        while j < n and fusable(items[j][1]) and j not in flow.barriers:
             j += 1
         made = {ident for k in range(i, j) for ident, _ in flow.ops[k][1]}
         reads = {ident: b for k in range(i, j) for ident, b in flow.ops[k][0] if ident not in made}

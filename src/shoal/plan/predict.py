@@ -216,11 +216,11 @@ def _op_time(ops: Ops, profile: HardwareProfile, dtype: str, scale: float, byte_
     """On CPU each operator at its measured rate plus the per-operator cost; on a GPU each kernel at the rate
     the probe measured for it in the run's dtype (gpu_rates), else by kind and size (kernels.py), and never
     shorter than the host's time to launch it."""
+    if profile.device == "cuda":
+        return _gpu_op_time(ops, profile, dtype, scale, byte_scale, compiled)
     bw = profile.memory_bandwidth or 1e11
     overhead = profile.op_overhead_s if profile.op_overhead_s is not None else DEFAULT_OP_OVERHEAD_S.get(
         profile.device, 5e-6)
-    if profile.device == "cuda":
-        return _gpu_op_time(ops, profile, dtype, scale, byte_scale, compiled)
     total = 0.0
     for name, flops, moved in ops.items:
         flops, moved = flops * scale, moved * scale * byte_scale
