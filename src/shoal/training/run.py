@@ -61,8 +61,9 @@ def run_training(cfg: Config, layout: Layout, source, run_dir: Path, env: DistEn
     mark = memory_mark(env.device)
     parts = build(cfg, layout, source, RunDir(run_dir), env, comm, phase=phase, strategy=strategy,
                   resume=resume, live=live)
-    start_memory = comm.all_reduce(torch.tensor(float(memory_since(env.device, mark))), op=dist.ReduceOp.MAX,
-                                   label="world, start memory")
+    # on the rank's device: NCCL, a GPU run's only backend, takes no CPU tensor
+    grown = torch.tensor(float(memory_since(env.device, mark)), device=env.device)
+    start_memory = comm.all_reduce(grown, op=dist.ReduceOp.MAX, label="world, start memory")
     recovery = restore(parts, live)
     if parts.sampler.step >= cfg.train.steps and parts.run.summary.exists():  # finished before: leave it be
         strategy.finish()
