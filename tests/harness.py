@@ -98,17 +98,39 @@ class Ranks:
                 if rank not in replies and conn.poll(0.05):
                     replies[rank] = conn.recv()
                     if replies[rank][0] == "error":
-                        self.close(kill=True)
-                        pytest.fail(f"rank {rank} of {self.world_size} failed in {fn.__name__}:\n{replies[rank][1]}")
+                        pytest.fail(self._failure(fn.__name__, rank, replies))
             if time.monotonic() > deadline:
                 stacks = self._stacks()
                 self.close(kill=True)
                 pytest.fail(f"{fn.__name__} did not finish on every rank within {timeout} s (done: "
                             f"{sorted(replies)}); stacks:\n{stacks}")
             if any(not p.is_alive() for p in self.procs):
-                self.close(kill=True)
-                pytest.fail(f"a rank process died during {fn.__name__}")
+                pytest.fail(self._failure(fn.__name__, None, replies))
         return [replies[r][1] for r in range(self.world_size)]
+
+    def _failure(self, name: str, first: int | None, replies: dict[int, tuple], grace: float = 10) -> str:
+        """Every rank's outcome once one rank failed (`first`, or None for a process that died), the processes
+        killed. The others are given `grace` seconds to reply: the rank that failed first is often not the one
+        whose reply came first (a peer that crashed or left makes the others' collectives fail too)."""
+        deadline = time.monotonic() + grace
+        while len(replies) < self.world_size and time.monotonic() < deadline:
+            for rank, conn in enumerate(self.conns):
+                if rank not in replies and self.procs[rank].is_alive() and conn.poll(0.05):
+                    replies[rank] = conn.recv()
+            if all(r in replies or not self.procs[r].is_alive() for r in range(self.world_size)):
+                break
+        outcomes = []
+        for rank in range(self.world_size):
+            if rank in replies:
+                kind, value = replies[rank]
+                outcomes.append(f"--- rank {rank}: " + (f"raised\n{value}" if kind == "error" else "finished"))
+            elif not self.procs[rank].is_alive():
+                outcomes.append(f"--- rank {rank}: its process died (exit code {self.procs[rank].exitcode})")
+            else:
+                outcomes.append(f"--- rank {rank}: no reply within {grace} s of the failure")
+        self.close(kill=True)
+        what = f"rank {first} of {self.world_size} failed" if first is not None else "a rank process died"
+        return f"{what} in {name}; every rank:\n" + "\n".join(outcomes)
 
     @property
     def alive(self) -> bool:

@@ -21,12 +21,14 @@ D, LAYERS = 768, 8  # 57.0M parameters, 217 MiB in fp32; the largest, mlp.up's w
 WHOLE = 4 * (LAYERS * (12 * D * D + 13 * D) + 256 * D + 32 * D + 2 * D)
 LARGEST = 4 * D * 4 * D
 # what a start adds besides the weights (process groups, DTensor and FSDP2's records, the replay's bookkeeping,
-# the allocator's rounding): measured 10-14 MiB on this model's ZeRO 3 start alone, 10-26 MiB on the three
-# layouts, and once 36 MiB under `make test`'s two workers (another test's processes on the same 2 cores;
-# the cause not pinned down: ranks further apart with their collectives' buffers in flight is the likely
-# one). 40 MiB: with tp 2's half and the largest weight still under 0.75x the whole model (0.73x), where
-# building it whole adds 1.1x (238 MiB measured)
-ALLOWANCE = 40 * 2**20
+# the allocator's rounding; init_from: the file's pages mapped while a tensor is read): measured 10-26 MiB on the
+# three layouts alone, but from 0.4 to 47 MiB when the same rank processes had run other tests before (the
+# resident set's growth depends on what the allocator kept from earlier work; the likely cause: glibc raises its
+# mmap threshold with every large block freed, so later blocks come from a heap that may or may not have room
+# left). 64 MiB, and never above 0.75x the whole model:
+# building it whole adds 1.1x (238 MiB measured), so a start that builds the model whole still fails
+ALLOWANCE = 64 * 2**20
+CAP = 0.75
 BASE = [f"model.d_model={D}", f"model.n_layer={LAYERS}", "model.n_head=12", "model.seq_len=32",
         "data.max_bytes=200000", "train.optimizer=\"sgd\"", "train.momentum=0", "train.steps=2", "train.warmup_steps=0",
         "train.global_batch_size=4", "train.micro_batch_size=1", "train.val_interval=0", "metrics.log_interval=1",
@@ -56,8 +58,7 @@ def one_process(tmp_path_factory, ranks):
 def check_start(run_dir, share):
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["parameters"] * 4 == WHOLE
-    bound = share * WHOLE + LARGEST + ALLOWANCE
-    assert bound < 0.75 * WHOLE  # the whole model would not have fitted
+    bound = min(share * WHOLE + LARGEST + ALLOWANCE, CAP * WHOLE)  # the whole model would not have fitted
     assert summary["start_memory_bytes"] <= bound, (summary["start_memory_bytes"] / 2**20, bound / 2**20)
 
 
