@@ -49,9 +49,10 @@ Time, per optimizer step of the slowest rank:
               measured); without, bytes / its bytes per second at that size (the copy bandwidth for one
               never measured); + the profile's per-operator cost; under ZeRO 2/3 the bytes of tensors
               freshly mapped (allocator.py) at the measured cost per byte. On a GPU each kernel of the
-              autocast trace at the rate a GPU probe measured for it in the run's dtype, else by kind and
-              size (kernels.py), never below the host's launch; under train.compile each run of
-              memory-bound operators one kernel (fusion.py); the optimizer's step torch's fused kernels.
+              autocast trace by kind and size (kernels.py) from the profile's peak and bandwidth, in one
+              stream the host issues at its time per operator (host_op_s; compiled: a launch); under
+              train.compile each run of memory-bound operators one kernel (fusion.py); the optimizer's
+              step torch's fused kernels (a probe's measured rate for them where it has one).
               A stack that keeps every activation in 16 bits (the unfused pricing of published runs):
               the fp32 trace's activation bytes halved (sixteen_bit_scale: their memory, the memory-bound
               operators, tp's and pp's messages). tp divides FLOPs and bytes, not operators; all of it
@@ -93,6 +94,13 @@ from shoal.plan.network import network
 
 DDP_BUCKET_BYTES = 25 * 2 ** 20  # torch DDP's bucket_cap_mb
 DEFAULT_OP_OVERHEAD_S = {"cpu": 5e-6, "cuda": 6e-6}  # a preset has no measured one: a kernel launch
+# a preset's host time per operator of an eager step where no probe measured it (host_op_s): 26 us and 31 us
+# measured by the probe on the two GPU servers met (16-core Xeons beside an H100 and an H200, torch 2.11)
+DEFAULT_HOST_OP_S = 28e-6
+# a preset's host time per operator of an eager step (Python, dispatch, autocast, the autograd engine, the launch),
+# where no probe measured it: 26 us and 31 us measured by shoal's probe (host_op_s) on the two GPU servers met
+# (16-core Xeons beside an H100 and an H200, torch 2.11)
+DEFAULT_HOST_OP_S = 28e-6
 
 
 @dataclass
@@ -213,9 +221,8 @@ def step_at_efficiency(t: dict[str, float | None], efficiency: float) -> float:
 
 def _op_time(ops: Ops, profile: HardwareProfile, dtype: str, scale: float, byte_scale: float = 1.0,
              compiled: bool = False) -> float:
-    """On CPU each operator at its measured rate plus the per-operator cost; on a GPU each kernel at the rate
-    the probe measured for it in the run's dtype (gpu_rates), else by kind and size (kernels.py), and never
-    shorter than the host's time to launch it."""
+    """On CPU each operator at its measured rate plus the per-operator cost; on a GPU each kernel by kind and
+    size, in one stream the host issues (_gpu_op_time)."""
     if profile.device == "cuda":
         return _gpu_op_time(ops, profile, dtype, scale, byte_scale, compiled)
     bw = profile.memory_bandwidth or 1e11
@@ -232,54 +239,39 @@ def _op_time(ops: Ops, profile: HardwareProfile, dtype: str, scale: float, byte_
     return total
 
 
-def gpu_rates(profile: HardwareProfile, dtype: str) -> tuple[dict, dict, float]:
-    """(bytes/s by operator, FLOP/s by operator, the host's seconds per operator) a probe measured on a GPU
-    for a run in `dtype`: fp32's as op_rates and op_flop_rates, a 16-bit dtype's (under autocast) by dtype
-    (probe.step_fields); the launch: the host's time per operator of a step of small kernels (host_op_s),
-    else the per-operator cost, else a kernel launch's."""
-    extra = profile.model_extra or {}
-    if dtype == "fp32":
-        rates, flop_rates = profile.op_rates, profile.op_flop_rates
-    else:
-        rates = extra.get("op_rates_by_dtype", {}).get(dtype, {})
-        flop_rates = extra.get("op_flop_rates_by_dtype", {}).get(dtype, {})
-    launch = extra.get("host_op_s") or profile.op_overhead_s or DEFAULT_OP_OVERHEAD_S["cuda"]
-    return rates, flop_rates, launch
-
-
-def _measured(table: dict, name: str) -> list | None:
-    """A GPU's measured rates for operator `name`; for attention, the kernel the GPU ran in its place (the
-    trace runs the CPU's flash kernel; a GPU runs its own flash, memory-efficient or cuDNN kernel), forward
-    or backward as `name` is."""
-    if name in table or "attention" not in name:
-        return table.get(name)
-    backward = "backward" in name
-    return next((v for k, v in sorted(table.items()) if "attention" in k and ("backward" in k) == backward), None)
+def host_op_seconds(profile: HardwareProfile, compiled: bool = False) -> float:
+    """The host's time to issue one kernel on a GPU: in an eager step, what a probe measured per operator of
+    a step of small kernels (host_op_s: Python, dispatch, autocast, autograd and the launch), else
+    DEFAULT_HOST_OP_S; in a compiled graph the launch alone (its wrapper runs no Python per operator)."""
+    if compiled:
+        return profile.op_overhead_s or DEFAULT_OP_OVERHEAD_S["cuda"]
+    return (profile.model_extra or {}).get("host_op_s") or DEFAULT_HOST_OP_S
 
 
 def _gpu_op_time(ops: Ops, profile: HardwareProfile, dtype: str, scale: float, byte_scale: float,
                  compiled: bool = False) -> float:
-    rates, flop_rates, launch = gpu_rates(profile, dtype)
-    bw = profile.memory_bandwidth or 1e11
+    """Each kernel by kind and size (kernels.py) from the profile's peak and bandwidth, measured or the data
+    sheet's, issued by the host one after another. Not the probe's per-operator rates: timed one call at a
+    time with a wait on the device, they price short kernels at their latency (on an H200 they put an eager
+    GPT-2 step at twice what it took, where the kernel model was within 3%)."""
+    launch = host_op_seconds(profile, compiled)
     fused = ops.fused if compiled and ops.fused else None
-    total = 0.0
+    host = device = 0.0
     for i, (name, flops, moved) in enumerate(ops.items):
         if fused is not None:  # torch.compile: a run of memory-bound operators is one kernel (fusion.py)
             if fused[i] == FUSED:
                 continue
             moved = fused[i]
         flops, moved = flops * scale, moved * scale * byte_scale
-        measured = None if fused is not None and not flops else _measured(flop_rates if flops else rates, name)
-        if measured:
-            rate = interpolate(measured, flops or moved, extrapolate_linear=False)
-            t = max(moved / bw, flops / rate) if flops else moved / rate
-        else:
-            shape = ops.shapes.get(i)
-            if shape is not None and scale != 1.0:  # tp splits the product's columns (or its inner dimension)
-                shape = (shape[0], shape[1], max(1, round(shape[2] * scale)), shape[3])
-            t = kernel_seconds(name, flops, moved, shape, profile, dtype)
-        total += max(t, launch)
-    return total
+        shape = ops.shapes.get(i)
+        if shape is not None and scale != 1.0:  # tp splits the product's columns (or its inner dimension)
+            shape = (shape[0], shape[1], max(1, round(shape[2] * scale)), shape[3])
+        # one stream: the host issues each kernel `launch` after the last, the GPU runs it once issued and
+        # free. Long products let the host run ahead; a run of small kernels waits on the host (an eager
+        # GPT-2 at micro-batch 8 on an H200: ~20 ms of kernels, 32 ms a step)
+        host += launch
+        device = max(device, host) + kernel_seconds(name, flops, moved, shape, profile, dtype)
+    return device
 
 
 def _hidden(comm: float, under: float, cuda: bool) -> float:
@@ -365,7 +357,10 @@ def _optimizer_time(opt_ops: Ops, profile: HardwareProfile, dtype: str, layout: 
     d = layout.dims
     shard = (1.0 / d.dp if layout.zero >= 1 else 1.0) / (d.tp * d.pp)
     if profile.device == "cuda":
-        rates = gpu_rates(profile, dtype)[0] or profile.op_rates
+        # the fused AdamW as a probe timed it, in the run's dtype's steps (one kernel over every tensor: long
+        # enough that its wait on the device is a small part), else by the bandwidth
+        extra = profile.model_extra or {}
+        rates = (extra.get("op_rates_by_dtype", {}).get(dtype) if dtype != "fp32" else None) or profile.op_rates
         adamw = interpolate(rates.get("_fused_adamw_", []), opt_ops.fused_bytes, extrapolate_linear=False)
         seconds = opt_ops.fused_bytes / adamw if adamw else fused_step_seconds(opt_ops.fused_bytes, profile)
         return seconds / (profile.compute_efficiency or 1.0) * shard
