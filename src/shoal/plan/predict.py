@@ -94,9 +94,6 @@ from shoal.plan.network import network
 
 DDP_BUCKET_BYTES = 25 * 2 ** 20  # torch DDP's bucket_cap_mb
 DEFAULT_OP_OVERHEAD_S = {"cpu": 5e-6, "cuda": 6e-6}  # a preset has no measured one: a kernel launch
-# a preset's host time per operator of an eager step where no probe measured it (host_op_s): 26 us and 31 us
-# measured by the probe on the two GPU servers met (16-core Xeons beside an H100 and an H200, torch 2.11)
-DEFAULT_HOST_OP_S = 28e-6
 # a preset's host time per operator of an eager step (Python, dispatch, autocast, the autograd engine, the launch),
 # where no probe measured it: 26 us and 31 us measured by shoal's probe (host_op_s) on the two GPU servers met
 # (16-core Xeons beside an H100 and an H200, torch 2.11)
