@@ -6,8 +6,9 @@ returns the results in rank order. A strategy can so be checked on its own in a 
 after the processes exist, where a CLI run pays for the launcher, the agent and the imports each time.
 
 Failures never hang a test: each call has a deadline; past it every rank is asked for its Python stack
-(SIGUSR1), the processes are killed, and the test fails showing those stacks. A rank that raises fails
-the test with its traceback, and the processes are replaced (the others may be stuck in a collective).
+(SIGUSR1), the processes are killed, and the test fails showing those stacks. A rank that raises (or dies)
+fails the test with every rank's outcome, the others given a few seconds to reply (the first reply is often a
+peer's "connection closed", not the cause), and the processes are replaced.
 """
 
 from __future__ import annotations
