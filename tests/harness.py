@@ -97,7 +97,10 @@ class Ranks:
         while len(replies) < self.world_size:
             for rank, conn in enumerate(self.conns):
                 if rank not in replies and conn.poll(0.05):
-                    replies[rank] = conn.recv()
+                    try:
+                        replies[rank] = conn.recv()
+                    except EOFError:  # its process ended without replying
+                        pytest.fail(self._failure(fn.__name__, None, replies))
                     if replies[rank][0] == "error":
                         pytest.fail(self._failure(fn.__name__, rank, replies))
             if time.monotonic() > deadline:
@@ -117,7 +120,10 @@ class Ranks:
         while len(replies) < self.world_size and time.monotonic() < deadline:
             for rank, conn in enumerate(self.conns):
                 if rank not in replies and self.procs[rank].is_alive() and conn.poll(0.05):
-                    replies[rank] = conn.recv()
+                    try:
+                        replies[rank] = conn.recv()
+                    except EOFError:
+                        self.procs[rank].join(timeout=1)
             if all(r in replies or not self.procs[r].is_alive() for r in range(self.world_size)):
                 break
         outcomes = []
