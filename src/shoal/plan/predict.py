@@ -265,7 +265,7 @@ def _gpu_op_time(ops: Ops, profile: HardwareProfile, dtype: str, scale: float, b
             shape = (shape[0], shape[1], max(1, round(shape[2] * scale)), shape[3])
         # one stream: the host issues each kernel `launch` after the last, the GPU runs it once issued and
         # free. Long products let the host run ahead; a run of small kernels waits on the host (an eager
-        # GPT-2 at micro-batch 8 on an H200: ~20 ms of kernels, 32 ms a step)
+        # GPT-2 at micro-batch 8 on an H200: 23.5 ms of kernels by this model, 32.2 ms a step measured)
         host += launch
         device = max(device, host) + kernel_seconds(name, flops, moved, shape, profile, dtype)
     return device
