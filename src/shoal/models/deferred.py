@@ -9,27 +9,40 @@ torchdistx's deferred_init, on torch's dispatch modes).
                computed whole, this rank's share of it copied out, and freed
 
 The values are bitwise those of one process building the model on the CPU (which is where shoal builds
-it): the same operations run in the same order on the same generator. Every random operation is run,
-even one whose result nobody keeps (on a scratch tensor of the same shape, freed at once), because it
-advances the generator the later ones draw from. An operation whose result is overwritten before anyone
+it): the same operations run in the same order on the same generators. Three things keep a build the one
+its author wrote, though its tensors are on the meta device:
+- code outside torch and shoal, and torch.nn.init, see each tensor as the CPU tensor it would be in one
+  process (`is_meta` false, `device` the CPU): torch.nn.init's trunc_normal_, orthogonal_, dirac_ and
+  sparse_ return early on a meta tensor, and so may a library's or a user's init; here they do their work,
+  and it is logged like any other;
+- a seed or generator state the build sets is logged as an operation (models/seeds.py);
+- a tensor made from Python data or numpy (`nn.Parameter(torch.tensor([1.0, 0.5]))`) is logged with its
+  value.
+
+Every random operation is run, even one whose result nobody keeps (on a scratch tensor of the same shape,
+freed at once), because it advances the generator the later ones draw from. An operation whose result is overwritten before anyone
 reads it, or that feeds only tensors this rank does not keep, is skipped. So a rank holds at any time its
 shares, plus the whole of the few tensors being computed: for a model built as usual (each parameter
 created, then filled, then left alone), one parameter.
 
 Storages, not tensor objects, carry values: `p.data`, `p[0]`, `p.t()` are new objects over the same
-storage, and a parameter is whatever view of its storage it is. A builder that reads a value back to the
-host (`.item()`, `.tolist()`) cannot be recorded: it fails on the meta device, as shoal's checks before a
-launch already require.
+storage, and a parameter is whatever view of its storage it is. What a record cannot follow exactly
+raises (models/seeds.py's Unrecordable, or the error of an operation the meta device cannot run, such as
+reading a value back to the host with `.item()`); training/build.py then builds the model whole, and says so.
 """
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 from torch.utils._pytree import tree_map
+
+from shoal.models.seeds import Generators, Unrecordable, set_state
 
 # operations that overwrite their first argument whatever it held before (nn.init's fills, copy_): the
 # storage's earlier history is dead when the argument covers it whole
@@ -103,6 +116,10 @@ def _constant(value: torch.Tensor, out: torch.Tensor) -> None:
     out.copy_(value)
 
 
+def _logged_set_state(rec: Recording):
+    return lambda generator, state: rec.ops.append(Op(set_state, (generator, state), {}, (), (), (), True, False))
+
+
 class _Recorder(TorchDispatchMode):
     """Every tensor created is a meta tensor, and every operation is logged into `recording`."""
 
@@ -110,6 +127,7 @@ class _Recorder(TorchDispatchMode):
         super().__init__()
         self.rec = recording
         self._constants: dict[int, torch.Tensor] = {}
+        self.generators = Generators(_logged_set_state(recording), recording.rng_state)
 
     def _meta(self, t: torch.Tensor) -> torch.Tensor:
         """A real tensor met in the build (a constant made from Python data): a meta twin whose value is
@@ -125,8 +143,46 @@ class _Recorder(TorchDispatchMode):
             self.rec._alive.append(t)  # keeps id(t) unique
         return twin
 
+    def log_call(self, frame) -> None:
+        """Log the call of the function running in `frame` (a torch.nn.init function about to return early on
+        a meta tensor) with the arguments it was given, to be made whole at replay: it overwrites its tensor,
+        and may draw (the same draws on a scratch tensor, whose values are the same, where no one keeps it)."""
+        code = frame.f_code
+        function = frame.f_globals.get(code.co_name)
+        if getattr(function, "__code__", None) is not code:
+            raise Unrecordable(f"torch.nn.init's {code.co_name} skips its work on the meta device")
+        given = {name: frame.f_locals[name] for name in code.co_varnames[:code.co_argcount + code.co_kwonlyargcount]}
+        tensors = [v for v in given.values() if isinstance(v, torch.Tensor)]
+        generators = [v for v in given.values() if isinstance(v, torch.Generator)]
+        if len(tensors) != 1:
+            raise Unrecordable(f"torch.nn.init's {code.co_name} skips its work on the meta device")
+        self.generators.before_draw(generators[0] if generators else None)
+        rec = self.rec
+        rec.ops.append(Op(function, (), tree_map(_to_ref(rec), given), (), (rec.ref(tensors[0]),), (), random=True,
+                          overwrites=True))
+
+    def evaluate(self, t: torch.Tensor) -> torch.Tensor:
+        """The value meta tensor `t` has at this point of one process's build, computed from the record: a
+        value the build reads back to the host (`.item()`, `bool(t)`), such as a schedule from torch.linspace.
+        Refused where it depends on a random draw (the record has not drawn: how far one process's generator
+        had advanced is not known here) or on more than _EVALUATED bytes of tensors."""
+        rec = self.rec
+        ref = rec.ref(t)
+        _plan(rec.ops, rec.nbytes, {ref.key})
+        needed = [op for op in rec.ops if op.needed]
+        if any(op.random for op in needed):
+            raise Unrecordable("it reads back (.item()) a value that depends on a random draw")
+        held = sum(rec.nbytes[k] for k in {r.key for op in needed for r in (*op.outputs, *op.writes, *op.reads)})
+        if held > _EVALUATED:
+            raise Unrecordable(f"it reads back (.item()) a value computed from {held / 2**20:.0f} MiB of tensors")
+        got: list[torch.Tensor] = []
+        replay(rec, {ref: [lambda value: got.append(value.clone())]}, draws=False)
+        return got[0]
+
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = dict(kwargs or {})
+        if func is torch.ops.aten._local_scalar_dense.default and args[0].is_meta:  # .item(): the value, now
+            return func(self.evaluate(args[0]))
         if func in _LIFTS:
             # torch.tensor(data): left a CPU tensor (libraries ask `torch.tensor([]).device` where they are
             # being built, and skip their init on the meta device); made meta where it meets the model
@@ -134,7 +190,11 @@ class _Recorder(TorchDispatchMode):
         args, kwargs = tree_map(lambda a: self._meta(a) if isinstance(a, torch.Tensor) else a, (args, kwargs))
         if "device" in kwargs or _has_device_arg(func):
             kwargs["device"] = torch.device("meta")  # a factory: where one process builds, the CPU, at replay
+        if torch.Tag.inplace_view in func.tags:  # t_, unsqueeze_, set_: a new view, which later operations are logged with
+            return func(*args, **kwargs)
         schema = func._schema
+        if schema.name in _REFUSED:
+            raise Unrecordable(f"it calls {schema.name}, which changes a storage's size")
         written = [a for a, spec in zip(_flat_args(schema, args, kwargs), schema.arguments, strict=False)
                    if spec.alias_info is not None and spec.alias_info.is_write and isinstance(a, torch.Tensor)]
         view = not written and any(r.alias_info is not None for r in schema.returns)
@@ -147,10 +207,14 @@ class _Recorder(TorchDispatchMode):
             out = func(*args, **kwargs)
         tensors_in = [a for a in _tensors((args, kwargs)) if not any(a is w for w in written)]
         outputs = [] if written else _tensors(out)
+        random = torch.Tag.nondeterministic_seeded in func.tags
+        if random:  # a seed the build set since the last draw is logged before it
+            generators = [a for a in _flat_args(schema, args, kwargs) if isinstance(a, torch.Generator)]
+            self.generators.before_draw(generators[0] if generators else None)
         rec = self.rec
         rec.ops.append(Op(func, tree_map(_to_ref(rec), args), tree_map(_to_ref(rec), kwargs),
                           tuple(rec.ref(o) for o in outputs), tuple(rec.ref(w) for w in written),
-                          tuple(rec.ref(t) for t in tensors_in), random=torch.Tag.nondeterministic_seeded in func.tags,
+                          tuple(rec.ref(t) for t in tensors_in), random=random,
                           overwrites=name in _OVERWRITES or not written))
         for o in outputs:
             rec._alive.append(o)
@@ -158,6 +222,38 @@ class _Recorder(TorchDispatchMode):
 
 
 _LIFTS = (torch.ops.aten.lift_fresh.default, torch.ops.aten.lift_fresh_copy.default)
+_REFUSED = frozenset({"aten::resize_", "aten::resize_as_"})
+_EVALUATED = 64 * 2**20  # the most a value read back during a build may be computed from
+
+
+class _AsOneProcess(TorchFunctionMode):
+    """While a build is recorded: torch.nn.init's functions that return early on a meta tensor (trunc_normal_,
+    orthogonal_, dirac_, sparse_ in torch 2.13) are logged as a call of the whole function, which the replay
+    makes on the CPU tensor (the call is caught where the function asks `tensor.is_meta`, with the arguments
+    it was given). Code outside torch and shoal sees each meta tensor as the CPU tensor it would be in one
+    process (`is_meta` false, `device` and `is_cpu` the CPU's): libraries skip work there too (peft's
+    SVD-based inits), which would leave the record without it; what they do instead is logged like any other
+    operation. torch's own code, shoal's and the meta kernels are told the truth."""
+
+    def __init__(self, recorder: _Recorder):
+        super().__init__()
+        self.recorder = recorder
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        prop = getattr(func, "__self__", None)
+        if prop in _DEVICE_PROPERTIES and args and args[0].is_meta:
+            caller = sys._getframe(1)
+            module = caller.f_globals.get("__name__", "")
+            if module == "torch.nn.init" and prop is torch.Tensor.is_meta:
+                with _disable_current_modes():  # the generators' states are read on the CPU, not recorded
+                    self.recorder.log_call(caller)
+                return True  # the function returns early: its work is the logged call
+            if module != "torch.nn.init" and not (module in ("torch", "shoal") or module.startswith(("torch.", "shoal."))):
+                return _DEVICE_PROPERTIES[prop]
+        return func(*args, **(kwargs or {}))
+
+
+_DEVICE_PROPERTIES = {torch.Tensor.is_meta: False, torch.Tensor.is_cpu: True, torch.Tensor.device: torch.device("cpu")}
 
 
 def _has_device_arg(func) -> bool:
@@ -185,13 +281,20 @@ def _to_ref(rec: Recording):
 def record(build: Callable[[Recording], object]) -> tuple[object, Recording]:
     """Run `build(recording)` with every tensor it makes on the meta device and its operations logged into
     `recording` (which a build may also log into: Recording.load). Returns what it returned and the
-    Recording; the CPU generator is left as it was (nothing was drawn)."""
+    Recording. Raises Unrecordable, or the error of an operation the meta device cannot run, where the build
+    cannot be replayed exactly. The CPU generator is left as it was, whatever the build set it to: a
+    replay sets it, and a build of the whole model after a failed record starts where this one did."""
     recording = Recording(rng_state=torch.get_rng_state())
-    with _Recorder(recording) as recorder:
-        built = build(recording)
-        model = getattr(built, "model", built)  # a module, or a ModelBundle holding one
-        if isinstance(model, torch.nn.Module):
-            _all_meta(model, recorder)
+    recorder = _Recorder(recording)
+    try:
+        with _AsOneProcess(recorder), recorder:
+            built = build(recording)
+        recorder.generators.finish()
+    finally:
+        torch.set_rng_state(recording.rng_state)
+    model = getattr(built, "model", built)  # a module, or a ModelBundle holding one
+    if isinstance(model, torch.nn.Module):
+        _all_meta(model, recorder)  # outside the recorder: the constants' values are copied on the CPU
     return built, recording
 
 
@@ -305,6 +408,9 @@ def _run(op: Op, tensor: Callable[[Ref], torch.Tensor]) -> None:
             return tensor(a)
         return torch.device("cpu") if isinstance(a, torch.device) else a
 
+    if op.func is set_state:
+        op.func(*op.args)
+        return
     if op.func in (_loaded, _constant):
         op.func(*op.args, tensor(op.writes[0]))
         return

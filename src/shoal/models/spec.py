@@ -108,6 +108,9 @@ class ModelBundle:
     # the model is on the meta device, its values a record of its build (models/deferred.py, a Deferred):
     # the layouts apply to it as it is, and each rank then fills only its share (parallel/materialize.py)
     deferred: object | None = None
+    # why the model was built whole on every rank although a record was tried (training/build.py): its build
+    # does something a record on the meta device cannot replay exactly. None: recorded, or never tried
+    built_whole: str | None = None
     # tp_split(model) -> the parameters tensor_parallel splits over the tp ranks (the rest are whole on every
     # one), from the same plan it applies (tp_plan.split_by): what `shoal plan` and the preflight count each
     # rank's model state by. None: every matrix (ndim >= 2) is counted as split.

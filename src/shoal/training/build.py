@@ -6,28 +6,42 @@ from __future__ import annotations
 
 import dataclasses
 import fnmatch
+import traceback
 
 import torch
 
 from shoal.errors import UserError
 from shoal.models.deferred import deferred, record
+from shoal.models.seeds import Unrecordable
 from shoal.models.meta import has_transient_buffers, materialize, on_meta
-from shoal.models.registry import build_model, builtin_model_configs
+from shoal.models.registry import build_model
 from shoal.models.spec import DataSpec, ModelBundle, ModelSection
 
 
 def build_deferred(cfg: ModelSection, spec: DataSpec, init: bool = True) -> ModelBundle:
     """The model on the meta device, its build recorded (bundle.deferred). `init`: a fresh start's weights
-    (seeded from the CPU generator as it is now, or model.init_from); else a resume's (from a checkpoint)."""
+    (seeded from the CPU generator as it is now, or model.init_from); else a resume's (from a checkpoint).
+    A build the record cannot replay exactly (one that reads a value back from a tensor, as Keras reads its
+    seed; an operation the meta device cannot run; a generator state put back, models/seeds.py) is built
+    whole on the CPU instead, as one process builds it, never with other values; bundle.built_whole says why."""
     try:
         bundle, recording = record(lambda rec: build_model(cfg, spec, pretrained=init, recording=rec))
-    except RuntimeError as e:
-        # a user's builder that reads a value back to the host (Keras reads its seed): it cannot be recorded,
-        # so every rank builds it whole, as one process does; shoal's own models always record
-        if cfg.name in builtin_model_configs() or "meta tensor" not in str(e):
-            raise
-        return build_on(cfg, spec, init=init)
+    except UserError:
+        raise
+    except Exception as e:  # noqa: BLE001 - any failure of the record: the whole build raises a real error again
+        bundle = build_on(cfg, spec, init=init)
+        return dataclasses.replace(bundle, built_whole=why_unrecorded(e))
     return dataclasses.replace(bundle, deferred=deferred(bundle.model, recording, fresh=init), uninitialised=not init)
+
+
+def why_unrecorded(error: Exception) -> str:
+    """What stopped a record, in a phrase, at the innermost line of the model's own code (not torch's or
+    shoal's) where it happened."""
+    first = str(error).strip().splitlines()[0][:200] if str(error).strip() else type(error).__name__
+    what = first if isinstance(error, Unrecordable) else f"{type(error).__name__}: {first}"
+    theirs = [f for f in traceback.extract_tb(error.__traceback__)
+              if not any(part in f.filename for part in ("/torch/", "/shoal/"))]
+    return f"{what} ({theirs[-1].filename}:{theirs[-1].lineno})" if theirs else what
 
 
 def build_on(cfg: ModelSection, spec: DataSpec, device: torch.device | str = "cpu", init: bool = True) -> ModelBundle:

@@ -57,6 +57,8 @@ def announce(parts: Parts, sinks: MetricsSinks, recovery: dict | None, profile_l
     frozen = f" ({trainable:,} trainable)" if trainable < parts.n_params else ""  # train.freeze, model.lora
     sinks.print(f"[bold]shoal[/] {cfg.model.name}: {parts.n_params:,} parameters{frozen}; "
                 f"{parts.layout.describe(cfg, bundle.items_name, items_per_sample)}")
+    if bundle.built_whole:
+        sinks.print(f"model built whole on every rank, not sharded at the start: {bundle.built_whole}")
     if parts.step.par.describe():
         sinks.print(parts.step.par.describe())
     sinks.print(f"data {cfg.data.source}: {source.num_train:,} training / {source.num_val:,} validation samples; "

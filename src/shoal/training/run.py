@@ -91,6 +91,8 @@ def run_training(cfg: Config, layout: Layout, source, run_dir: Path, env: DistEn
         summary["membership"] = live.events
     summary["checkpoints"] = checkpoints.stats
     summary["start_memory_bytes"] = int(start_memory)  # the most a rank's memory grew while it built its share
+    if parts.bundle.built_whole:  # its build could not be recorded: every rank built the whole model
+        summary["model_built_whole"] = parts.bundle.built_whole
     if trainer.watch.profile:
         summary["profile"] = summarize_profile(trainer.record.history)
     summary.update(strategy.report())
