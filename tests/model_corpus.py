@@ -22,12 +22,12 @@ import numpy as np
 import torch
 from torch import nn
 
+from shoal.models.gpt import GPTConfig
 from shoal.models.hf import HFConfig
 from shoal.models.registry import UserModelConfig
 from shoal.models.spec import DataSpec, ModelBundle
 
 TOKENS = DataSpec("tokens", vocab_size=256)
-IMAGES = DataSpec("images", num_classes=10, image_size=32)
 
 
 def _loss(model, batch):  # the corpus is about starts: no entry trains
@@ -191,54 +191,94 @@ USER = {"seeds_itself": SeedsItself, "private_generator": PrivateGenerator, "pyt
 BUILT_WHOLE = {"forks_the_generator": "sets a random generator back", "reads_a_value": "depends on a random draw"}
 
 
-# --- other people's models, unchanged ------------------------------------------------------------------
+# --- other people's models, unchanged (tests/fixtures/model_code: each folder's README says from where) --------
+
+CODE = Path(__file__).parent / "fixtures" / "model_code"
+
 
 def torchtitan_llama() -> nn.Module:
-    """torchtitan's Llama 3 (tests/fixtures/torchtitan): trunc_normal_ inits, a complex rotary buffer."""
-    fixture = str(Path(__file__).parent / "fixtures" / "torchtitan")
-    if fixture not in sys.path:
-        sys.path.insert(0, fixture)
+    """torchtitan's Llama 3: trunc_normal_ inits, a complex rotary buffer computed in init_weights."""
+    if str(CODE / "torchtitan") not in sys.path:
+        sys.path.insert(0, str(CODE / "torchtitan"))
     from torchtitan.models.llama.model import ModelArgs, Transformer
 
     return Transformer(ModelArgs(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=256, max_seq_len=32,
                                  multiple_of=32))
 
 
-def torchvision_models():
-    """torchvision.models, without torchvision's package init: that loads its compiled operators, which are
-    built against the CUDA torch of its own release and do not load on the CPU torch the suite runs on (a
-    model's constructor needs none of them)."""
-    if "torchvision" not in sys.modules:
-        spec = importlib.util.find_spec("torchvision")
-        if spec is None:
-            raise ImportError("torchvision is not installed (the test extra has it)")
-        package = types.ModuleType("torchvision")
-        package.__path__, package.__spec__ = list(spec.submodule_search_locations), spec
-        sys.modules["torchvision"] = package
-    import torchvision.models
-
-    return torchvision.models
+def _package(name: str, folder: Path) -> types.ModuleType:
+    """A package named `name` over the files in `folder`, without an __init__ of its own."""
+    if name not in sys.modules:
+        package = types.ModuleType(name)
+        package.__path__ = [str(folder)]
+        sys.modules[name] = package
+    return sys.modules[name]
 
 
 def torchvision_resnet() -> nn.Module:
     """torchvision's ResNet: kaiming_normal_ convolutions, batch norms with their running statistics, the
     last norm of each residual block zeroed (zero_init_residual)."""
-    models = torchvision_models()
-    return models.ResNet(models.resnet.BasicBlock, [1, 1, 1, 1], num_classes=10, zero_init_residual=True)
+    _package("corpus_torchvision", CODE / "torchvision")
+    resnet = importlib.import_module("corpus_torchvision.models.resnet")
+    return resnet.ResNet(resnet.BasicBlock, [1, 1, 1, 1], num_classes=10, zero_init_residual=True)
 
 
-def timm_vit(weight_init: str = "") -> nn.Module:
-    """timm's VisionTransformer: timm's own trunc_normal_, the class token's normal_(std=1e-6), the head
-    zeroed; "jax": lecun_normal_ (a truncated normal by the inverse CDF) and xavier_uniform_."""
-    torchvision_models()  # timm imports torchvision
-    from timm.models.vision_transformer import VisionTransformer
+def _timm_init():
+    spec = importlib.util.spec_from_file_location("corpus_timm_weight_init", CODE / "timm" / "weight_init.py")
+    if spec.name not in sys.modules:
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        sys.modules[spec.name] = module
+    return sys.modules[spec.name]
 
-    return VisionTransformer(img_size=32, patch_size=8, embed_dim=32, depth=2, num_heads=4, num_classes=10,
-                             weight_init=weight_init)
+
+class ViT(nn.Module):
+    """A ViT initialised as timm's VisionTransformer.init_weights does it, with timm's own initialisers
+    (tests/fixtures/model_code/timm): mode "" (init_weights_vit_timm) or "jax" (init_weights_vit_jax)."""
+
+    def __init__(self, mode: str = "", dim: int = 32, depth: int = 2, patches: int = 16, classes: int = 10):
+        super().__init__()
+        self.patch_embed = nn.Conv2d(3, dim, 8, stride=8)
+        self.cls_token = nn.Parameter(torch.zeros(1, 1, dim))
+        self.pos_embed = nn.Parameter(torch.randn(1, patches + 1, dim) * 0.02)
+        self.blocks = nn.Sequential(*[nn.ModuleDict({
+            "norm1": nn.LayerNorm(dim), "qkv": nn.Linear(dim, 3 * dim), "proj": nn.Linear(dim, dim),
+            "norm2": nn.LayerNorm(dim),
+            "mlp": nn.ModuleDict({"fc1": nn.Linear(dim, 4 * dim), "fc2": nn.Linear(4 * dim, dim)})})
+            for _ in range(depth)])
+        self.norm = nn.LayerNorm(dim)
+        self.head = nn.Linear(dim, classes)
+        # timm's calculate_drop_path_rates: a schedule read back from a tensor, computed from the record
+        self.drop_path_rates = [x.item() for x in torch.linspace(0, 0.1, depth)]
+        self.init_weights(mode)
+
+    def init_weights(self, mode: str) -> None:  # timm's VisionTransformer.init_weights, for these modes
+        init = _timm_init()
+        init.trunc_normal_(self.pos_embed, std=0.02)
+        nn.init.normal_(self.cls_token, std=1e-6)
+        for name, module in self.named_modules():
+            if mode == "jax":
+                self._jax(name, module, init)
+            elif isinstance(module, nn.Linear):
+                init.trunc_normal_(module.weight, std=0.02)
+                nn.init.zeros_(module.bias)
+
+    @staticmethod
+    def _jax(name: str, module: nn.Module, init) -> None:  # timm's init_weights_vit_jax
+        if isinstance(module, nn.Linear):
+            if name.startswith("head"):
+                nn.init.zeros_(module.weight)
+                nn.init.constant_(module.bias, 0.0)
+            else:
+                nn.init.xavier_uniform_(module.weight)
+                nn.init.normal_(module.bias, std=1e-6) if "mlp" in name else nn.init.zeros_(module.bias)
+        elif isinstance(module, nn.Conv2d):
+            init.lecun_normal_(module.weight)
+            nn.init.zeros_(module.bias)
 
 
 THIRD_PARTY = {"torchtitan_llama": torchtitan_llama, "torchvision_resnet": torchvision_resnet,
-               "timm_vit": timm_vit, "timm_vit_jax": lambda: timm_vit("jax")}
+               "timm_vit": ViT, "timm_vit_jax": lambda: ViT("jax")}
 
 BUILDERS = {**INIT, **USER, **THIRD_PARTY}
 
@@ -246,6 +286,33 @@ BUILDERS = {**INIT, **USER, **THIRD_PARTY}
 def build(cfg, spec) -> ModelBundle:
     """`model.name = "model_corpus:build"`, `model.entry = NAME`: the corpus's entry NAME."""
     return ModelBundle(BUILDERS[cfg.entry](), _loss)
+
+
+class ForkedLM(nn.Module):
+    """A token model that trains, whose build a record cannot follow (its head is initialised under
+    torch.random.fork_rng after the embedding drew): `model.name = "model_corpus:forked_lm"`."""
+
+    def __init__(self, vocab: int, dim: int = 16):
+        super().__init__()
+        self.emb = nn.Embedding(vocab, dim)
+        with torch.random.fork_rng():
+            torch.manual_seed(0)
+            self.mix = nn.Linear(dim, dim)
+        self.head = nn.Linear(dim, vocab)
+
+    def forward(self, tokens):
+        return self.head(torch.tanh(self.mix(self.emb(tokens))))
+
+
+def _lm_loss(model, batch):
+    logits = model(batch["input"])
+    return nn.functional.cross_entropy(logits.flatten(0, 1), batch["target"].flatten(), ignore_index=-1,
+                                       reduction="sum")
+
+
+def forked_lm(cfg, spec) -> ModelBundle:
+    return ModelBundle(ForkedLM(spec.vocab_size), _lm_loss, lambda batch: (batch["target"] != -1).sum(),
+                       items_name="tokens")
 
 
 # --- Hugging Face classes through shoal's own builder: their _init_weights --------------------------------
@@ -270,9 +337,11 @@ HF = {
 
 def config(name: str):
     """The model config section and data spec of entry `name`."""
+    if name == "gpt":  # shoal's own, for its real pipeline split under pp 2
+        return GPTConfig(n_layer=2, d_model=32, n_head=4, seq_len=16), TOKENS
     if name in HF:
         return HFConfig(config=HF[name], seq_len=16), TOKENS
     return UserModelConfig(name="model_corpus:build", entry=name), TOKENS
 
 
-ALL = [*BUILDERS, *HF]
+ALL = [*BUILDERS, *HF, "gpt"]

@@ -1,0 +1,97 @@
+"""The sharded start at one process against the model as its author builds it (issue: a start built on the meta
+device must give the eager build's values, or build the model whole and say so): every entry of
+tests/model_corpus.py is started as `shoal train` starts it (training/build.py's build_deferred, then
+parallel/materialize.py's replay) after the same seed as an eager build of the same class, and every
+parameter and buffer is bitwise the eager build's, and the CPU generator's next draw the same. Under ZeRO 3,
+tp 2 and pp 2: tests/dist/test_model_corpus.py."""
+
+import pytest
+import torch
+from torch import nn
+
+import model_corpus as corpus
+from shoal.models.registry import build_model
+from shoal.parallel.materialize import Materializer
+from shoal.training.build import build_deferred
+
+SEED = 7
+
+
+def eager(name):
+    """The model built whole on the CPU after the seed, as its author runs it; and the generator's next draw."""
+    cfg, spec = corpus.config(name)
+    torch.manual_seed(SEED)
+    model = build_model(cfg, spec, pretrained=True).model
+    return model, torch.rand(8)
+
+
+def started(name):
+    """shoal's start of one process: recorded on the meta device and replayed (or built whole)."""
+    cfg, spec = corpus.config(name)
+    torch.manual_seed(SEED)
+    bundle = build_deferred(cfg, spec)
+    Materializer(bundle.deferred, torch.device("cpu")).fill(bundle.model)
+    return bundle, torch.rand(8)
+
+
+def tensors(model: nn.Module) -> dict[str, torch.Tensor]:
+    return {**dict(model.named_parameters(remove_duplicate=False)), **dict(model.named_buffers(remove_duplicate=False))}
+
+
+@pytest.mark.parametrize("name", corpus.ALL)
+def test_the_start_is_the_eager_build(name):
+    if name in corpus.HF:
+        pytest.importorskip("transformers", reason="the hf extra is not installed")
+    ref, ref_next = eager(name)
+    bundle, next_draw = started(name)
+    ours, theirs = tensors(bundle.model), tensors(ref)
+    assert ours.keys() == theirs.keys()
+    differ = [k for k in theirs if ours[k].dtype != theirs[k].dtype or not torch.equal(ours[k], theirs[k])]
+    assert not differ, f"differ from the eager build: {differ}"
+    assert torch.equal(next_draw, ref_next), "the CPU generator is not where the eager build leaves it"
+    if name in corpus.BUILT_WHOLE:  # refused, not guessed: built whole, and the reason kept for the run's log
+        assert bundle.deferred is None and corpus.BUILT_WHOLE[name] in bundle.built_whole
+    else:
+        assert bundle.deferred is not None and bundle.built_whole is None
+
+
+def test_the_corpus_has_every_torch_init_function():
+    public = {n for n in dir(nn.init) if n.endswith("_") and not n.startswith("_")}
+    assert public <= set(corpus.INIT), public - set(corpus.INIT)
+
+
+def test_the_reason_names_the_line_of_the_models_code():
+    bundle, _ = started("forks_the_generator")
+    assert "fork_rng" in bundle.built_whole and "model_corpus.py:" in bundle.built_whole
+
+
+def test_a_value_read_back_from_a_random_draw_is_refused_but_a_schedule_is_computed():
+    """`.item()` on a value computed from Python data alone (timm's drop-path schedule from torch.linspace) is
+    computed from the record, so the model still records; on a random draw it cannot be known."""
+    bundle, _ = started("timm_vit")
+    assert bundle.deferred is not None
+    assert bundle.model.drop_path_rates == pytest.approx([0.0, 0.1])
+    assert "random draw" in started("reads_a_value")[0].built_whole
+
+
+def test_a_seed_in_the_build_is_followed_and_the_generator_left_as_it_was():
+    """The record draws nothing: after it the generator is where it was before the build, whatever the build
+    seeded (a whole build after a failed record starts from there)."""
+    cfg, spec = corpus.config("seeds_itself")
+    torch.manual_seed(SEED)
+    before = torch.get_rng_state()
+    bundle = build_deferred(cfg, spec)
+    assert torch.equal(torch.get_rng_state(), before)
+    assert sum(getattr(op.func, "__name__", "") == "set_state" for op in bundle.deferred.recording.ops) == 2
+
+
+def test_a_trunc_normal_model_holds_one_parameter_whole_at_a_time():
+    """torchtitan's Llama (every projection by trunc_normal_, logged as a whole call): the replay still holds
+    one tensor whole at a time, the largest (the output head) included."""
+    cfg, spec = corpus.config("torchtitan_llama")
+    torch.manual_seed(SEED)
+    bundle = build_deferred(cfg, spec)
+    filler = Materializer(bundle.deferred, torch.device("cpu"))
+    filler.fill(bundle.model)
+    largest = max(t.numel() * t.element_size() for t in tensors(bundle.model).values())
+    assert filler.whole_bytes == largest
