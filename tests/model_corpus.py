@@ -39,7 +39,7 @@ def _loss(model, batch):  # the corpus is about starts: no entry trains
 def _initialised(fn, *args, shape=(6, 4), **kwargs) -> nn.Module:
     layer = nn.Linear(shape[1], shape[0]) if len(shape) == 2 else nn.Conv2d(shape[1], shape[0], shape[2])
     fn(layer.weight, *args, **kwargs)
-    return layer
+    return nn.Sequential(nn.Linear(shape[1], shape[1]), layer) if len(shape) == 2 else nn.Sequential(layer)
 
 
 INIT = {

@@ -27,7 +27,7 @@ from shoal.models.pretrained import check_pretrained
 from shoal.models.registry import build_model
 from shoal.models.spec import ModelBundle, count_parameters
 from shoal.parallel import float8
-from shoal.parallel.fit import check_memory_fits, check_model_fits
+from shoal.parallel.fit import check_memory_fits, check_model_fits, check_shardable
 from shoal.rundir import RunDir, check_writable
 from shoal.training.build import freeze
 
@@ -92,6 +92,7 @@ def check_fit(cfg: Config, layout: Layout, bundle: ModelBundle, source, memo: di
     check_keras_layout(bundle.model, tp=dims.tp, pp=dims.pp, compile=cfg.train.compile,
                        activation_checkpointing=cfg.precision.activation_checkpointing)
     check_model_fits(bundle, cfg.model.name, cfg.parallel, cfg.precision, memo)
+    check_shardable(bundle, layout)
     if dims.pp > 1 and cfg.checkpoint.final_weights and not cfg.checkpoint.enabled:
         raise UserError("with parallel.pp > 1 the final weights are exported from the final checkpoint: set "
                         "checkpoint.enabled = true, or checkpoint.final_weights = false")

@@ -95,3 +95,19 @@ def test_a_trunc_normal_model_holds_one_parameter_whole_at_a_time():
     filler.fill(bundle.model)
     largest = max(t.numel() * t.element_size() for t in tensors(bundle.model).values())
     assert filler.whole_bytes == largest
+
+
+def test_zero3_refuses_a_scalar_parameter_before_any_worker_starts():
+    """FSDP2 cannot shard a parameter of no dimension (python_data's ReZero gate): one line naming it, from the
+    preflight, where the worker's FSDP2 raised before."""
+    from shoal.config import load_config
+    from shoal.errors import UserError
+    from shoal.preflight import check_job
+
+    def config(zero):
+        return load_config(None, ["model.name=model_corpus:build", 'model.entry="python_data"', "model.seq_len=16",
+                                  "data.max_bytes=100000", f"parallel.zero={zero}"])
+
+    check_job(config(1), [2], cuda=False)  # ZeRO 1 shards the optimizer's state by whole parameters
+    with pytest.raises(UserError, match="parallel.zero = 3 .* rezero is a scalar"):
+        check_job(config(3), [2], cuda=False)

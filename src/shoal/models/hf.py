@@ -233,11 +233,12 @@ def tensor_parallel(model, tp: int, mesh=None, sequence_parallel: bool = False):
         if getattr(config, key, 0.0):
             raise UserError(f"the model's {key} > 0 with parallel.tp > 1 is not supported (dropout masks would "
                             f"differ between tensor-parallel ranks); set model.config.{key} = 0")
+    styles = resolve(model, tp_plan(model), tp, strict=False)  # a style shoal does not translate: refused here
     if mesh is None:
         return None
     from torch.distributed.tensor.parallel import parallelize_module
 
-    parallelize_module(model, mesh, resolve(model, tp_plan(model), tp, strict=False))
+    parallelize_module(model, mesh, styles)
     return None  # the output head is replicated: the loss needs no context
 
 

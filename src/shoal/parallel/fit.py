@@ -46,6 +46,18 @@ def check_model_fits(bundle: ModelBundle, model_name: str, parallel: ParallelCon
         raise UserError(memo[key])
 
 
+def check_shardable(bundle: ModelBundle, layout: Layout) -> None:
+    """ZeRO 2/3 shards each parameter along its first dimension with FSDP2, which refuses a parameter that has
+    none (a ReZero gate or a logit scale made with torch.tensor(0.0)): refused here, before any worker starts."""
+    if layout.zero < 2 or layout.dims.dp // max(layout.replicas, 1) < 2:
+        return
+    scalars = [name for name, p in bundle.model.named_parameters() if p.dim() == 0]
+    if scalars:
+        raise UserError(f"parallel.zero = {layout.zero} shards every parameter along its first dimension (FSDP2), "
+                        f"and {scalars[0]} is a scalar; make it a tensor of one element (torch.tensor([x]) or "
+                        f"x.reshape(1)), or set parallel.zero = 1")
+
+
 def _check_model_fits(bundle: ModelBundle, model_name: str, parallel: ParallelConfig,
                       precision: PrecisionConfig) -> None:
     tp, pp = parallel.tp, parallel.pp
