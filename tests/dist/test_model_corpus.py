@@ -123,3 +123,25 @@ def test_every_rank_holds_the_eager_builds_values(ranks, layout):
 # tp 2, Hugging Face classes whose plan has styles shoal does not translate (gpt_neox's "embedding_rowwise",
 # the experts' styles of the two mixtures of experts)
 REFUSED = {"zero3": {"python_data"}, "tp2": {"hf_gpt_neox", "hf_mixtral", "hf_qwen3_moe"}, "pp2": set()}
+
+
+FORKED = ["model.name=model_corpus:forked_lm", "model.seq_len=16", "data.max_bytes=100000", "train.steps=3",
+          "train.warmup_steps=0", "train.global_batch_size=4", "train.micro_batch_size=2", "train.val_interval=0",
+          "metrics.log_interval=1", "metrics.tensorboard=false", "metrics.progress=false", "checkpoint.interval=0",
+          "checkpoint.final_weights=false"]
+
+
+def test_a_model_built_whole_says_so_and_trains_as_one_process(ranks, tmp_path):
+    """A build the record cannot follow (fork_rng after a draw) is built whole on every rank: the run's log and
+    summary.json say so and why, and ZeRO 3 over two ranks trains it as one process does."""
+    from conftest import read_metrics
+    from harness import train
+
+    ranks(1).run(train, FORKED, str(tmp_path / "one"))
+    (summary, printed), _ = ranks(2).run(train, [*FORKED, "parallel.zero=3"], str(tmp_path / "zero3"))
+    line = [text for text in printed.splitlines() if "model built whole on every rank" in text]
+    assert len(line) == 1 and "fork_rng" in line[0] and "model_corpus.py:" in line[0]
+    assert "fork_rng" in summary["model_built_whole"]
+    ours, ref = ([m["loss"] for m in read_metrics(tmp_path / d) if "loss" in m] for d in ("zero3", "one"))
+    assert len(ours) == len(ref) == 3
+    torch.testing.assert_close(torch.tensor(ours), torch.tensor(ref), rtol=1e-5, atol=0)
