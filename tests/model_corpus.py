@@ -1,7 +1,7 @@
 """Model constructors as their authors write them, for holding shoal's sharded start (models/deferred.py: the
 build recorded on the meta device, then replayed for each rank's share) against the eager build of the
-same class after the same seed: tests/unit/test_model_corpus.py at one process, tests/dist/test_model_corpus.py
-under ZeRO 3, tp 2 and pp 2.
+same class after the same seed: tests/unit/test_corpus_one_process.py at one process,
+tests/dist/test_corpus_layouts.py under ZeRO 3, tp 2 and pp 2.
 
 Each entry is a `model.name` a run can give ("model_corpus:build" with `entry = NAME`, or a Hugging Face
 class through shoal's own "hf" builder), so that the start under test is the one `shoal train` makes,
@@ -171,6 +171,19 @@ class ReadsAValue(nn.Module):
         self.b = nn.Linear(4, width)
 
 
+class ReadsAComputedValue(nn.Module):
+    """Reads back values computed from Python data alone (a width from an edited constant, a schedule from
+    torch.linspace): computed from the record, so the build still records."""
+
+    def __init__(self):
+        super().__init__()
+        sizes = torch.tensor([2.0, 3.0])
+        sizes.mul_(2)
+        self.a = nn.Linear(4, int(sizes[1].item()))
+        self.rates = [x.item() for x in torch.linspace(0, 0.2, 3)]
+        self.b = nn.Linear(int(sizes[1].item()), 4)
+
+
 class SkipsOnMeta(nn.Module):
     """A library's init that skips its work on the meta device (as peft's SVD-based adapter inits do)."""
 
@@ -186,7 +199,7 @@ class SkipsOnMeta(nn.Module):
 
 USER = {"seeds_itself": SeedsItself, "private_generator": PrivateGenerator, "python_data": PythonData,
         "numpy_data": NumpyData, "tied": Tied, "views": Views, "forks_the_generator": ForksTheGenerator,
-        "reads_a_value": ReadsAValue, "skips_on_meta": SkipsOnMeta}
+        "reads_a_value": ReadsAValue, "reads_a_computed_value": ReadsAComputedValue, "skips_on_meta": SkipsOnMeta}
 # the entries whose build a record cannot follow: each is built whole (training/build.py), with this reason
 BUILT_WHOLE = {"forks_the_generator": "sets a random generator back", "reads_a_value": "depends on a random draw"}
 
@@ -332,6 +345,8 @@ HF = {
     "hf_qwen3_moe": {"model_type": "qwen3_moe", **_SMALL, "num_key_value_heads": 2, "num_experts": 4,
                      "num_experts_per_tok": 2, "moe_intermediate_size": 16, "head_dim": 8},
     "hf_mixtral": {"model_type": "mixtral", **_SMALL, "num_key_value_heads": 2, "num_local_experts": 4},
+    # an encoder, as a sequence classifier: its padding row zeroed, the classifier's own init
+    "hf_bert": {"model_type": "bert", **_SMALL, "num_labels": 3, "pad_token_id": 0},
 }
 
 
@@ -340,7 +355,8 @@ def config(name: str):
     if name == "gpt":  # shoal's own, for its real pipeline split under pp 2
         return GPTConfig(n_layer=2, d_model=32, n_head=4, seq_len=16), TOKENS
     if name in HF:
-        return HFConfig(config=HF[name], seq_len=16), TOKENS
+        task = "sequence-classification" if "num_labels" in HF[name] else "causal-lm"
+        return HFConfig(config=HF[name], seq_len=16, task=task), TOKENS
     return UserModelConfig(name="model_corpus:build", entry=name), TOKENS
 
 

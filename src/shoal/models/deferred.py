@@ -20,10 +20,10 @@ its author wrote, though its tensors are on the meta device:
   value.
 
 Every random operation is run, even one whose result nobody keeps (on a scratch tensor of the same shape,
-freed at once), because it advances the generator the later ones draw from. An operation whose result is overwritten before anyone
-reads it, or that feeds only tensors this rank does not keep, is skipped. So a rank holds at any time its
-shares, plus the whole of the few tensors being computed: for a model built as usual (each parameter
-created, then filled, then left alone), one parameter.
+freed at once), because it advances the generator the later ones draw from. An operation whose result is
+overwritten before anyone reads it, or that feeds only tensors this rank does not keep, is skipped. So a
+rank holds at any time its shares, plus the whole of the few tensors being computed: for a model built as
+usual (each parameter created, then filled, then left alone), one parameter.
 
 Storages, not tensor objects, carry values: `p.data`, `p[0]`, `p.t()` are new objects over the same
 storage, and a parameter is whatever view of its storage it is. What a record cannot follow exactly
@@ -181,8 +181,9 @@ class _Recorder(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = dict(kwargs or {})
-        if func is torch.ops.aten._local_scalar_dense.default and args[0].is_meta:  # .item(): the value, now
-            return func(self.evaluate(args[0]))
+        if func is torch.ops.aten._local_scalar_dense.default:  # .item(): the value one process has here, now
+            t = args[0] if args[0].is_meta else self._constants.get(id(args[0]))  # a constant edited in the build
+            return func(args[0] if t is None else self.evaluate(t))
         if func in _LIFTS:
             # torch.tensor(data): left a CPU tensor (libraries ask `torch.tensor([]).device` where they are
             # being built, and skip their init on the meta device); made meta where it meets the model
@@ -190,7 +191,7 @@ class _Recorder(TorchDispatchMode):
         args, kwargs = tree_map(lambda a: self._meta(a) if isinstance(a, torch.Tensor) else a, (args, kwargs))
         if "device" in kwargs or _has_device_arg(func):
             kwargs["device"] = torch.device("meta")  # a factory: where one process builds, the CPU, at replay
-        if torch.Tag.inplace_view in func.tags:  # t_, unsqueeze_, set_: a new view, which later operations are logged with
+        if torch.Tag.inplace_view in func.tags:  # t_, unsqueeze_, set_: later operations are logged with the new view
             return func(*args, **kwargs)
         schema = func._schema
         if schema.name in _REFUSED:
@@ -240,20 +241,26 @@ class _AsOneProcess(TorchFunctionMode):
         self.recorder = recorder
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
-        prop = getattr(func, "__self__", None)
-        if prop in _DEVICE_PROPERTIES and args and args[0].is_meta:
+        prop = getattr(func, "__self__", None)  # a property's getter: the property
+        if type(prop) is _PROPERTY and prop in _DEVICE_PROPERTIES and args and args[0].is_meta:
             caller = sys._getframe(1)
             module = caller.f_globals.get("__name__", "")
             if module == "torch.nn.init" and prop is torch.Tensor.is_meta:
                 with _disable_current_modes():  # the generators' states are read on the CPU, not recorded
                     self.recorder.log_call(caller)
                 return True  # the function returns early: its work is the logged call
-            if module != "torch.nn.init" and not (module in ("torch", "shoal") or module.startswith(("torch.", "shoal."))):
+            if _outside(module):
                 return _DEVICE_PROPERTIES[prop]
         return func(*args, **(kwargs or {}))
 
 
+_PROPERTY = type(torch.Tensor.is_meta)
 _DEVICE_PROPERTIES = {torch.Tensor.is_meta: False, torch.Tensor.is_cpu: True, torch.Tensor.device: torch.device("cpu")}
+
+
+def _outside(module: str) -> bool:
+    """Is `module` code told a recorded tensor is the CPU tensor of one process: not torch's, not shoal's."""
+    return not (module in ("torch", "shoal") or module.startswith(("torch.", "shoal.")))
 
 
 def _has_device_arg(func) -> bool:

@@ -12,9 +12,9 @@ import torch
 
 from shoal.errors import UserError
 from shoal.models.deferred import deferred, record
-from shoal.models.seeds import Unrecordable
 from shoal.models.meta import has_transient_buffers, materialize, on_meta
 from shoal.models.registry import build_model
+from shoal.models.seeds import Unrecordable
 from shoal.models.spec import DataSpec, ModelBundle, ModelSection
 
 

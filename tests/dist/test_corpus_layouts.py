@@ -2,7 +2,7 @@
 every entry of tests/model_corpus.py is started as a run starts it (build_deferred on the meta device, the layout
 applied to the meta model, then parallel/materialize.py filling this rank's share), and every parameter and
 buffer the rank holds, gathered whole, is bitwise the eager build's after the same seed, and the CPU generator's
-next draw the same. One process: tests/unit/test_model_corpus.py.
+next draw the same. One process: tests/unit/test_corpus_one_process.py.
 
 The layouts are shoal's own pieces: ZeRO 3 is parallel/zero.py's shard_parameters (FSDP2 per block and the
 root); tp 2 the model's own plan where it declares one (Hugging Face classes), else tp_plan's translation of a
@@ -27,7 +27,8 @@ def _tensors(model: nn.Module) -> list[tuple[str, torch.Tensor]]:
 
 
 def _split_plan(model: nn.Module) -> dict[str, str]:
-    return {name: "colwise" for name, m in model.named_modules() if isinstance(m, nn.Linear) and m.out_features % 2 == 0}
+    linear = [name for name, m in model.named_modules() if isinstance(m, nn.Linear) and m.out_features % 2 == 0]
+    return dict.fromkeys(linear, "colwise")
 
 
 def _keep_half(model: nn.Module, rank: int) -> None:
@@ -46,7 +47,6 @@ def _keep_half(model: nn.Module, rank: int) -> None:
 def _lay_out(bundle, layout: str, mesh, rank: int) -> nn.Module:
     """The laid-out meta model (or real, for an entry built whole), and the module to fill."""
     from torch.distributed.fsdp import MixedPrecisionPolicy
-
     from torch.distributed.tensor.parallel import parallelize_module
 
     from shoal.models.tp_plan import resolve
@@ -88,7 +88,7 @@ def starts(env, layout: str) -> list[str]:
         torch.manual_seed(SEED)
         bundle = build_deferred(cfg, spec)
         if layout == "zero3" and any(p.dim() == 0 for p in bundle.model.parameters()):
-            continue  # FSDP2 refuses a scalar parameter; so does the preflight (tests/unit/test_model_corpus.py)
+            continue  # FSDP2 refuses a scalar parameter; so does the preflight (tests/unit/test_corpus_one_process.py)
         try:
             held = _lay_out(bundle, layout, mesh, env.rank)
         except UserError:  # a layout the model cannot take (a plan's style shoal does not translate): refused

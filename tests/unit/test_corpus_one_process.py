@@ -3,7 +3,7 @@ device must give the eager build's values, or build the model whole and say so):
 tests/model_corpus.py is started as `shoal train` starts it (training/build.py's build_deferred, then
 parallel/materialize.py's replay) after the same seed as an eager build of the same class, and every
 parameter and buffer is bitwise the eager build's, and the CPU generator's next draw the same. Under ZeRO 3,
-tp 2 and pp 2: tests/dist/test_model_corpus.py."""
+tp 2 and pp 2: tests/dist/test_corpus_layouts.py."""
 
 import pytest
 import torch
@@ -71,6 +71,8 @@ def test_a_value_read_back_from_a_random_draw_is_refused_but_a_schedule_is_compu
     bundle, _ = started("timm_vit")
     assert bundle.deferred is not None
     assert bundle.model.drop_path_rates == pytest.approx([0.0, 0.1])
+    bundle, _ = started("reads_a_computed_value")  # a constant edited in place, then read
+    assert bundle.deferred is not None and bundle.model.a.out_features == 6
     assert "random draw" in started("reads_a_value")[0].built_whole
 
 
