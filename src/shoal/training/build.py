@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import dataclasses
 import fnmatch
+import os
 import traceback
+from pathlib import Path
 
 import torch
 
@@ -39,8 +41,8 @@ def why_unrecorded(error: Exception) -> str:
     shoal's) where it happened."""
     first = str(error).strip().splitlines()[0][:200] if str(error).strip() else type(error).__name__
     what = first if isinstance(error, Unrecordable) else f"{type(error).__name__}: {first}"
-    theirs = [f for f in traceback.extract_tb(error.__traceback__)
-              if not any(part in f.filename for part in ("/torch/", "/shoal/"))]
+    ours = (str(Path(torch.__file__).parent) + os.sep, str(Path(__file__).parents[1]) + os.sep)  # torch's, shoal's
+    theirs = [f for f in traceback.extract_tb(error.__traceback__) if not f.filename.startswith(ours)]
     return f"{what} ({theirs[-1].filename}:{theirs[-1].lineno})" if theirs else what
 
 
