@@ -27,9 +27,9 @@ from shoal.models.pretrained import check_pretrained
 from shoal.models.registry import build_model
 from shoal.models.spec import ModelBundle, count_parameters
 from shoal.parallel import float8
-from shoal.parallel.fit import check_memory_fits, check_model_fits, check_shardable
+from shoal.parallel.fit import check_memory_fits, check_model_fits, check_shardable, check_whole_start
 from shoal.rundir import RunDir, check_writable
-from shoal.training.build import freeze
+from shoal.training.build import freeze, unrecordable
 
 
 @dataclass(frozen=True)
@@ -67,6 +67,10 @@ def check_job(cfg: Config, world_sizes: list[int], cuda: bool, run_dir: Path | N
     shapes: dict = {}  # the model's parameters and stages, measured once
     for layout in layouts:
         check_memory_fits(bundle, cfg, layout, local_workers, shapes)
+    if local_workers and cfg.parallel.memory_check:
+        why = unrecordable(cfg.model, source.spec)
+        if why:
+            check_whole_start(bundle, why, local_workers)
     n_params = count_parameters(bundle.model)
     resume_from, resume_step = None, 0
     if run_dir is not None:

@@ -113,3 +113,27 @@ def test_zero3_refuses_a_scalar_parameter_before_any_worker_starts():
     check_job(config(1), [2], cuda=False)  # ZeRO 1 shards the optimizer's state by whole parameters
     with pytest.raises(UserError, match="parallel.zero = 3 .* rezero is a scalar"):
         check_job(config(3), [2], cuda=False)
+
+
+def test_a_whole_build_that_cannot_fit_the_node_is_refused_before_any_worker_starts(monkeypatch):
+    """A model built whole (its build cannot be recorded) puts all of its fp32 weights in every worker's CPU
+    memory at the start, whatever its GPU holds later: the preflight refuses it, with the reason, where the node
+    cannot hold that for each of its workers (GPUs with room to spare here: the host is what binds)."""
+    from shoal import hardware
+    from shoal.config import load_config
+    from shoal.errors import UserError
+    from shoal.preflight import check_job
+
+    def config(name, *extra):
+        return load_config(None, [f"model.name=model_corpus:{name}", "model.seq_len=16", "data.max_bytes=100000",
+                                  "parallel.zero=3", *extra])
+
+    whole = sum(p.numel() * 4 for p in corpus.ForkedLM(256).parameters())
+    monkeypatch.setattr(hardware, "gpu_memory", lambda: [("H100", 80 * 2**30)] * 2)
+    monkeypatch.setattr(hardware, "available_memory", lambda: 2 * whole)
+    check_job(config("forked_lm"), [2], cuda=True, local_workers=2)  # fits, just
+    monkeypatch.setattr(hardware, "available_memory", lambda: 2 * whole - 2)
+    with pytest.raises(UserError, match="cannot be recorded .*fork_rng.* each worker builds all .* at the start"):
+        check_job(config("forked_lm"), [2], cuda=True, local_workers=2)
+    # a model that records is not held to it, however large (ResNet-18's 45 MB here)
+    check_job(config("build", 'model.entry="torchvision_resnet"'), [2], cuda=True, local_workers=2)

@@ -119,6 +119,18 @@ def check_memory_fits(bundle: ModelBundle, cfg: Config, layout: Layout, local_wo
             raise UserError(_refusal(shape, params, cfg, layout, parts, has))
 
 
+def check_whole_start(bundle: ModelBundle, why: str, local_workers: int | None) -> None:
+    """A model whose build cannot be recorded (training/build.py, `why`) is built whole on the CPU by every
+    worker at the start, before its layout shards it: refused when this node's available memory cannot hold a
+    whole fp32 copy for each of its `local_workers` (None: not checked)."""
+    has = device_memory("cpu", local_workers)
+    whole = sum(t.numel() * t.element_size() for t in (*bundle.model.parameters(), *bundle.model.buffers()))
+    if has is not None and whole > has[0]:
+        raise UserError(f"the model's build cannot be recorded on the meta device ({why}), so each worker builds "
+                        f"all {_gib(whole)} of it in CPU memory at the start, but {has[1]}; make the build "
+                        f"recordable, or start fewer workers per node")
+
+
 def rank_memory(shape: ModelShape, params: list, layout: Layout, cfg: Config) -> dict[str, int]:
     """Bytes one rank holding `params` keeps of the model state (params, grads, optimizer: state_bytes.py,
     ZeRO sharding over a replica's ranks under local SGD) and `copies`, the largest transient on top: ZeRO

@@ -36,6 +36,18 @@ def build_deferred(cfg: ModelSection, spec: DataSpec, init: bool = True) -> Mode
     return dataclasses.replace(bundle, deferred=deferred(bundle.model, recording, fresh=init), uninitialised=not init)
 
 
+def unrecordable(cfg: ModelSection, spec: DataSpec) -> str | None:
+    """Why the model's build cannot be recorded (every rank will build it whole, build_deferred), or None; the
+    generator is left as it was."""
+    try:
+        record(lambda rec: build_model(cfg, spec, recording=rec))
+    except UserError:
+        raise
+    except Exception as e:  # noqa: BLE001 - as build_deferred's
+        return why_unrecorded(e)
+    return None
+
+
 def why_unrecorded(error: Exception) -> str:
     """What stopped a record, in a phrase, at the innermost line of the model's own code (not torch's or
     shoal's) where it happened."""
