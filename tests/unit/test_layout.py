@@ -112,8 +112,16 @@ def test_measured_layer_times_find_the_layer_flops_miss():
     loss = lambda out, target: ((out - target) ** 2).sum()  # noqa: E731
     batch = {"input": torch.randn(256, 64), "target": torch.zeros(256, 64)}
     # the fastest of 10 passes: CI once timed a 0.26 ms layer at 2.8 ms in all 3 passes of the default,
-    # beside a full suite on two cores
-    seconds = measure_layer_times(stage, 4, batch, loss, torch.device("cpu"), repeats=10)
+    # beside a full suite on two cores. On one thread, as a worker runs: with two, each operator's OpenMP
+    # barrier waits for a thread the other pytest worker has descheduled, in every pass (make test once timed
+    # the 1x layer at 23.7 ms in all 10; measured with the other core busy: the 40x layer 15-17 ms on two
+    # threads, 6 ms on one)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        seconds = measure_layer_times(stage, 4, batch, loss, torch.device("cpu"), repeats=10)
+    finally:
+        torch.set_num_threads(threads)
     assert balanced_split([1, 1, 1, 1], 2) == [2, 2]  # what equal FLOPs would give
     # 40x the work (a margin no scheduling noise closes): the slow layer gets a stage of its own
     assert seconds[3] > 5 * max(seconds[:3]), seconds
