@@ -24,7 +24,7 @@ from shoal.layout import Layout, resolve_layout
 from shoal.models.keras import check_layout as check_keras_layout
 from shoal.models.meta import on_meta
 from shoal.models.pretrained import check_pretrained
-from shoal.models.registry import build_model
+from shoal.models.registry import RECORDED, build_model
 from shoal.models.spec import ModelBundle, count_parameters
 from shoal.parallel import float8
 from shoal.parallel.fit import check_memory_fits, check_model_fits, check_shardable, check_whole_start
@@ -67,7 +67,7 @@ def check_job(cfg: Config, world_sizes: list[int], cuda: bool, run_dir: Path | N
     shapes: dict = {}  # the model's parameters and stages, measured once
     for layout in layouts:
         check_memory_fits(bundle, cfg, layout, local_workers, shapes)
-    if local_workers and cfg.parallel.memory_check:
+    if local_workers and cfg.parallel.memory_check and may_start_whole(cfg.model.name, layouts):
         why = unrecordable(cfg.model, source.spec)
         if why:
             check_whole_start(bundle, why, local_workers)
@@ -85,6 +85,16 @@ def check_job(cfg: Config, world_sizes: list[int], cuda: bool, run_dir: Path | N
         with on_meta():
             check_pretrained(build_model(cfg.model, source.spec, adapters=False).model, cfg.model.initial_weights())
     return Job(cfg, layouts, source, n_params, resume_from, resume_step)
+
+
+def may_start_whole(model_name: str, layouts: list[Layout]) -> bool:
+    """Is it worth recording the build here to learn whether every worker will build the model whole: a model
+    not of shoal's own (whose builds always record, tests/unit/test_deferred.py), under a layout whose start
+    would otherwise be sharded. A record that runs init functions on meta tensors imports torch's compiler
+    stack (~1.3 s measured here, against 0.05 s for the preflight of gpt-tiny), which a launch pays only then."""
+    sharded = any((lay.zero >= 2 and lay.dims.dp // max(lay.replicas, 1) > 1) or lay.dims.tp > 1 or lay.dims.pp > 1
+                  for lay in layouts)
+    return sharded and model_name not in RECORDED
 
 
 def check_fit(cfg: Config, layout: Layout, bundle: ModelBundle, source, memo: dict | None = None) -> None:

@@ -35,6 +35,11 @@ def _builtins() -> dict[str, tuple[type[ModelSection], Callable[..., ModelBundle
             "ncf": (ncf.NCFConfig, ncf.build), "hf": (hf.HFConfig, hf.build)}
 
 
+# shoal's own models, whose builds always record on the meta device (tests/unit/test_deferred.py); "hf" builds
+# whatever class a config names
+RECORDED = frozenset({"gpt", "resnet", "ncf"})
+
+
 def builtin_model_configs() -> dict[str, type[ModelSection]]:
     return {name: cls for name, (cls, _) in _builtins().items()}
 
