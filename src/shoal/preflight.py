@@ -27,7 +27,13 @@ from shoal.models.pretrained import check_pretrained
 from shoal.models.registry import RECORDED, build_model
 from shoal.models.spec import ModelBundle, count_parameters
 from shoal.parallel import float8
-from shoal.parallel.fit import check_memory_fits, check_model_fits, check_shardable, check_whole_start
+from shoal.parallel.fit import (
+    check_memory_fits,
+    check_model_fits,
+    check_shardable,
+    check_whole_start,
+    zero_shards,
+)
 from shoal.rundir import RunDir, check_writable
 from shoal.training.build import freeze, unrecordable
 
@@ -92,8 +98,7 @@ def may_start_whole(model_name: str, layouts: list[Layout]) -> bool:
     not of shoal's own (whose builds always record, tests/unit/test_deferred.py), under a layout whose start
     would otherwise be sharded. A record that runs init functions on meta tensors imports torch's compiler
     stack (~1.3 s measured here, against 0.05 s for the preflight of gpt-tiny), which a launch pays only then."""
-    sharded = any((lay.zero >= 2 and lay.dims.dp // max(lay.replicas, 1) > 1) or lay.dims.tp > 1 or lay.dims.pp > 1
-                  for lay in layouts)
+    sharded = any(zero_shards(lay) or lay.dims.tp > 1 or lay.dims.pp > 1 for lay in layouts)
     return sharded and model_name not in RECORDED
 
 

@@ -46,10 +46,15 @@ def check_model_fits(bundle: ModelBundle, model_name: str, parallel: ParallelCon
         raise UserError(memo[key])
 
 
+def zero_shards(layout: Layout) -> bool:
+    """Does FSDP2 shard the parameters: ZeRO 2/3 over a replica of more than one rank (apply.wrap)."""
+    return layout.zero >= 2 and layout.dims.dp // max(layout.replicas, 1) > 1
+
+
 def check_shardable(bundle: ModelBundle, layout: Layout) -> None:
     """ZeRO 2/3 shards each parameter along its first dimension with FSDP2, which refuses a parameter that has
     none (a ReZero gate or a logit scale made with torch.tensor(0.0)): refused here, before any worker starts."""
-    if layout.zero < 2 or layout.dims.dp // max(layout.replicas, 1) < 2:
+    if not zero_shards(layout):
         return
     scalars = [name for name, p in bundle.model.named_parameters() if p.dim() == 0]
     if scalars:

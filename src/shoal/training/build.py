@@ -23,29 +23,30 @@ from shoal.models.spec import DataSpec, ModelBundle, ModelSection
 def build_deferred(cfg: ModelSection, spec: DataSpec, init: bool = True) -> ModelBundle:
     """The model on the meta device, its build recorded (bundle.deferred). `init`: a fresh start's weights
     (seeded from the CPU generator as it is now, or model.init_from); else a resume's (from a checkpoint).
-    A build the record cannot replay exactly (one that reads a value back from a tensor, as Keras reads its
-    seed; an operation the meta device cannot run; a generator state put back, models/seeds.py) is built
+    A build the record cannot replay exactly (a Keras model, whose variables Keras makes itself; a randomly
+    drawn value read back; an operation the meta device cannot run; a generator state put back) is built
     whole on the CPU instead, as one process builds it, never with other values; bundle.built_whole says why."""
-    try:
-        bundle, recording = record(lambda rec: build_model(cfg, spec, pretrained=init, recording=rec))
-    except UserError:
-        raise
-    except Exception as e:  # noqa: BLE001 - any failure of the record: the whole build raises a real error again
-        bundle = build_on(cfg, spec, init=init)
-        return dataclasses.replace(bundle, built_whole=why_unrecorded(e))
+    bundle, recording, why = _recorded(cfg, spec, init)
+    if why is not None:
+        return dataclasses.replace(build_on(cfg, spec, init=init), built_whole=why)
     return dataclasses.replace(bundle, deferred=deferred(bundle.model, recording, fresh=init), uninitialised=not init)
 
 
 def unrecordable(cfg: ModelSection, spec: DataSpec) -> str | None:
     """Why the model's build cannot be recorded (every rank will build it whole, build_deferred), or None; the
     generator is left as it was."""
+    return _recorded(cfg, spec, init=False)[2]
+
+
+def _recorded(cfg: ModelSection, spec: DataSpec, init: bool):
+    """(bundle, recording, None) from the recorded build, or (None, None, why it could not be recorded)."""
     try:
-        record(lambda rec: build_model(cfg, spec, recording=rec))
+        bundle, recording = record(lambda rec: build_model(cfg, spec, pretrained=init, recording=rec))
     except UserError:
         raise
-    except Exception as e:  # noqa: BLE001 - as build_deferred's
-        return why_unrecorded(e)
-    return None
+    except Exception as e:  # noqa: BLE001 - any failure of the record: a whole build raises a real error again
+        return None, None, why_unrecorded(e)
+    return bundle, recording, None
 
 
 def why_unrecorded(error: Exception) -> str:
