@@ -182,7 +182,8 @@ class AsyncServer:
     def receive(self, w: int, link: Link) -> None:
         try:
             while True:
-                push = Push.read(link.recv(torch.zeros(Push.size(self.groups), dtype=torch.float64), label="ps header"))
+                push = Push.read(link.recv(torch.empty(Push.size(self.groups), dtype=torch.float64, device=link.device),
+                                           label="ps header"))
                 grad = self.shard.recv_grads(link, w) if push.kind == Kind.STEP else None
                 self.events.put(Message(w, push, grad))
                 if push.kind == Kind.DONE:
@@ -232,7 +233,8 @@ class AsyncServer:
 
     def on_update(self, w: int, push: Push, grad: torch.Tensor) -> None:
         self.shard.set_grads(grad)
-        self.shard.clip(torch.tensor(push.norm, dtype=torch.float64))  # each update clipped as a whole
+        # each update clipped as a whole
+        self.shard.clip(torch.tensor(push.norm, dtype=torch.float64, device=self.shard.device))
         self.shard.hold()
         self.waiting.append(push.version)
         self.newest_lrs = push.lrs
@@ -253,7 +255,8 @@ class AsyncServer:
             self.reply(w, -1)
             account = Account(int(self.hist.sum().item()), time.perf_counter() - self.started,
                               int(self.hist.sum().item()) - self.resumed_updates, self.hist.tolist(), self.people)
-            self.outbox.extend(self.links[w].send(t, label="ps account") for t in account.tensors())
+            link = self.links[w]
+            self.outbox.extend(link.send(t, label="ps account") for t in account.tensors(link.device))
             self.finals_sent += 1
         self.release()
 
@@ -286,9 +289,10 @@ class AsyncServer:
             self.reply(w, unit)
 
     def reply(self, w: int, unit: int) -> None:
-        meta = Reply(self.version, self.since[w], unit).tensor()
+        link = self.links[w]
+        meta = Reply(self.version, self.since[w], unit).tensor(link.device)
         self.since[w] = 0
-        self.outbox.extend([self.links[w].send(meta, label="ps version"), *self.shard.send_values(self.links[w], w)])
+        self.outbox.extend([link.send(meta, label="ps version"), *self.shard.send_values(link, w)])
         for s in [s for s in self.outbox if s.work.is_completed()]:
             s.wait()  # done: closes its record in the collective log
             self.outbox.remove(s)

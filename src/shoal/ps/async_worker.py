@@ -41,7 +41,7 @@ from shoal.comm.collectives import Comm
 from shoal.config import TrainConfig
 from shoal.data.sampler import GlobalBatchSampler
 from shoal.models.spec import Batch
-from shoal.ps.links import WORKER, Link, register
+from shoal.ps.links import DEVICE, WORKER, Link, register
 from shoal.ps.messages import Account, Kind, Push, Reply, staleness_bins
 from shoal.ps.worker import PushPull
 from shoal.training.optim import Schedule
@@ -56,9 +56,10 @@ class AsyncPushPull(PushPull):
     name = "parameter-server (async)"
     verdict_at_once = True
 
-    def __init__(self, comm: Comm, store, *, servers: int, slot: int, workers: int, max_staleness: int,
-                 timeout_s: float, sparse: bool = False, reopen: Callable[[], object] | None = None):
-        super().__init__(comm, list(range(servers)), slot == 0, sparse)
+    def __init__(self, comm: Comm, store, *, device: torch.device, servers: int, slot: int, workers: int,
+                 max_staleness: int, timeout_s: float, sparse: bool = False,
+                 reopen: Callable[[], object] | None = None):
+        super().__init__(comm, list(range(servers)), slot == 0, device, DEVICE, sparse)  # links: host messages
         self.store, self.slot, self.timeout_s = store, slot, timeout_s
         # a new connection to the store the roles meet in (a restarted server 0 hosts a new one); None:
         # the job's own store, which lives as long as this worker does
@@ -81,9 +82,9 @@ class AsyncPushPull(PushPull):
 
     def update(self, lrs: list[float]) -> None:
         def push() -> None:
-            sends = []
+            sends, norm = [], self.norm.item()  # one read for every server's header
             for link, wire, version in zip(self.links, self.wires, self.versions, strict=True):
-                sends += [link.send(Push(Kind.STEP, self.unit, version, self.norm.item(), lrs).tensor(),
+                sends += [link.send(Push(Kind.STEP, self.unit, version, norm, lrs).tensor(link.device),
                                     label="ps header"), *self.push(link, wire)]
             for s in sends:
                 s.wait()
@@ -129,14 +130,16 @@ class AsyncPushPull(PushPull):
     def send_all(self, kind: Kind, lrs: list[float], version: int | None = None) -> None:
         """A Push without gradients to every server (`version`: None, each server's pulled version)."""
         versions = self.versions if version is None else [version] * len(self.links)
-        for s in [link.send(Push(kind, self.unit, v, self.norm.item(), lrs).tensor(), label="ps header")
+        norm = self.norm.item()
+        for s in [link.send(Push(kind, self.unit, v, norm, lrs).tensor(link.device), label="ps header")
                   for link, v in zip(self.links, versions, strict=True)]:
             s.wait()
 
     def pull(self) -> None:
         self.staleness_max = 0
         for i, (link, wire) in enumerate(zip(self.links, self.wires, strict=True)):
-            reply = Reply.read(link.recv(torch.zeros(Reply.SIZE, dtype=torch.float64), label="ps version"))
+            reply = Reply.read(link.recv(torch.empty(Reply.SIZE, dtype=torch.float64, device=link.device),
+                                         label="ps version"))
             self.versions[i] = reply.version
             self.staleness_max = max(self.staleness_max, reply.staleness)
             if i == 0:
@@ -147,8 +150,10 @@ class AsyncPushPull(PushPull):
         bins = staleness_bins(self.workers, self.max_staleness)
         accounts = []
         for link in self.links:
-            head = link.recv(torch.zeros(Account.head_size(bins), dtype=torch.float64), label="ps account")
-            text = link.recv(torch.zeros(Account.json_size(head), dtype=torch.uint8), label="ps account")
+            head = link.recv(torch.empty(Account.head_size(bins), dtype=torch.float64, device=link.device),
+                             label="ps account")
+            text = link.recv(torch.empty(Account.json_size(head), dtype=torch.uint8, device=link.device),
+                             label="ps account")
             accounts.append(Account.read(head, text))
         first = accounts[0]
         return {

@@ -23,6 +23,11 @@ from shoal.comm.collectives import Comm, Pending
 PREFIX = "shoal-ps"
 COMPLETE = f"{PREFIX}/complete"  # set by server 0 once every unit is applied
 SERVER, WORKER = 0, 1  # ranks within a link
+# where a link's messages are made, on a GPU run too: a link is a gloo group, and gloo's send and recv hand the
+# transport a tensor's address as host memory (ProcessGroupGloo has a CUDA path for its collectives, none for
+# send and recv; torch's table of backends says so), so a gradient or parameter from the GPU is copied to the
+# host once, and the headers the host reads are never on the GPU at all
+DEVICE = torch.device("cpu")
 
 
 class Link:
@@ -32,6 +37,7 @@ class Link:
                                       datetime.timedelta(seconds=timeout_s))
         self.peer = WORKER if me == SERVER else SERVER
         self.name = f"server {server}" if me == WORKER else f"worker {worker}"
+        self.device = DEVICE
 
     def send(self, t: torch.Tensor, dst=None, label: str = "ps") -> Pending:
         rec = self.log.enter("send", f"{label}, to {self.name}", [t])

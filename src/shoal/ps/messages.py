@@ -1,6 +1,7 @@
 """What servers and workers say to each other, declared once: the message kinds and the typed header,
 control, reply and account messages, each a float64 tensor on the wire (c10d point-to-point carries
-tensors; the gradients and parameters that follow them are wire.py's).
+tensors; the gradients and parameters that follow them are wire.py's), made on the device the channel takes
+(wire.message_device: the GPU under NCCL; links.DEVICE: host memory) and read whole by the host (`tolist`).
 
 Synchronous mode (one job, ranks): worker 0 -> every server  SyncHeader [kind, step]
                                     every worker -> servers   gradients (STEP)
@@ -38,8 +39,8 @@ class SyncHeader:
 
     SIZE = 2
 
-    def tensor(self) -> torch.Tensor:
-        return torch.tensor([float(self.kind), float(self.step)], dtype=torch.float64)
+    def tensor(self, device: torch.device) -> torch.Tensor:
+        return torch.tensor([float(self.kind), float(self.step)], dtype=torch.float64, device=device)
 
     @classmethod
     def read(cls, t: torch.Tensor) -> SyncHeader:
@@ -54,8 +55,8 @@ class Control:
     apply: bool
     lrs: list[float]
 
-    def tensor(self) -> torch.Tensor:
-        return torch.tensor([1.0 if self.apply else 0.0, *self.lrs], dtype=torch.float64)
+    def tensor(self, device: torch.device) -> torch.Tensor:
+        return torch.tensor([1.0 if self.apply else 0.0, *self.lrs], dtype=torch.float64, device=device)
 
     @staticmethod
     def size(groups: int) -> int:
@@ -82,8 +83,9 @@ class Push:
     def size(groups: int) -> int:
         return 4 + groups
 
-    def tensor(self) -> torch.Tensor:
-        return torch.tensor([float(self.kind), self.unit, self.version, self.norm, *self.lrs], dtype=torch.float64)
+    def tensor(self, device: torch.device) -> torch.Tensor:
+        return torch.tensor([float(self.kind), self.unit, self.version, self.norm, *self.lrs], dtype=torch.float64,
+                            device=device)
 
     @classmethod
     def read(cls, t: torch.Tensor) -> Push:
@@ -102,8 +104,8 @@ class Reply:
 
     SIZE = 3
 
-    def tensor(self) -> torch.Tensor:
-        return torch.tensor([self.version, self.staleness, self.unit], dtype=torch.float64)
+    def tensor(self, device: torch.device) -> torch.Tensor:
+        return torch.tensor([self.version, self.staleness, self.unit], dtype=torch.float64, device=device)
 
     @classmethod
     def read(cls, t: torch.Tensor) -> Reply:
@@ -122,11 +124,11 @@ class Account:
     histogram: list[float]
     people: dict
 
-    def tensors(self) -> list[torch.Tensor]:
-        """[applied, seconds, fresh, bytes of the JSON, histogram...] and the JSON (uint8)."""
+    def tensors(self, device: torch.device) -> list[torch.Tensor]:
+        """[applied, seconds, fresh, bytes of the JSON, histogram...] and the JSON (uint8), on `device`."""
         text = json_tensor(self.people)
-        head = torch.tensor([self.applied, self.seconds, self.fresh, len(text)], dtype=torch.float64)
-        return [torch.cat([head, torch.tensor(self.histogram, dtype=torch.float64)]), text]
+        head = [self.applied, self.seconds, self.fresh, len(text), *self.histogram]
+        return [torch.tensor(head, dtype=torch.float64, device=device), text.to(device)]
 
     @staticmethod
     def head_size(bins: int) -> int:

@@ -22,13 +22,14 @@ from shoal.comm.phase import Phase
 from shoal.config import Config
 from shoal.dist import DistEnv
 from shoal.layout import Layout
-from shoal.ps import roles
+from shoal.ps import links, roles
 from shoal.ps.async_server import AsyncServer
 from shoal.ps.checkpoints import ServerCheckpoints, ServerState
 from shoal.ps.messages import staleness_bins
 from shoal.ps.shards import Shard
 from shoal.ps.strategies import AsyncWorker, SyncWorker
 from shoal.ps.sync_server import SyncServer
+from shoal.ps.wire import message_device
 from shoal.rundir import RunDir
 from shoal.training.run import run_training
 
@@ -43,7 +44,7 @@ def run_job(cfg: Config, layout: Layout, source, run_dir: Path, env: DistEnv, co
         store = roles.open_store(role == "server" and env.rank == 0, cfg.parallel.timeout_s)
         if role == "server":
             return serve(cfg, source.spec, env.rank, comm, run_dir, workers=list(range(n)), server_group=None,
-                         resume=resume, store=store)
+                         device=env.device, backend=layout.backend, resume=resume, store=store)
         slot = int(os.environ[roles.SLOT])  # the slot is the worker's rank in the run
         strategy = AsyncWorker(cfg, layout, env.device, slot, comm, source=source, store=store,
                                reopen=lambda: roles.open_store(False, cfg.parallel.timeout_s))
@@ -55,7 +56,7 @@ def run_job(cfg: Config, layout: Layout, source, run_dir: Path, env: DistEnv, co
     alone = [comm.new_group([w]) for w in range(n)] if asynchronous else None
     if env.rank >= n:
         return serve(cfg, source.spec, env.rank - n, comm, run_dir, workers=list(range(n)), server_group=servers,
-                     resume=resume)
+                     device=env.device, backend=layout.backend, resume=resume)
     world = comm.within(alone[env.rank], 1) if alone else comm.within(workers, n)
     env = dataclasses.replace(env, world_size=world.world_size)
     if asynchronous:
@@ -66,14 +67,16 @@ def run_job(cfg: Config, layout: Layout, source, run_dir: Path, env: DistEnv, co
 
 
 def serve(cfg: Config, spec, index: int, comm: Comm, run_dir: Path, *, workers: list[int], server_group,
-          resume: str = "auto", store=None) -> dict:
+          device: torch.device, backend: str, resume: str = "auto", store=None) -> dict:
     """Serve shard `index` until every worker is done; returns what this server did. `server_group`: the
     servers' group when they share a job with the workers (None: the servers' job is theirs alone, and
-    `store` the one the roles meet in)."""
+    `store` the one the roles meet in); `device`: this rank's, where the shard lives; `backend`: the job's."""
     run = RunDir(run_dir)
     # the workers' first agreement too (training/run.py): the same checkpoint on every rank
     resume_path = comm.agree("resume_from", lambda: str(find_resume_point(run.checkpoints, resume) or ""))
-    shard = Shard(cfg.model, cfg.train, cfg.ps, spec, index, init=not resume_path)
+    # synchronous: over the job's process group; asynchronous: over the links
+    messages = message_device(device, backend) if cfg.ps.mode == "sync" else links.DEVICE
+    shard = Shard(cfg.model, cfg.train, cfg.ps, spec, index, init=not resume_path, device=device, messages=messages)
     if cfg.ps.mode == "sync":
         shard.track(workers)
         if resume_path:  # collective with the workers' load: they take the parameters, this server its state

@@ -39,21 +39,25 @@ def shard_names(named: list[tuple[str, torch.Tensor]], servers: int) -> list[lis
 class Shard:
     """The tensors server `index` owns (whole tensors of the model, shard_names) and their optimizer."""
 
-    def __init__(self, model: ModelSection, train: TrainConfig, ps: PSConfig, spec: DataSpec, index: int, init: bool):
-        torch.manual_seed(train.seed)  # the workers' initial weights
-        self.model = build_on(model, spec, init=init).model
+    def __init__(self, model: ModelSection, train: TrainConfig, ps: PSConfig, spec: DataSpec, index: int, init: bool,
+                 device: torch.device, messages: torch.device):
+        """`device`: this rank's, where the shard and its optimizer live; `messages`: where its messages are made
+        (wire.message_device, links.DEVICE)."""
+        torch.manual_seed(train.seed)  # the workers' initial weights: computed on the CPU, as their start does
+        self.model = build_on(model, spec, init=init).model.to(device)
+        self.device = device
         named = [(n, p) for n, p in self.model.named_parameters() if p.requires_grad]
         params = dict(named)
         names = shard_names(named, ps.servers)[index]
         self.params = [params[n] for n in names]
-        tables = sparse_tables(self.model) if ps.sparse else set()
-        self.wire = Wire(self.params, [n in tables for n in names])
-        # per worker, per table: the rows that changed since that worker's last pull
-        self.stale_rows: dict[int, list[torch.Tensor]] = {}
-        self.held: list[torch.Tensor] | None = None  # async: gradients waiting to be aggregated
         if not self.params:
             raise RuntimeError(f"parameter server {index} owns no tensor: use fewer servers than the model has "
                                f"tensors")
+        tables = sparse_tables(self.model) if ps.sparse else set()
+        self.wire = Wire(self.params, [n in tables for n in names], messages)
+        # per worker, per table: the rows that changed since that worker's last pull
+        self.stale_rows: dict[int, list[torch.Tensor]] = {}
+        self.held: list[torch.Tensor] | None = None  # async: gradients waiting to be aggregated
         optimizer_class, groups, hyper = optimizer_groups(self.params, train)
         self.optimizer = optimizer_class(groups, **hyper)
         self.numel = sum(p.numel() for p in self.params)
@@ -61,11 +65,12 @@ class Shard:
 
     def track(self, workers: list[int]) -> None:
         """Workers that start with the initial parameters (the synchronous mode's)."""
-        self.stale_rows = {w: [torch.zeros(t.shape[0], dtype=torch.bool) for t in self.wire.tables] for w in workers}
+        self.stale_rows = {w: [torch.zeros(t.shape[0], dtype=torch.bool, device=t.device) for t in self.wire.tables]
+                           for w in workers}
 
     def track_worker(self, w: int) -> None:
         """A worker that joins: its first pull takes every row."""
-        self.stale_rows[w] = [torch.ones(t.shape[0], dtype=torch.bool) for t in self.wire.tables]
+        self.stale_rows[w] = [torch.ones(t.shape[0], dtype=torch.bool, device=t.device) for t in self.wire.tables]
 
     def recv_grads(self, comm, w: int) -> torch.Tensor:
         """Worker `w`'s push (over `comm`: the job's Comm, or a link), as the dense flat gradient of this shard."""

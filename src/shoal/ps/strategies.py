@@ -21,6 +21,7 @@ from shoal.layout import Layout
 from shoal.models.spec import ModelBundle
 from shoal.parallel.materialize import whole
 from shoal.ps.async_worker import AsyncPushPull, DealtUnits
+from shoal.ps.wire import message_device
 from shoal.ps.worker import PushPull, ServedModel
 from shoal.training.feed import Feed, Steps
 from shoal.training.optim import Schedule
@@ -32,7 +33,8 @@ class SyncWorker(Strategy):
         super().__init__(cfg, layout, device, rank, comm)
         dims = layout.dims
         servers = list(range(dims.world_size, dims.world_size + layout.servers))  # the last ranks of the world
-        self.push_pull = PushPull(comm, servers, rank == 0, cfg.ps.sparse)
+        self.push_pull = PushPull(comm, servers, rank == 0, device, message_device(device, layout.backend),
+                                  cfg.ps.sparse)
 
     def parallelize(self, bundle: ModelBundle, sample: dict | None) -> ServedModel:
         model = whole(bundle, self.device)
@@ -67,9 +69,9 @@ class AsyncWorker(Strategy):
         super().__init__(cfg, layout, device, slot, comm)
         self.source = source
         self.validates = slot == 0
-        self.push_pull = AsyncPushPull(comm, store, servers=layout.servers, slot=slot, workers=layout.dims.dp,
-                                       max_staleness=cfg.ps.max_staleness, timeout_s=cfg.parallel.timeout_s,
-                                       sparse=cfg.ps.sparse, reopen=reopen)
+        self.push_pull = AsyncPushPull(comm, store, device=device, servers=layout.servers, slot=slot,
+                                       workers=layout.dims.dp, max_staleness=cfg.ps.max_staleness,
+                                       timeout_s=cfg.parallel.timeout_s, sparse=cfg.ps.sparse, reopen=reopen)
         self.units: DealtUnits | None = None
 
     def parallelize(self, bundle: ModelBundle, sample: dict | None) -> ServedModel:

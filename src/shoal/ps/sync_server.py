@@ -26,8 +26,9 @@ class SyncServer:
 
     def serve(self) -> dict:
         """Until worker 0 says training is over; returns what this server did."""
+        at = self.shard.wire.messages
         while True:
-            header = SyncHeader.read(self.comm.recv(torch.zeros(SyncHeader.SIZE, dtype=torch.float64),
+            header = SyncHeader.read(self.comm.recv(torch.empty(SyncHeader.SIZE, dtype=torch.float64, device=at),
                                                     self.workers[0], "ps header"))
             if header.kind == Kind.DONE:
                 break
@@ -52,12 +53,14 @@ class SyncServer:
         if self.server_group is not None:
             comm.all_reduce(squares, group=self.server_group, label="ps servers, gradient norm")
         norm = squares.sqrt()
+        at = shard.wire.messages
         if self.index == 0:
-            for s in [comm.send(norm, w, "ps norm") for w in workers]:
+            sent = norm.to(at)
+            for s in [comm.send(sent, w, "ps norm") for w in workers]:
                 s.wait()
         groups = len(shard.optimizer.param_groups)
-        control = Control.read(comm.recv(torch.zeros(Control.size(groups), dtype=torch.float64), workers[0],
-                                         "ps control"))
+        control = Control.read(comm.recv(torch.empty(Control.size(groups), dtype=torch.float64, device=at),
+                                         workers[0], "ps control"))
         self.steps += 1
         if control.apply:
             shard.apply(control.lrs, norm)

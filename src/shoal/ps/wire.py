@@ -10,7 +10,12 @@ depends on the optimizer: SGD without momentum or weight decay changes only the 
 AdamW's moments and weight decay move every row, so its pulls stay dense (the pushes do not).
 
 A sparse message is three: the row count of each table (int64), their row indices (int64), and the
-values (fp32: the dense tensors, then each table's rows). Without tables, one: the values.
+values (fp32: the dense tensors, then each table's rows). Without tables, one: the values. The host reads
+one of them, the counts (the sizes of the two that follow).
+
+The arithmetic stays on the device the tensors are on (the rank's: a worker's model, a server's shard); a
+message is made on the device its channel takes (message_device, links.DEVICE) and a received one is moved
+back: a copy only where they differ (gloo on a GPU).
 """
 
 from __future__ import annotations
@@ -26,12 +31,23 @@ def sparse_tables(model: torch.nn.Module) -> set[str]:
             if isinstance(m, torch.nn.Embedding)}
 
 
+def message_device(device: torch.device, backend: str) -> torch.device:
+    """Where a synchronous server's and its workers' messages over the job's process group are made: on the
+    rank's device under NCCL, which refuses CPU tensors; in host memory under gloo, whose send and recv hand
+    the transport a tensor's address as host memory (ProcessGroupGloo's CUDA path is for its collectives only),
+    so two ranks sharing a GPU over gloo copy each message to the host once, where gloo needs it."""
+    return device if backend == "nccl" else torch.device("cpu")
+
+
 class Wire:
-    def __init__(self, params: list[torch.Tensor], sparse: list[bool]):
+    def __init__(self, params: list[torch.Tensor], sparse: list[bool], messages: torch.device):
+        """`messages`: the device the channel's messages are made on (message_device, links.DEVICE)."""
         self.dense = [p for p, s in zip(params, sparse, strict=True) if not s]
         self.tables = [p for p, s in zip(params, sparse, strict=True) if s]
         self.params, self.sparse = params, sparse
         self.dense_numel = sum(p.numel() for p in self.dense)
+        self.messages = messages
+        self.device = params[0].device if params else messages  # where the tensors and their arithmetic are
 
     def send(self, comm: Comm, dst: int, values: list[torch.Tensor], rows: list[torch.Tensor] | None,
              label: str) -> tuple[list, int]:
@@ -39,13 +55,14 @@ class Wire:
         Returns the sends to wait for and the bytes sent."""
         dense = [v.reshape(-1).float() for v, s in zip(values, self.sparse, strict=True) if not s]
         if not self.tables:
-            flat = torch.cat(dense)
+            flat = torch.cat(dense).to(self.messages)
             return [comm.send(flat, dst, label)], flat.numel() * 4
         tables = [v for v, s in zip(values, self.sparse, strict=True) if s]
-        rows = rows if rows is not None else [torch.arange(t.shape[0]) for t in tables]
-        counts = torch.tensor([len(r) for r in rows], dtype=torch.int64)
-        index = torch.cat(rows).to(torch.int64)
-        flat = torch.cat([*dense, *(t[r].reshape(-1).float() for t, r in zip(tables, rows, strict=True))])
+        rows = rows if rows is not None else [torch.arange(t.shape[0], device=t.device) for t in tables]
+        counts = torch.tensor([len(r) for r in rows], dtype=torch.int64, device=self.messages)
+        index = torch.cat(rows).to(self.messages, torch.int64)
+        flat = torch.cat([*dense, *(t[r].reshape(-1).float() for t, r in zip(tables, rows, strict=True))]
+                         ).to(self.messages)
         sends = [comm.send(counts, dst, f"{label}, row counts"), comm.send(index, dst, f"{label}, rows"),
                  comm.send(flat, dst, label)]
         return sends, (counts.numel() + index.numel()) * 8 + flat.numel() * 4
@@ -53,16 +70,18 @@ class Wire:
     def recv(self, comm: Comm, src: int, label: str) -> tuple[torch.Tensor, list[torch.Tensor] | None, int]:
         """The flat values (the dense tensors, then each table's received rows), the rows per table
         (None without tables), and the bytes received."""
+        at = self.messages
         if not self.tables:
-            flat = comm.recv(torch.empty(self.dense_numel), src, label)
-            return flat, None, flat.numel() * 4
-        counts = comm.recv(torch.empty(len(self.tables), dtype=torch.int64), src, f"{label}, row counts")
-        index = comm.recv(torch.empty(int(counts.sum()), dtype=torch.int64), src, f"{label}, rows")
-        width = sum(int(c) * t[0].numel() for c, t in zip(counts.tolist(), self.tables, strict=True))
-        flat = comm.recv(torch.empty(self.dense_numel + width), src, label)
-        rows = list(index.split(counts.tolist()))
-        nbytes = (counts.numel() + index.numel()) * 8 + flat.numel() * 4
-        return flat, rows, nbytes
+            flat = comm.recv(torch.empty(self.dense_numel, device=at), src, label)
+            return flat.to(self.device), None, flat.numel() * 4
+        counts = comm.recv(torch.empty(len(self.tables), dtype=torch.int64, device=at), src, f"{label}, row counts")
+        sizes = counts.tolist()  # the host's one read: the sizes of what follows
+        index = comm.recv(torch.empty(sum(sizes), dtype=torch.int64, device=at), src, f"{label}, rows")
+        width = sum(c * t[0].numel() for c, t in zip(sizes, self.tables, strict=True))
+        flat = comm.recv(torch.empty(self.dense_numel + width, device=at), src, label)
+        rows = list(index.to(self.device).split(sizes))
+        nbytes = (len(sizes) + index.numel()) * 8 + flat.numel() * 4
+        return flat.to(self.device), rows, nbytes
 
     def unflatten(self, flat: torch.Tensor, rows: list[torch.Tensor] | None) -> list[tuple[torch.Tensor,
                                                                                          torch.Tensor | None]]:

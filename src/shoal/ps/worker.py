@@ -23,7 +23,9 @@ clip_grads_with_norm_ does, and steps AdamW with the learning rate worker 0's sc
 arithmetic as every-step data parallelism up to rounding (tests/dist/test_param_server.py). The
 transport is c10d point-to-point on the run's backend (gloo across hosts: it runs wherever the
 collectives run, and each send is logged for the hang report); everything a step needs is known in
-advance, so no RPC layer is needed.
+advance, so no RPC layer is needed. The model, the servers' shards and their arithmetic are on each
+rank's device; the messages on the device the backend's send and recv take (wire.message_device: the
+GPU under NCCL, the host under gloo).
 """
 
 from __future__ import annotations
@@ -47,12 +49,16 @@ class PushPull:
     name = "parameter-server"
     verdict_at_once = True
 
-    def __init__(self, comm: Comm, server_ranks: list[int], is_first: bool, sparse: bool = False):
+    def __init__(self, comm: Comm, server_ranks: list[int], is_first: bool, device: torch.device,
+                 messages: torch.device, sparse: bool = False):
+        """`device`: this rank's (the model's); `messages`: where its messages to the servers are made
+        (wire.message_device, links.DEVICE)."""
         self.comm, self.server_ranks, self.is_first, self.sparse = comm, server_ranks, is_first, sparse
+        self.device, self.messages = device, messages
         self.shards: list[list[torch.Tensor]] = []
         self.wires: list[Wire] = []
         self.groups = 0  # parameter groups: the learning rates each control message carries
-        self.norm = torch.zeros((), dtype=torch.float64)
+        self.norm = torch.zeros((), dtype=torch.float64, device=device)
         self.pulled_bytes = 0  # bytes received from the servers, since the start (sent: comm.sync_bytes)
 
     def attach(self, model: torch.nn.Module, dp_group, dp: int) -> None:
@@ -60,7 +66,7 @@ class PushPull:
         params, tables = dict(named), sparse_tables(model) if self.sparse else set()
         owned = shard_names(named, len(self.server_ranks))
         self.shards = [[params[n] for n in names] for names in owned]
-        self.wires = [Wire(shard, [n in tables for n in names])
+        self.wires = [Wire(shard, [n in tables for n in names], self.messages)
                       for shard, names in zip(self.shards, owned, strict=True)]
 
     def install(self, module: torch.nn.Module, dp_group, log) -> None:
@@ -75,7 +81,9 @@ class PushPull:
             sends += self.push(rank, wire)
         for s in sends:
             s.wait()
-        self.norm = self.comm.recv(torch.zeros((), dtype=torch.float64), self.server_ranks[0], "ps norm")
+        norm = self.comm.recv(torch.empty((), dtype=torch.float64, device=self.messages), self.server_ranks[0],
+                              "ps norm")
+        self.norm = norm.to(self.device)  # the loop's flags and verdict read it beside the model's tensors
 
     def after_step(self, step: int) -> None:
         pass
@@ -105,7 +113,7 @@ class PushPull:
         """Worker 0 tells every server what follows; returns the sends to wait for."""
         if not self.is_first:
             return []
-        msg = SyncHeader(kind, step).tensor()
+        msg = SyncHeader(kind, step).tensor(self.messages)
         return [self.comm.send(msg, rank, "ps header") for rank in self.server_ranks]
 
     @torch.no_grad()
@@ -124,7 +132,7 @@ class PushPull:
     def control(self, apply: bool, lrs: list[float]) -> None:
         """Worker 0 tells the servers whether the step's update applies, with each group's learning rate."""
         if self.is_first:
-            msg = Control(apply, lrs).tensor()
+            msg = Control(apply, lrs).tensor(self.messages)
             for s in [self.comm.send(msg, rank, "ps control") for rank in self.server_ranks]:
                 s.wait()
 
