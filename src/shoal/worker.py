@@ -210,7 +210,7 @@ def train_live(cfg: Config, run_dir: str | None, config_path: str | None, resume
             path = Path(comm.agree("run_dir", lambda p=path, fresh=gen.number == 0: str(
                 p or choose_run_dir(run_dir, config_path, cfg, resume, fresh))))
             t_heal = time.perf_counter()
-            healed, source = heal(comm, held, from_one=cfg.sync.mode in ("local-sgd", "diloco"))
+            healed, source = heal(comm, held, env.device, from_one=cfg.sync.mode in ("local-sgd", "diloco"))
             if gen.number > 0:
                 events.append(describe_change(member, gen, source, time.time() - lost_at,
                                               time.perf_counter() - t_heal, healed.step if healed else 0))

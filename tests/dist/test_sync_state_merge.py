@@ -63,7 +63,7 @@ def pool_on_ranks(env, giving):
     mine = {"sync/residual/w": torch.tensor([1.0, -2.0, 4.0]) * (env.rank + 1) / 7}
     snap = Snapshot(5, {"model/w": torch.zeros(3), **{f"rank/{k}": v for k, v in mine.items()}},
                     {"world": 3, "rank": env.rank})
-    got = pooled(Comm(env.store, env.rank, env.world_size), state, snap, gives=giving[env.rank])
+    got = pooled(Comm(env.store, env.rank, env.world_size), state, snap, gives=giving[env.rank], device=env.device)
     givers = [r for r in range(3) if giving[r]]
     from_files = state.merge_rank_tensors(
         [{"sync/residual/w": torch.tensor([1.0, -2.0, 4.0]) * (r + 1) / 7} for r in givers], 3)

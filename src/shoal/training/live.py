@@ -123,25 +123,26 @@ def rank_tensors(snapshot: Snapshot) -> dict[str, torch.Tensor]:
     return {k.removeprefix("rank/"): v for k, v in snapshot.tensors.items() if k.startswith("rank/")}
 
 
-def pooled(comm, state, snapshot: Snapshot, gives: bool) -> Snapshot:
+def pooled(comm, state, snapshot: Snapshot, gives: bool, device: torch.device) -> Snapshot:
     """Collective: `snapshot` with its rank tensors (error-feedback residuals) replaced by what every rank of
     any world goes on with: state.merge_rank_tensors over the ranks that give theirs (`gives`), in rank
     order, for the world they were taken at. Called at a planned change over the old group, where every
     rank gives, so a member that leaves takes nothing with it; and at the start of every generation, where
     a failure's survivors give theirs (the lost member's are lost) and ranks that hold a merge already or a
-    peer's state give none. When no rank gives, `snapshot` as it is."""
+    peer's state give none. When no rank gives, `snapshot` as it is. `device`: the rank's, where every
+    tensor handed to the group is made (NCCL takes nothing else)."""
     mine = rank_tensors(snapshot) if gives else {}
-    have = torch.tensor([int(bool(mine)), snapshot.meta["world"]], dtype=torch.int64)
-    every = [g.tolist() for g in comm.all_gather(have, label="world, regroup: who gives rank tensors")]
+    have = torch.tensor([int(bool(mine)), snapshot.meta["world"]], dtype=torch.int64, device=device)
+    every = comm.all_gather_flat(have, label="world, regroup: who gives rank tensors").view(-1, 2).tolist()
     givers = [r for r, (gave, _) in enumerate(every) if gave]
     if not givers:
         return snapshot
     first, world = givers[0], every[givers[0]][1]
     spec = {"keys": [[k, str(v.dtype), list(v.shape)] for k, v in mine.items()]} if comm.rank == first else None
-    _, spec = broadcast_state(comm, first, {} if comm.rank == first else None, spec)
+    _, spec = broadcast_state(comm, first, {} if comm.rank == first else None, spec, device)
     merged: dict[str, torch.Tensor] = {}
     for key, dtype, shape in spec["keys"]:  # one tensor at a time: world x its size in memory, not the model's
-        t = mine[key].contiguous() if mine else torch.zeros(shape, dtype=DTYPES[dtype])
+        t = mine[key].contiguous() if mine else torch.zeros(shape, dtype=DTYPES[dtype], device=device)
         rows = comm.all_gather(t, label=f"world, regroup: rank tensor {key}")
         merged.update(state.merge_rank_tensors([{key: rows[r]} for r in givers], world))
     kept = {k: v for k, v in snapshot.tensors.items() if not k.startswith("rank/")}
@@ -149,7 +150,8 @@ def pooled(comm, state, snapshot: Snapshot, gives: bool) -> Snapshot:
                     {**snapshot.meta, "pooled": True})
 
 
-def heal(comm, held: Snapshot | None, from_one: bool = False) -> tuple[Snapshot | None, int | None]:
+def heal(comm, held: Snapshot | None, device: torch.device, from_one: bool = False
+         ) -> tuple[Snapshot | None, int | None]:
     """Collective, at the start of a new generation: the state each rank goes on from, and the rank it
     was healed from (None: its own). The ranks say which step they hold; when they differ (a joiner
     holds none; a survivor may have missed the update its peers applied just before the failure), the
@@ -158,10 +160,11 @@ def heal(comm, held: Snapshot | None, from_one: bool = False) -> tuple[Snapshot 
     replica goes on from its model and inner optimizer state, as a resume on another world size goes on
     from rank 0's (unless every rank holds one replica already: one_replica()); a rank that held the same
     step keeps its own rank tensors and RNG streams. (None, None): no rank holds any, as when every member
-    was lost: the run resumes from its newest checkpoint."""
+    was lost: the run resumes from its newest checkpoint. `device`: the rank's, where what it hands the group
+    is made (NCCL takes nothing else); a state received stays there (comm/transfer.py)."""
     mine = torch.tensor([held.step if held is not None else -1, int(held is not None and held.meta.get("one", False))],
-                        dtype=torch.int64)
-    every = [t.tolist() for t in comm.all_gather(mine, label="world, heal: the step each rank holds")]
+                        dtype=torch.int64, device=device)
+    every = comm.all_gather_flat(mine, label="world, heal: the step each rank holds").view(-1, 2).tolist()
     steps = [s for s, _ in every]
     best = max(steps)
     if best < 0:
@@ -171,7 +174,7 @@ def heal(comm, held: Snapshot | None, from_one: bool = False) -> tuple[Snapshot 
     src = steps.index(best)
     sending = comm.rank == src
     tensors, meta = broadcast_state(comm, src, held.tensors if sending else None,
-                                    {**held.meta, "step": held.step} if sending else None)
+                                    {**held.meta, "step": held.step} if sending else None, device)
     if sending:
         return held, src
     step = meta.pop("step")
@@ -183,14 +186,14 @@ def heal(comm, held: Snapshot | None, from_one: bool = False) -> tuple[Snapshot 
     return Snapshot(step, tensors, {**meta, "own": False}), src
 
 
-def one_replica(comm, snapshot: Snapshot) -> Snapshot:
+def one_replica(comm, snapshot: Snapshot, device: torch.device) -> Snapshot:
     """Collective over the old group at a planned change where replicas differ (local SGD, DiLoCo: at a
     round's end they are one model, but each inner optimizer's state is its own): every member takes rank
     0's replica while rank 0 is still in the group, even when rank 0 is the member that leaves, so that the
     run goes on as a resume from disk on the new world size does (from rank 0's file). After a failure the
     survivors can only go on from the lowest survivor's (heal(from_one)); marked, so that the next
     generation does not send it again."""
-    got, _ = heal(comm, snapshot, from_one=True)
+    got, _ = heal(comm, snapshot, device, from_one=True)
     return Snapshot(got.step, got.tensors, {**got.meta, "one": True})
 
 

@@ -156,7 +156,7 @@ def restore(parts: Parts, live: Live | None = None) -> dict | None:
     if live is not None and live.held is not None:
         # a failure's survivors merge their residuals for the new world (a planned change merged them already)
         snap = pooled(parts.comm, parts.state, live.held,
-                      gives=live.held.meta.get("own", True) and not live.held.meta.get("pooled"))
+                      gives=live.held.meta.get("own", True) and not live.held.meta.get("pooled"), device=env.device)
         restore_live(parts.state, snap, env.rank, env.world_size, parts.cfg.train.seed, own=snap.meta.get("own", True))
         return None
     if path is None:  # a fresh start; after an elastic restart with no checkpoint yet, all steps are redone
@@ -208,8 +208,8 @@ def handed_over(parts: Parts):
     """Collective over the old group at a planned change: the state this rank goes on from. Every member gives
     its residuals to the merge while the group still holds them all; where replicas differ, rank 0 hands its
     replica to the others, even when rank 0 is the member that leaves (training/live.py, one_replica)."""
-    held = pooled(parts.comm, parts.state, snapshot(parts), gives=True)
-    return one_replica(parts.comm, held) if parts.state.replicas_differ else held
+    held = pooled(parts.comm, parts.state, snapshot(parts), gives=True, device=parts.env.device)
+    return one_replica(parts.comm, held, parts.env.device) if parts.state.replicas_differ else held
 
 
 def batches(parts: Parts):
