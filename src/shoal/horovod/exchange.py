@@ -123,7 +123,8 @@ class GradientExchange:
     def _send_coded(self, b: Bucket, grads: list[torch.Tensor], flag: float, label: str) -> None:
         """Through a codec: synchronous (it all-gathers and decodes), the flag first ([Note: join flag])."""
         if b.index == 0:
-            active = self.comm.all_reduce_async(torch.tensor([flag]), dist.ReduceOp.SUM, f"{label}, joined").wait()
+            flags = torch.tensor([flag], device=grads[0].device)  # NCCL takes no CPU tensor
+            active = self.comm.all_reduce_async(flags, dist.ReduceOp.SUM, f"{label}, joined").wait()
             b.joined_flag = float(active[0])
             if flag == 0.0 and b.joined_flag == 0.0:
                 b.sent = ("coded", None, None, grads)

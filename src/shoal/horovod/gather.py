@@ -31,10 +31,12 @@ def shapes(tensor: torch.Tensor, name: str | None) -> list[tuple[int, tuple[int,
                         f"concatenates along dim 0 and takes 1 to {MAX_DIMS}")
     rt = runtime.runtime()
     code = DTYPES.index(tensor.dtype) if tensor.dtype in DTYPES else -1
-    mine = torch.tensor([code, tensor.dim(), *tensor.shape, *[0] * (MAX_DIMS - tensor.dim())], dtype=torch.int64)
-    every = torch.empty(rt.place.size * mine.numel(), dtype=torch.int64)
+    # on the tensor's device (NCCL takes no CPU tensor), read by the host once
+    mine = torch.tensor([code, tensor.dim(), *tensor.shape, *[0] * (MAX_DIMS - tensor.dim())], dtype=torch.int64,
+                        device=tensor.device)
+    every = torch.empty(rt.place.size * mine.numel(), dtype=torch.int64, device=tensor.device)
     rt.comm.all_gather_into(every, mine, label("allgather", name) + ", shapes").wait()
-    got = [(int(r[0]), tuple(int(d) for d in r[2:2 + int(r[1])])) for r in every.view(rt.place.size, -1)]
+    got = [(r[0], tuple(r[2:2 + r[1]])) for r in every.view(rt.place.size, -1).tolist()]
     if any(c != got[0][0] or s[1:] != got[0][1][1:] for c, s in got):
         seen = ", ".join(f"rank {r}: {list(s)} {DTYPES[c] if c >= 0 else '?'}" for r, (c, s) in enumerate(got))
         raise UserError(f"{label('allgather', name)}: the tensors differ beyond the first dimension ({seen}); "
@@ -113,8 +115,8 @@ def alltoall_async(tensor, splits=None, name=None, process_set=global_process_se
         raise UserError(f"{label('alltoall', name)}: the tensor has no dimension to split; give it at least one")
     rt = runtime.runtime()
     rows = send_rows(splits, tensor.shape[0], rt.place.size, name)
-    got = torch.empty(rt.place.size, dtype=torch.int64)
-    rt.comm.all_to_all_async(got, torch.tensor(rows, dtype=torch.int64), None, None,
+    got = torch.empty(rt.place.size, dtype=torch.int64, device=tensor.device)  # NCCL takes no CPU tensor
+    rt.comm.all_to_all_async(got, torch.tensor(rows, dtype=torch.int64, device=tensor.device), None, None,
                              label("alltoall", name) + ", splits").wait()
     received = got.tolist()
     out = tensor.new_empty((sum(received), *tensor.shape[1:]))
