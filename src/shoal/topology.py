@@ -76,7 +76,13 @@ class ParallelDims:
 
 
 def local_part(t):
-    """The part of a tensor this rank holds: a DTensor's local shard, any other tensor itself."""
+    """The part of a tensor this rank holds: a DTensor's local shard, any other tensor itself; either as the
+    plain tensor that holds its values where a wrapper subclass holds them (torchao's float8 weight under
+    float8 all-gather wraps the fp32 shard, and a wrapper has no storage of its own to read)."""
     from torch.distributed.tensor import DTensor
 
-    return t.to_local() if isinstance(t, DTensor) else t
+    t = t.to_local() if isinstance(t, DTensor) else t
+    if isinstance(t, DTensor) or not hasattr(t, "__tensor_flatten__"):
+        return t
+    names, _ = t.__tensor_flatten__()  # torch's protocol for wrapper subclasses: the tensors inside
+    return next((getattr(t, n) for n in names if getattr(t, n).shape == t.shape), t)
