@@ -150,10 +150,9 @@ def _check_precision(cfg: Config, device: str) -> None:
     if dtype == "fp16" and device != "cuda":
         raise UserError('precision.dtype = "fp16" trains on GPUs only (loss scaling); on the CPU use "bf16" or '
                         '"fp32"')
-    if dtype == "fp8" and cfg.parallel.tp > 1:
-        raise UserError(f'precision.dtype = "fp8" with parallel.tp = {cfg.parallel.tp} is not supported (float8 '
-                        f'tensor parallelism needs torchao\'s own sharding styles); use parallel.tp = 1 (dp, ZeRO or '
-                        f'pp) or "bf16"')
+    if dtype == "fp8" and cfg.precision.fp8_all_gather is True and cfg.parallel.zero < 2:
+        raise UserError(f"precision.fp8_all_gather = true gathers ZeRO 2/3's weights in float8, but parallel.zero = "
+                        f'{cfg.parallel.zero} gathers none; set parallel.zero = 2 or 3, or fp8_all_gather = "auto"')
 
 
 def check_cuda_graphs(cfg: Config, device: str) -> None:

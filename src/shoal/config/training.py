@@ -97,8 +97,36 @@ class PrecisionConfig(Section):
     reduce_dtype: Literal["fp32", "bf16"] = "fp32"
     """ZeRO 2/3 with dtype bf16: parameters are gathered in bf16 and gradients reduced in this dtype
     (fp32: exact sums, twice the traffic)."""
+    fp8_recipe: Literal["tensorwise", "rowwise"] = "tensorwise"
+    """dtype fp8: how each float8 cast is scaled (torchao's recipes). "tensorwise": one scale per tensor, the
+    fastest in torchao's measurements, and it runs on Ada. "rowwise": one scale per row of each matmul operand,
+    so that an outlier costs only its own row's precision; slower, and the weights are gathered in bf16."""
+    fp8_all_gather: bool | Literal["auto"] = "auto"
+    """dtype fp8 with parallel.zero 2/3: FSDP2 gathers the float8 layers' weights in float8 (one byte each, cast
+    once per shard, their scales from one all-reduce after each step) instead of bf16. "auto": on with
+    fp8_recipe "tensorwise"; torchao gathers in float8 with tensorwise scales only."""
     activation_checkpointing: bool = False
     """Recompute each block's activations in backward instead of storing them."""
+
+    @field_validator("fp8_all_gather", mode="before")
+    @classmethod
+    def _fp8_all_gather(cls, value):
+        if isinstance(value, bool) or value == "auto":
+            return value
+        raise ValueError(f'precision.fp8_all_gather = {value!r} must be true, false or "auto"')
+
+    @model_validator(mode="after")
+    def _fp8_all_gather_is_tensorwise(self) -> PrecisionConfig:
+        if self.fp8_all_gather is True and self.fp8_recipe != "tensorwise":
+            raise ValueError(f'precision.fp8_all_gather = true with precision.fp8_recipe = "{self.fp8_recipe}" is not '
+                             f'supported (torchao gathers weights in float8 with one scale per tensor only); set '
+                             f'fp8_all_gather = false or "auto", or fp8_recipe = "tensorwise"')
+        return self
+
+    def gathers_float8(self, zero: int) -> bool:
+        """FSDP2 (parallel.zero = `zero`) gathers the float8 layers' weights in float8."""
+        on = self.fp8_all_gather is True or (self.fp8_all_gather == "auto" and self.fp8_recipe == "tensorwise")
+        return self.dtype == "fp8" and zero >= 2 and on
 
 
 class CheckpointConfig(Section):

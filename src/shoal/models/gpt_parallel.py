@@ -14,6 +14,10 @@ With sequence parallelism (Korthikanti et al. 2022) the norms, residual adds and
 tensor parallelism leaves replicated, run on 1/tp of the sequence instead: each row-parallel
 all-reduce becomes a reduce-scatter over the sequence, and each column-parallel layer all-gathers the
 sequence first; the same bytes move, and activations outside the split layers take 1/tp the memory.
+
+Under precision.dtype = "fp8" the float8 layers (all but the head) take torchao's float8 styles of the same
+layouts (tp_plan.float8_styles): with sequence parallelism the sequence is gathered in float8, cast once for
+q, k and v (and once for mlp.up).
 """
 
 from __future__ import annotations
@@ -28,13 +32,12 @@ from torch.distributed.tensor.parallel import (
     RowwiseParallel,
     SequenceParallel,
     loss_parallel,
-    parallelize_module,
 )
 
 from shoal.errors import UserError
 from shoal.models.cross_entropy import cross_entropy_sum
 from shoal.models.spec import PipelineLayers
-from shoal.models.tp_plan import split_by
+from shoal.models.tp_plan import parallelize, split_by
 
 
 def tensor_parallel(model, tp: int, mesh=None, sequence_parallel: bool = False):
@@ -58,7 +61,7 @@ def tensor_parallel(model, tp: int, mesh=None, sequence_parallel: bool = False):
     if mesh is None:
         return None
     tied = model.head.weight is model.tok_emb.weight
-    parallelize_module(model, mesh, styles(model, sequence_parallel))
+    parallelize(model, mesh, styles(model, sequence_parallel))  # a float8 layer by torchao's float8 style
     if tied:  # each style distributed its own copy of the shared matrix: share it again
         model.head.weight = model.tok_emb.weight
     return loss_parallel

@@ -29,7 +29,7 @@ from torch import nn
 
 from shoal.errors import UserError, first_line, require
 from shoal.models.spec import Batch, DataSpec, ModelBundle, ModelSection
-from shoal.models.tp_plan import refuse_sequence_parallel, resolve, split_by
+from shoal.models.tp_plan import parallelize, refuse_sequence_parallel, resolve, split_by
 
 FEATURE = 'model.name = "hf"'
 
@@ -236,9 +236,7 @@ def tensor_parallel(model, tp: int, mesh=None, sequence_parallel: bool = False):
     styles = resolve(model, tp_plan(model), tp, strict=False)  # a style shoal does not translate: refused here
     if mesh is None:
         return None
-    from torch.distributed.tensor.parallel import parallelize_module
-
-    parallelize_module(model, mesh, styles)
+    parallelize(model, mesh, styles)
     return None  # the output head is replicated: the loss needs no context
 
 

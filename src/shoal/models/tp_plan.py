@@ -8,11 +8,17 @@ A plan splits the named layers' weights; the code around them is the model's. Th
 parallel projections followed by a row-parallel one, as in attention (q, k, v then the output) and
 MLPs (up then down), whose result is whole again on every tp rank. Code that reshapes a split layer's
 output by a head count must use the local one (or -1), as in torch's tutorial.
+
+A layer that trains in float8 (precision.dtype = "fp8": parallel/float8.py made it torchao's Float8Linear
+before the split) is split by torchao's float8 style of the same layouts (float8_styles), as torchtitan's
+apply_tp does: its input and its output gradient are cast to float8 on the DTensor, with one scale for the
+whole tensor across the tp ranks, so that a sequence-parallel gather moves float8 bytes.
 """
 
 from __future__ import annotations
 
 import fnmatch
+import sys
 from collections.abc import Mapping
 
 from torch import nn
@@ -104,6 +110,68 @@ def split_parameters(bundle) -> list[nn.Parameter] | None:
     return list(bundle.tp_split(bundle.model))
 
 
+def parallelize(model: nn.Module, mesh, styles: Mapping[str, object]) -> None:
+    """parallelize_module over the tp `mesh`, a layer that trains in float8 split by its float8 style."""
+    import torch.distributed as dist
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    # gloo has no float8 type ("Invalid scalar type"); NCCL gathers float8 as bytes
+    carries_float8 = "nccl" in dist.get_backend(mesh.get_group())
+    parallelize_module(model, mesh, float8_styles(model, styles, carries_float8))
+
+
+def float8_styles(model: nn.Module, styles: Mapping[str, object], carries_float8: bool) -> dict[str, object]:
+    """`styles` with torchao's float8 style of the same layouts for each column- or row-parallel layer that is a
+    Float8Linear with tensorwise scales (the float8 styles cast with one scale per tensor; a rowwise layer keeps
+    DTensor's style and casts its own operands, as in torchtitan), and PrepareFloat8ModuleInput for a
+    PrepareModuleInput over a module whose linear layers all are (it casts the module's input once, before the
+    gather: an attention or MLP block, which hands its input to those layers only).
+    `carries_float8`: the tp group's backend can move float8 tensors; where it cannot (gloo) a layer keeps the
+    plain style unless its float8 style moves nothing in float8: layouts that need no resharding."""
+    if "torchao.float8.float8_linear" not in sys.modules:  # torchao never imported: no layer was converted
+        return dict(styles)
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import ColwiseParallel, PrepareModuleInput, RowwiseParallel
+    from torchao.float8.float8_tensor_parallel import (
+        Float8ColwiseParallel,
+        Float8RowwiseParallel,
+        PrepareFloat8ModuleInput,
+    )
+
+    # DTensor's style -> (torchao's float8 style, the input and output layouts with which it reshards nothing)
+    swaps = {ColwiseParallel: (Float8ColwiseParallel, ((Replicate(),), (Shard(-1),))),
+             RowwiseParallel: (Float8RowwiseParallel, ((Shard(-1),), (Replicate(),)))}
+    modules, out = dict(model.named_modules()), {}
+    for name, s in styles.items():
+        m = modules.get(name)
+        if type(s) in swaps and _tensorwise_float8(m):
+            style, local = swaps[type(s)]
+            if carries_float8 or (s.input_layouts, s.output_layouts) == local:
+                s = style(input_layouts=s.input_layouts[0], output_layouts=s.output_layouts[0],
+                          use_local_output=s.use_local_output)
+        elif type(s) is PrepareModuleInput and carries_float8 and m is not None:
+            layers = [c for c in m.modules() if isinstance(c, nn.Linear)]
+            if layers and all(_tensorwise_float8(c) for c in layers):
+                s = PrepareFloat8ModuleInput(input_layouts=s.input_layouts, desired_input_layouts=s.desired_input_layouts,
+                                             input_kwarg_layouts=s.input_kwarg_layouts or None,
+                                             desired_input_kwarg_layouts=s.desired_input_kwarg_layouts or None,
+                                             use_local_output=s.use_local_output)
+        out[name] = s
+    return out
+
+
+def _tensorwise_float8(module) -> bool:
+    """A torchao Float8Linear that scales its input, weight and output gradient by one scale per tensor."""
+    from torchao.float8.config import ScalingGranularity
+    from torchao.float8.float8_linear import Float8Linear
+
+    if not isinstance(module, Float8Linear):
+        return False
+    c = module.config
+    return all(cast.scaling_granularity is ScalingGranularity.TENSORWISE
+               for cast in (c.cast_config_input, c.cast_config_weight, c.cast_config_grad_output))
+
+
 def tensor_parallel_by_plan(plan: Mapping[str, object]):
     """A ModelBundle.tensor_parallel that splits a model by a user's `plan` (see the module docstring)."""
 
@@ -114,9 +182,7 @@ def tensor_parallel_by_plan(plan: Mapping[str, object]):
                             "differ between tensor-parallel ranks); set its dropout to 0 or parallel.tp = 1")
         styles = resolve(model, plan, tp, strict=True)
         if mesh is not None:
-            from torch.distributed.tensor.parallel import parallelize_module
-
-            parallelize_module(model, mesh, styles)
+            parallelize(model, mesh, styles)
         return None  # the plan's last layer gives whole outputs: the loss needs no context
 
     return tensor_parallel

@@ -1,7 +1,7 @@
 """Turn a single-device model into the model each rank trains, in one fixed order:
 
-    tensor parallel -> pipeline split -> activation checkpointing -> torch.compile -> ZeRO / data parallel
-        -> the loss function compiled over the wrapped module
+    float8 layers -> tensor parallel -> pipeline split -> activation checkpointing -> torch.compile
+        -> ZeRO / data parallel -> the loss function compiled over the wrapped module
 
 A model built on the meta device (bundle.deferred) goes through the same steps as shapes only, and is made
 real once sharded: after ZeRO 2/3 or a DTensor replica wrapped it, each rank allocates and fills only its
@@ -31,7 +31,7 @@ from shoal.config.training import CUDA_GRAPH_MODES, compile_mode
 from shoal.layout import Layout
 from shoal.models.spec import LossFn, ModelBundle
 from shoal.parallel.data import replicate_ddp, replicate_dtensor
-from shoal.parallel.float8 import float8_training
+from shoal.parallel.float8 import WeightScales, float8_training
 from shoal.parallel.local_sgd import PeriodicSync
 from shoal.parallel.materialize import Materializer
 from shoal.parallel.parallelized import Parallelized
@@ -83,7 +83,7 @@ def parallelize(bundle: ModelBundle, layout: Layout, *, parallel: ParallelConfig
     sync = sync or make_sync(SyncConfig(), CommConfig(), comm)
     real = Materializer(bundle.deferred, device)  # a model built whole: nothing to fill
     model = bundle.model if bundle.deferred is not None else bundle.model.to(device)
-    model = float8_training(model, precision.dtype, device)  # before any wrapper: they wrap Float8Linear (float8.py)
+    model = float8_training(model, precision, device, dims.tp, layout.zero)  # before any wrapper (float8.py)
     mesh = dims.device_mesh(device.type)  # collective; the model's wrappers keep what they use of it
     loss_context = contextlib.nullcontext
     if dims.tp > 1:
@@ -107,7 +107,7 @@ def parallelize(bundle: ModelBundle, layout: Layout, *, parallel: ParallelConfig
         sync.attach(model, outer_group, layout.replicas)
         # tensor-parallel peers compute the same loss: only the first one's counts
         return Parallelized(model, module, with_compiled_loss(bundle, compile), owns_loss=coords["tp"] == 0,
-                            sharded=isinstance(module, FSDPModule), **common)
+                            sharded=isinstance(module, FSDPModule), scales=WeightScales.of(model, comm), **common)
 
     layers = bundle.pipeline(model)
     costs, basis = layers.costs, "forward FLOPs"
@@ -132,7 +132,7 @@ def parallelize(bundle: ModelBundle, layout: Layout, *, parallel: ParallelConfig
     return PipelinedModel(union, union, bundle, pipeline=pipeline, stage_group=stage_group, tied=tied_here,
                           tie_group=tied_stage_group(tied, dims, rank, comm), per_rank_batch=layout.per_rank_batch,
                           count_fn=bundle.count_fn, pp=dims.pp, schedule=parallel.pp_schedule,
-                          owns_loss=coords["tp"] == 0 and pipeline.last,
+                          owns_loss=coords["tp"] == 0 and pipeline.last, scales=WeightScales.of(union, comm),
                           sharded=any(isinstance(m, FSDPModule) for m in modules), **common)
 
 

@@ -141,7 +141,8 @@ def rank_memory(shape: ModelShape, params: list, layout: Layout, cfg: Config) ->
     ZeRO sharding over a replica's ranks under local SGD) and `copies`, the largest transient on top: ZeRO
     0/1 under bf16 / fp16 autocast's 16-bit weight matrices; ZeRO 2 every block gathered (state_bytes.copies)
     and one unit's unsharded gradients; ZeRO 3 the largest unit gathered with its gradients (a block, or the
-    root: the layers outside blocks), in the gather's dtype. fp8 computes the rest in bf16."""
+    root: the layers outside blocks), in the gather's dtype. fp8 computes the rest in bf16, and its linear layers'
+    weights gathered in float8 (precision.fp8_all_gather) are counted as bf16: an upper bound."""
     dtype = "bf16" if cfg.precision.dtype == "fp8" else cfg.precision.dtype
     shard, tp = layout.dims.dp // layout.replicas, layout.dims.tp
     need = state_bytes(shape, params, layout, optimizer=cfg.train.optimizer, momentum=cfg.train.momentum,

@@ -31,7 +31,7 @@ Totals = dict[str, tuple[torch.Tensor, torch.Tensor]]
 class Parallelized:
     def __init__(self, model: torch.nn.Module, module: torch.nn.Module, bundle: ModelBundle, *, comm: Comm,
                  sync: StepSync, device: torch.device, dp_rank: int, dp: int, dp_group, loss_context,
-                 owns_loss: bool, sharded: bool, zero: int, zero_group=None):
+                 owns_loss: bool, sharded: bool, zero: int, zero_group=None, scales: Callable[[], None] | None = None):
         self.model = model  # unwrapped, the whole model's names: optimizer, checkpoints, memory accounting
         self.module = module  # what forward runs on (DDP, FSDP2, compiled, or the model itself)
         self.loss_fn, self.eval_fn = bundle.loss_fn, bundle.eval_fn
@@ -42,6 +42,7 @@ class Parallelized:
         # this rank's loss sum enters the global loss (a tensor-parallel peer's copy of it does not)
         self.owns_loss = owns_loss
         self.sharded, self.zero = sharded, zero  # parameters sharded over dp: every rank runs every forward
+        self.scales = scales  # collective: the float8 scales of the weights FSDP2 gathers in float8 (float8.py)
         self._grad_groups: GradGroups | None = None
 
     def describe(self) -> str | None:
@@ -70,6 +71,8 @@ class Parallelized:
     def after_step(self, step: int) -> None:
         """The optimizer stepped; `step` steps are done."""
         self.sync.after_step(step)
+        if self.scales is not None:  # after the sync, which may have averaged the weights
+            self.scales()
 
     def in_sync(self, step: int) -> bool:
         """Whether the dp replicas are one model once `step` steps are done."""
