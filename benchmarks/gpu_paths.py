@@ -13,6 +13,7 @@ for 24 steps, fp32 unless said:
                        loss scale halves once (65536 -> 32768 in the checkpoint), every other step updates; steps 1-5
                        within 1e-2 of fp32 (shoal parity's fp16 tolerance)
   train-compile        train.compile = true: within 1e-3 of fp32 (inductor's fused kernels sum in another order)
+  train-fp8            precision.dtype = fp8 (float8 matmuls: compute capability 8.9 or newer): within 2e-2 of fp32
   train-checkpointing  precision.activation_checkpointing = true: within 1e-5 of fp32 (the same kernels, run twice),
                        a lower CUDA peak than fp32's
   cuda-memory          train-fp32's metrics.jsonl and summary.json carry CUDA's peak allocated bytes: at least the
@@ -36,6 +37,9 @@ for 24 steps, fp32 unless said:
   gloo-dp, gloo-zero2, gloo-zero3, gloo-tp2
                        two workers sharing the GPU over gloo (parallel.device = cuda, parallel.backend = gloo) against
                        one process: shoal parity PASS within 1e-4 (GPU kernels differ by batch shape; 1e-5 on CPUs)
+  gloo-fp8-tp2, gloo-fp8-zero3
+                       the same in fp8, against one process in fp8: tp 2 by torchao's float8 styles, ZeRO 3 gathering
+                       its weights in float8; PASS within 2e-2 (shoal parity's bf16 tolerance)
 Without CUDA, probe, plan, plan-check, session, env-check, resume-gpu-cpu (all of it on the CPU) and export run on
 the CPU (against a CPU run of train-fp32's config); the rest print `skip  NAME  no CUDA: ...`.
 
@@ -145,6 +149,12 @@ def p_train_compile(ctx: Ctx) -> str:
             f"ms (eager {ref.summary['median_step_time_s'] * 1e3:.1f} ms)")
 
 
+def p_train_fp8(ctx: Ctx) -> str:
+    run = train(ctx, "train-fp8", ctx.folder("train-fp8") / "run", [f"parallel.device={ctx.dev}", "precision.dtype=fp8"])
+    close = check_close(run.losses, fp32_run(ctx).losses, range(1, STEPS + 1), 2e-2, "fp32")
+    return f"{check_learning(run.losses, STEPS)}; {close}; median step {run.summary['median_step_time_s'] * 1e3:.1f} ms"
+
+
 def p_train_checkpointing(ctx: Ctx) -> str:
     run = train(ctx, "train-checkpointing", ctx.folder("train-checkpointing") / "run",
                 [f"parallel.device={ctx.dev}", "precision.activation_checkpointing=true"])
@@ -190,6 +200,7 @@ PATHS = {
     "train-bf16": ("bf16 autocast on a GPU", p_train_bf16),
     "train-fp16": ("fp16 and its loss scaler train on GPUs only", p_train_fp16),
     "train-compile": ("torch.compile of a GPU run", p_train_compile),
+    "train-fp8": ("float8 matmuls (compute capability 8.9 or newer)", p_train_fp8),
     "train-checkpointing": ("activation checkpointing on a GPU (the CUDA peak)", p_train_checkpointing),
     "cuda-memory": ("CUDA's peak memory", p_cuda_memory),
     "start-memory": ("CUDA's allocated memory", p_start_memory),
@@ -204,6 +215,9 @@ PATHS = {
     "export": (None, commands.p_export),
     **{f"gloo-{name}": ("two workers sharing a GPU over gloo", commands.parity_path(name, layout))
        for name, layout in commands.LAYOUTS.items()},
+    **{f"gloo-{name}": ("fp8 on two workers sharing a GPU over gloo",
+                        commands.parity_path(name, layout, ("precision.dtype=fp8",), commands.FP8_RTOL))
+       for name, layout in commands.FP8_LAYOUTS.items()},
 }
 
 
