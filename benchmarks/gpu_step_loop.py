@@ -89,6 +89,8 @@ class SyncCount:
 
 
 def train(args) -> dict:
+    if args.threads:
+        torch.set_num_threads(args.threads)
     cfg = load_config(args.config, [f"train.micro_batch_size={args.micro}", f"train.global_batch_size={args.micro}"])
     t, m = cfg.train, cfg.model
     device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -106,8 +108,12 @@ def train(args) -> dict:
     model.train()
     decay = [p for p in model.parameters() if p.dim() >= 2]
     no_decay = [p for p in model.parameters() if p.dim() < 2]
+    # fused where torch has the kernel (CUDA, and the CPU since 2.4), as shoal's optimizer is
+    from shoal.compat import fused_optimizer_devices
+
     opt = torch.optim.AdamW([{"params": decay, "weight_decay": t.weight_decay}, {"params": no_decay,
-                            "weight_decay": 0.0}], lr=t.lr, betas=(t.beta1, t.beta2), fused=cuda)
+                            "weight_decay": 0.0}], lr=t.lr, betas=(t.beta1, t.beta2),
+                            fused=device in fused_optimizer_devices())
 
     def forward_loss(x, y):  # as nanoGPT's model(x, y): the loss inside what torch.compile compiles
         logits = model(x)
@@ -246,6 +252,7 @@ def main() -> None:
     tr.add_argument("--timed", type=int, default=30)
     tr.add_argument("--log-interval", type=int, default=10)
     tr.add_argument("--sync-steps", type=int, default=10)
+    tr.add_argument("--threads", type=int, default=0, help="torch's intra-op threads (0: torch's default)")
     pr = sub.add_parser("prepare")
     pr.add_argument("--tokens", required=True)
     pr.add_argument("--count", type=int, required=True)

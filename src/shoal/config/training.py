@@ -70,6 +70,11 @@ class TrainConfig(Section):
     freeze: list[str] = []
     """Parameters left untouched: glob patterns over the model's parameter names (e.g.
     ["model.embed_tokens.*", "model.layers.0.*"]); they get no gradient and no optimizer state."""
+    gc_interval: int = Field(50, ge=0)
+    """Python's garbage collector during training, as torchtitan manages it (training/collector.py): automatic
+    collection off, the heap frozen after the first steps, and a full collection between steps every this many
+    steps, on every rank at the same step (0: Python's own automatic collection, which may pause any step on
+    any rank)."""
     eval_on_start: bool = False
     """Validate once before the first step of a fresh start (summary.json: initial_val_*), e.g. to see
     what pretrained weights (model.init_from) score before fine-tuning."""

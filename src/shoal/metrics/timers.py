@@ -25,12 +25,13 @@ class StepTimer:
         self._start_event: torch.cuda.Event | None = None
         self._device: dict[str, float] | None = None  # CUDA: the phases, once read
         self._device_from: list = []
+        self._settled = False  # CUDA: an event recorded after the last mark has been waited for
         self.exposed: dict[str, dict[str, float]] = {}  # phase -> mesh axis -> seconds waited on the network
         self._t = 0.0
         self._seen: dict[str, float] = {}
 
     def start(self) -> None:
-        self._host, self._events, self.exposed, self._device = {}, [], {}, None
+        self._host, self._events, self.exposed, self._device, self._settled = {}, [], {}, None, False
         self._t = time.perf_counter()
         if self.cuda:
             self._start_event = self._record()
@@ -53,6 +54,11 @@ class StepTimer:
                 waited[axis] = waited.get(axis, 0.0) + total - self._seen.get(axis, 0.0)
             self._seen = dict(seen)
 
+    def settle(self) -> None:
+        """The step's last event has run (the host waited for one recorded after it): reading the phases
+        then waits for nothing, so a step costs the host one event wait, not two."""
+        self._settled = True
+
     def marked(self, phase: str) -> bool:
         """Whether `phase` has been marked in this step (asked without reading the device's clock)."""
         return phase in self._host
@@ -66,7 +72,8 @@ class StepTimer:
         if self._device is None or len(self._device_from) != len(self._events):
             out: dict[str, float] = {}
             before = self._start_event
-            self._events[-1][1].synchronize()
+            if not self._settled:
+                self._events[-1][1].synchronize()
             for phase, event in self._events:
                 out[phase] = out.get(phase, 0.0) + before.elapsed_time(event) / 1e3
                 before = event

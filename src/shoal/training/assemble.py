@@ -146,11 +146,11 @@ def hooks(parts: Parts) -> Hooks:
         reload(parts, Path(path), keep=("bad_steps",))  # counting rollbacks goes on
         parts.sampler.skip_data_step(bad_data_step)
 
-    after = [save_if_due]
-    if parts.is_main:
-        after.append(lambda m, last, _: write_json(run.progress, {"step": m["step"], "time": m["time"],
-                                                                  "world": parts.comm.world_size}))
-    return Hooks(rollback=rollback, after_step=after, step_metrics=parts.strategy.step_metrics,
+    # the heartbeat a restart reads (the step a failed attempt had reached): with each logged line, not every
+    # step, where its write and rename cost a small step's host as much as the rest of it
+    logged = [lambda m: write_json(run.progress, {"step": m["step"], "time": m["time"],
+                                                  "world": parts.comm.world_size})] if parts.is_main else []
+    return Hooks(rollback=rollback, after_step=[save_if_due], logged=logged, step_metrics=parts.strategy.step_metrics,
                  due=lambda done: checkpoints.due(done, last=False))
 
 

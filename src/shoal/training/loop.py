@@ -17,11 +17,12 @@ from shoal.comm.collectives import Comm
 from shoal.comm.phase import Phase
 from shoal.config import MetricsConfig, TrainConfig
 from shoal.data.sampler import GlobalBatchSampler
-from shoal.metrics.memory import STATE_KINDS, device_memory_bytes, peak_memory_bytes
+from shoal.metrics.memory import STATE_KINDS
 from shoal.metrics.profile import Profiler
 from shoal.metrics.sinks import MetricsSinks
 from shoal.metrics.timers import StepTimer
 from shoal.metrics.trace import StepTrace
+from shoal.training.collector import Collector
 from shoal.training.evaluate import evaluate
 from shoal.training.feed import Feed
 from shoal.training.report import StepReport, StepResult
@@ -44,6 +45,7 @@ class Hooks:
     rollback: Callable[[int], None] | None = None  # reload the newest checkpoint, skipping a data step
     # after every step, with (metrics, is_last_step, checkpoint agreed due by time)
     after_step: list[Callable[[dict, bool, bool], None]] = field(default_factory=list)
+    logged: list[Callable[[dict], None]] = field(default_factory=list)  # after a step's line is written, with it
     step_metrics: Callable[[], dict] = dict  # what the way of training adds to a step's metrics
     due: Callable[[int], bool] = lambda done: False  # a hook acts after step `done` whatever it reports
 
@@ -72,6 +74,7 @@ class Trainer:
     sinks: MetricsSinks
     validates: bool = True  # this rank runs validation (Strategy.validates)
     record: Record = field(default_factory=Record)
+    collector: Collector = field(default_factory=lambda: Collector(0))  # Python's garbage collector (run.py)
     late: StepReport | None = None  # a step queued and not read yet (see run)
 
     @property
@@ -94,6 +97,7 @@ class Trainer:
         watch = self.watch
         if self.train.eval_on_start and self.sampler.step == 0 and self.validates:
             self.record.initial_val = self.validate(0)
+        self.collector.start()
         try:
             while feed.more():
                 step = self.sampler.step
@@ -105,24 +109,26 @@ class Trainer:
                 timer.start()
                 micro_batches = feed.next()
                 timer.mark("data_wait_s")
-                logged = self.logged(step)
-                report = self.step(micro_batches, step, timer, measure_memory=logged)
+                report = self.step(micro_batches, step, timer, memory=self.memory_figures(step))
                 self.sampler.step = step + 1
-                ended = self.advance(report, feed, logged)
+                ended = self.advance(report, feed)
                 if ended in ("stop", "regroup"):
                     return ended
+                self.collector.after_step(self.sampler.step)
             self.flush(feed)
         finally:
+            self.collector.close()
             feed.close()
             if watch.trace:
                 watch.trace.close()
         return "end"
 
-    def advance(self, report: StepReport, feed: Feed | None, logged: bool) -> str | None:
+    def advance(self, report: StepReport, feed: Feed | None, now: bool = False) -> str | None:
         """A step is queued (the sampler has moved past it): read the step before it if that was left for
-        now, then this one at once or not. shoal's loop and a Session's step() complete every step here.
-        Returns what complete() says of the step read, or None. `feed`: None in a Session (no rollback)."""
-        at_once = logged or not self.step.lags or self.acts_after(report.step + 1, feed)
+        now, then this one at once or not (`now`: at once). shoal's loop and a Session's step() complete
+        every step here. Returns what complete() says of the step read, or None. `feed`: None in a Session
+        (no rollback)."""
+        at_once = now or not self.step.lags or self.acts_after(report.step + 1, feed)
         owed_save = False  # a save the ranks agreed on a step read late: taken at the end of this one
         if self.late is not None:
             late, self.late = self.late, None
@@ -193,14 +199,16 @@ class Trainer:
             m.update(skipped=True, overflow=True, loss_scale=out.loss_scale_after_overflow)
             self.sinks.print(f"step {done}: fp16 gradients overflowed: update skipped, loss scale lowered to "
                              f"{out.loss_scale_after_overflow:g}")
-        if out.held is not None:
-            m.update(self.memory(out.held, done))
+        if out.memory is not None:
+            m.update(self.memory(out.memory, done))
         if self.validates and (last or (self.train.val_interval and done % self.train.val_interval == 0)):
             m.update(self.validate(done))
         self.record.history.append(m)
         self.sinks.step(m)
         if last or "peak_memory_bytes" in m or "skipped" in m or any(k.startswith("val_") for k in m):
             self.sinks.log(m)
+            for hook in self.hooks.logged:
+                hook(m)
         self.watch.phase.outside("checkpoint and hooks")
         for hook in self.hooks.after_step:
             hook(m, last, by_time)
@@ -215,13 +223,19 @@ class Trainer:
                 **(profile.step(timer.phases, timer.exposed, timer.total, self.share_of_batch(done))
                    if profile else {})}
 
-    def memory(self, held: dict[str, int], done: int) -> dict:
-        """Collective: every rank's memory (and, with the profile on, compute since the last measured step):
-        the record's per-rank rows, and what the step's metrics say of them (the largest rank's: the one that
-        runs out first; a straggler)."""
+    def memory_figures(self, step: int) -> dict[str, float] | None:
+        """What step `step` (0-based) gathers with its memory: None when it measures none (not logged); with
+        the step profile on, this rank's mean compute per step since the last measured step."""
+        if not self.logged(step):
+            return None
         profile = self.watch.profile
-        rows = self.record.memory_per_rank = gather_memory(self.comm, self.device, held,
-                                                           profile.take_compute() if profile else None)
+        return {"compute_s": profile.take_compute()} if profile else {}
+
+    def memory(self, rows: list[dict], done: int) -> dict:
+        """What the step's metrics say of every rank's memory (the largest rank's: the one that runs out
+        first) and, with the profile on, of their compute (a straggler); the rows are the record's."""
+        profile = self.watch.profile
+        self.record.memory_per_rank = rows
         m = {"peak_memory_bytes": max(r["peak"] for r in rows),
              **{f"{k}_bytes": max(r[k] for r in rows) for k in STATE_KINDS}}
         if profile:
@@ -247,20 +261,3 @@ class Trainer:
         self.sinks.print(f"step {done}: " + ", ".join(f"{k} {v:.4f}" for k, v in val.items()))
         return val
 
-
-def gather_memory(comm: Comm, device: torch.device, held: dict[str, int], compute_s: float | None = None
-                  ) -> list[dict]:
-    """Every rank's model-state bytes and peak memory (one small all-gather over the world), and with
-    `compute_s` every rank's mean compute per step since the last measured step (the step profile)."""
-    extra = [compute_s] if compute_s is not None else []
-    beyond = device_memory_bytes(device)  # a GPU's: reserved, outside the allocator (every rank's device alike)
-    mine = torch.tensor([float(held[k]) for k in STATE_KINDS] + [float(peak_memory_bytes(device))]
-                        + [float(v) for v in beyond.values()] + extra, dtype=torch.float64, device=device)
-    out = comm.all_gather(mine, label="world, memory accounting")
-    kinds = (*STATE_KINDS, "peak", *beyond)
-    rows = [{"rank": r, **{k: int(v) for k, v in zip(kinds, x.tolist()[:len(kinds)], strict=True)}}
-            for r, x in enumerate(out)]
-    if extra:
-        for row, x in zip(rows, out, strict=True):
-            row["compute_s"] = x[-1].item()
-    return rows

@@ -6,7 +6,13 @@ At the step's end those values are gathered into one small vector and copied, wi
 host memory (pinned on a GPU, where the copy is then asynchronous), with a CUDA event behind it. The
 loop reads that copy a step later (training/loop.py), when the device is already busy with the next
 step: the host waits for the copy, the device never waits for the host. A step the loop must act on at
-once (a logged, validating or saving step, the last one) is read right away.
+once (a validating or saving step, the last one) is read right away; a logged step is read late like any
+other.
+
+A step that measures memory (a logged one) adds every rank's figures to the vector: this rank's model-state
+bytes, peak and (a GPU) reserved and outside-the-allocator bytes, all known on the host, are gathered over
+the ranks on the device (MemoryShare; nothing to gather at world size 1) and read with the rest, so that
+measuring memory neither drains the device's queue nor adds a collective at world size 1.
 """
 
 from __future__ import annotations
@@ -17,8 +23,9 @@ from dataclasses import dataclass
 
 import torch
 
+from shoal.comm.collectives import Comm, Pending
 from shoal.metrics.timers import StepTimer
-from shoal.training.flags import AGREED, Flags, agreed_flags
+from shoal.training.flags import AGREED, Flags, agreed_flags, host_tensor
 
 # the report's entries after the agreed flags
 OWN = ("grad_norm", "items", "bad", "overflow", "loss_scale")
@@ -34,20 +41,47 @@ class StepResult:
     bad: bool  # the loss or gradient norm was not finite: the update was skipped
     stop: bool  # some rank was asked to stop (a live elastic run: every rank; some leave by regrouping)
     save: bool  # some rank's clock says a checkpoint is due
-    held: dict[str, int] | None  # this rank's model-state bytes (on steps that measure memory)
+    memory: list[dict] | None  # every rank's memory figures, rank by rank (on steps that measure memory)
     comm_bytes: int  # bytes this rank sent to keep the replicas in sync
     regroup: bool = False  # a live elastic run's group changes after this step (training/live.py)
     # fp16: the gradients overflowed, the loss scaler skipped the update and lowered its scale to this
     loss_scale_after_overflow: float | None = None
 
 
-class StepReport:
-    """One step's values on their way to the host. `values`: the agreed flags (flags.AGREED) then OWN, a
-    float64 vector on the step's device."""
+class MemoryShare:
+    """Every rank's memory figures (name -> number, the same names on every rank), gathered on the device
+    without waiting: started after the update, its result joins the step's report vector."""
 
-    def __init__(self, values: torch.Tensor, *, step: int, lr: float, timer: StepTimer, held: dict | None,
+    def __init__(self, figures: dict[str, float], comm: Comm, device: torch.device):
+        self.kinds, self.world = tuple(figures), comm.world_size
+        mine = host_tensor([float(v) for v in figures.values()], device).to(device, non_blocking=True)
+        self._pending: Pending | torch.Tensor = (comm.all_gather_flat(mine, label="world, memory accounting",
+                                                                      async_op=True)
+                                                 if self.world > 1 else mine)
+
+    def result(self) -> torch.Tensor:
+        """The figures of rank 0, then rank 1, ...: a float64 vector on the device (waiting for it makes
+        the device wait for the collective, not the host)."""
+        if isinstance(self._pending, Pending):
+            self._pending = self._pending.wait()
+        return self._pending
+
+    def rows(self, values: list[float]) -> list[dict]:
+        """The host's copy of result() as rows: {"rank": r, kind: value, ...}; byte counts as integers (a
+        figure named *_s is seconds)."""
+        k = len(self.kinds)
+        return [{"rank": r, **{kind: v if kind.endswith("_s") else int(v)
+                               for kind, v in zip(self.kinds, values[r * k:(r + 1) * k], strict=True)}}
+                for r in range(self.world)]
+
+
+class StepReport:
+    """One step's values on their way to the host. `values`: the agreed flags (flags.AGREED), OWN, then (a
+    step that measures memory) `memory`'s result, a float64 vector on the step's device."""
+
+    def __init__(self, values: torch.Tensor, *, step: int, lr: float, timer: StepTimer, memory: MemoryShare | None,
                  comm_bytes: int, decide: Callable[[Flags], tuple[bool, bool]]):
-        self.step, self.lr, self.timer, self.held, self.comm_bytes = step, lr, timer, held, comm_bytes
+        self.step, self.lr, self.timer, self.memory, self.comm_bytes = step, lr, timer, memory, comm_bytes
         self.decide = decide  # (stop, regroup) from the agreed flags (flags.stop_or_regroup)
         cuda = values.device.type == "cuda"
         self.host = torch.empty(values.shape, dtype=values.dtype, pin_memory=cuda)
@@ -67,6 +101,7 @@ class StepReport:
         """The one read of the step's values on the host."""
         if self.copied is not None:
             self.copied.synchronize()
+            self.timer.settle()  # its events were recorded before this copy's: they have run
         return self.host.tolist()
 
     def __getattr__(self, name: str):
@@ -78,11 +113,13 @@ class StepReport:
 
     def _make(self, values: list[float]) -> StepResult:
         agreed = agreed_flags(values[:len(AGREED)])
-        own = dict(zip(OWN, values[len(AGREED):], strict=True))
+        mine = len(AGREED) + len(OWN)
+        own = dict(zip(OWN, values[len(AGREED):mine], strict=True))
         items = own["items"]
         overflow = own["overflow"] > 0 and own["bad"] == 0
         stop, regroup = self.decide(agreed)
         return StepResult(loss=agreed.loss_sum / items if items else math.nan, grad_norm=own["grad_norm"],
-                          items=round(items), bad=own["bad"] > 0, stop=stop, save=agreed.save, held=self.held,
+                          items=round(items), bad=own["bad"] > 0, stop=stop, save=agreed.save,
+                          memory=self.memory.rows(values[mine:]) if self.memory else None,
                           comm_bytes=self.comm_bytes, regroup=regroup,
                           loss_scale_after_overflow=own["loss_scale"] if overflow else None)

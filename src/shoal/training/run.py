@@ -39,6 +39,7 @@ from shoal.rundir import RunDir, read_json
 from shoal.training.assemble import Start, assemble, reload
 from shoal.training.assemble import trainer as assemble_trainer
 from shoal.training.build import build_deferred, freeze, plain_model
+from shoal.training.collector import Collector
 from shoal.training.feed import Steps
 from shoal.training.live import Live, Regroup, capture, copied, one_replica, peer_failed, pooled
 from shoal.training.live import restore as restore_live
@@ -89,7 +90,7 @@ def run_training(cfg: Config, layout: Layout, source, run_dir: Path, env: DistEn
                         bad_steps=trainer.step.bad_steps.state_dict(), start_step=start_step)
     if live:
         summary["membership"] = live.events
-    summary["checkpoints"] = checkpoints.stats
+    summary.update(checkpoints=checkpoints.stats, **trainer.collector.summary())
     summary["start_memory_bytes"] = int(start_memory)  # the most a rank's memory grew while it built its share
     if parts.bundle.built_whole:  # its build could not be recorded: every rank built the whole model
         summary["model_built_whole"] = parts.bundle.built_whole
@@ -177,6 +178,8 @@ def loop(parts: Parts, recovery: dict | None, live: Live | None = None) -> tuple
     trainer, profile_line = assemble_trainer(parts, items_name=parts.bundle.items_name,
                                              profiler=lambda: profiler(parts), validates=strategy.validates)
     sinks = trainer.sinks
+    # a live run has frozen its start-up heap, and collects each ended generation itself (worker.py)
+    trainer.collector = Collector(cfg.train.gc_interval, freeze=live is None)
     if live is not None:
         if parts.state.replicas_differ:
             hold_rounds(parts, live, trainer.hooks)

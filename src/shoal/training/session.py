@@ -241,7 +241,7 @@ class Session:
         non-finite policy, the schedule), the step's metrics and a checkpoint when one is due; returns the
         step's report then, None before. Its values (loss, grad_norm, bad, ...) are read from the device
         when first asked for: a loop that never reads them never waits for the device, and shoal reads
-        them itself a step later, or at once on logged steps."""
+        them itself a step later (at once where the step validates, saves or is the last)."""
         self._need_prepare("step")
         if self.micro < self.per_step:
             return None
@@ -255,14 +255,14 @@ class Session:
         timer.mark("forward_backward_s")
         samples = host_tensor([float(self.per_step * self.layout.dims.dp)], self.device).to(self.device,
                                                                                            non_blocking=True)
-        logged = trainer.logged(step)
+        memory = trainer.memory_figures(step)
         lr = self.pairs[0].optimizer.param_groups[0]["lr"]  # the step's rate, before the schedule moves on
-        reports = [s.finish(self.loss_sum, lambda: samples.reshape(()), step, timer, logged, self.sent, lr)
+        reports = [s.finish(self.loss_sum, lambda: samples.reshape(()), step, timer, memory, self.sent, lr)
                    for s in self.pairs]
         self.micro = 0
         self.loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
         self.sampler.step = step + 1
-        trainer.advance(reports[0], None, logged or bool(self.logged))  # values logged by hand: read now
+        trainer.advance(reports[0], None, now=bool(self.logged))  # values logged by hand: read now
         self.logged = {}
         self._grad_sync()
         self._begin_step()

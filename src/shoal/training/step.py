@@ -24,7 +24,7 @@ import torch
 
 from shoal.comm.collectives import Comm, Pending
 from shoal.comm.phase import Phase
-from shoal.metrics.memory import model_state_bytes
+from shoal.metrics.memory import device_memory_bytes, model_state_bytes, peak_memory_bytes
 from shoal.metrics.timers import StepTimer
 from shoal.models.spec import Batch
 from shoal.parallel.balance import ThroughputBalance
@@ -35,7 +35,7 @@ from shoal.training.bad_steps import BadStepPolicy
 from shoal.training.feed import Prepared, prepare
 from shoal.training.flags import StepFlags, host_tensor, stop_or_regroup
 from shoal.training.optim import Schedule
-from shoal.training.report import StepReport
+from shoal.training.report import MemoryShare, StepReport
 
 
 @dataclass(frozen=True)
@@ -82,8 +82,9 @@ class Stepper:
         return prepare(micro_batches, self.count_fn, self.device)
 
     def __call__(self, micro_batches: list[Batch] | Prepared, step: int, timer: StepTimer,
-                 measure_memory: bool) -> StepReport:
-        """Step `step` (0-based: the steps done before it)."""
+                 memory: dict[str, float] | None) -> StepReport:
+        """Step `step` (0-based: the steps done before it). `memory`: None, or this step measures memory and
+        gathers these figures of this rank's with it (the step profile's compute: Trainer.memory_figures)."""
         par, precision = self.par, self.precision
         sent, lr = self.comm.sync_bytes, self.optimizer.param_groups[0]["lr"]
         ready = micro_batches if isinstance(micro_batches, Prepared) else self.prepare(micro_batches)
@@ -94,10 +95,10 @@ class Stepper:
             loss_sum = par.forward_backward(batches, count.scale, precision)
         par.after_backward()
         timer.mark("forward_backward_s")
-        return self.finish(loss_sum, count.total, step, timer, measure_memory, sent, lr)
+        return self.finish(loss_sum, count.total, step, timer, memory, sent, lr)
 
     def finish(self, loss_sum: torch.Tensor, total: Callable[[], torch.Tensor], step: int, timer: StepTimer,
-               measure_memory: bool, sent: int, lr: float) -> StepReport:
+               memory: dict[str, float] | None, sent: int, lr: float) -> StepReport:
         """The step after its backward (and the StepSync's after_backward): the norm, the flags, clipping,
         the verdict, the update. `loss_sum`: this rank's share of the global loss sum; `total()`: the items
         it is over, on all ranks (a device scalar); `sent`: comm.sync_bytes when the step began; `lr`: the
@@ -118,20 +119,22 @@ class Stepper:
         precision.step(optimizer, skip=bad)
         self.schedule.step()  # the rate follows the step count, skipped steps included
         self._after_update(bad, step)
-        held = model_state_bytes(par.model, local_optimizer(optimizer)) if measure_memory else None
+        share = None if memory is None else MemoryShare(
+            {**model_state_bytes(par.model, local_optimizer(optimizer)), "peak": peak_memory_bytes(self.device),
+             **device_memory_bytes(self.device), **memory}, self.comm, self.device)
         optimizer.zero_grad(set_to_none=True)
         timer.mark("optimizer_s")
         overflow = (~torch.isfinite(norm)).double() if precision.scaler else torch.zeros_like(norm)
         scale = precision.scale()
         values = torch.cat([agreed, norm.reshape(1), total().reshape(1), bad.double().reshape(1),
                             overflow.reshape(1), (scale.double() if scale is not None else torch.zeros_like(norm))
-                            .to(self.device).reshape(1)])
+                            .to(self.device).reshape(1), *([share.result()] if share else [])])
         live, world, in_sync = c.regroup_wanted is not None, self.comm.world_size, par.in_sync(step + 1)
 
         def decide(flags) -> tuple[bool, bool]:
             stop, regroup = stop_or_regroup(flags, world, live)
             return stop, regroup and in_sync  # else at the end of the first step where they are
-        return StepReport(values, step=step, lr=lr, timer=timer, held=held, comm_bytes=self.comm.sync_bytes - sent,
+        return StepReport(values, step=step, lr=lr, timer=timer, memory=share, comm_bytes=self.comm.sync_bytes - sent,
                           decide=decide)
 
     def _after_update(self, bad: torch.Tensor, step: int) -> None:

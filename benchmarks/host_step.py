@@ -1,0 +1,129 @@
+"""What shoal's step costs the host beyond the loop a user writes: a step small enough that the host's work is the
+step, timed on the CPU.
+
+A GPU step that is launch-bound pays every microsecond of host work between kernels in full; here it can be
+measured without a GPU. The same tiny GPT (2 layers of width 32, 2 heads, 32 tokens, vocabulary 512), fp32, one
+thread, micro-batch 4 with no accumulation, world size 1, the same token file and seed on both sides:
+  plain loop    benchmarks/gpu_step_loop.py train (nanoGPT's loop: fused AdamW, clipping, the loss read at logged
+                steps only) around the model shoal's own builder makes from the same config
+  shoal train   `python -m shoal train CONFIG --nproc 1`, its defaults but for no checkpoints, no TensorBoard, no
+                progress bar and validation only at the end
+Both log every 10 steps; each side's step time is the wall time from the end of logged step W to the end of logged
+step W + N, over N (shoal's ends: metrics.jsonl's stamps of those steps). The two run alternately, pair after pair,
+the order swapped in every other pair so that a drift of the machine's speed hits both alike; the ratio is taken
+within each pair, and the median and range of those ratios are reported.
+
+    python benchmarks/host_step.py [--pairs 5] [--warmup 50] [--timed 400]
+
+Target (issue 58): shoal / loop <= 1.05. Run it on a quiet machine (nothing else on the cores). Last line:
+    RESULT host_ratio=<median> ratio_min=... ratio_max=... shoal_ms=<median> loop_ms=<median> pairs=N
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+from gpu_paths_tools import HERE, ROOT, read_jsonl, run  # benchmarks/, beside this script
+
+SHAPE = {"n_layer": 2, "n_head": 2, "d_model": 32, "seq_len": 32, "vocab_size": 512}
+MICRO, INTERVAL = 4, 10
+
+
+def config(out: Path, tokens: Path, steps: int) -> Path:
+    text = "[model]\nname = \"gpt\"\n" + "".join(f"{k} = {v}\n" for k, v in SHAPE.items()) + f"""
+[data]
+source = "tokens"
+path = "{tokens}"
+token_dtype = "uint16"
+
+[train]
+steps = {steps}
+micro_batch_size = {MICRO}
+global_batch_size = {MICRO}
+lr = 6e-4
+val_interval = 0
+val_batches = 1
+
+[precision]
+dtype = "fp32"
+
+[parallel]
+threads_per_worker = 1
+
+[checkpoint]
+enabled = false
+final_weights = false
+
+[metrics]
+log_interval = {INTERVAL}
+tensorboard = false
+progress = false
+"""
+    path = out / "host_step.toml"
+    path.write_text(text)
+    return path
+
+
+def loop_run(cfg: Path, out: Path, env: dict, warmup: int, timed: int, log: Path) -> float:
+    r = run([sys.executable, HERE / "gpu_step_loop.py", "train", cfg, "--micro", MICRO, "--warmup", warmup,
+             "--timed", timed, "--log-interval", INTERVAL, "--sync-steps", 0, "--threads", 1],
+            cwd=out, env=env, timeout=600, log=log)
+    return json.loads(r.stdout.strip().splitlines()[-1])["step_s"]
+
+
+def shoal_run(cfg: Path, out: Path, env: dict, warmup: int, timed: int, log: Path) -> float:
+    run_dir = out / "run"
+    shutil.rmtree(run_dir, ignore_errors=True)
+    run([sys.executable, "-m", "shoal", "train", cfg, "--nproc", "1", "--run-dir", run_dir], cwd=out, env=env,
+        timeout=600, log=log)
+    stamps = {m["step"]: m["time"] for m in read_jsonl(run_dir / "metrics.jsonl") if "loss" in m}
+    return (stamps[warmup + timed] - stamps[warmup]) / timed
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--pairs", type=int, default=5, help="alternated pairs of runs (default 5, at least 3)")
+    ap.add_argument("--warmup", type=int, default=50, help="steps before the timed ones (a multiple of 10)")
+    ap.add_argument("--timed", type=int, default=400, help="timed steps (a multiple of 10)")
+    ap.add_argument("--out", help="folder for the config, token file, runs and logs (default: temporary)")
+    args = ap.parse_args()
+    if args.pairs < 3 or args.warmup % INTERVAL or args.timed % INTERVAL:
+        ap.error("--pairs >= 3; --warmup and --timed multiples of 10 (the window's ends are logged steps)")
+    started = time.monotonic()
+    out = Path(args.out).resolve() if args.out else Path(tempfile.mkdtemp(prefix="shoal-host-step-"))
+    out.mkdir(parents=True, exist_ok=True)
+    tokens = out / "tokens.bin"
+    np.random.default_rng(20_240_611).integers(0, 500, 200_000, dtype=np.uint16).tofile(tokens)
+    # one log interval past the window, so that its end is a step in mid-run on both sides
+    cfg = config(out, tokens, args.warmup + args.timed + INTERVAL)
+    path = os.pathsep.join(p for p in [str(ROOT / "src"), os.environ.get("PYTHONPATH")] if p)
+    env = {**os.environ, "PYTHONPATH": path, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
+    sides = {"loop": loop_run, "shoal": shoal_run}
+    times: dict[str, list[float]] = {"loop": [], "shoal": []}
+    for i in range(args.pairs):
+        for side in (("loop", "shoal") if i % 2 == 0 else ("shoal", "loop")):
+            times[side].append(sides[side](cfg, out, env, args.warmup, args.timed, out / "logs" / f"{i}-{side}.log"))
+        print(f"pair {i + 1}: loop {times['loop'][-1] * 1e3:.2f} ms  shoal {times['shoal'][-1] * 1e3:.2f} ms  "
+              f"ratio {times['shoal'][-1] / times['loop'][-1]:.3f}", flush=True)
+    ratios = [s / p for s, p in zip(times["shoal"], times["loop"], strict=True)]
+    if not args.out:
+        shutil.rmtree(out, ignore_errors=True)
+    print(f"RESULT host_ratio={statistics.median(ratios):.3f} ratio_min={min(ratios):.3f} "
+          f"ratio_max={max(ratios):.3f} shoal_ms={statistics.median(times['shoal']) * 1e3:.2f} "
+          f"loop_ms={statistics.median(times['loop']) * 1e3:.2f} pairs={args.pairs} "
+          f"seconds={time.monotonic() - started:.0f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
