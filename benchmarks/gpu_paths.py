@@ -150,7 +150,8 @@ def p_train_compile(ctx: Ctx) -> str:
 
 
 def p_train_fp8(ctx: Ctx) -> str:
-    run = train(ctx, "train-fp8", ctx.folder("train-fp8") / "run", [f"parallel.device={ctx.dev}", "precision.dtype=fp8"])
+    run = train(ctx, "train-fp8", ctx.folder("train-fp8") / "run",
+                [f"parallel.device={ctx.dev}", "precision.dtype=fp8"])
     close = check_close(run.losses, fp32_run(ctx).losses, range(1, STEPS + 1), 2e-2, "fp32")
     return f"{check_learning(run.losses, STEPS)}; {close}; median step {run.summary['median_step_time_s'] * 1e3:.1f} ms"
 

@@ -18,6 +18,7 @@ import functools
 
 import pytest
 import torch
+from test_layouts import BASE, SAVED, STEPS, losses
 
 from conftest import read_weights
 from harness import train as train_on_ranks
@@ -25,7 +26,6 @@ from shoal.config import load_config
 from shoal.models.registry import build_model
 from shoal.models.spec import DataSpec
 from shoal.parallel import float8
-from test_layouts import BASE, SAVED, STEPS, losses
 
 pytestmark = pytest.mark.skipif(not float8.torchao_installed(), reason="torchao is not installed (pip install "
                                 "'shoal[fp8]')")
@@ -74,7 +74,8 @@ def train_emulated(env, overrides: list[str], run_dir: str, resume: str = "auto"
     try:  # the ranks' processes serve other tests after this one: put everything back
         train_on_ranks(env, overrides, run_dir, resume)
     finally:
-        float8.check, float8.convert, tp_plan.float8_styles, float8.WeightScales.__call__ = check, convert, styles, scales
+        float8.check, float8.convert, tp_plan.float8_styles = check, convert, styles
+        float8.WeightScales.__call__ = scales
         WeightWithDynamicFloat8CastTensor.fsdp_pre_all_gather = gather
     return seen
 

@@ -58,8 +58,8 @@ def test_fp8_takes_every_layout_and_float8_all_gather_only_where_zero_gathers():
     cfg = load_config(None, ["precision.dtype=fp8", "precision.fp8_all_gather=true"])
     with pytest.raises(UserError) as e:
         resolve_layout(cfg, 2, cuda=True)
-    assert str(e.value) == ("precision.fp8_all_gather = true gathers ZeRO 2/3's weights in float8, but parallel.zero = 0 "
-                            'gathers none; set parallel.zero = 2 or 3, or fp8_all_gather = "auto"')
+    assert str(e.value) == ("precision.fp8_all_gather = true gathers ZeRO 2/3's weights in float8, but "
+                            'parallel.zero = 0 gathers none; set parallel.zero = 2 or 3, or fp8_all_gather = "auto"')
 
 
 def test_rowwise_scaling_with_float8_all_gather_is_refused_in_one_line():

@@ -152,7 +152,8 @@ def float8_styles(model: nn.Module, styles: Mapping[str, object], carries_float8
         elif type(s) is PrepareModuleInput and carries_float8 and m is not None:
             layers = [c for c in m.modules() if isinstance(c, nn.Linear)]
             if layers and all(_tensorwise_float8(c) for c in layers):
-                s = PrepareFloat8ModuleInput(input_layouts=s.input_layouts, desired_input_layouts=s.desired_input_layouts,
+                s = PrepareFloat8ModuleInput(input_layouts=s.input_layouts,
+                                             desired_input_layouts=s.desired_input_layouts,
                                              input_kwarg_layouts=s.input_kwarg_layouts or None,
                                              desired_input_kwarg_layouts=s.desired_input_kwarg_layouts or None,
                                              use_local_output=s.use_local_output)
