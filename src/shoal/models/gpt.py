@@ -167,7 +167,7 @@ def build(cfg: GPTConfig, spec: DataSpec) -> ModelBundle:
     model = GPT(cfg, vocab)
     return ModelBundle(model, lm_loss, count_tokens, block_types=(Block,), items_name="tokens",
                        tensor_parallel=tensor_parallel, pipeline=pipeline_layers, flops_per_sample=flops(model, cfg),
-                       tp_split=tp_split)
+                       tp_split=tp_split, loss_in_forward=True)
 
 
 # gpt_parallel.py imports DTensor's parallel styles (~0.5 s): only a run that splits the model pays for it

@@ -115,6 +115,9 @@ class ModelBundle:
     # one), from the same plan it applies (tp_plan.split_by): what `shoal plan` and the preflight count each
     # rank's model state by. None: every matrix (ndim >= 2) is counted as split.
     tp_split: Callable[[torch.nn.Module], list[torch.nn.Parameter]] | None = None
+    # loss_fn only calls the model, which takes its loss in its own forward (shoal's GPT): the compiled model
+    # compiles the loss, and train.compile leaves loss_fn as it is (parallel/apply.py with_compiled_loss)
+    loss_in_forward: bool = False
 
 
 class ModelSection(BaseModel):

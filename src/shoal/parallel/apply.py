@@ -137,8 +137,12 @@ def parallelize(bundle: ModelBundle, layout: Layout, *, parallel: ParallelConfig
 
 
 def with_compiled_loss(bundle: ModelBundle, compile: bool | str) -> ModelBundle:
-    """`bundle` with its loss function compiled as train.compile says (unchanged when it is false)."""
-    if not compile:
+    """`bundle` with its loss function compiled as train.compile says (unchanged when it is false, or when
+    the model takes its loss in its compiled forward). Compiling a loss function over a DDP-wrapped model
+    traces into DDP's forward, which dynamo may not enter (DDP marks its `_inside_ddp_forward` so): three
+    graph breaks a micro-batch on every rank; with the loss in the model's forward, DDP's forward runs as
+    Python and the model's one compiled frame holds the loss, with DDP's bucketing of the graph."""
+    if not compile or bundle.loss_in_forward:
         return bundle
     return dataclasses.replace(bundle, loss_fn=compiled_loss(bundle.loss_fn, compile_mode(compile)))
 
