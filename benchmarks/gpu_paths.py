@@ -40,6 +40,14 @@ for 24 steps, fp32 unless said:
   gloo-fp8-tp2, gloo-fp8-zero3
                        the same in fp8, against one process in fp8: tp 2 by torchao's float8 styles, ZeRO 3 gathering
                        its weights in float8; PASS within 2e-2 (shoal parity's bf16 tolerance)
+  ps-sync, ps-sparse, ps-async
+                       a parameter server (sync.mode = "parameter-server") of one worker and one server sharing the
+                       GPU over gloo: synchronous, with the embedding tables by rows (ps.sparse), and asynchronous
+                       (the roles as jobs of their own, 8 updates, none stale); 8 steps, every loss within 1e-4 of
+                       train-fp32's (gpu_paths_ranks.py)
+  live-heal            two one-worker nodes of a live run (--nnodes 1:2) sharing the GPU over gloo, node 1's worker
+                       killed after step 4: the group regroups, the replacement heals from a peer's state (summary.json
+                       says so); every loss within 1e-4 of one process's
 Without CUDA, probe, plan, plan-check, session, env-check, resume-gpu-cpu (all of it on the CPU) and export run on
 the CPU (against a CPU run of train-fp32's config); the rest print `skip  NAME  no CUDA: ...`.
 
@@ -52,8 +60,10 @@ no network: put their wheels in .whl/ (ignored by git; brought along with the ch
                                              the logs go to $OUT/gpu_paths_logs, which comes back)
 Where shoal is installed:
     python benchmarks/gpu_paths.py [--only NAME[,NAME]] [--list] [--out DIR] [--logs DIR]
-Sized for about 6 minutes on one H100 (about 30 process starts, compile's first step, the probe); on 2 CPU cores
-the CPU paths take 4-13 minutes, most of it the probe and the plan's measurement.
+Sized for about 6 minutes on one H100 (about 30 process starts, compile's first step, the probe) before the
+parameter server's and live-heal's paths (about 12 more process starts and live-heal's wait for its replacement:
+not yet timed on a GPU); on 2 CPU cores the CPU paths take 4-13 minutes, most of it the probe and the plan's
+measurement.
 
 One line per path (`ok    NAME  detail`, `FAIL  NAME  reason`, `skip  NAME  why`), then the last line
     RESULT ok=N failed=M skipped=K seconds=S device="<name>" torch=<version>
@@ -71,6 +81,7 @@ import time
 from pathlib import Path
 
 import gpu_paths_commands as commands  # benchmarks/, beside this script
+import gpu_paths_ranks as ranks
 from gpu_paths_tools import (
     ACCUM,
     HERE,
@@ -219,6 +230,10 @@ PATHS = {
     **{f"gloo-{name}": ("fp8 on two workers sharing a GPU over gloo",
                         commands.parity_path(name, layout, ("precision.dtype=fp8",), commands.FP8_RTOL))
        for name, layout in commands.FP8_LAYOUTS.items()},
+    "ps-sync": ("a parameter server sharing a GPU over gloo", ranks.p_ps_sync),
+    "ps-sparse": ("a parameter server sharing a GPU over gloo", ranks.p_ps_sparse),
+    "ps-async": ("a parameter server sharing a GPU over gloo", ranks.p_ps_async),
+    "live-heal": ("two live nodes sharing a GPU over gloo", ranks.p_live_heal),
 }
 
 

@@ -236,9 +236,11 @@ class Ctx:
         return path
 
 
-def train(ctx: Ctx, name: str, run_dir: Path, sets: list[str], timeout: float = 240, env: dict | None = None) -> Run:
-    """`shoal train` of the small GPT into `run_dir`, with `sets` as --set overrides."""
-    args = ["train", ctx.config(), "--run-dir", run_dir, *[a for s in sets for a in ("--set", s)]]
+def train(ctx: Ctx, name: str, run_dir: Path, sets: list[str], timeout: float = 240, env: dict | None = None,
+          nproc: int | None = None) -> Run:
+    """`shoal train` of the small GPT into `run_dir`, with `sets` as --set overrides (`nproc`: --nproc)."""
+    args = ["train", ctx.config(), "--run-dir", run_dir, *(["--nproc", nproc] if nproc else []),
+            *[a for s in sets for a in ("--set", s)]]
     r = ctx.shoal(name, args, cwd=run_dir.parent, timeout=timeout, env=env)
     losses = {m["step"]: m["loss"] for m in step_records(run_dir)}  # a step trained twice: its last record
     summary = json.loads((run_dir / "summary.json").read_text())
