@@ -4,7 +4,9 @@ The same model, data shape and seed on both sides: a GPT of GPT-2 124M's shape (
 tokens, vocabulary 50304), bf16 autocast, one process, a global batch of one micro-batch (no accumulation), read
 from one token file of uniform random ids (uniform over GPT-2's 50257). Per micro-batch (16 and 64; where one does
 not fit, the largest power-of-two fraction of it that does, found by the plain loop's eager run, which uses the
-most memory), four runs (five with --tuned), each a process of its own:
+most memory), eager and then compiled, --pairs pairs (3; 2 with --quick) of the two sides run one after the other,
+the order swapped in every other pair so that a drift of the card's clock or temperature hits both alike (and one
+tuned run with --tuned), each a process of its own:
   plain loop, eager / compiled   benchmarks/gpu_step_loop.py: nanoGPT's loop (fused AdamW, SDPA, pinned batches
                                  copied non_blocking, the loss read at logged steps only) around the model shoal's
                                  own builder makes from the same config file and seed; torch.compile of the
@@ -18,6 +20,11 @@ is in the window as often as it is in a run. shoal's ends are the `time` of thos
 after the step's results were read back (a logged step is read at once), neither of them the run's last step; the
 plain loop's, a torch.cuda.synchronize and the clock at the same steps. (summary.json's median_step_time_s, shoal's
 own per-step figure, is printed beside it.)
+Per (mode, micro-batch) the ratio is taken within each pair and reported as the median and range of the pairs'. Each
+run's SM clock, temperature and power are sampled by nvidia-smi every 250 ms (beside its row, and their range in the
+summary). TF32 is left at torch's default on both sides. The loss each side computes is printed first, with the head
+and loss alone timed (gpu_step_loop.py loss): the loop's F.cross_entropy under autocast against shoal's plain, fused
+(model.fused_loss, an eager GPT's default on CUDA) and chunked losses, each's time, memory and error against float64.
 MFU: 6N + 12 L T d FLOPs per token (N the matmul weights: every parameter but the position table, the tied
 embedding once, as nanoGPT's estimate_mfu and shoal's profile count them), against the card's data-sheet dense
 bf16 peak (shoal.hardware's preset for the card; none for a card without one) and against a bf16 8192^3 matmul
@@ -27,10 +34,11 @@ syncs) plus every torch.cuda.synchronize; in the plain loop's own process after 
 benchmarks/gpu_step_syncs/sitecustomize.py in a short run of its own (counting slows a step: never timed). Peak
 memory: CUDA's peak allocated bytes (shoal: summary.json's peak_memory_bytes).
 
-    python benchmarks/gpu_step.py [--quick] [--micro 16,64] [--tuned] [--fp8 | --fp8-only] [--out DIR]
+    python benchmarks/gpu_step.py [--quick] [--micro 16,64] [--pairs 3] [--tuned] [--fp8 | --fp8-only] [--out DIR]
     bash benchmarks/gpu_step.sh [ARGS]     (a GPU machine whose python3 has torch: the wheels it lacks in .whl/)
 
-Sized for ~5 minutes on one H100 (four torch.compile's; ten process starts). Without CUDA it runs the same
+Sized for ~12 minutes on one H100 at one micro-batch (--micro 16), ~20 at both (each pair: two process starts and,
+compiled, two torch.compile's from a warm inductor cache). Without CUDA it runs the same
 code on the CPU with a tiny GPT (2 x 64, 64 tokens, vocabulary 512, micro-batches 2 and 4, 2 + 4 steps; compiled
 through dynamo and AOTAutograd only, not inductor) and says its figures are not GPU figures; --quick runs the tiny
 GPT on a GPU. --fp8 adds `shoal train` of a ~1B GPT (18 x 2048) in bf16 against precision.dtype = "fp8" (float8
@@ -40,8 +48,9 @@ that dtype, torchao imports and the card has compute capability >= 8.9, and says
 CUDA graphs, the loss over chunks), against the compiled plain loop (tuned_ratio_mbN), where this shoal takes them.
 
 Targets on one H100: shoal / plain loop <= 1.00 eager and compiled; best MFU >= 41% (llm.c's on this model and card).
-Last line: RESULT card=... device=cuda|cpu torch=... eager_ratio_mb16=... compiled_ratio_mb16=... (per micro-batch
-run) best_mfu=<shoal's, data sheet> best_mfu_plain=... matmul_tflops=... syncs_shoal=... syncs_plain=... seconds=...
+Last line: RESULT card=... device=cuda|cpu torch=... eager_ratio_mb16=<median> ... eager_spread_mb16=<min>-<max> ...
+(per micro-batch run) best_mfu=<shoal's, data sheet> best_mfu_plain=... matmul_tflops=... loss_fused_vs_loop=...
+syncs_shoal=... syncs_plain=... seconds=...
 """
 
 from __future__ import annotations
@@ -50,6 +59,8 @@ import argparse
 import json
 import os
 import shutil
+import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -137,6 +148,15 @@ def prepare(b: Bench) -> dict:
     return json.loads(r.stdout.strip().splitlines()[-1])
 
 
+def loss_costs(b: Bench) -> dict:
+    """The head and its loss alone, the loop's against shoal's (gpu_step_loop.py loss), at the first micro-batch."""
+    s = b.shape
+    r = run([sys.executable, HERE / "gpu_step_loop.py", "loss", "--micro", b.args.micro_batches[0], "--seq",
+             s["seq_len"], "--d-model", s["d_model"], "--vocab", s["vocab_size"], "--reps", 5 if b.args.quick else 20],
+            cwd=b.out, env=b.env, timeout=300, log=b.log("loss"))
+    return json.loads(r.stdout.strip().splitlines()[-1])
+
+
 def plain_run(b: Bench, mb: int, compiled: bool, config: Path) -> dict:
     """The plain loop's run at micro-batch `mb`: its JSON, {"oom": ...} when it did not fit."""
     mode = "compiled" if compiled else "eager"
@@ -177,41 +197,84 @@ def shoal_run(b: Bench, name: str, config: Path, sets: list[str], warmup: int, s
             summary.get("median_step_time_s"), "losses": {m["step"]: m["loss"] for m in records}}
 
 
-def micro_batch_runs(b: Bench, mb: int, done: set[int], rows: list) -> None:
-    """The four runs at `mb`, or at the largest halving of it that fits and was not measured already (the plain
-    loop's eager run finds it: it holds the most memory of the four, as measured on an H100)."""
-    config = b.step_config()
-    while True:
-        try:
-            got = plain_run(b, mb, False, config)
-        except Failed as e:
-            got = {"failed": str(e)}
-        if "oom" not in got or mb // 2 < 1 or mb // 2 in done:
-            break
-        rows.append(report.oom_row("plain loop", "eager", mb, got["oom"]))
-        report.show(rows[-1])
-        mb //= 2
-    done.add(mb)
-    rows.append(report.failed_row("plain loop", "eager", mb, got["failed"]) if "failed" in got
-                else report.oom_row("plain loop", "eager", mb, got["oom"]) if "oom" in got
-                else report.row("plain loop", "eager", mb, got, b))
-    report.show(rows[-1])
-    runs = [("shoal train", "eager"), ("plain loop", "compiled"), ("shoal train", "compiled")]
-    if b.args.tuned and b.facts["cuda"] and b.facts["shoal_tuned"]:
-        runs.append(("shoal train", "tuned"))
-    for who, mode in runs:
+class Clocks:
+    """The GPU's SM clock, temperature and power while a run goes (nvidia-smi every 250 ms, in a process of its
+    own): a ratio of 3% means nothing if one side ran throttled. Off a GPU, or without nvidia-smi: nothing."""
+
+    QUERY = "clocks.sm,temperature.gpu,power.draw"
+
+    def __init__(self, cuda: bool):
+        self.cuda, self.proc = cuda and shutil.which("nvidia-smi") is not None, None
+
+    def __enter__(self):
+        if self.cuda:
+            self.proc = subprocess.Popen(["nvidia-smi", "-i", "0", f"--query-gpu={self.QUERY}", "--format=csv,noheader,"
+                                          "nounits", "-lms", "250"], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+                                         text=True)
+        return self
+
+    def __exit__(self, *exc):
+        self.samples = []
+        if self.proc is not None:
+            self.proc.terminate()
+            out, _ = self.proc.communicate(timeout=10)
+            for line in out.splitlines():
+                try:
+                    self.samples.append([float(x) for x in line.split(",")])
+                except ValueError:  # "[N/A]" or a half-written last line
+                    continue
+        return False
+
+    def summary(self) -> dict | None:
+        if not self.samples:
+            return None
+        sm, temp, power = zip(*self.samples, strict=True)
+        return {"sm_mhz_median": statistics.median(sm), "sm_mhz_min": min(sm), "temp_c_max": max(temp),
+                "power_w_mean": statistics.fmean(power), "samples": len(sm)}
+
+
+def side_run(b: Bench, who: str, mode: str, mb: int, config: Path, pair: int) -> dict:
+    """One run of `who` ("plain loop" or "shoal train") at `mode` and `mb`, with the clocks it ran at: its row."""
+    with Clocks(b.facts["cuda"]) as clocks:
         try:
             if who == "plain loop":
-                got = plain_run(b, mb, True, config)
+                got = plain_run(b, mb, mode == "compiled", config)
             else:
                 sets = [f"train.micro_batch_size={mb}", f"train.global_batch_size={mb}",
                         *(TUNED if mode == "tuned" else [f"train.compile={str(mode == 'compiled').lower()}"])]
-                got = shoal_run(b, f"shoal-{mode}-mb{mb}", config, sets, b.warmup, b.warmup + b.timed,
+                got = shoal_run(b, f"shoal-{mode}-mb{mb}-{pair}", config, sets, b.warmup, b.warmup + b.timed,
                                 timeout=240 if mode == "eager" else 420)
-            rows.append(report.oom_row(who, mode, mb, got["oom"]) if "oom" in got
-                        else report.row(who, mode, mb, got, b))
         except Failed as e:
-            rows.append(report.failed_row(who, mode, mb, str(e)))
+            got = {"failed": str(e)}
+    r = (report.failed_row(who, mode, mb, got["failed"]) if "failed" in got
+         else report.oom_row(who, mode, mb, got["oom"]) if "oom" in got else report.row(who, mode, mb, got, b))
+    r.update(pair=pair, clocks=clocks.summary())
+    return r
+
+
+def micro_batch_runs(b: Bench, mb: int, done: set[int], rows: list) -> None:
+    """The runs at `mb`, or at the largest halving of it that fits and was not measured already (the plain loop's
+    eager run finds it: it holds the most memory of the four, as measured on an H100): eager, then compiled, each
+    as --pairs pairs of the plain loop and shoal run one after the other, the order swapped in every other pair so
+    that a drift of the card's clock or temperature hits both sides alike."""
+    config = b.step_config()
+    while True:
+        first = side_run(b, "plain loop", "eager", mb, config, 0)
+        if first["status"] != "OOM" or mb // 2 < 1 or mb // 2 in done:
+            break
+        rows.append(first)
+        report.show(rows[-1])
+        mb //= 2
+    done.add(mb)
+    for mode in ("eager", "compiled"):
+        for pair in range(b.args.pairs):
+            order = ("plain loop", "shoal train") if pair % 2 == 0 else ("shoal train", "plain loop")
+            for who in order:
+                rows.append(first if (mode, pair, who) == ("eager", 0, "plain loop")
+                            else side_run(b, who, mode, mb, config, pair))
+                report.show(rows[-1])
+    if b.args.tuned and b.facts["cuda"] and b.facts["shoal_tuned"]:
+        rows.append(side_run(b, "shoal train", "tuned", mb, config, 0))
         report.show(rows[-1])
 
 
@@ -283,6 +346,9 @@ def defaults(ap: argparse.ArgumentParser, args, cuda: bool) -> None:
     args.warmup = args.warmup or (2 if q else 10)
     args.timed = args.timed or (4 if q else 30)
     args.log_interval = 2 if q else 10
+    args.pairs = args.pairs or (2 if q else 3)
+    if args.pairs < 1 or (args.pairs < 3 and not q):
+        ap.error("--pairs: at least 3 (the median and spread of the ratios need them); 1 or more with --quick")
     if args.warmup % args.log_interval or args.timed % args.log_interval:
         ap.error(f"--warmup and --timed must be multiples of the log interval, {args.log_interval}: the window's "
                  f"ends are logged steps")
@@ -294,6 +360,7 @@ def main() -> int:
     ap.add_argument("--micro", help="micro-batches, comma-separated (default 16,64; 2,4 with --quick)")
     ap.add_argument("--warmup", type=int, help="steps before the timed ones (default 10; 2 with --quick)")
     ap.add_argument("--timed", type=int, help="timed steps (default 30; 4 with --quick)")
+    ap.add_argument("--pairs", type=int, help="alternated pairs of runs per setting (default 3; 2 with --quick)")
     ap.add_argument("--tuned", action="store_true", help="add shoal train with TUNED per micro-batch")
     ap.add_argument("--fp8", action="store_true", help="add the fp8 comparison (~1B GPT, bf16 against fp8)")
     ap.add_argument("--fp8-only", action="store_true", help="only the fp8 comparison")
@@ -316,6 +383,11 @@ def main() -> int:
         print(f"RESULT card=? device=? torch=? failed=1 seconds={time.monotonic() - started:.0f}")
         return 1
     report.header(b)
+    try:
+        b.facts["loss"] = loss_costs(b)
+    except Failed as e:
+        b.facts["loss"] = {"error": str(e)}
+    report.loss_lines(b.facts["loss"])
     rows: list[dict] = []
     syncs: dict = {}
     if not args.fp8_only:

@@ -96,8 +96,8 @@ def train(args) -> dict:
     device = "cuda" if torch.cuda.is_available() else "cpu"
     cuda = device == "cuda"
     ctx = torch.autocast(device, dtype=torch.bfloat16, enabled=cfg.precision.dtype == "bf16")
-    torch.backends.cuda.matmul.allow_tf32 = True  # as nanoGPT: what autocast leaves in fp32 may use TF32
-    torch.backends.cudnn.allow_tf32 = True
+    # TF32 as shoal leaves it (torch's default: off for matmuls), so that both sides multiply alike; nanoGPT turns it
+    # on, which under bf16 autocast changes nothing here (every matmul of the model runs in bf16)
     data = np.memmap(cfg.data.path, dtype=cfg.data.token_dtype, mode="r")
     spec = DataSpec(kind="tokens", vocab_size=int(data.max()) + 1)
 
@@ -172,6 +172,56 @@ def train(args) -> dict:
         out["syncs"] = {"steps": args.sync_steps, "implicit": count.implicit, "synchronize": count.explicit,
                         "per_step": (count.implicit + count.explicit) / args.sync_steps,
                         "sites": dict(count.sites.most_common(5))}
+    return out
+
+
+def loss_costs(args) -> dict:
+    """The head and its loss alone, forward and backward, at the benchmark's shape: the plain loop's (F.cross_entropy
+    of the logits under bf16 autocast, which runs it in fp32) against shoal's losses: the plain one (an explicit
+    fp32 upcast, summed), the fused one (model.fused_loss: that loss under torch.compile, the default of an eager
+    GPT on CUDA) and the chunked one (model.loss_chunks = 8). Each: the median time of `reps` after a warm-up
+    (compiles included there), the peak memory above what its inputs hold, and the loss's error against the same
+    logits' loss in float64 (tokens summed; the loop's mean times the tokens)."""
+    from shoal.models.cross_entropy import chunked_cross_entropy, cross_entropy_sum, fused_cross_entropy_sum
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    cuda = device == "cuda"
+    g = torch.Generator(device=device).manual_seed(0)
+    n = args.micro * args.seq
+    hidden = torch.randn(n, args.d_model, device=device, generator=g).bfloat16().requires_grad_()
+    weight = (torch.randn(args.vocab, args.d_model, device=device, generator=g) * 0.02).requires_grad_()
+    target = torch.randint(args.vocab, (n,), device=device, generator=g)
+    with torch.no_grad(), torch.autocast(device, dtype=torch.bfloat16):
+        exact = F.cross_entropy(F.linear(hidden, weight).double(), target, reduction="sum").item()
+    sides = {
+        "loop F.cross_entropy": lambda: F.cross_entropy(F.linear(hidden, weight), target) * n,
+        "shoal plain": lambda: cross_entropy_sum(F.linear(hidden, weight), target),
+        "shoal fused": lambda: fused_cross_entropy_sum(F.linear(hidden, weight), target),
+        "shoal chunked 8": lambda: chunked_cross_entropy(hidden, weight, target, 8),
+    }
+    out = {"shape": {"tokens": n, "d_model": args.d_model, "vocab": args.vocab}, "device": device, "sides": {}}
+
+    def sync():
+        if cuda:
+            torch.cuda.synchronize()
+
+    for name, fn in sides.items():
+        times = []
+        for _ in range(3 + args.reps):
+            hidden.grad = weight.grad = None
+            sync()
+            if cuda:
+                torch.cuda.reset_peak_memory_stats()
+            base = torch.cuda.memory_allocated() if cuda else 0
+            t0 = time.perf_counter()
+            with torch.autocast(device, dtype=torch.bfloat16):
+                loss = fn()
+            loss.backward()
+            sync()
+            times.append(time.perf_counter() - t0)
+        out["sides"][name] = {"ms": 1e3 * sorted(times[3:])[len(times[3:]) // 2],
+                              "peak_above_inputs_bytes": torch.cuda.max_memory_allocated() - base if cuda else None,
+                              "loss_rel_error": abs(loss.item() - exact) / abs(exact)}
     return out
 
 
@@ -253,6 +303,12 @@ def main() -> None:
     tr.add_argument("--log-interval", type=int, default=10)
     tr.add_argument("--sync-steps", type=int, default=10)
     tr.add_argument("--threads", type=int, default=0, help="torch's intra-op threads (0: torch's default)")
+    lo = sub.add_parser("loss")
+    lo.add_argument("--micro", type=int, default=16)
+    lo.add_argument("--seq", type=int, default=1024)
+    lo.add_argument("--d-model", type=int, default=768)
+    lo.add_argument("--vocab", type=int, default=50304)
+    lo.add_argument("--reps", type=int, default=20)
     pr = sub.add_parser("prepare")
     pr.add_argument("--tokens", required=True)
     pr.add_argument("--count", type=int, required=True)
@@ -260,8 +316,8 @@ def main() -> None:
     pr.add_argument("--matmul", type=int, default=8192)
     pr.add_argument("--tuned", nargs="*", default=[], help="--set overrides of gpu_step.py's tuned runs, to check")
     args = ap.parse_args()
-    if args.cmd == "prepare":
-        print(json.dumps(prepare(args)), flush=True)
+    if args.cmd in ("prepare", "loss"):
+        print(json.dumps(prepare(args) if args.cmd == "prepare" else loss_costs(args)), flush=True)
         return
     try:
         out = train(args)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import statistics
 from collections import Counter
 from pathlib import Path
 
@@ -70,6 +71,8 @@ def show(r: dict) -> None:
         print(f"{r['who']:<12} {r['mode']:<9} {r['mb']:>4}  {r['status']}: {r['note']}", flush=True)
         return
     own = f"  (shoal's own median {r['own_median_s'] * 1e3:.1f} ms)" if r.get("own_median_s") else ""
+    c = r.get("clocks")
+    own += f"  [SM {c['sm_mhz_median']:.0f} MHz, {c['temp_c_max']:.0f} C, {c['power_w_mean']:.0f} W]" if c else ""
     syncs = "-" if r["syncs"] is None else f"{r['syncs']:.1f}"
     print(f"{r['who']:<12} {r['mode']:<9} {r['mb']:>4} {r['step_s'] * 1e3:>9.1f} {r['tokens_s']:>11,.0f} "
           f"{pct(r['mfu_sheet']):>9} {pct(r['mfu_matmul']):>10} {syncs:>10} {size(r['peak_bytes']):>10}{own}",
@@ -103,6 +106,22 @@ def header(b) -> None:
           f"{'syncs/step':>10} {'peak':>10}", flush=True)
 
 
+def loss_lines(loss: dict) -> None:
+    """The loss each side computes, and what each of shoal's costs against the loop's."""
+    print("loss: the plain loop's F.cross_entropy (mean) of the bf16 logits under autocast, which runs it in fp32; "
+          "shoal's GPT: model.fused_loss = \"auto\", the loss alone under torch.compile in an eager run on CUDA (the "
+          "plain fp32 loss on the CPU), inside the compiled model under train.compile")
+    if "error" in loss:
+        print(f"  head + loss alone: failed: {loss['error']}")
+        return
+    sh, loop = loss["shape"], loss["sides"]["loop F.cross_entropy"]
+    print(f"  head + loss alone, forward and backward, {sh['tokens']} tokens x {sh['d_model']} -> {sh['vocab']} "
+          f"({loss['device']}): median ms, peak above the inputs, loss's relative error against float64")
+    for name, r in loss["sides"].items():
+        print(f"    {name:<22} {r['ms']:8.2f} ms ({r['ms'] / loop['ms']:.2f}x the loop's)  "
+              f"{size(r['peak_above_inputs_bytes']):>9}  {r['loss_rel_error']:.1e}")
+
+
 def count_syncs(files: list[Path], start: float, end: float, steps: int) -> dict:
     """The hook's lines (`time kind site`) stamped after logged step W ended and before step W + steps ended."""
     kinds, sites, installed, cuda_inits = Counter(), Counter(), 0, 0
@@ -132,18 +151,42 @@ def ratio_key(mode: str, mb: int) -> str:
     return f"{mode}_ratio_mb{mb}"
 
 
-def ratios(rows: list[dict]) -> dict[str, float | None]:
-    """shoal / plain loop step time per (mode, micro-batch) that either side ran at; None where one side has no
-    figure (out of memory, failed)."""
-    got = {(r["who"], r["mode"], r["mb"]): r for r in rows if r["status"] == "ok"}
-    out = {}
+def ratios(rows: list[dict]) -> dict[str, dict | None]:
+    """shoal / plain loop step time per (mode, micro-batch) that either side ran at: each pair's shoal run over its
+    plain loop's, and of those the median, min and max (the tuned run: over the compiled plain loop's median);
+    None where no pair has both sides (out of memory, failed)."""
+    ok = [r for r in rows if r["status"] == "ok"]
+    out: dict[str, dict | None] = {}
     for r in rows:
-        peer = "compiled" if r["mode"] == "tuned" else r["mode"]  # the tuned run against the compiled plain loop
-        shoal, plain = got.get(("shoal train", r["mode"], r["mb"])), got.get(("plain loop", peer, r["mb"]))
-        if r["status"] == "OOM" and r["who"] == "plain loop" and not shoal:
+        key = ratio_key(r["mode"], r["mb"])
+        ran = [x for x in ok if x["mb"] == r["mb"]]
+        if key in out or (r["status"] == "OOM" and r["who"] == "plain loop" and not ran):
             continue  # a micro-batch that did not fit, tried again at half: its ratio is the half's
-        out[ratio_key(r["mode"], r["mb"])] = shoal["step_s"] / plain["step_s"] if shoal and plain else None
+        if r["mode"] == "tuned":
+            plain = [x["step_s"] for x in ran if x["who"] == "plain loop" and x["mode"] == "compiled"]
+            each = [x["step_s"] / statistics.median(plain) for x in ran if x["mode"] == "tuned"] if plain else []
+        else:
+            pairs: dict[int, dict] = {}
+            for x in ran:
+                if x["mode"] == r["mode"]:
+                    pairs.setdefault(x.get("pair", 0), {})[x["who"]] = x["step_s"]
+            each = [p["shoal train"] / p["plain loop"] for p in pairs.values() if len(p) == 2]
+        out[key] = ({"median": statistics.median(each), "min": min(each), "max": max(each), "pairs": len(each)}
+                    if each else None)
     return out
+
+
+def clock_line(rows: list[dict]) -> str | None:
+    """The range of the clocks the runs ran at (nvidia-smi's samples), per side."""
+    said = []
+    for who in ("plain loop", "shoal train"):
+        c = [r["clocks"] for r in rows if r.get("clocks") and r["who"] == who]
+        if c:
+            low, high = min(x["sm_mhz_min"] for x in c), max(x["sm_mhz_median"] for x in c)
+            hot, power = max(x["temp_c_max"] for x in c), [x["power_w_mean"] for x in c]
+            said.append(f"{who}: SM clock {low:.0f}-{high:.0f} MHz (lowest sample - highest run median), up to "
+                        f"{hot:.0f} C, {min(power):.0f}-{max(power):.0f} W mean")
+    return "; ".join(said) or None
 
 
 def best_mfu(rows: list[dict], who: str) -> tuple[float | None, str]:
@@ -183,10 +226,14 @@ def summary(b, rows: list[dict], syncs: dict, fp8: dict, seconds: float, tuned: 
     f = b.facts
     r = ratios(rows)
     if r:
-        said = ", ".join(f"{k.replace('_ratio_', ' ')} {'-' if v is None else f'{v:.3f}'}" for k, v in r.items())
-        met = all(v is not None and v <= TARGET_RATIO for k, v in r.items() if not k.startswith("tuned"))
-        print(f"\nshoal / plain loop step time: {said} (target <= {TARGET_RATIO:.2f}, eager and compiled: "
-              f"{'met' if met else 'not met'})")
+        said = ", ".join(f"{k.replace('_ratio_', ' ')} " + ("-" if v is None else f"{v['median']:.3f} [{v['min']:.3f}-"
+                                                             f"{v['max']:.3f}, {v['pairs']} pairs]")
+                         for k, v in r.items())
+        met = all(v is not None and v["median"] <= TARGET_RATIO for k, v in r.items() if not k.startswith("tuned"))
+        print(f"\nshoal / plain loop step time, median [min-max] of alternated pairs: {said} (target <= "
+              f"{TARGET_RATIO:.2f}, eager and compiled: {'met' if met else 'not met'})")
+    clocks = clock_line(rows)
+    print(f"clocks: {clocks}" if clocks else "clocks: not sampled (no nvidia-smi)")
     mfu, where = best_mfu(rows, "shoal train")
     mfu_plain, where_plain = best_mfu(rows, "plain loop")
     if rows:
@@ -199,13 +246,17 @@ def summary(b, rows: list[dict], syncs: dict, fp8: dict, seconds: float, tuned: 
     for line in fp8_lines(fp8):
         print(line)
     failed = [x for x in rows if x["status"] == "FAIL"] + ([1] if "error" in syncs else [])
+    medians = {k: "-" if v is None else f"{v['median']:.3f}" for k, v in r.items()}
     card = f'"{f["name"]}"' if f["cuda"] else '"cpu"'
     fields = [f"card={card}", f"device={'cuda' if f['cuda'] else 'cpu'}", f"torch={f['torch']}",
               *(f"driver={f['driver']}" for _ in [1] if f["cuda"]),
-              *(f"{k}={'-' if v is None else f'{v:.3f}'}" for k, v in r.items()),
+              *(f"{k}={median}" for k, median in medians.items()),
+              *(f"{k.replace('ratio', 'spread')}={v['min']:.3f}-{v['max']:.3f}" for k, v in r.items() if v),
               f"best_mfu={'-' if mfu is None else f'{mfu:.3f}'}",
               f"best_mfu_plain={'-' if mfu_plain is None else f'{mfu_plain:.3f}'}",
               f"matmul_tflops={f['matmul_flops'] / 1e12:.2f}",
+              *(f"loss_fused_vs_loop={v['shoal fused']['ms'] / v['loop F.cross_entropy']['ms']:.3f}"
+                for v in [f.get("loss", {}).get("sides")] if v),
               f"syncs_shoal={syncs['per_step']:.1f}" if "per_step" in syncs and f["cuda"] else "syncs_shoal=-",
               f"syncs_plain={plain_syncs['syncs']:.1f}" if plain_syncs else "syncs_plain=-",
               f"fp8={fp8['status'].replace(' ', '-')}",

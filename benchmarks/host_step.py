@@ -32,7 +32,6 @@ import time
 from pathlib import Path
 
 import numpy as np
-
 from gpu_paths_tools import HERE, ROOT, read_jsonl, run  # benchmarks/, beside this script
 
 SHAPE = {"n_layer": 2, "n_head": 2, "d_model": 32, "seq_len": 32, "vocab_size": 512}

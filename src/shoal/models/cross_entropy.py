@@ -24,6 +24,21 @@ def cross_entropy_sum(logits: torch.Tensor, target: torch.Tensor) -> torch.Tenso
     return F.cross_entropy(logits.flatten(0, -2).float(), target.flatten(), ignore_index=IGNORED, reduction="sum")
 
 
+_fused = None  # cross_entropy_sum under torch.compile, made at its first use (importing the compiler costs ~1 s)
+
+
+def fused_cross_entropy_sum(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """cross_entropy_sum compiled on its own, for an eager model on a GPU (model.fused_loss): inductor fuses
+    the fp32 upcast, the log-softmax and the target's pick into one kernel forward and one backward, each
+    reading the logits once; the fp32 logits are never written. The softmax is still taken in fp32: the
+    plain loss's value within rounding. Shapes are static (every micro-batch has the same), so it compiles
+    once for training and once for validation (no_grad)."""
+    global _fused
+    if _fused is None:
+        _fused = torch.compile(cross_entropy_sum, dynamic=False)
+    return _fused(logits, target)
+
+
 def chunked_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor,
                           chunks: int) -> torch.Tensor:
     """cross_entropy_sum(hidden @ weight.T, target) over `chunks` chunks of the tokens: hidden (..., d),

@@ -15,7 +15,7 @@ from pydantic import Field, model_validator
 from torch import nn
 
 from shoal.errors import UserError
-from shoal.models.cross_entropy import chunked_cross_entropy, cross_entropy_sum
+from shoal.models.cross_entropy import chunked_cross_entropy, cross_entropy_sum, fused_cross_entropy_sum
 from shoal.models.spec import Batch, DataSpec, ModelBundle, ModelSection
 
 
@@ -46,6 +46,12 @@ class GPTConfig(ModelSection):
     fp32 or in the compute dtype (as Liger-Kernel's fused linear cross-entropy); 1: over the whole logits.
     The same loss (fp32: within 1e-6). Not with parallel.tp > 1 (the logits are split over the vocabulary
     already) or parallel.pp > 1."""
+    fused_loss: bool | Literal["auto"] = "auto"
+    """Take the loss (over the whole logits) through torch.compile of the loss alone, the model staying eager:
+    inductor fuses the fp32 upcast, the log-softmax and the pick of the target into one kernel forward and one
+    backward, so the fp32 logits never exist in memory (the plain loss writes and reads them five times). "auto":
+    on a CUDA device when the model is not compiled already (train.compile compiles the loss with it) and the
+    logits are a plain tensor (not tensor parallelism's); false: the plain loss everywhere."""
 
     @model_validator(mode="after")
     def _heads_divide(self) -> GPTConfig:
@@ -107,7 +113,7 @@ class GPT(nn.Module):
     def __init__(self, cfg: GPTConfig, vocab_size: int):
         super().__init__()
         self.seq_len = cfg.seq_len
-        self.loss_chunks = cfg.loss_chunks
+        self.loss_chunks, self.fused_loss = cfg.loss_chunks, cfg.fused_loss
         self.tok_emb = nn.Embedding(vocab_size, cfg.d_model)
         self.pos_emb = nn.Embedding(cfg.seq_len, cfg.d_model)
         self.drop = nn.Dropout(cfg.dropout)
@@ -140,7 +146,11 @@ class GPT(nn.Module):
             return self.head(x)
         if self.loss_chunks > 1:
             return chunked_cross_entropy(x, self.head.weight, target, self.loss_chunks)
-        return cross_entropy_sum(self.head(x), target)
+        logits = self.head(x)
+        if self.fused_loss is True or (self.fused_loss == "auto" and logits.is_cuda and type(logits) is torch.Tensor
+                                       and not torch.compiler.is_compiling()):
+            return fused_cross_entropy_sum(logits, target)
+        return cross_entropy_sum(logits, target)
 
 
 def lm_loss(model: nn.Module, batch: Batch) -> torch.Tensor:
