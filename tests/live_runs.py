@@ -22,11 +22,12 @@ from shoal.training.flags import LEAVE_GRACE_S
 # global batch splits evenly over 2 and 3 ranks (micro-batches of 4 rather than 2: half the forwards, half
 # the time of every live test, as the cost of a step here is per forward). 40 steps: every story makes its
 # changes by about step 20 (the cancel story's came at step 21 at the latest in 8 runs beside a busy core),
-# and holds the workers at the gate where it must act before a given step
+# and holds the workers at the gate where it must act before a given step. A line every step: the tests watch
+# progress.json to act at a step, and it is written with each logged line
 GLOBAL, MICRO = 48, 4
 RUN = [*TINY_GPT, "--set", 'model.name="gate:build"', "--set", "train.steps=40", "--set",
        f"train.global_batch_size={GLOBAL}", "--set", f"train.micro_batch_size={MICRO}", "--set", "train.val_interval=0", "--set", "checkpoint.interval=50",
-       "--set", "metrics.log_interval=20"]
+       "--set", "metrics.log_interval=1"]
 
 
 def progress(run_dir) -> int:

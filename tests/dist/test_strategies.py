@@ -236,7 +236,7 @@ def comm_basics(env):
     gathered = comm.all_gather(torch.tensor([float(env.rank)]))
     flags = StepFlags(comm, torch.device("cpu"))
     flags.start(torch.tensor(0.5 * (env.rank + 1)), torch.tensor(False), stop=env.rank == 1, save=env.rank == 0)
-    f = agreed_flags(flags.result().tolist())
+    f = agreed_flags({**dict(zip(flags.names, flags.result().tolist(), strict=True)), **flags.known})
     records = list(comm.log.records)
     return (agreed, t.item(), value.item(), [x.item() for x in gathered], (f.loss_sum, f.stop, f.bad_norm, f.save),
             all(r["done"] for r in records), sorted(comm.log.totals))

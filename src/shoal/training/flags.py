@@ -47,21 +47,27 @@ class StepFlags:
         self.comm, self.device = comm, device
         self._pending: Pending | None = None
         self._agreed: torch.Tensor | None = None
+        self.names: tuple[str, ...] = AGREED  # result()'s entries
+        self.known: dict[str, float] = {}  # the rest of AGREED's, known on the host (world size 1)
 
     def start(self, loss_sum: torch.Tensor, bad_norm: torch.Tensor, stop: bool, save: bool, regroup: bool = False,
               stop_age: float = 0.0) -> None:
         """`loss_sum` and `bad_norm` are device scalars (never read here); the rest is what this host knows,
-        sent to the device in one copy that does not wait for it."""
-        mine = host_tensor([float(stop), float(save), float(regroup), stop_age], self.device)
+        sent to the device in one copy that does not wait for it. At world size 1 there is nothing to agree
+        on: the host's values stay on the host, and the device holds only its own two."""
+        mine = {"stops": float(stop), "save": float(save), "regroup": float(regroup), "stop_age": stop_age}
+        if self.comm.world_size == 1:
+            self._agreed, self.names, self.known = torch.stack([loss_sum.double(), bad_norm.double()]), AGREED[:2], mine
+            return
+        sent = host_tensor(list(mine.values()), self.device)
         t = torch.cat([loss_sum.double().reshape(1), bad_norm.double().reshape(1),
-                       mine.to(self.device, non_blocking=True)])
+                       sent.to(self.device, non_blocking=True)])
         self._agreed = t
-        if self.comm.world_size > 1:
-            self._pending = self.comm.all_reduce(t, label="world, step flags", async_op=True)
+        self._pending = self.comm.all_reduce(t, label="world, step flags", async_op=True)
 
     def result(self) -> torch.Tensor:
-        """The vector summed over the ranks (AGREED's entries), on the device: waiting for it makes the
-        device wait for the collective, not the host for the device."""
+        """The vector summed over the ranks (`names`' entries: AGREED's, or at world size 1 its first two),
+        on the device: waiting for it makes the device wait for the collective, not the host for the device."""
         if self._pending is not None:
             self._pending.wait()
             self._pending = None
@@ -76,10 +82,10 @@ def host_tensor(values: list[float], device: torch.device) -> torch.Tensor:
     return t.pin_memory() if device.type == "cuda" else t
 
 
-def agreed_flags(values: list[float]) -> Flags:
-    """The host's view of the agreed vector's entries (AGREED's order)."""
-    loss_sum, bad_norms, stops, save, regroup, stop_age = values
-    return Flags(loss_sum, round(stops), bad_norms > 0, save > 0, regroup > 0, stop_age)
+def agreed_flags(values: dict[str, float]) -> Flags:
+    """The host's view of the agreed entries (AGREED's, by name)."""
+    v = values
+    return Flags(v["loss_sum"], round(v["stops"]), v["bad_norms"] > 0, v["save"] > 0, v["regroup"] > 0, v["stop_age"])
 
 
 def stop_or_regroup(agreed: Flags, world: int, live: bool) -> tuple[bool, bool]:

@@ -25,10 +25,7 @@ import torch
 
 from shoal.comm.collectives import Comm, Pending
 from shoal.metrics.timers import StepTimer
-from shoal.training.flags import AGREED, Flags, agreed_flags, host_tensor
-
-# the report's entries after the agreed flags
-OWN = ("grad_norm", "items", "bad", "overflow", "loss_scale")
+from shoal.training.flags import Flags, agreed_flags, host_tensor
 
 
 @dataclass(frozen=True)
@@ -76,12 +73,16 @@ class MemoryShare:
 
 
 class StepReport:
-    """One step's values on their way to the host. `values`: the agreed flags (flags.AGREED), OWN, then (a
-    step that measures memory) `memory`'s result, a float64 vector on the step's device."""
+    """One step's values on their way to the host: `values`, a float64 vector on the step's device, holds
+    `names`' entries, then (a step that measures memory) `memory`'s result; `known` holds the entries the
+    host knew already (at world size 1 the flags it would have agreed with no one, at dp 1 the items it
+    counted). Together: flags.AGREED's entries, grad_norm, items, bad, overflow, loss_scale."""
 
-    def __init__(self, values: torch.Tensor, *, step: int, lr: float, timer: StepTimer, memory: MemoryShare | None,
-                 comm_bytes: int, decide: Callable[[Flags], tuple[bool, bool]]):
+    def __init__(self, values: torch.Tensor, names: list[str], known: dict[str, float], *, step: int, lr: float,
+                 timer: StepTimer, memory: MemoryShare | None, comm_bytes: int,
+                 decide: Callable[[Flags], tuple[bool, bool]]):
         self.step, self.lr, self.timer, self.memory, self.comm_bytes = step, lr, timer, memory, comm_bytes
+        self.names, self.known = names, known
         self.decide = decide  # (stop, regroup) from the agreed flags (flags.stop_or_regroup)
         cuda = values.device.type == "cuda"
         self.host = torch.empty(values.shape, dtype=values.dtype, pin_memory=cuda)
@@ -112,9 +113,9 @@ class StepReport:
         raise AttributeError(f"{type(self).__name__!s} has no attribute {name!r}")
 
     def _make(self, values: list[float]) -> StepResult:
-        agreed = agreed_flags(values[:len(AGREED)])
-        mine = len(AGREED) + len(OWN)
-        own = dict(zip(OWN, values[len(AGREED):mine], strict=True))
+        mine = len(self.names)
+        own = {**dict(zip(self.names, values[:mine], strict=True)), **self.known}
+        agreed = agreed_flags(own)
         items = own["items"]
         overflow = own["overflow"] > 0 and own["bad"] == 0
         stop, regroup = self.decide(agreed)

@@ -17,6 +17,7 @@ for the loss scaling.
 from __future__ import annotations
 
 import contextlib
+import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -101,8 +102,8 @@ class Stepper:
                memory: dict[str, float] | None, sent: int, lr: float) -> StepReport:
         """The step after its backward (and the StepSync's after_backward): the norm, the flags, clipping,
         the verdict, the update. `loss_sum`: this rank's share of the global loss sum; `total()`: the items
-        it is over, on all ranks (a device scalar); `sent`: comm.sync_bytes when the step began; `lr`: the
-        step's learning rate. shoal's loop and a Session's step() both end their steps here."""
+        it is over, on all ranks (a device scalar; at dp 1 a number); `sent`: comm.sync_bytes when the step
+        began; `lr`: the step's learning rate. shoal's loop and a Session's step() both end their steps here."""
         par, optimizer, precision, c = self.par, self.optimizer, self.precision, self.controls
         self.phase.outside("optimizer step")
         precision.unscale(optimizer)
@@ -124,18 +125,33 @@ class Stepper:
              **device_memory_bytes(self.device), **memory}, self.comm, self.device)
         optimizer.zero_grad(set_to_none=True)
         timer.mark("optimizer_s")
-        overflow = (~torch.isfinite(norm)).double() if precision.scaler else torch.zeros_like(norm)
-        scale = precision.scale()
-        values = torch.cat([agreed, norm.reshape(1), total().reshape(1), bad.double().reshape(1),
-                            overflow.reshape(1), (scale.double() if scale is not None else torch.zeros_like(norm))
-                            .to(self.device).reshape(1), *([share.result()] if share else [])])
-        live, world, in_sync = c.regroup_wanted is not None, self.comm.world_size, par.in_sync(step + 1)
+        return self._report(flags, agreed, norm, bad, total(), share, step, timer, sent, lr)
+
+    def _report(self, flags: StepFlags, agreed: torch.Tensor, norm: torch.Tensor, bad: torch.Tensor,
+                items: torch.Tensor | float, share: MemoryShare | None, step: int, timer: StepTimer, sent: int,
+                lr: float) -> StepReport:
+        """The step's report: what only the device knows in one vector, copied to the host without waiting;
+        what the host knows already (the flags at world size 1, the items at dp 1, no loss scale) as it is."""
+        names, known, scalars = [*flags.names, "grad_norm", "bad"], dict(flags.known), [norm, bad]
+        if isinstance(items, float):
+            known["items"] = items
+        else:
+            names.append("items")
+            scalars.append(items)
+        if self.precision.scaler:
+            names += ["overflow", "loss_scale"]
+            scalars += [~torch.isfinite(norm), self.precision.scale().to(self.device)]
+        else:
+            known.update(overflow=0.0, loss_scale=0.0)
+        values = torch.cat([agreed, torch.stack([v.double() for v in scalars]), *([share.result()] if share else [])])
+        live, world = self.controls.regroup_wanted is not None, self.comm.world_size
+        in_sync = self.par.in_sync(step + 1)
 
         def decide(flags) -> tuple[bool, bool]:
             stop, regroup = stop_or_regroup(flags, world, live)
             return stop, regroup and in_sync  # else at the end of the first step where they are
-        return StepReport(values, step=step, lr=lr, timer=timer, memory=share, comm_bytes=self.comm.sync_bytes - sent,
-                          decide=decide)
+        return StepReport(values, names, known, step=step, lr=lr, timer=timer, memory=share,
+                          comm_bytes=self.comm.sync_bytes - sent, decide=decide)
 
     def _after_update(self, bad: torch.Tensor, step: int) -> None:
         """What the StepSync does after the update. A mode that must know at once whether the update ran
@@ -149,25 +165,30 @@ class Stepper:
 
 class ItemCount:
     """The items (tokens or samples) of the whole global batch: this rank's, counted on the host, summed
-    over dp by an all-reduce that runs while the first forward does. Only the device ever holds the sum."""
+    over dp by an all-reduce that runs while the first forward does, the sum held only on the device. At dp 1
+    there is nothing to sum: the count stays a number on the host, and nothing is copied for it."""
 
     def __init__(self, local: int, comm: Comm, par: Parallelized, device: torch.device):
-        self.local = host_tensor([float(local)], device).to(device, non_blocking=True)
         self.dp = par.dp
-        self._pending: Pending | None = (comm.all_reduce(self.local, group=par.dp_group, label="dp", async_op=True)
-                                         if par.dp > 1 else None)
-        self._scale: torch.Tensor | None = None
+        self._pending: Pending | None = None
+        self._scale: torch.Tensor | float | None = None
+        if self.dp == 1:
+            self.local: torch.Tensor | float = float(local)
+            return
+        self.local = host_tensor([float(local)], device).to(device, non_blocking=True)
+        self._pending = comm.all_reduce(self.local, group=par.dp_group, label="dp", async_op=True)
 
-    def total(self) -> torch.Tensor:
+    def total(self) -> torch.Tensor | float:
         if self._pending is not None:
             self._pending.wait()
             self._pending = None
-        return self.local.reshape(())
+        return self.local if isinstance(self.local, float) else self.local.reshape(())
 
-    def scale(self) -> torch.Tensor:
+    def scale(self) -> torch.Tensor | float:
         """What each backward is scaled by: gradient averaging divides by dp, so multiply it back and
-        divide by the global count."""
+        divide by the global count (no items counted: infinite, the loss NaN, a bad step)."""
         if self._scale is None:
-            self._scale = self.dp / self.total().float()
+            total = self.total()
+            self._scale = (self.dp / total.float() if isinstance(total, torch.Tensor)
+                           else 1.0 / total if total else math.inf)
         return self._scale
-
