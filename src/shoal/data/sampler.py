@@ -34,13 +34,13 @@ class GlobalBatchSampler:
         return self._perms[epoch]
 
     def global_indices(self, step: int) -> torch.Tensor:
-        pos = np.arange(step * self.batch, (step + 1) * self.batch)  # (B,) stream positions
-        epochs, offsets = pos // self.n, pos % self.n
-        out = np.empty(self.batch, dtype=np.int64)
-        for e in np.unique(epochs):
-            mask = epochs == e
-            out[mask] = self._perm(int(e))[offsets[mask]]
-        return torch.from_numpy(out)
+        """The samples of global batch `step`: stream positions step*B .. (step+1)*B - 1 over the epochs'
+        permutations, taken as slices of each epoch's (the data thread makes a batch every step, holding
+        the GIL while it does: a mask per epoch cost more than the rest of the batch)."""
+        start, end = step * self.batch, (step + 1) * self.batch
+        parts = [self._perm(e)[max(start - e * self.n, 0):min(end - e * self.n, self.n)]
+                 for e in range(start // self.n, (end - 1) // self.n + 1)]
+        return torch.from_numpy(np.concatenate(parts) if len(parts) > 1 else parts[0].copy())
 
     def data_step(self, step: int) -> int:
         """The data step that training step `step` trains on."""
