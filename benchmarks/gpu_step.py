@@ -388,6 +388,8 @@ def main() -> int:
     except Failed as e:
         b.facts["loss"] = {"error": str(e)}
     report.loss_lines(b.facts["loss"])
+    if not args.fp8_only:
+        report.table_header()
     rows: list[dict] = []
     syncs: dict = {}
     if not args.fp8_only:

@@ -100,8 +100,10 @@ def header(b) -> None:
     sheet = (f"data sheet {f['sheet_flops'] / 1e12:.1f} TFLOP/s ({f['sheet_name']})" if f.get("sheet_flops")
              else "no data sheet for this device")
     print(f"bf16 matmul {f['matmul_n']}^3: {f['matmul_flops'] / 1e12:.2f} TFLOP/s measured (best of 5); {sheet}")
-    if b.args.fp8_only:
-        return
+
+
+
+def table_header() -> None:
     print(f"\n{'run':<12} {'mode':<9} {'mb':>4} {'step ms':>9} {'tokens/s':>11} {'MFU sheet':>9} {'MFU matmul':>10} "
           f"{'syncs/step':>10} {'peak':>10}", flush=True)
 

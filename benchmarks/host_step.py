@@ -13,10 +13,11 @@ step W + N, over N (shoal's ends: metrics.jsonl's stamps of those steps). The tw
 the order swapped in every other pair so that a drift of the machine's speed hits both alike; the ratio is taken
 within each pair, and the median and range of those ratios are reported.
 
-    python benchmarks/host_step.py [--pairs 5] [--warmup 50] [--timed 400]
+    python benchmarks/host_step.py [--pairs 5] [--warmup 50] [--timed 400] [--set key=value ...]
 
 Target (issue 58): shoal / loop <= 1.05. Run it on a quiet machine (nothing else on the cores). Last line:
     RESULT host_ratio=<median> ratio_min=... ratio_max=... shoal_ms=<median> loop_ms=<median> pairs=N
+           gc_before_freeze_ms=... gc_after_ms=... (shoal's full garbage collections, medians over its runs)
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ from pathlib import Path
 import numpy as np
 from gpu_paths_tools import HERE, ROOT, read_jsonl, run  # benchmarks/, beside this script
 
+GC: list[tuple] = []  # each shoal run's full garbage collection before the heap's freeze and after (summary.json)
 SHAPE = {"n_layer": 2, "n_head": 2, "d_model": 32, "seq_len": 32, "vocab_size": 512}
 MICRO, INTERVAL = 4, 10
 
@@ -73,20 +75,27 @@ progress = false
     return path
 
 
-def loop_run(cfg: Path, out: Path, env: dict, warmup: int, timed: int, log: Path) -> float:
+def loop_run(cfg: Path, out: Path, env: dict, warmup: int, timed: int, log: Path, sets: list[str]) -> float:
     r = run([sys.executable, HERE / "gpu_step_loop.py", "train", cfg, "--micro", MICRO, "--warmup", warmup,
              "--timed", timed, "--log-interval", INTERVAL, "--sync-steps", 0, "--threads", 1],
             cwd=out, env=env, timeout=600, log=log)
     return json.loads(r.stdout.strip().splitlines()[-1])["step_s"]
 
 
-def shoal_run(cfg: Path, out: Path, env: dict, warmup: int, timed: int, log: Path) -> float:
+def shoal_run(cfg: Path, out: Path, env: dict, warmup: int, timed: int, log: Path, sets: list[str]) -> float:
     run_dir = out / "run"
     shutil.rmtree(run_dir, ignore_errors=True)
-    run([sys.executable, "-m", "shoal", "train", cfg, "--nproc", "1", "--run-dir", run_dir], cwd=out, env=env,
-        timeout=600, log=log)
+    run([sys.executable, "-m", "shoal", "train", cfg, "--nproc", "1", "--run-dir", run_dir,
+         *[a for s in sets for a in ("--set", s)]], cwd=out, env=env, timeout=600, log=log)
     stamps = {m["step"]: m["time"] for m in read_jsonl(run_dir / "metrics.jsonl") if "loss" in m}
+    summary = json.loads((run_dir / "summary.json").read_text())
+    GC.append((summary.get("gc_pause_before_freeze_s"), summary.get("gc_pause_s")))
     return (stamps[warmup + timed] - stamps[warmup]) / timed
+
+
+def median_ms(seconds: list) -> str:
+    got = [s for s in seconds if s is not None]
+    return f"{statistics.median(got) * 1e3:.2f}" if got else "-"
 
 
 def main() -> int:
@@ -94,6 +103,7 @@ def main() -> int:
     ap.add_argument("--pairs", type=int, default=5, help="alternated pairs of runs (default 5, at least 3)")
     ap.add_argument("--warmup", type=int, default=50, help="steps before the timed ones (a multiple of 10)")
     ap.add_argument("--timed", type=int, default=400, help="timed steps (a multiple of 10)")
+    ap.add_argument("--set", action="append", default=[], help="a config override for shoal's runs (what it costs)")
     ap.add_argument("--out", help="folder for the config, token file, runs and logs (default: temporary)")
     args = ap.parse_args()
     if args.pairs < 3 or args.warmup % INTERVAL or args.timed % INTERVAL:
@@ -111,7 +121,8 @@ def main() -> int:
     times: dict[str, list[float]] = {"loop": [], "shoal": []}
     for i in range(args.pairs):
         for side in (("loop", "shoal") if i % 2 == 0 else ("shoal", "loop")):
-            times[side].append(sides[side](cfg, out, env, args.warmup, args.timed, out / "logs" / f"{i}-{side}.log"))
+            times[side].append(sides[side](cfg, out, env, args.warmup, args.timed, out / "logs" / f"{i}-{side}.log",
+                                           args.set))
         print(f"pair {i + 1}: loop {times['loop'][-1] * 1e3:.2f} ms  shoal {times['shoal'][-1] * 1e3:.2f} ms  "
               f"ratio {times['shoal'][-1] / times['loop'][-1]:.3f}", flush=True)
     ratios = [s / p for s, p in zip(times["shoal"], times["loop"], strict=True)]
@@ -120,6 +131,7 @@ def main() -> int:
     print(f"RESULT host_ratio={statistics.median(ratios):.3f} ratio_min={min(ratios):.3f} "
           f"ratio_max={max(ratios):.3f} shoal_ms={statistics.median(times['shoal']) * 1e3:.2f} "
           f"loop_ms={statistics.median(times['loop']) * 1e3:.2f} pairs={args.pairs} "
+          f"gc_before_freeze_ms={median_ms([g[0] for g in GC])} gc_after_ms={median_ms([g[1] for g in GC])} "
           f"seconds={time.monotonic() - started:.0f}")
     return 0
 

@@ -1,7 +1,7 @@
 """Python's garbage collector during training, managed as torchtitan manages it: automatic collection off
-for the run, what the first steps built (the model, the optimizer, torch.compile's dynamo and inductor
-state: hundreds of thousands of long-lived objects) frozen out of every later scan, and a full collection
-between steps every train.gc_interval steps, at the same step on every rank.
+for the run, what the first step leaves (the model, the optimizer's state, torch.compile's dynamo and
+inductor state: hundreds of thousands of long-lived objects) frozen out of every later scan, and a full
+collection between steps every train.gc_interval steps, at the same step on every rank.
 
 Left automatic, a generation-2 collection starts whenever allocations outnumber deallocations enough, in
 the middle of some step on some rank, and scans the whole heap: with a compiled model's heap that is tens
@@ -18,7 +18,8 @@ import gc
 import statistics
 import time
 
-FREEZE_AFTER = 3  # steps: the first compiles, and a recompile (a changed guard) comes by the second or third
+FREEZE_AFTER = 1  # steps: the first builds what lives on (torch.compile's graphs, the optimizer's state); a freeze
+# later would put its ~0.2 s pause inside a benchmark's window of steps
 
 
 class Collector:
