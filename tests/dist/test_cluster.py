@@ -527,8 +527,10 @@ def test_the_sbatch_script_trains_across_hosts_and_a_requeue_resumes_it_bitwise(
     job.ctl(["scontrol", "update", f"JobId={job.id}", "StartTime=now"])
     job.wait()
     out, run_dir = job.output(), next((tmp_path / "runs").iterdir())  # the second run's output
-    saved = f"checkpoints/step_{hold + 1:08d}"
-    assert f"resumed from {run_dir.relative_to(tmp_path)}/{saved} (step {hold + 1})" in out, out
+    # the stop is agreed in the flags of the step held (hold + 1), which is read once the next is queued: that
+    # next step is read at once and the run saves at its end
+    saved = f"checkpoints/step_{hold + 2:08d}"
+    assert f"resumed from {run_dir.relative_to(tmp_path)}/{saved} (step {hold + 2})" in out, out
     assert json.loads((run_dir / "summary.json").read_text())["steps"] == 12, out
     ranks(2).run(train_on_ranks, [a for a in run if a != "--set"], str(tmp_path / "uninterrupted"))
     got, want = read_weights(run_dir), read_weights(tmp_path / "uninterrupted")
@@ -544,7 +546,7 @@ def test_a_heterogeneous_job_trains_as_on_loopback_and_scancel_stops_it_with_a_v
     Slurm sets that step's variables over all components (SLURM_STEP_NUM_NODES 2, SLURM_NODEID 0 and 1), so
     each shoal finds the job; node 0's name (h0) resolves nowhere, and its address comes from Slurm's NodeAddr.
     `scancel` while the workers hold after step 4: every worker on both hosts stops, the checkpoint written
-    on the way (step 5) is valid, and the steps trained equal two ranks on loopback, loss for loss."""
+    on the way (step 6: the stop is agreed in step 5, read once step 6 is queued) is valid, and the steps trained equal two ranks on loopback, loss for loss."""
     from live_runs import RUN, held_after
     from shoal.checkpoint.resume import newest_valid
 
@@ -564,11 +566,12 @@ def test_a_heterogeneous_job_trains_as_on_loopback_and_scancel_stops_it_with_a_v
     out = job.output()
     assert "2 nodes, node rank 1, rendezvous 10.200.0.1:" in out, out
     assert shoal_on_hosts() == [], out
-    assert newest_valid(tmp_path / "het" / "checkpoints") == tmp_path / "het" / "checkpoints" / "step_00000005", out
-    ranks(2).run(train_on_ranks, [*[a for a in run if a != "--set"], "train.steps=5"], str(tmp_path / "loopback"))
+    # the stop is agreed in step 5's flags, read once step 6 is queued: step 6 is read at once and saved
+    assert newest_valid(tmp_path / "het" / "checkpoints") == tmp_path / "het" / "checkpoints" / "step_00000006", out
+    ranks(2).run(train_on_ranks, [*[a for a in run if a != "--set"], "train.steps=6"], str(tmp_path / "loopback"))
     on_slurm, on_loopback = ([(m["loss"], m["grad_norm"]) for m in read_metrics(d) if "loss" in m]
                              for d in (tmp_path / "het", tmp_path / "loopback"))
-    assert len(on_slurm) == 5 and on_slurm == on_loopback, out
+    assert len(on_slurm) == 6 and on_slurm == on_loopback, out
 
 
 # --- a real Ray on the hosts: `ray start --head` in h0, `ray start --address` in h1 (shoal cluster up --ray) ---
@@ -634,13 +637,13 @@ def test_shoal_train_on_ray_equals_loopback_and_a_sigterm_to_the_driver_resumes_
             driver.kill()
     assert driver.returncode == 128 + signal.SIGTERM, out
     assert "shoal: 2 nodes on the Ray cluster at 10.200.0.1:6379 (" in out, out
-    saved = tmp_path / "ray" / "checkpoints" / f"step_{hold + 1:08d}"
+    saved = tmp_path / "ray" / "checkpoints" / f"step_{hold + 2:08d}"  # the held step's next (see the sbatch test)
     assert f"checkpoint {saved}; to resume, run: shoal train " in out and f"--ray {ray_cluster}" in out, out
     assert shoal_on_hosts() == [], out
 
     again = in_h0(command, timeout=150)
     assert again.returncode == 0, again.stdout + again.stderr
-    assert f"resumed from {saved} (step {hold + 1})" in again.stdout + again.stderr
+    assert f"resumed from {saved} (step {hold + 2})" in again.stdout + again.stderr
     ranks(2).run(train_on_ranks, [a for a in run if a != "--set"], str(tmp_path / "uninterrupted"))
     got, want = read_weights(tmp_path / "ray"), read_weights(tmp_path / "uninterrupted")
     assert all(torch.equal(got[k], want[k]) for k in want), "the run on Ray differs from the uninterrupted one"
