@@ -25,6 +25,10 @@ run's SM clock, temperature and power are sampled by nvidia-smi every 250 ms (be
 summary). TF32 is left at torch's default on both sides. The loss each side computes is printed first, with the head
 and loss alone timed (gpu_step_loop.py loss): the loop's F.cross_entropy under autocast against shoal's plain, fused
 (model.fused_loss, an eager GPT's default on CUDA) and chunked losses, each's time, memory and error against float64.
+--trace adds, at the first micro-batch, one compiled run of each side with torch.profiler over the 3 steps after the
+warm-up (shoal's metrics.trace_steps; the loop's own profiler), both traces kept under --out, and what each shows per
+step: kernels (operators on a CPU), the device's busy and idle time in the traced span, the largest kernels by time,
+and the kernels one side runs and the other does not.
 MFU: 6N + 12 L T d FLOPs per token (N the matmul weights: every parameter but the position table, the tied
 embedding once, as nanoGPT's estimate_mfu and shoal's profile count them), against the card's data-sheet dense
 bf16 peak (shoal.hardware's preset for the card; none for a card without one) and against a bf16 8192^3 matmul
@@ -34,7 +38,8 @@ syncs) plus every torch.cuda.synchronize; in the plain loop's own process after 
 benchmarks/gpu_step_syncs/sitecustomize.py in a short run of its own (counting slows a step: never timed). Peak
 memory: CUDA's peak allocated bytes (shoal: summary.json's peak_memory_bytes).
 
-    python benchmarks/gpu_step.py [--quick] [--micro 16,64] [--pairs 3] [--tuned] [--fp8 | --fp8-only] [--out DIR]
+    python benchmarks/gpu_step.py [--quick] [--micro 16,64] [--pairs 3] [--trace] [--tuned] [--fp8 | --fp8-only]
+                                  [--out DIR]
     bash benchmarks/gpu_step.sh [ARGS]     (a GPU machine whose python3 has torch: the wheels it lacks in .whl/)
 
 Sized for ~12 minutes on one H100 at one micro-batch (--micro 16), ~20 at both (each pair: two process starts and,
@@ -278,6 +283,31 @@ def micro_batch_runs(b: Bench, mb: int, done: set[int], rows: list) -> None:
         report.show(rows[-1])
 
 
+TRACED = 3  # steps traced on each side, from the one after the warm-up
+
+
+def traces(b: Bench, mb: int) -> dict:
+    """--trace: one compiled run of each side at `mb` with torch.profiler over the same TRACED steps after the
+    warm-up (shoal's metrics.trace_steps, the loop's own profiler), and what each trace shows per step."""
+    first, last = b.warmup + 1, b.warmup + TRACED
+    config, folder = b.step_config(), b.out / "traces"
+    shutil.rmtree(folder, ignore_errors=True)
+    got = {}
+    try:
+        run([sys.executable, HERE / "gpu_step_loop.py", "train", config, "--micro", mb, "--warmup", b.warmup,
+             "--timed", b.timed, "--log-interval", b.interval, "--sync-steps", 0, "--compile", "--trace-dir", folder,
+             "--trace-steps", first, last], cwd=b.out, env=b.env, timeout=420, log=b.log(f"trace-plain-mb{mb}"))
+        got["plain loop"] = report.trace_summary(folder / "loop.pt.trace.json", TRACED)
+        shoal_run(b, f"trace-shoal-mb{mb}", config, [f"train.micro_batch_size={mb}", f"train.global_batch_size={mb}",
+                  "train.compile=true", f"metrics.trace_steps=[{first},{last}]"], b.warmup, b.warmup + b.timed,
+                  timeout=420)
+        [shoal_trace] = sorted((b.out / "runs" / f"trace-shoal-mb{mb}" / "traces").glob("rank0*.json"))
+        got["shoal train"] = report.trace_summary(shoal_trace, TRACED)
+    except (Failed, ValueError, OSError) as e:
+        got["error"] = str(e)
+    return {"mb": mb, "steps": [first, last], **got}
+
+
 def shoal_syncs(b: Bench, mb: int) -> dict:
     """Host syncs per step inside `shoal train` (eager, micro-batch `mb`), over the log interval after the warm-up:
     a run of warm-up + one interval with the counting hook on its PYTHONPATH."""
@@ -362,6 +392,7 @@ def main() -> int:
     ap.add_argument("--timed", type=int, help="timed steps (default 30; 4 with --quick)")
     ap.add_argument("--pairs", type=int, help="alternated pairs of runs per setting (default 3; 2 with --quick)")
     ap.add_argument("--tuned", action="store_true", help="add shoal train with TUNED per micro-batch")
+    ap.add_argument("--trace", action="store_true", help="add a torch.profiler trace of the compiled step, each side")
     ap.add_argument("--fp8", action="store_true", help="add the fp8 comparison (~1B GPT, bf16 against fp8)")
     ap.add_argument("--fp8-only", action="store_true", help="only the fp8 comparison")
     ap.add_argument("--out", help="folder for run dirs, configs, logs and gpu_step.json (kept); default: temporary")
@@ -403,6 +434,9 @@ def main() -> int:
                 except Failed as e:
                     syncs = {"error": str(e)}
                 report.save(b, rows, syncs)
+                if args.trace:
+                    b.facts["trace"] = traces(b, min(done))
+                    report.trace_lines(b.facts["trace"])
     fp8 = fp8_compare(b)
     failed = report.summary(b, rows, syncs, fp8, time.monotonic() - started, tuned_note(b))
     report.save(b, rows, syncs, fp8)

@@ -28,6 +28,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import resource
 import subprocess
 import sys
@@ -86,6 +87,32 @@ class SyncCount:
         self.sites.update(f"{w.filename}:{w.lineno}" for w in implicit)
         self.implicit = len(implicit)
         return False
+
+
+class Traced:
+    """torch.profiler over steps [first, last] (1-based) of the loop, as shoal's metrics.trace_steps traces its
+    own: CPU activity, and CUDA kernels on a GPU; the Chrome trace written to `folder`/loop.pt.trace.json."""
+
+    def __init__(self, folder: str | None, steps: list[int] | None, cuda: bool):
+        self.folder, (self.first, self.last) = folder, steps or (0, -1)
+        self.cuda, self.prof = cuda, None
+
+    def before(self, step: int) -> None:
+        if self.folder and step == self.first:
+            from torch.profiler import ProfilerActivity, profile
+
+            self.prof = profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if self.cuda else []),
+                                record_shapes=True)
+            self.prof.start()
+
+    def after(self, step: int) -> None:
+        if self.prof is not None and step == self.last:
+            if self.cuda:
+                torch.cuda.synchronize()  # the last step's kernels in the trace
+            self.prof.stop()
+            os.makedirs(self.folder, exist_ok=True)
+            self.prof.export_chrome_trace(os.path.join(self.folder, "loop.pt.trace.json"))
+            self.prof = None
 
 
 def train(args) -> dict:
@@ -152,8 +179,11 @@ def train(args) -> dict:
         return x, y
 
     x, y = get_batch()
+    traced = Traced(args.trace_dir, args.trace_steps, cuda)
     for it in range(total):
+        traced.before(it + 1)
         x, y = step(it, x, y)
+        traced.after(it + 1)
         if it + 1 in (args.warmup, total):
             if cuda:
                 torch.cuda.synchronize()
@@ -303,6 +333,8 @@ def main() -> None:
     tr.add_argument("--log-interval", type=int, default=10)
     tr.add_argument("--sync-steps", type=int, default=10)
     tr.add_argument("--threads", type=int, default=0, help="torch's intra-op threads (0: torch's default)")
+    tr.add_argument("--trace-dir", help="write a torch.profiler trace of --trace-steps here")
+    tr.add_argument("--trace-steps", type=int, nargs=2, metavar=("FIRST", "LAST"))
     lo = sub.add_parser("loss")
     lo.add_argument("--micro", type=int, default=16)
     lo.add_argument("--seq", type=int, default=1024)

@@ -103,6 +103,51 @@ def header(b) -> None:
 
 
 
+def trace_summary(path: Path, steps: int) -> dict:
+    """What a torch.profiler Chrome trace of `steps` steps shows, per step: its GPU kernels (on a CPU, its
+    operators: the trace has no kernels), how long the device was busy (the union of the kernels' spans) and
+    idle within the traced span, and each kernel's (operator's) time and count."""
+    events = [e for e in json.loads(path.read_text())["traceEvents"] if e.get("ph") == "X" and "dur" in e]
+    kind = "kernel" if any(e.get("cat") == "kernel" for e in events) else "cpu_op"
+    ev = sorted((e for e in events if e.get("cat") == kind), key=lambda e: e["ts"])
+    if not ev:
+        raise ValueError(f"{path.name} holds no {kind} events")
+    busy, end = 0.0, ev[0]["ts"]
+    for e in ev:  # the union of the spans (operators nest; a GPU's streams overlap)
+        start, stop = max(e["ts"], end), e["ts"] + e["dur"]
+        if stop > start:
+            busy, end = busy + stop - start, stop
+    span = max(e["ts"] + e["dur"] for e in ev) - ev[0]["ts"]
+    per: dict[str, list[float]] = {}
+    for e in ev:
+        t = per.setdefault(e["name"], [0.0, 0])
+        t[0] += e["dur"] / 1e3 / steps
+        t[1] += 1 / steps
+    return {"kind": kind, "per_step": len(ev) / steps, "busy_ms": busy / 1e3 / steps,
+            "idle_ms": (span - busy) / 1e3 / steps, "ops": per, "file": str(path)}
+
+
+def trace_lines(trace: dict) -> None:
+    """The two traces side by side: per step, kernels, busy and idle time; the largest; those that differ."""
+    if "error" in trace:
+        print(f"trace: failed: {trace['error']}")
+        return
+    sides = {k: v for k, v in trace.items() if k in ("plain loop", "shoal train")}
+    kind = next(iter(sides.values()))["kind"]
+    print(f"trace of the compiled step, steps {trace['steps'][0]}-{trace['steps'][1]} at micro-batch {trace['mb']}, "
+          f"per step ({'GPU kernels' if kind == 'kernel' else 'CPU operators: no GPU'}):")
+    for who, t in sides.items():
+        top = sorted(t["ops"].items(), key=lambda kv: -kv[1][0])[:5]
+        print(f"  {who:<12} {t['per_step']:.0f} {kind}s, busy {t['busy_ms']:.2f} ms, idle {t['idle_ms']:.2f} ms; "
+              "largest: " + "; ".join(f"{name[:40]} {ms:.2f} ms x{n:.0f}" for name, (ms, n) in top))
+    if len(sides) == 2:
+        a, b = sides["plain loop"]["ops"], sides["shoal train"]["ops"]
+        diff = sorted(((b.get(k, [0, 0])[0] - a.get(k, [0, 0])[0], k) for k in {*a, *b}), key=lambda d: -abs(d[0]))
+        print("  shoal - loop, the largest differences: " + "; ".join(
+            f"{name[:40]} {ms:+.3f} ms ({b.get(name, [0, 0])[1]:.0f} vs {a.get(name, [0, 0])[1]:.0f})"
+            for ms, name in diff[:6]))
+
+
 def table_header() -> None:
     print(f"\n{'run':<12} {'mode':<9} {'mb':>4} {'step ms':>9} {'tokens/s':>11} {'MFU sheet':>9} {'MFU matmul':>10} "
           f"{'syncs/step':>10} {'peak':>10}", flush=True)

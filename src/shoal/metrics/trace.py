@@ -16,7 +16,10 @@ class StepTrace:
         self.prof = None
 
     def before(self, step: int) -> None:
-        """Step `step` (1-based) is about to run."""
+        """Step `step` (1-based) is about to run. The trace ends here once past its last step: a step is read
+        once the next is queued, and what follows the last one is not the traced steps' work."""
+        if self.prof is not None and step > self.last:
+            self.close()
         if self.prof is None and self.first <= step <= self.last:
             from torch.profiler import ProfilerActivity, profile, tensorboard_trace_handler
 
@@ -34,4 +37,6 @@ class StepTrace:
         """Write what was traced (also when the run ends or stops inside the range)."""
         if self.prof is not None:
             prof, self.prof = self.prof, None
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)  # the traced steps' kernels, run to their end, in the trace
             prof.stop()
