@@ -42,6 +42,7 @@ def frames_compiled_in_the_steps(env, overrides: list[str], run_dir: str) -> dic
     return {"steps": len(summary["losses"]) if "losses" in summary else None, **seen}
 
 
+@pytest.mark.slow  # two compiles through dynamo and AOTAutograd: ~17 s
 @pytest.mark.parametrize("world", [1, 2])
 def test_the_compiled_step_has_no_graph_break_and_no_recompile(tmp_path, ranks, world):
     got = ranks(world).run(frames_compiled_in_the_steps, CONFIG, str(tmp_path / "run"), timeout=300)
