@@ -51,6 +51,37 @@ progress = false
 """
 
 
+def gpt_on_tokens(path: Path, shape: dict, tokens: Path, *, steps: int, warmup: int, interval: int, dtype: str,
+                  train: dict | None = None, more: str = "") -> Path:
+    """A config file at `path`: shoal's GPT of `shape` on a token file (uint16), constant settings for a timed
+    run (no checkpoints, no TensorBoard, no progress bar, validation only at the end), and `train`'s keys added
+    to [train], `more` (TOML sections) after."""
+    keys = {"steps": steps, "lr": 6e-4, "warmup_steps": warmup, "val_interval": 0, "val_batches": 1, **(train or {})}
+    text = "[model]\nname = \"gpt\"\n" + "".join(f"{k} = {v}\n" for k, v in shape.items()) + f"""
+[data]
+source = "tokens"
+path = "{tokens}"
+token_dtype = "uint16"
+
+[train]
+""" + "".join(f"{k} = {v}\n" for k, v in keys.items()) + f"""
+[precision]
+dtype = "{dtype}"
+
+[checkpoint]
+enabled = false
+final_weights = false
+
+[metrics]
+log_interval = {interval}
+tensorboard = false
+progress = false
+""" + more
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text)
+    return path
+
+
 class Failed(Exception):
     """A path's check failed; the message is the one-line reason."""
 

@@ -72,7 +72,7 @@ import time
 from pathlib import Path
 
 import gpu_step_report as report  # benchmarks/, beside this script
-from gpu_paths_tools import HERE, ROOT, Failed, read_jsonl, run
+from gpu_paths_tools import HERE, ROOT, Failed, gpt_on_tokens, read_jsonl, run
 
 GPT2 = {"n_layer": 12, "n_head": 12, "d_model": 768, "seq_len": 1024, "vocab_size": 50304}
 TINY = {"n_layer": 2, "n_head": 2, "d_model": 64, "seq_len": 64, "vocab_size": 512}
@@ -105,35 +105,8 @@ class Bench:
         return self.logs / f"{self.count:02d}-{name}.log"
 
     def config(self, name: str, shape: dict, steps: int, warmup: int, interval: int) -> Path:
-        text = "[model]\nname = \"gpt\"\n" + "".join(f"{k} = {v}\n" for k, v in shape.items()) + f"""
-[data]
-source = "tokens"
-path = "{self.tokens}"
-token_dtype = "uint16"
-
-[train]
-steps = {steps}
-lr = 6e-4
-warmup_steps = {warmup}
-val_interval = 0
-val_batches = 1
-
-[precision]
-dtype = "bf16"
-
-[checkpoint]
-enabled = false
-final_weights = false
-
-[metrics]
-log_interval = {interval}
-tensorboard = false
-progress = false
-"""
-        path = self.out / "configs" / f"{name}.toml"
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(text)
-        return path
+        return gpt_on_tokens(self.out / "configs" / f"{name}.toml", shape, self.tokens, steps=steps, warmup=warmup,
+                             interval=interval, dtype="bf16")
 
     def step_config(self) -> Path:
         """shoal's runs: one log interval past the timed window, whose ends are then both steps in mid-run."""

@@ -33,7 +33,7 @@ import time
 from pathlib import Path
 
 import numpy as np
-from gpu_paths_tools import HERE, ROOT, read_jsonl, run  # benchmarks/, beside this script
+from gpu_paths_tools import HERE, ROOT, gpt_on_tokens, read_jsonl, run  # benchmarks/, beside this script
 
 GC: list[tuple] = []  # each shoal run's full garbage collection before the heap's freeze and after (summary.json)
 SHAPE = {"n_layer": 2, "n_head": 2, "d_model": 32, "seq_len": 32, "vocab_size": 512}
@@ -41,38 +41,10 @@ MICRO, INTERVAL = 4, 10
 
 
 def config(out: Path, tokens: Path, steps: int) -> Path:
-    text = "[model]\nname = \"gpt\"\n" + "".join(f"{k} = {v}\n" for k, v in SHAPE.items()) + f"""
-[data]
-source = "tokens"
-path = "{tokens}"
-token_dtype = "uint16"
-
-[train]
-steps = {steps}
-micro_batch_size = {MICRO}
-global_batch_size = {MICRO}
-lr = 6e-4
-val_interval = 0
-val_batches = 1
-
-[precision]
-dtype = "fp32"
-
-[parallel]
-threads_per_worker = 1
-
-[checkpoint]
-enabled = false
-final_weights = false
-
-[metrics]
-log_interval = {INTERVAL}
-tensorboard = false
-progress = false
-"""
-    path = out / "host_step.toml"
-    path.write_text(text)
-    return path
+    # warm-up of the learning rate as shoal's default (100 steps), on both sides alike
+    return gpt_on_tokens(out / "host_step.toml", SHAPE, tokens, steps=steps, warmup=100, interval=INTERVAL,
+                         dtype="fp32", train={"micro_batch_size": MICRO, "global_batch_size": MICRO},
+                         more="\n[parallel]\nthreads_per_worker = 1\n")
 
 
 def loop_run(cfg: Path, out: Path, env: dict, warmup: int, timed: int, log: Path, sets: list[str]) -> float:

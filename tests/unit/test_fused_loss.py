@@ -11,7 +11,7 @@ import torch
 
 from shoal.models import cross_entropy
 from shoal.models.cross_entropy import cross_entropy_sum, fused_cross_entropy_sum
-from shoal.models.gpt import GPTConfig, lm_loss
+from shoal.models.gpt import GPTConfig, lm_loss, takes_fused_loss
 from shoal.models.registry import build_model
 from shoal.models.spec import DataSpec
 
@@ -71,3 +71,11 @@ def test_auto_takes_the_fused_loss_only_on_cuda_for_an_eager_model(fresh_fused, 
         compiled = lm_loss(torch.compile(model), batch)
     assert calls == []
     torch.testing.assert_close(compiled, eager, rtol=1e-6, atol=0)
+
+
+def test_auto_is_the_fused_loss_for_plain_logits_on_a_gpu_outside_a_compiled_model():
+    on = {"cuda": True, "plain": True, "compiling": False}
+    assert takes_fused_loss("auto", **on) and takes_fused_loss(True, **{**on, "cuda": False})
+    for off in ({"cuda": False}, {"plain": False}, {"compiling": True}):  # the CPU, tp's DTensor, torch.compile
+        assert not takes_fused_loss("auto", **{**on, **off}), off
+    assert not takes_fused_loss(False, **on)

@@ -29,10 +29,11 @@ _fused = None  # cross_entropy_sum under torch.compile, made at its first use (i
 
 def fused_cross_entropy_sum(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     """cross_entropy_sum compiled on its own, for an eager model on a GPU (model.fused_loss): inductor fuses
-    the fp32 upcast, the log-softmax and the target's pick into one kernel forward and one backward, each
-    reading the logits once; the fp32 logits are never written. The softmax is still taken in fp32: the
-    plain loss's value within rounding. Shapes are static (every micro-batch has the same), so it compiles
-    once for training and once for validation (no_grad)."""
+    the fp32 upcast into the log-softmax and the target's pick, so that the fp32 logits need not be written
+    out and read back by each pass (what it makes of it on a GPU, and at what speed, gpu_step.py's loss
+    section and --trace show; not yet measured). The softmax is still taken in fp32: the plain loss's value
+    within rounding. Shapes are static (every micro-batch has the same), so it compiles once for training
+    and once for validation (no_grad)."""
     global _fused
     if _fused is None:
         _fused = torch.compile(cross_entropy_sum, dynamic=False)

@@ -48,8 +48,8 @@ class GPTConfig(ModelSection):
     already) or parallel.pp > 1."""
     fused_loss: bool | Literal["auto"] = "auto"
     """Take the loss (over the whole logits) through torch.compile of the loss alone, the model staying eager:
-    inductor fuses the fp32 upcast, the log-softmax and the pick of the target into one kernel forward and one
-    backward, so the fp32 logits never exist in memory (the plain loss writes and reads them five times). "auto":
+    inductor fuses the fp32 upcast, the log-softmax and the pick of the target, so the fp32 logits need not be
+    written out and read back by each of the plain loss's passes (on a GPU: not yet measured). "auto":
     on a CUDA device when the model is not compiled already (train.compile compiles the loss with it) and the
     logits are a plain tensor (not tensor parallelism's); false: the plain loss everywhere."""
 
@@ -147,10 +147,16 @@ class GPT(nn.Module):
         if self.loss_chunks > 1:
             return chunked_cross_entropy(x, self.head.weight, target, self.loss_chunks)
         logits = self.head(x)
-        if self.fused_loss is True or (self.fused_loss == "auto" and logits.is_cuda and type(logits) is torch.Tensor
-                                       and not torch.compiler.is_compiling()):
+        if takes_fused_loss(self.fused_loss, cuda=logits.is_cuda, plain=type(logits) is torch.Tensor,
+                            compiling=torch.compiler.is_compiling()):
             return fused_cross_entropy_sum(logits, target)
         return cross_entropy_sum(logits, target)
+
+
+def takes_fused_loss(setting: bool | str, *, cuda: bool, plain: bool, compiling: bool) -> bool:
+    """model.fused_loss: true, or "auto" for plain (not tensor-parallel) logits on a GPU outside a compiled
+    model (which compiles its loss with it)."""
+    return setting is True or (setting == "auto" and cuda and plain and not compiling)
 
 
 def lm_loss(model: nn.Module, batch: Batch) -> torch.Tensor:
