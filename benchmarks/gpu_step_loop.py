@@ -188,7 +188,9 @@ def train(args) -> dict:
             if cuda:
                 torch.cuda.synchronize()
             stamps[it + 1] = time.perf_counter()
-    out = {"step_s": (stamps[total] - stamps[args.warmup]) / args.timed, "steps_timed": args.timed,
+        elif (it + 1) % args.log_interval == 0 and it + 1 > args.warmup:
+            stamps[it + 1] = time.perf_counter()  # after the loss's read: on a GPU, the step's end
+    out = {"step_s": (stamps[total] - stamps[args.warmup]) / args.timed, "steps_timed": args.timed, "stamps": stamps,
            "peak_bytes": torch.cuda.max_memory_allocated() if cuda
            else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
            "peak_kind": "CUDA allocated" if cuda else "process RSS",

@@ -5,6 +5,7 @@ schedule against its stages run in sequence, the step synchronisation against a 
 and the collectives and flags every step relies on."""
 
 import copy
+import math
 
 import pytest
 import torch
@@ -235,8 +236,9 @@ def comm_basics(env):
     value = pending.wait()
     gathered = comm.all_gather(torch.tensor([float(env.rank)]))
     flags = StepFlags(comm, torch.device("cpu"))
-    flags.start(torch.tensor(0.5 * (env.rank + 1)), torch.tensor(False), stop=env.rank == 1, save=env.rank == 0)
-    f = agreed_flags({**dict(zip(flags.names, flags.result().tolist(), strict=True)), **flags.known})
+    norm = torch.tensor(math.inf if env.rank == 1 else 2.0, dtype=torch.float64)  # one rank's norm is not finite
+    flags.start(torch.tensor(0.5 * (env.rank + 1), dtype=torch.float64), norm, stop=env.rank == 1, save=env.rank == 0)
+    f = agreed_flags({**dict(zip(flags.names, flags.vector().tolist(), strict=True)), **flags.known})
     records = list(comm.log.records)
     return (agreed, t.item(), value.item(), [x.item() for x in gathered], (f.loss_sum, f.stop, f.bad_norm, f.save),
             all(r["done"] for r in records), sorted(comm.log.totals))
@@ -247,7 +249,7 @@ def test_comm_logs_times_and_agrees(ranks):
     for agreed, total, ones, gathered, flags, done, totals in results:
         assert agreed == "decided by rank 0"
         assert total == 3.0 and ones == 2.0 and gathered == [0.0, 1.0]
-        assert flags == (1.5, True, False, True)  # any rank's stop or save is everyone's
+        assert flags == (1.5, True, True, True)  # any rank's stop, bad norm or save is everyone's
         assert done  # every record finished
         assert ("all_reduce", "world") in totals and ("all_gather", "world") in totals
 

@@ -2,7 +2,7 @@
 
 import pytest
 
-from shoal.config import load_config, validate_config
+from shoal.config import DataConfig, load_config, validate_config
 from shoal.errors import UserError
 
 
@@ -188,3 +188,10 @@ def test_a_stored_config_with_moved_keys_is_migrated_on_read(tmp_path):
     assert new == old and "sync_every" not in old.to_toml()
     with pytest.raises(UserError, match="parallel.sync is now sync.mode"):  # the same file, given by a user
         load_config(FIXTURES / "old_keys" / "config.toml")
+
+
+@pytest.mark.parametrize("value", [-1, 65, "two", True])
+def test_data_prefetch_is_a_count_or_auto(value):
+    with pytest.raises(ValueError, match="data.prefetch"):
+        DataConfig(prefetch=value)
+    assert DataConfig().prefetch == "auto" and DataConfig(prefetch=0).prefetch == 0

@@ -28,7 +28,7 @@ def train(optimizer_name: str, fused: bool, steps: int = 20, bad_at: tuple[int, 
     for step in range(steps):
         x, y = torch.randn(8, 16, generator=g), torch.randint(0, 4, (8,), generator=g)
         torch.nn.functional.cross_entropy(m(x), y).backward()
-        precision.step(opt, skip=torch.tensor(step in bad_at))
+        precision.step(opt, skip=torch.tensor(float(step in bad_at)))
         opt.zero_grad(set_to_none=True)
     return m
 
@@ -69,8 +69,8 @@ def test_a_skipped_step_leaves_the_step_count():
     assert takes_found_inf(opt) and fusable(list(m.parameters()))
     precision = Precision("fp32", torch.device("cpu"))
     m(torch.randn(2, 16)).sum().backward()
-    precision.step(opt, skip=torch.tensor(False))
+    precision.step(opt, skip=torch.tensor(0.0))
     before = [p.detach().clone() for p in m.parameters()]
-    precision.step(opt, skip=torch.tensor(True))
+    precision.step(opt, skip=torch.tensor(1.0))
     assert all(torch.equal(a, b) for a, b in zip(before, m.parameters(), strict=True))
     assert {float(s["step"]) for s in opt.state.values()} == {1.0}  # AdamW's bias correction stays in step

@@ -1,3 +1,5 @@
+import time
+
 import numpy as np
 import pytest
 import torch
@@ -70,3 +72,48 @@ def test_prefetcher_raises_loader_errors_in_the_training_thread():
     with pytest.raises(OSError, match="disk went away"):
         p.next()
     p.close()
+
+
+def test_the_prefetcher_builds_ahead_when_released():
+    """A released batch is built while the step runs (its last backward); a consumer that never releases gets
+    its batches all the same, each built when the one before is taken."""
+    import threading
+
+    built: list[int] = []
+    ready = threading.Condition()
+
+    def make(step):
+        with ready:
+            built.append(step)
+            ready.notify_all()
+        return [{"x": torch.tensor([step])}]
+
+    def wait_built(n):
+        with ready:
+            assert ready.wait_for(lambda: len(built) >= n, timeout=10), built
+
+    p = Prefetcher(make, start=0, depth=2)
+    try:
+        wait_built(2)  # `depth` steps ahead at once
+        assert int(p.next()[0]["x"]) == 0
+        time.sleep(0.05)
+        assert built == [0, 1]  # nothing more until the step says so
+        p.release()
+        wait_built(3)
+        p.release()  # once per batch taken: a second release adds nothing
+        time.sleep(0.05)
+        assert built == [0, 1, 2]
+        assert [int(p.next()[0]["x"]) for _ in range(4)] == [1, 2, 3, 4]  # never released: built on taking
+    finally:
+        p.close()
+
+
+def test_prefetch_auto_builds_light_batches_in_the_training_thread():
+    from shoal.data.loader import AUTO_DEPTH, prefetch_depth
+
+    class Tokens:
+        light_batches = True
+
+    assert prefetch_depth("auto", Tokens()) == 0
+    assert prefetch_depth("auto", object()) == AUTO_DEPTH  # images, a user's source: a thread
+    assert prefetch_depth(3, Tokens()) == 3

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field, field_validator, model_validator
 
 from shoal.config.base import Section
 
@@ -73,8 +73,19 @@ class DataConfig(Section):
     """interactions: positive interactions generated per user (one is held out for evaluation)."""
     negatives: int = Field(4, ge=1)
     """interactions: sampled negatives per positive in training (as in the NCF paper)."""
-    prefetch: int = Field(2, ge=0, le=64)
-    """Batches prepared ahead by a background thread (0: load in the training thread)."""
+    prefetch: int | Literal["auto"] = "auto"
+    """Steps of batches prepared ahead by a background thread (0: each step's built in the training thread when
+    the step starts). "auto": 0 where a batch is a slice of arrays in memory (tokens, text, hf, interactions),
+    which the training thread builds in less time than a thread beside the step costs it (benchmarks/README.md,
+    host time per step); 2
+    where samples are decoded or generated (images, synthetic-images, your own source)."""
+
+    @field_validator("prefetch", mode="before")
+    @classmethod
+    def _prefetch(cls, value):
+        if value == "auto" or (isinstance(value, int) and not isinstance(value, bool) and 0 <= value <= 64):
+            return value
+        raise ValueError(f'data.prefetch = {value!r} must be a whole number from 0 to 64, or "auto"')
 
     @model_validator(mode="after")
     def _known_source(self) -> DataConfig:

@@ -33,6 +33,8 @@ class TokenWindows:
     split into input (first T) and target (last T). Windows do not overlap; the validation split is
     the stream's tail, so no validation token is ever trained on."""
 
+    light_batches = True  # a batch is a gather from the token array (data.prefetch = "auto": no thread)
+
     def __init__(self, tokens: np.ndarray, seq_len: int, val_fraction: float, vocab_size: int):
         n_val = max(int(len(tokens) * val_fraction), seq_len + 1)
         if len(tokens) - n_val < seq_len + 1:
@@ -45,11 +47,14 @@ class TokenWindows:
         self.spec = DataSpec(kind="tokens", vocab_size=vocab_size)
         self.num_train = (len(self.train_tokens) - 1) // seq_len
         self.num_val = (len(self.val_tokens) - 1) // seq_len
+        self._window = np.arange(seq_len + 1)
 
     def _gather(self, tokens: np.ndarray, idx: torch.Tensor) -> Batch:
-        offsets = idx.numpy()[:, None] * self.seq_len + np.arange(self.seq_len + 1)  # (B, T+1)
-        w = torch.from_numpy(tokens[offsets].astype(np.int64))
-        return {"input": w[:, :-1], "target": w[:, 1:]}
+        """Input and target each contiguous, copied out of the window by numpy (the data thread builds a batch
+        every step, holding the GIL: numpy's copy costs a fraction of a torch call)."""
+        w = tokens[idx.numpy()[:, None] * self.seq_len + self._window].astype(np.int64)  # (B, T+1)
+        return {"input": torch.from_numpy(np.ascontiguousarray(w[:, :-1])),
+                "target": torch.from_numpy(np.ascontiguousarray(w[:, 1:]))}
 
     def train_batch(self, idx: torch.Tensor, step: int = 0) -> Batch:
         return self._gather(self.train_tokens, idx)
@@ -155,6 +160,8 @@ class Interactions:
     without replacement in proportion to exp(affinity). The last interaction of each user is held out;
     evaluation ranks it among 99 items the user never touched (leave-one-out, as in the NCF paper).
     Training samples are the other positives, each followed by `negatives` random items labelled 0."""
+
+    light_batches = True  # a batch is a gather from arrays (data.prefetch = "auto": no thread)
 
     def __init__(self, cfg: DataConfig):
         rng = np.random.default_rng(DATA_SEED)

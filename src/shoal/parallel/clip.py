@@ -44,9 +44,12 @@ def grad_norm(groups: GradGroups, comm: Comm, device: torch.device, stage_group=
     """The total gradient norm (a float64 scalar on `device`, never read by the host here) of gradients that
     are plain tensors and DTensors on different meshes (tensor-parallel layers on dp x tp, replicated ones
     on dp only, ...), with pipeline stages (`stage_group`) summed over the stages."""
+    norms = [plain(torch.nn.utils.get_total_norm(grads)).double().to(device) for grads in groups.for_norm()]
+    if len(norms) == 1 and stage_group is None:
+        return norms[0]  # the square root of its square, exactly (a float32 norm squares exactly in float64)
     squares = torch.zeros((), dtype=torch.float64, device=device)
-    for grads in groups.for_norm():
-        squares = squares + plain(torch.nn.utils.get_total_norm(grads)).double().to(device) ** 2
+    for n in norms:
+        squares = squares + n ** 2
     if stage_group is not None:
         squares = comm.all_reduce(squares, group=stage_group, label="pp, gradient norm")
     return squares.sqrt()

@@ -51,19 +51,23 @@ class Parallelized:
 
     # --- training ---------------------------------------------------------------------------------
 
-    def forward_backward(self, batches: list[Batch], scale: Callable[[], torch.Tensor],
-                         precision: Precision) -> torch.Tensor:
+    def forward_backward(self, batches: list[Batch], scale: Callable[[], torch.Tensor], precision: Precision,
+                         backward_began: Callable[[], None] = lambda: None) -> torch.Tensor:
         """Forward and backward of this rank's micro-batches, each backward scaled by `scale()` (asked
-        after the first forward, so that computing it can overlap with that forward). Returns the sum
-        of the unscaled losses ([Note: loss contract])."""
-        loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
+        after the first forward, so that computing it can overlap with that forward); `backward_began()` as
+        the last backward starts. Returns the sum of the unscaled losses ([Note: loss contract])."""
+        loss_sum: torch.Tensor | None = None
         for i, batch in enumerate(batches):
             with grad_sync(self.module, self.sync.reduces(i, len(batches))), self.loss_context():
                 with precision.autocast():
                     loss = plain(self.loss_fn(self.module, batch))
-                precision.backward(loss * scale())
-            loss_sum += loss.detach().double()
-        return loss_sum
+                scaled = loss * scale()
+                if i == len(batches) - 1:
+                    backward_began()
+                precision.backward(scaled)
+            part = loss.detach().double()
+            loss_sum = part if loss_sum is None else loss_sum + part
+        return torch.zeros((), dtype=torch.float64, device=self.device) if loss_sum is None else loss_sum
 
     def after_backward(self) -> None:
         self.sync.after_backward()

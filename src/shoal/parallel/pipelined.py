@@ -29,12 +29,14 @@ class PipelinedModel(Parallelized):
     def describe(self) -> str:
         return self.pipeline.split.describe(self.pp, self.pipeline.microbatches, self.schedule)
 
-    def forward_backward(self, batches: list[Batch], scale: Callable[[], torch.Tensor],
-                         precision: Precision) -> torch.Tensor:
+    def forward_backward(self, batches: list[Batch], scale: Callable[[], torch.Tensor], precision: Precision,
+                         backward_began: Callable[[], None] = lambda: None) -> torch.Tensor:
         """The schedule splits the per-rank batch into its micro-batches; the loss is known on the last
-        stage only (zero elsewhere)."""
+        stage only (zero elsewhere). The schedule interleaves forwards and backwards: the data thread's cue
+        (`backward_began`) is given as it starts."""
         whole = {k: torch.cat([b[k] for b in batches]) for k in batches[0]}
         s = scale()
+        backward_began()
         with self.loss_context(), precision.autocast():
             return plain(self.pipeline.run(whole, s)).double()
 

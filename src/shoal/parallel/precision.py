@@ -61,7 +61,7 @@ class Precision:
         after an overflow (or a bad step), grows it after enough good ones."""
         inner = local_optimizer(optimizer)
         overflow = self.overflowed(optimizer)
-        found_inf = skip.float() if overflow is None else (skip + overflow).float().clamp(max=1.0)
+        found_inf = skip if overflow is None else (skip + overflow).clamp(max=1.0)
         if takes_found_inf(inner):
             inner.found_inf = found_inf
             try:

@@ -249,5 +249,8 @@ class DealtUnits:
     def restart(self, step: int) -> None:
         raise RuntimeError("an asynchronous parameter server's worker does not roll back")
 
+    def release(self) -> None:
+        pass  # its units are fetched when the step asks for them
+
     def close(self) -> None:
         pass

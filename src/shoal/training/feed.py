@@ -28,6 +28,9 @@ class Feed(Protocol):
     def next(self) -> list[Batch]:
         """That step's micro-batches (this rank's share)."""
 
+    def release(self) -> None:
+        """The step's last backward began: the host is free to prepare a batch ahead (Prefetcher.release)."""
+
     def last(self) -> bool:
         """Asked after a step: whether it was the last one."""
 
@@ -52,6 +55,10 @@ class Steps:
         if self.loader is None:
             self.loader = Prefetcher(self.make, self.sampler.step, self.depth)
         return self.loader.next()
+
+    def release(self) -> None:
+        if self.loader is not None:
+            self.loader.release()
 
     def last(self) -> bool:
         return self.sampler.step == self.steps

@@ -13,6 +13,7 @@ learns it through the step's report (report.py), a step later unless the step is
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -24,7 +25,8 @@ from shoal.comm.collectives import Comm, Pending
 # step boundary falling in between split it into a leave of some ranks and a stop of the rest
 LEAVE_GRACE_S = 2.0
 
-# the agreed vector's entries, in order: summed over the ranks
+# the agreed vector's entries, in order: summed over the ranks. "bad_norms" sums each rank's gradient norm times
+# zero: 0 where every rank's norm was finite, NaN where one was not
 AGREED = ("loss_sum", "bad_norms", "stops", "save", "regroup", "stop_age")
 
 
@@ -49,29 +51,37 @@ class StepFlags:
         self._agreed: torch.Tensor | None = None
         self.names: tuple[str, ...] = AGREED  # result()'s entries
         self.known: dict[str, float] = {}  # the rest of AGREED's, known on the host (world size 1)
+        self._own: tuple[torch.Tensor, torch.Tensor] | None = None  # world size 1: (loss sum, norm)
 
-    def start(self, loss_sum: torch.Tensor, bad_norm: torch.Tensor, stop: bool, save: bool, regroup: bool = False,
+    def start(self, loss_sum: torch.Tensor, norm: torch.Tensor, stop: bool, save: bool, regroup: bool = False,
               stop_age: float = 0.0) -> None:
-        """`loss_sum` and `bad_norm` are device scalars (never read here); the rest is what this host knows,
-        sent to the device in one copy that does not wait for it. At world size 1 there is nothing to agree
-        on: the host's values stay on the host, and the device holds only its own two."""
+        """`loss_sum` and the gradient `norm` are float64 device scalars (never read here); the rest is what this
+        host knows, sent to the device in one copy that does not wait for it. At world size 1 there is nothing
+        to agree on: the host's values stay on the host, the device's two on the device as they are (each
+        operation here is a kernel launch on a GPU, and on a step the host's work bounds, its time)."""
         mine = {"stops": float(stop), "save": float(save), "regroup": float(regroup), "stop_age": stop_age}
         if self.comm.world_size == 1:
-            self._agreed, self.names, self.known = torch.stack([loss_sum.double(), bad_norm.double()]), AGREED[:2], mine
+            self._own, self.names, self.known = (loss_sum, norm), AGREED[:1], mine
             return
         sent = host_tensor(list(mine.values()), self.device)
-        t = torch.cat([loss_sum.double().reshape(1), bad_norm.double().reshape(1),
-                       sent.to(self.device, non_blocking=True)])
+        t = torch.cat([loss_sum.double().reshape(1), (norm * 0).reshape(1), sent.to(self.device, non_blocking=True)])
         self._agreed = t
         self._pending = self.comm.all_reduce(t, label="world, step flags", async_op=True)
 
-    def result(self) -> torch.Tensor:
-        """The vector summed over the ranks (`names`' entries: AGREED's, or at world size 1 its first two),
-        on the device: waiting for it makes the device wait for the collective, not the host for the device."""
+    def result(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The loss summed over the ranks, and a value that is finite exactly when every rank's gradient norm
+        was: device scalars (waiting for them makes the device wait for the collective, not the host)."""
+        if self._own is not None:
+            return self._own
         if self._pending is not None:
             self._pending.wait()
             self._pending = None
-        return self._agreed
+        return self._agreed[0], self._agreed[1]
+
+    def vector(self) -> torch.Tensor:
+        """`names`' entries on the device, for the step's report: the agreed float64 vector; at world size 1
+        the loss sum alone, a float64 scalar."""
+        return self._own[0] if self._own is not None else self._agreed
 
 
 def host_tensor(values: list[float], device: torch.device) -> torch.Tensor:
@@ -85,7 +95,9 @@ def host_tensor(values: list[float], device: torch.device) -> torch.Tensor:
 def agreed_flags(values: dict[str, float]) -> Flags:
     """The host's view of the agreed entries (AGREED's, by name)."""
     v = values
-    return Flags(v["loss_sum"], round(v["stops"]), v["bad_norms"] > 0, v["save"] > 0, v["regroup"] > 0, v["stop_age"])
+    norms = v["bad_norms"] if "bad_norms" in v else v["grad_norm"]  # at world size 1 the norm itself
+    return Flags(v["loss_sum"], round(v["stops"]), not math.isfinite(norms), v["save"] > 0, v["regroup"] > 0,
+                 v["stop_age"])
 
 
 def stop_or_regroup(agreed: Flags, world: int, live: bool) -> tuple[bool, bool]:

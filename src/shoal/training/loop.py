@@ -109,7 +109,8 @@ class Trainer:
                 timer.start()
                 micro_batches = feed.next()
                 timer.mark("data_wait_s")
-                report = self.step(micro_batches, step, timer, memory=self.memory_figures(step))
+                report = self.step(micro_batches, step, timer, memory=self.memory_figures(step),
+                                   backward_began=feed.release)
                 self.sampler.step = step + 1
                 ended = self.advance(report, feed)
                 if ended in ("stop", "regroup"):

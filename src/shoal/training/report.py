@@ -85,11 +85,15 @@ class StepReport:
         self.names, self.known = names, known
         self.decide = decide  # (stop, regroup) from the agreed flags (flags.stop_or_regroup)
         cuda = values.device.type == "cuda"
-        self.host = torch.empty(values.shape, dtype=values.dtype, pin_memory=cuda)
-        self.host.copy_(values, non_blocking=True)
-        self.copied = torch.cuda.Event() if cuda else None
-        if self.copied is not None:
-            self.copied.record()
+        self.copied = None
+        if values.device.type == "cpu":
+            self.host = values  # already there: a vector of its own, which nothing writes to again
+        else:
+            self.host = torch.empty(values.shape, dtype=values.dtype, pin_memory=cuda)
+            self.host.copy_(values, non_blocking=True)
+            self.copied = torch.cuda.Event() if cuda else None
+            if self.copied is not None:
+                self.copied.record()
         self._result: StepResult | None = None
 
     def result(self) -> StepResult:

@@ -30,6 +30,7 @@ from shoal.checkpoint.resume import check_compatible, find_resume_point
 from shoal.comm.collectives import Comm
 from shoal.comm.phase import Phase
 from shoal.config import Config
+from shoal.data.loader import prefetch_depth
 from shoal.dist import DistEnv
 from shoal.layout import Layout
 from shoal.metrics.memory import memory_mark, memory_since
@@ -193,7 +194,7 @@ def loop(parts: Parts, recovery: dict | None, live: Live | None = None) -> tuple
         sinks.print(event["line"])
         sinks.event({"step": sampler.step, "time": event["time"], "membership": event["line"], "world": event["world"]})
     try:
-        steps = Steps(sampler, cfg.train.steps, batches(parts), cfg.data.prefetch)
+        steps = Steps(sampler, cfg.train.steps, batches(parts), prefetch_depth(cfg.data.prefetch, parts.source))
         ended = trainer.run(strategy.feed(steps, parts.step.schedule))
         if ended == "regroup":
             checkpoints.close()  # an async save in flight is part of the run

@@ -42,7 +42,7 @@ from shoal.comm.model_waits import time_model_waits
 from shoal.comm.phase import Phase
 from shoal.config import Config, load_config
 from shoal.config.literals import overrides_as_sets
-from shoal.data.loader import Prefetcher
+from shoal.data.loader import Prefetcher, prefetch_depth
 from shoal.data.sampler import GlobalBatchSampler
 from shoal.errors import UserError
 from shoal.layout import choose_backend, choose_device, resolve_layout
@@ -404,7 +404,7 @@ class Loader:
 
     def __iter__(self) -> Iterator:
         sess = self.sess
-        prefetch = Prefetcher(self.batches, sess.sampler.step, sess.cfg.data.prefetch)
+        prefetch = Prefetcher(self.batches, sess.sampler.step, prefetch_depth(sess.cfg.data.prefetch, None))
         try:
             while sess.sampler.step < sess.cfg.train.steps:
                 step = sess.sampler.step

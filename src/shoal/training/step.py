@@ -83,9 +83,10 @@ class Stepper:
         return prepare(micro_batches, self.count_fn, self.device)
 
     def __call__(self, micro_batches: list[Batch] | Prepared, step: int, timer: StepTimer,
-                 memory: dict[str, float] | None) -> StepReport:
+                 memory: dict[str, float] | None, backward_began: Callable[[], None] = lambda: None) -> StepReport:
         """Step `step` (0-based: the steps done before it). `memory`: None, or this step measures memory and
-        gathers these figures of this rank's with it (the step profile's compute: Trainer.memory_figures)."""
+        gathers these figures of this rank's with it (the step profile's compute: Trainer.memory_figures).
+        `backward_began`: called as the step's last backward starts (the data thread's cue: Feed.release)."""
         par, precision = self.par, self.precision
         sent, lr = self.comm.sync_bytes, self.optimizer.param_groups[0]["lr"]
         ready = micro_batches if isinstance(micro_batches, Prepared) else self.prepare(micro_batches)
@@ -93,7 +94,7 @@ class Stepper:
         count = ItemCount(ready.items, self.comm, par, self.device)  # summed over dp during the first forward
         self.phase.outside("forward/backward")  # the model's layers refine it (comm/phase.py)
         with self.balance.measuring(step) if self.balance else contextlib.nullcontext():
-            loss_sum = par.forward_backward(batches, count.scale, precision)
+            loss_sum = par.forward_backward(batches, count.scale, precision, backward_began)
         par.after_backward()
         timer.mark("forward_backward_s")
         return self.finish(loss_sum, count.total, step, timer, memory, sent, lr)
@@ -109,13 +110,13 @@ class Stepper:
         precision.unscale(optimizer)
         norm = par.grad_norm()
         flags = StepFlags(self.comm, self.device)  # one all-reduce for every shared decision
-        flags.start(loss_sum if par.owns_loss else torch.zeros_like(loss_sum), ~torch.isfinite(norm),
+        flags.start(loss_sum if par.owns_loss else torch.zeros_like(loss_sum), norm,
                     stop=c.stop_requested() > 0, save=c.save_wanted(),
                     regroup=c.regroup_wanted is not None and c.regroup_wanted(), stop_age=c.stop_age())
         if self.grad_clip:
             par.clip_grads(self.grad_clip, norm)  # while the flags travel
-        agreed = flags.result()
-        bad = self.bad_steps.verdict(agreed[0] / total(), agreed[1])  # both inputs are global
+        agreed_loss, norms = flags.result()
+        bad = self.bad_steps.verdict(agreed_loss / total(), norms)  # both inputs are global
         c.before_update()
         precision.step(optimizer, skip=bad)
         self.schedule.step()  # the rate follows the step count, skipped steps included
@@ -125,11 +126,10 @@ class Stepper:
              **device_memory_bytes(self.device), **memory}, self.comm, self.device)
         optimizer.zero_grad(set_to_none=True)
         timer.mark("optimizer_s")
-        return self._report(flags, agreed, norm, bad, total(), share, step, timer, sent, lr)
+        return self._report(flags, norm, bad, total(), share, step, timer, sent, lr)
 
-    def _report(self, flags: StepFlags, agreed: torch.Tensor, norm: torch.Tensor, bad: torch.Tensor,
-                items: torch.Tensor | float, share: MemoryShare | None, step: int, timer: StepTimer, sent: int,
-                lr: float) -> StepReport:
+    def _report(self, flags: StepFlags, norm: torch.Tensor, bad: torch.Tensor, items: torch.Tensor | float,
+                share: MemoryShare | None, step: int, timer: StepTimer, sent: int, lr: float) -> StepReport:
         """The step's report: what only the device knows in one vector, copied to the host without waiting;
         what the host knows already (the flags at world size 1, the items at dp 1, no loss scale) as it is."""
         names, known, scalars = [*flags.names, "grad_norm", "bad"], dict(flags.known), [norm, bad]
@@ -143,7 +143,11 @@ class Stepper:
             scalars += [~torch.isfinite(norm), self.precision.scale().to(self.device)]
         else:
             known.update(overflow=0.0, loss_scale=0.0)
-        values = torch.cat([agreed, torch.stack([v.double() for v in scalars]), *([share.result()] if share else [])])
+        # one float64 vector (torch.stack promotes the float32 entries), in as few operations as it takes
+        head = flags.vector()
+        values = torch.stack([head, *scalars]) if head.dim() == 0 else torch.cat([head, torch.stack(scalars)])
+        if share:
+            values = torch.cat([values, share.result()])
         live, world = self.controls.regroup_wanted is not None, self.comm.world_size
         in_sync = self.par.in_sync(step + 1)
 
