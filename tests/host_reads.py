@@ -7,7 +7,9 @@ the step behaves on a GPU. Counted: every `aten._local_scalar_dense` (what `.ite
 `int()` and `bool()` of a tensor dispatch to), seen by a dispatch mode, and every call of
 `Tensor.tolist`, `Tensor.cpu` and `Tensor.numpy` (which dispatch nothing on a CPU tensor). Reads made
 inside `allowed()` (the step's one lagged read of a result copied a step earlier) are not counted, and
-nor are the data loader thread's (dispatch modes are per thread: it reads host batches only).
+nor are the data path's, which builds batches in host memory before they go to the device: the loader
+thread's (dispatch modes are per thread) or, with no thread (data.prefetch 0), the training thread's inside
+`Prefetcher.next`.
 
 Reads are charged to the step the Phase tracker says is running (comm/phase.py's begin_step).
 """
@@ -56,14 +58,25 @@ class HostReads(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
     def __enter__(self):
+        from shoal.data.loader import Prefetcher
+
         for name in PATCHED:
             original = self._saved[name] = getattr(torch.Tensor, name)
             setattr(torch.Tensor, name, self._counting(name, original))
+        batches = self._next = Prefetcher.next
+
+        def host_batches(loader):
+            with self.allowed():
+                return batches(loader)
+        Prefetcher.next = host_batches
         return super().__enter__()
 
     def __exit__(self, *exc):
+        from shoal.data.loader import Prefetcher
+
         for name, original in self._saved.items():
             setattr(torch.Tensor, name, original)
+        Prefetcher.next = self._next
         return super().__exit__(*exc)
 
     def _counting(self, name: str, original):

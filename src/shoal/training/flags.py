@@ -81,7 +81,10 @@ class StepFlags:
     def vector(self) -> torch.Tensor:
         """`names`' entries on the device, for the step's report: the agreed float64 vector; at world size 1
         the loss sum alone, a float64 scalar."""
-        return self._own[0] if self._own is not None else self._agreed
+        if self._own is not None:
+            return self._own[0]
+        self.result()
+        return self._agreed
 
 
 def host_tensor(values: list[float], device: torch.device) -> torch.Tensor:
