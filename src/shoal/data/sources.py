@@ -42,6 +42,8 @@ class TokenWindows:
                 f"the data has {len(tokens)} tokens, too few for model.seq_len = {seq_len} with a "
                 f"validation split; use more data or a shorter seq_len"
             )
+        # plain arrays over the same memory: indexing a memmap goes through its Python subclass every batch
+        tokens = tokens.view(np.ndarray)
         self.train_tokens, self.val_tokens = tokens[:-n_val], tokens[-n_val:]
         self.seq_len = seq_len
         self.spec = DataSpec(kind="tokens", vocab_size=vocab_size)

@@ -65,8 +65,9 @@ class Parallelized:
                 if i == len(batches) - 1:
                     backward_began()
                 precision.backward(scaled)
-            part = loss.detach().double()
-            loss_sum = part if loss_sum is None else loss_sum + part
+            # summed in float64; one micro-batch's loss as it is (its float64 value is the same number)
+            part = loss.detach()
+            loss_sum = part if loss_sum is None else loss_sum.double() + part.double()
         return torch.zeros((), dtype=torch.float64, device=self.device) if loss_sum is None else loss_sum
 
     def after_backward(self) -> None:

@@ -39,7 +39,7 @@ from shoal.parallel.balance import ComputeClock, ThroughputBalance
 from shoal.parallel.parallelized import Parallelized
 from shoal.parallel.precision import Precision, keep_implementation, one_kind_per_group
 from shoal.parallel.zero import local_optimizer
-from shoal.rundir import RunDir, write_json
+from shoal.rundir import Heartbeat, RunDir
 from shoal.training.bad_steps import BadStepPolicy
 from shoal.training.loop import Hooks, Trainer, Watch
 from shoal.training.optim import Schedule
@@ -152,9 +152,10 @@ def hooks(parts: Parts) -> Hooks:
         parts.sampler.skip_data_step(bad_data_step)
 
     # the heartbeat a restart reads (the step a failed attempt had reached): with each logged line, not every
-    # step, where its write and rename cost a small step's host as much as the rest of it
-    logged = [lambda m: write_json(run.progress, {"step": m["step"], "time": m["time"],
-                                                  "world": parts.comm.world_size})] if parts.is_main else []
+    # step, where a new file and a rename cost a small step's host as much as the rest of it
+    heartbeat = Heartbeat(run.progress)
+    logged = [lambda m: heartbeat.write({"step": m["step"], "time": m["time"],
+                                         "world": parts.comm.world_size})] if parts.is_main else []
     return Hooks(rollback=rollback, after_step=[save_if_due], logged=logged, step_metrics=parts.strategy.step_metrics,
                  due=lambda done: checkpoints.due(done, last=False))
 

@@ -25,7 +25,7 @@ import torch
 
 from shoal.comm.collectives import Comm, Pending
 from shoal.comm.phase import Phase
-from shoal.metrics.memory import device_memory_bytes, model_state_bytes, peak_memory_bytes
+from shoal.metrics.memory import StateBytes, device_memory_bytes, peak_memory_bytes
 from shoal.metrics.timers import StepTimer
 from shoal.models.spec import Batch
 from shoal.parallel.balance import ThroughputBalance
@@ -70,6 +70,7 @@ class Stepper:
     phase: Phase
     controls: Controls = field(default_factory=Controls)
     balance: ThroughputBalance | None = None  # balance.mode = "throughput": this rank's compute is timed
+    state_bytes: StateBytes = field(default_factory=StateBytes)  # the memory figures' model state (logged steps)
 
     @property
     def lags(self) -> bool:
@@ -90,7 +91,8 @@ class Stepper:
         par, precision = self.par, self.precision
         sent, lr = self.comm.sync_bytes, self.optimizer.param_groups[0]["lr"]
         ready = micro_batches if isinstance(micro_batches, Prepared) else self.prepare(micro_batches)
-        batches = [{k: v.to(self.device, non_blocking=True) for k, v in b.items()} for b in ready.batches]
+        batches = ready.batches if self.device.type == "cpu" else [
+            {k: v.to(self.device, non_blocking=True) for k, v in b.items()} for b in ready.batches]
         count = ItemCount(ready.items, self.comm, par, self.device)  # summed over dp during the first forward
         self.phase.outside("forward/backward")  # the model's layers refine it (comm/phase.py)
         with self.balance.measuring(step) if self.balance else contextlib.nullcontext():
@@ -122,7 +124,7 @@ class Stepper:
         self.schedule.step()  # the rate follows the step count, skipped steps included
         self._after_update(bad, step)
         share = None if memory is None else MemoryShare(
-            {**model_state_bytes(par.model, local_optimizer(optimizer)), "peak": peak_memory_bytes(self.device),
+            {**self.state_bytes(par.model, local_optimizer(optimizer)), "peak": peak_memory_bytes(self.device),
              **device_memory_bytes(self.device), **memory}, self.comm, self.device)
         optimizer.zero_grad(set_to_none=True)
         timer.mark("optimizer_s")
