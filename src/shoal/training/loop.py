@@ -202,11 +202,12 @@ class Trainer:
                              f"{out.loss_scale_after_overflow:g}")
         if out.memory is not None:
             m.update(self.memory(out.memory, done))
-        if self.validates and (last or (self.train.val_interval and done % self.train.val_interval == 0)):
+        validated = self.validates and (last or (self.train.val_interval and done % self.train.val_interval == 0))
+        if validated:
             m.update(self.validate(done))
         self.record.history.append(m)
         self.sinks.step(m)
-        if last or "peak_memory_bytes" in m or "skipped" in m or any(k.startswith("val_") for k in m):
+        if last or validated or "peak_memory_bytes" in m or "skipped" in m:
             self.sinks.log(m)
             for hook in self.hooks.logged:
                 hook(m)
