@@ -18,7 +18,7 @@ beside it (`mean_ratio`). The two run alternately, pair after pair, the order sw
 that a drift of the machine's speed hits both alike; the ratio is taken within each pair, and the median and range
 of those ratios are reported.
 
-    python benchmarks/host_step.py [--pairs 5] [--warmup 50] [--timed 400] [--set key=value ...]
+    python benchmarks/host_step.py [--pairs 7] [--warmup 50] [--timed 400] [--set key=value ...]
 
 Target (issue 58): shoal / loop <= 1.05. Run it on a quiet machine (nothing else on the cores). Last line:
     RESULT host_ratio=<median> ratio_min=... ratio_max=... mean_ratio=<median of the means' ratios>
@@ -85,7 +85,7 @@ def median_ms(seconds: list) -> str:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--pairs", type=int, default=5, help="alternated pairs of runs (default 5, at least 3)")
+    ap.add_argument("--pairs", type=int, default=7, help="alternated pairs of runs (default 7, at least 3)")
     ap.add_argument("--warmup", type=int, default=50, help="steps before the timed ones (a multiple of 10)")
     ap.add_argument("--timed", type=int, default=400, help="timed steps (a multiple of 10)")
     ap.add_argument("--set", action="append", default=[], help="a config override for shoal's runs (what it costs)")
