@@ -20,7 +20,8 @@ pytestmark = pytest.mark.timeout(240)
 
 def test_a_silent_node_below_min_then_a_cancel_and_resume_equal_one_process(tmp_path, shared_dir):
     run_dir, port = tmp_path / "live", free_port()
-    silent_at = random.randrange(5, 15)
+    # $SILENT_AT pins it to replay a failure (at 9, 2 of 5 runs once ended a step ahead: fixed in run.py)
+    silent_at = int(os.environ.get("SILENT_AT", random.randrange(5, 15)))
     print(f"node 2 goes silent after step {silent_at}")
     nodes = [start_node(i, run_dir, port, max_restarts=0) for i in range(3)]
     try:

@@ -80,6 +80,10 @@ def run_training(cfg: Config, layout: Layout, source, run_dir: Path, env: DistEn
     except Exception as e:
         if live is None or not peer_failed(e):
             raise
+        # a collective after the update failed (a logged step's memory figures are gathered then): the weights,
+        # the optimizer and the schedule are at that step's end on every survivor (each took the step once
+        # their flags were agreed), so the state held is that step's, not the one before with its weights
+        parts.sampler.step = max(parts.sampler.step, parts.step.updated)
         # replicas that differ go back to where they were one model: the round's work died with the peer
         held = live.round if parts.state.replicas_differ else snapshot(parts)
         lost = Regroup(held, f"a peer failed ({str(e).splitlines()[0][:160]})")

@@ -71,6 +71,7 @@ class Stepper:
     controls: Controls = field(default_factory=Controls)
     balance: ThroughputBalance | None = None  # balance.mode = "throughput": this rank's compute is timed
     state_bytes: StateBytes = field(default_factory=StateBytes)  # the memory figures' model state (logged steps)
+    updated: int = 0  # steps whose update the weights hold: the optimizer and the schedule have stepped
 
     @property
     def lags(self) -> bool:
@@ -122,6 +123,7 @@ class Stepper:
         c.before_update()
         precision.step(optimizer, skip=bad)
         self.schedule.step()  # the rate follows the step count, skipped steps included
+        self.updated = step + 1
         self._after_update(bad, step)
         share = None if memory is None else MemoryShare(
             {**self.state_bytes(par.model, local_optimizer(optimizer)), "peak": peak_memory_bytes(self.device),
