@@ -80,13 +80,7 @@ def run_training(cfg: Config, layout: Layout, source, run_dir: Path, env: DistEn
     except Exception as e:
         if live is None or not peer_failed(e):
             raise
-        # a collective after the update failed (a logged step's memory figures are gathered then): the weights,
-        # the optimizer and the schedule are at that step's end on every survivor (each took the step once
-        # their flags were agreed), so the state held is that step's, not the one before with its weights
-        parts.sampler.step = max(parts.sampler.step, parts.step.updated)
-        # replicas that differ go back to where they were one model: the round's work died with the peer
-        held = live.round if parts.state.replicas_differ else snapshot(parts)
-        lost = Regroup(held, f"a peer failed ({str(e).splitlines()[0][:160]})")
+        lost = Regroup(held_after_failure(parts, live), f"a peer failed ({str(e).splitlines()[0][:160]})")
     if lost is not None:  # raised here, outside the handler: nothing keeps the failed collective's frames
         raise lost
     summary = summarize(trainer.record, parts.bundle.items_name, model_name=cfg.model.name, n_params=parts.n_params,
@@ -104,6 +98,18 @@ def run_training(cfg: Config, layout: Layout, source, run_dir: Path, env: DistEn
     summary.update(strategy.report())
     save(parts, summary)
     return summary
+
+
+def held_after_failure(parts: Parts, live: Live):
+    """The state a live run's survivor goes on from when a peer failed inside a step. Replicas that differ go
+    back to where they were one model: the round's work died with the peer. Else the state at the last step
+    this rank completed; where a collective after the update failed (a logged step's memory figures are
+    gathered then), the weights, the optimizer and the schedule are at that step's end on every survivor (each
+    took it once their flags were agreed), so that step counts as done, not the one before with its weights."""
+    if parts.state.replicas_differ:
+        return live.round
+    parts.sampler.step = max(parts.sampler.step, parts.step.updated)
+    return snapshot(parts)
 
 
 def hold_rounds(parts: Parts, live: Live, on: Hooks) -> None:
