@@ -133,10 +133,11 @@ def write_json(path: Path, obj) -> None:
 class Heartbeat:
     """A small JSON record (progress.json) rewritten in place through one open file: each write lays the new
     record over the old one, padded with spaces to the file's length (still one JSON value). On ext4 that is
-    6 us a write, against 250 for a new file and a rename, paid on every logged step. Only a later attempt
-    reads it, once this process is gone, so no reader sees a write in progress; a process killed mid-run has
-    made its writes whole (each is one system call). The file is opened at the first write, without
-    truncating it: until then it says what the attempt before wrote."""
+    6 us a write, against 250 for a new file and a rename, paid on every logged step. A process killed mid-run
+    has made its writes whole (each is one system call), so a later attempt reads a whole record; a reader
+    that polls while the run writes (a test, a user's script) could in principle catch a write half done,
+    and read_json then answers its default, as for a missing file. The file is opened at the first write,
+    without truncating it: until then it says what the attempt before wrote."""
 
     def __init__(self, path: Path):
         self.path, self._fd, self._size = path, None, 0

@@ -84,15 +84,15 @@ class StepReport:
         self.step, self.lr, self.timer, self.memory, self.comm_bytes = step, lr, timer, memory, comm_bytes
         self.names, self.known = names, known
         self.decide = decide  # (stop, regroup) from the agreed flags (flags.stop_or_regroup)
-        cuda = values.device.type == "cuda"
-        self.copied = None
+        self.copied: torch.cuda.Event | None = None
         if values.device.type == "cpu":
             self.host = values  # already there: a vector of its own, which nothing writes to again
         else:
+            cuda = values.device.type == "cuda"
             self.host = torch.empty(values.shape, dtype=values.dtype, pin_memory=cuda)
             self.host.copy_(values, non_blocking=True)
-            self.copied = torch.cuda.Event() if cuda else None
-            if self.copied is not None:
+            if cuda:
+                self.copied = torch.cuda.Event()
                 self.copied.record()
         self._result: StepResult | None = None
 
