@@ -57,8 +57,9 @@ class StepFlags:
               stop_age: float = 0.0) -> None:
         """`loss_sum` (float32 or float64) and the gradient `norm` (float64) are device scalars (never read here);
         the rest is what this host knows, sent to the device in one copy that does not wait for it. At world
-        size 1 there is nothing to agree on: the host's values stay on the host, the device's two on the device as they are (each
-        operation here is a kernel launch on a GPU, and on a step the host's work bounds, its time)."""
+        size 1 there is nothing to agree on: the host's values stay on the host, the device's two on the device
+        as they are (each operation here is a kernel launch on a GPU, and on a step the host's work bounds, its
+        time)."""
         mine = {"stops": float(stop), "save": float(save), "regroup": float(regroup), "stop_age": stop_age}
         if self.comm.world_size == 1:
             self._own, self.names, self.known = (loss_sum, norm), AGREED[:1], mine
