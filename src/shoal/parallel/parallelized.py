@@ -61,10 +61,9 @@ class Parallelized:
             with grad_sync(self.module, self.sync.reduces(i, len(batches))), self.loss_context():
                 with precision.autocast():
                     loss = plain(self.loss_fn(self.module, batch))
-                scaled = loss * scale()
                 if i == len(batches) - 1:
                     backward_began()
-                precision.backward(scaled)
+                precision.backward(loss, scale())
             # summed in float64; one micro-batch's loss as it is (its float64 value is the same number)
             part = loss.detach()
             loss_sum = part if loss_sum is None else loss_sum.double() + part.double()
