@@ -1,6 +1,7 @@
 """The optimizer step as the step runs it (parallel/precision.py): fused where torch allows, equal to the
-foreach step it replaced within a stated tolerance, and a bad step skipped by the device itself, leaving
-the weights, the optimizer's state and its step count as they were."""
+foreach step it replaced within a stated tolerance, and a bad step skipped, by the device itself (a GPU's
+route, taken here on the CPU) or by the host (the CPU's), leaving the weights, the optimizer's state and
+its step count as they were."""
 
 import pytest
 import torch
@@ -15,7 +16,17 @@ def model(seed: int = 0) -> torch.nn.Module:
     return torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.LayerNorm(32), torch.nn.Linear(32, 4))
 
 
-def train(optimizer_name: str, fused: bool, steps: int = 20, bad_at: tuple[int, ...] = ()) -> torch.nn.Module:
+def precision_on(route: str) -> Precision:
+    """Precision for the CPU, skipping a bad step by `route`: "device" (the fused optimizer's flag, as on a
+    GPU) or "host" (the CPU's own)."""
+    precision = Precision("fp32", torch.device("cpu"))
+    assert not precision.skips_on_device  # the CPU's default
+    precision.skips_on_device = route == "device"
+    return precision
+
+
+def train(optimizer_name: str, fused: bool, steps: int = 20, bad_at: tuple[int, ...] = (),
+          route: str = "device") -> torch.nn.Module:
     """`steps` AdamW (or SGD) steps of a small model on fixed data through Precision.step; at the steps in
     `bad_at` the verdict says bad."""
     m = model()
@@ -23,7 +34,7 @@ def train(optimizer_name: str, fused: bool, steps: int = 20, bad_at: tuple[int, 
     cls, groups, hyper = optimizer_groups(m.parameters(), cfg)
     hyper = {k: v for k, v in hyper.items() if k != "fused"}
     opt = cls(groups, **hyper, **({"fused": True} if fused else {"foreach": True}))
-    precision = Precision("fp32", torch.device("cpu"))
+    precision = precision_on(route)
     g = torch.Generator().manual_seed(1)
     for step in range(steps):
         x, y = torch.randn(8, 16, generator=g), torch.randint(0, 4, (8,), generator=g)
@@ -42,10 +53,11 @@ def test_the_fused_step_equals_the_foreach_step(optimizer_name):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.parametrize("fused", [True, False], ids=["fused", "foreach (the host decides)"])
-def test_a_bad_step_changes_nothing(fused):
+@pytest.mark.parametrize("fused, route", [(True, "device"), (True, "host"), (False, "device")],
+                         ids=["fused, the device decides", "fused, the host decides", "foreach (the host decides)"])
+def test_a_bad_step_changes_nothing(fused, route):
     # a skipped step is as if its batch never came: compare with a run that never had it
-    skipped, shorter = train("adamw", fused, steps=6, bad_at=(3,)), None
+    skipped, shorter = train("adamw", fused, steps=6, bad_at=(3,), route=route), None
     m = model()
     cls, groups, hyper = optimizer_groups(m.parameters(), TrainConfig(lr=1e-2))
     opt = cls(groups, **hyper)
@@ -62,12 +74,13 @@ def test_a_bad_step_changes_nothing(fused):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
 
 
-def test_a_skipped_step_leaves_the_step_count():
+@pytest.mark.parametrize("route", ["device", "host"])
+def test_a_skipped_step_leaves_the_step_count(route):
     m = model()
     cls, groups, hyper = optimizer_groups(m.parameters(), TrainConfig())
     opt = cls(groups, **hyper)
     assert takes_found_inf(opt) and fusable(list(m.parameters()))
-    precision = Precision("fp32", torch.device("cpu"))
+    precision = precision_on(route)
     m(torch.randn(2, 16)).sum().backward()
     precision.step(opt, skip=torch.tensor(0.0))
     before = [p.detach().clone() for p in m.parameters()]

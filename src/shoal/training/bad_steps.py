@@ -27,12 +27,14 @@ class BadStepPolicy:
         self.in_a_row = 0
         self.rollbacks = 0
 
-    def verdict(self, loss: torch.Tensor, norms: torch.Tensor) -> torch.Tensor:
+    def verdict(self, loss_sum: torch.Tensor, norms: torch.Tensor) -> torch.Tensor:
         """Whether the step is bad, on the device (the optimizer skips it there): 1.0 or 0.0 in float32, as a
         fused optimizer takes it (`found_inf`). Bad: the loss is not finite, or (except under fp16 loss
-        scaling) `norms` is not (StepFlags.result: a gradient norm was not). A value times zero is NaN exactly
-        when it is not finite: four small operations where a comparison of each took seven."""
-        x = loss if self.scaled else loss + norms
+        scaling) `norms` is not (StepFlags.result: a gradient norm was not). The global loss sum stands for
+        the loss: the mean divides it by a positive count of items (no items: the backward's scale is
+        infinite, the gradients and their norm NaN). A value times zero is NaN exactly when it is not finite:
+        at most four small operations, where a comparison of each took seven."""
+        x = loss_sum if self.scaled else loss_sum + norms
         return (x * 0).float().nan_to_num(nan=1.0)
 
     def record_good(self) -> None:

@@ -29,8 +29,8 @@ def fusable(params: list[torch.Tensor], sgd: bool = False) -> bool:
     support (CUDA and CPU among them; a DTensor counts by its local device), and for SGD no DTensor (torch
     has no sharding rule for its fused kernel: ZeRO 2/3 and tensor parallelism step SGD with foreach, and
     read the bad-step verdict on the host). The fused step is one kernel per parameter group instead of a
-    handful of foreach kernels, and it skips a bad step by a device flag (parallel/precision.py), where
-    the foreach step needs the host to decide."""
+    handful of foreach kernels, and off the CPU it skips a bad step by a device flag (parallel/precision.py),
+    where the foreach step needs the host to decide."""
     from torch.distributed.tensor import DTensor
     devices = fused_optimizer_devices()
     if sgd and any(isinstance(p, DTensor) for p in params):
@@ -48,28 +48,33 @@ def lr_factor(step: int, cfg: TrainConfig) -> float:
 
 
 class Schedule:
-    """The learning-rate schedule, a checkpointed part of the run."""
+    """The learning-rate schedule, a checkpointed part of the run: step `step` (0-based) trains at
+    base x lr_factor(step). What torch's LambdaLR computes, without its machinery on every step (its step()
+    wraps the optimizer's and calls the factor once per group: ~20 us of a small model's step here); its
+    saved state keeps LambdaLR's names, so checkpoints written with it load as they are."""
 
     def __init__(self, optimizer: torch.optim.Optimizer, cfg: TrainConfig):
-        self.optimizer = optimizer
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_factor(step, cfg))
+        self.optimizer, self.cfg = optimizer, cfg
+        self.base_lrs = [group["lr"] for group in optimizer.param_groups]
+        self.set_step(0)
 
     def step(self) -> None:
-        self.scheduler.step()
+        """One optimizer step done: the next step's rate."""
+        self.set_step(self.last_epoch + 1)
 
     def set_step(self, step: int) -> None:
-        """The learning rate of step `step` (0-based), for a run whose schedule follows something other than
+        """The learning rate of step `step` (0-based); also for a run whose schedule follows something other than
         its own count of optimizer steps (an asynchronous parameter server's worker: the data it is dealt)."""
-        self.scheduler.last_epoch = step
-        for group, base, factor in zip(self.optimizer.param_groups, self.scheduler.base_lrs,
-                                       self.scheduler.lr_lambdas, strict=True):
-            group["lr"] = base * factor(step)
+        self.last_epoch = step
+        factor = lr_factor(step, self.cfg)
+        for group, base in zip(self.optimizer.param_groups, self.base_lrs, strict=True):
+            group["lr"] = base * factor
 
     def state_dict(self) -> dict:
-        return self.scheduler.state_dict()
+        return {"base_lrs": list(self.base_lrs), "last_epoch": self.last_epoch,
+                "_last_lr": [group["lr"] for group in self.optimizer.param_groups]}
 
     def load_state_dict(self, state: dict) -> None:
-        self.scheduler.load_state_dict(state)
-        # the learning rate the schedule is at (a sharded optimizer's outer groups are not in its saved state)
-        for group, lr in zip(self.optimizer.param_groups, self.scheduler.get_last_lr(), strict=True):
-            group["lr"] = lr
+        # the rate is set here (a sharded optimizer's outer groups are not in its saved state)
+        self.base_lrs = list(state["base_lrs"])
+        self.set_step(state["last_epoch"])

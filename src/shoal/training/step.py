@@ -16,7 +16,6 @@ for the loss scaling.
 
 from __future__ import annotations
 
-import contextlib
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -96,7 +95,10 @@ class Stepper:
             {k: v.to(self.device, non_blocking=True) for k, v in b.items()} for b in ready.batches]
         count = ItemCount(ready.items, self.comm, par, self.device)  # summed over dp during the first forward
         self.phase.outside("forward/backward")  # the model's layers refine it (comm/phase.py)
-        with self.balance.measuring(step) if self.balance else contextlib.nullcontext():
+        if self.balance:
+            with self.balance.measuring(step):
+                loss_sum = par.forward_backward(batches, count.scale, precision, backward_began)
+        else:
             loss_sum = par.forward_backward(batches, count.scale, precision, backward_began)
         par.after_backward()
         timer.mark("forward_backward_s")
@@ -119,7 +121,7 @@ class Stepper:
         if self.grad_clip:
             par.clip_grads(self.grad_clip, norm)  # while the flags travel
         agreed_loss, norms = flags.result()
-        bad = self.bad_steps.verdict(agreed_loss / total(), norms)  # both inputs are global
+        bad = self.bad_steps.verdict(agreed_loss, norms)  # both inputs are global
         c.before_update()
         precision.step(optimizer, skip=bad)
         self.schedule.step()  # the rate follows the step count, skipped steps included
