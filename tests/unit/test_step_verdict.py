@@ -1,5 +1,6 @@
 """The bad-step verdict (training/bad_steps.py) and the flags the host reads of it (training/flags.py): on the
-device, in float32 as a fused optimizer takes it, from values that are the same on every rank."""
+device, in float32 as a fused optimizer takes it (and on the CPU's host, the same), from values that are the same
+on every rank."""
 
 import math
 
@@ -13,8 +14,12 @@ INF, NAN = math.inf, math.nan
 
 
 def verdict(loss: float, norms: float, scaled: bool = False) -> torch.Tensor:
+    """The device's verdict; the host's (the CPU's route) must say the same."""
     policy = BadStepPolicy("skip", 3, scaled=scaled)
-    return policy.verdict(torch.tensor(loss, dtype=torch.float64), torch.tensor(norms, dtype=torch.float64))
+    values = torch.tensor(loss, dtype=torch.float64), torch.tensor(norms, dtype=torch.float64)
+    on_device, on_host = policy.verdict(*values), policy.verdict(*values, on_host=True)
+    assert isinstance(on_host, float) and on_host == on_device.item()
+    return on_device
 
 
 @pytest.mark.parametrize(("loss", "norms", "bad"), [

@@ -64,13 +64,13 @@ class Precision:
         """fp16: the loss scale, on the device (GradScaler.get_scale() would read it on the host)."""
         return scaler_scale(self.scaler) if self.scaler else None
 
-    def step(self, optimizer: torch.optim.Optimizer, skip: torch.Tensor) -> None:
-        """The update, unless `skip` (a device scalar: 1.0 skips) or, with fp16, an overflow says no; a skipped
-        step leaves the weights, the optimizer's state and its step count as they were. Decided on the device
-        (skips_on_device): a fused optimizer takes the verdict as GradScaler hands it one (`found_inf`). Any other
-        optimizer, and any on the CPU, branches on the host: it reads the verdict (off the CPU, one wait for the
-        device). fp16: the scaler then lowers its scale after an overflow (or a bad step), grows it after enough
-        good ones."""
+    def step(self, optimizer: torch.optim.Optimizer, skip: torch.Tensor | float) -> None:
+        """The update, unless `skip` (1.0 skips: a device scalar, or a number the host decided) or, with fp16, an
+        overflow says no; a skipped step leaves the weights, the optimizer's state and its step count as they
+        were. Decided on the device (skips_on_device): a fused optimizer takes the verdict as GradScaler hands it
+        one (`found_inf`). Any other optimizer, and any on the CPU, branches on the host: it reads the verdict
+        (off the CPU, one wait for the device). fp16: the scaler then lowers its scale after an overflow (or a bad
+        step), grows it after enough good ones."""
         inner = local_optimizer(optimizer)
         found_inf = skip if self.scaler is None else (skip + self.overflowed(optimizer)).clamp(max=1.0)
         if self.skips_on_device and takes_found_inf(inner):
@@ -79,7 +79,7 @@ class Precision:
                 optimizer.step()
             finally:
                 del inner.found_inf
-        elif not found_inf.item():
+        elif not float(found_inf):
             optimizer.step()
         if self.scaler:
             # what unscale_() recorded for this optimizer, with the bad-step verdict added, is what

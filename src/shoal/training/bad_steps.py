@@ -15,6 +15,8 @@ the scale): only a non-finite loss counts there.
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from shoal.errors import TrainingError
@@ -27,13 +29,17 @@ class BadStepPolicy:
         self.in_a_row = 0
         self.rollbacks = 0
 
-    def verdict(self, loss_sum: torch.Tensor, norms: torch.Tensor) -> torch.Tensor:
-        """Whether the step is bad, on the device (the optimizer skips it there): 1.0 or 0.0 in float32, as a
-        fused optimizer takes it (`found_inf`). Bad: the loss is not finite, or (except under fp16 loss
-        scaling) `norms` is not (StepFlags.result: a gradient norm was not). The global loss sum stands for
-        the loss: the mean divides it by a positive count of items (no items: the backward's scale is
-        infinite, the gradients and their norm NaN). A value times zero is NaN exactly when it is not finite:
-        at most four small operations, where a comparison of each took seven."""
+    def verdict(self, loss_sum: torch.Tensor, norms: torch.Tensor, on_host: bool = False) -> torch.Tensor | float:
+        """Whether the step is bad: 1.0 or 0.0. Bad: the loss is not finite, or (except under fp16 loss scaling)
+        `norms` is not (StepFlags.result: a gradient norm was not). The global loss sum stands for the loss: the
+        mean divides it by a positive count of items (no items: the backward's scale is infinite, the gradients
+        and their norm NaN). On the device (the optimizer skips the step there), in float32 as a fused optimizer
+        takes it (`found_inf`): a value times zero is NaN exactly when it is not finite, at most four small
+        operations where a comparison of each took seven. `on_host` (the CPU, where the host reads the values
+        without waiting: Precision.skips_on_device): a number, read from the two values."""
+        if on_host:
+            finite = math.isfinite(loss_sum.item()) and (self.scaled or math.isfinite(norms.item()))
+            return 0.0 if finite else 1.0
         x = loss_sum if self.scaled else loss_sum + norms
         return (x * 0).float().nan_to_num(nan=1.0)
 

@@ -8,7 +8,9 @@
     -> the step's report: its values copied to the host without waiting (report.py)
 
 Nothing here reads a tensor's value on the host: on a GPU the host queues the step and goes on to the
-next one while the device computes it; the loop reads the report when it needs it (training/loop.py).
+next one while the device computes it; the loop reads the report when it needs it (training/loop.py). On the
+CPU, where the host is the device and a read waits for nothing, the host decides the verdict and skips a bad
+step itself (Precision.skips_on_device).
 How the model is laid out and how gradients are synchronised is the Parallelized object's business
 (parallel/); the step reads the same for every layout. See [Note: loss contract] in models/spec.py
 for the loss scaling.
@@ -121,7 +123,7 @@ class Stepper:
         if self.grad_clip:
             par.clip_grads(self.grad_clip, norm)  # while the flags travel
         agreed_loss, norms = flags.result()
-        bad = self.bad_steps.verdict(agreed_loss, norms)  # both inputs are global
+        bad = self.bad_steps.verdict(agreed_loss, norms, on_host=not precision.skips_on_device)  # inputs: global
         c.before_update()
         precision.step(optimizer, skip=bad)
         self.schedule.step()  # the rate follows the step count, skipped steps included
@@ -134,16 +136,17 @@ class Stepper:
         timer.mark("optimizer_s")
         return self._report(flags, norm, bad, total(), share, step, timer, sent, lr)
 
-    def _report(self, flags: StepFlags, norm: torch.Tensor, bad: torch.Tensor, items: torch.Tensor | float,
+    def _report(self, flags: StepFlags, norm: torch.Tensor, bad: torch.Tensor | float, items: torch.Tensor | float,
                 share: MemoryShare | None, step: int, timer: StepTimer, sent: int, lr: float) -> StepReport:
         """The step's report: what only the device knows in one vector, copied to the host without waiting;
         what the host knows already (the flags at world size 1, the items at dp 1, no loss scale) as it is."""
-        names, known, scalars = [*flags.names, "grad_norm", "bad"], dict(flags.known), [norm, bad]
-        if isinstance(items, float):
-            known["items"] = items
-        else:
-            names.append("items")
-            scalars.append(items)
+        names, known, scalars = [*flags.names, "grad_norm"], dict(flags.known), [norm]
+        for name, value in (("bad", bad), ("items", items)):
+            if isinstance(value, float):
+                known[name] = value
+            else:
+                names.append(name)
+                scalars.append(value)
         if self.precision.scaler:
             names += ["overflow", "loss_scale"]
             scalars += [~torch.isfinite(norm), self.precision.scale().to(self.device)]
@@ -163,7 +166,7 @@ class Stepper:
         return StepReport(values, names, known, step=step, lr=lr, timer=timer, memory=share,
                           comm_bytes=self.comm.sync_bytes - sent, decide=decide)
 
-    def _after_update(self, bad: torch.Tensor, step: int) -> None:
+    def _after_update(self, bad: torch.Tensor | float, step: int) -> None:
         """What the StepSync does after the update. A mode that must know at once whether the update ran
         (it undoes a skipped step's codec state, or syncs only after steps that ran) reads the verdict."""
         par = self.par
