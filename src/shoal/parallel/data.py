@@ -37,6 +37,11 @@ def replicate_dtensor(model: torch.nn.Module, block_types: tuple[type, ...], dp_
     return replicate(model, mesh=dp_mesh)
 
 
+def holds_sync(module: torch.nn.Module) -> bool:
+    """Whether grad_sync can hold `module`'s gradient reduction back (DDP, FSDP2): else it does nothing."""
+    return isinstance(module, (DDP, FSDPModule))
+
+
 @contextlib.contextmanager
 def grad_sync(module: torch.nn.Module, enabled: bool):
     """Context for one micro-batch's forward+backward: reduce gradients over dp in its backward only
