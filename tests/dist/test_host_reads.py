@@ -37,28 +37,28 @@ def counted_run(env, overrides: list[str], run_dir: str) -> dict[int, list[str]]
     from shoal.comm.collectives import Comm
     from shoal.comm.phase import Phase
     from shoal.config import load_config
-    from shoal.parallel.precision import Precision
     from shoal.preflight import check_job
     from shoal.training.report import StepReport
+    from shoal.training.step import Stepper
     from shoal.worker import run_rank
 
     cfg = load_config(None, overrides)
     job = check_job(cfg, [env.world_size], cuda=False, quiet=True)
     phase = Phase()
-    read, init = StepReport.read, Precision.__init__
+    read, post_init = StepReport.read, Stepper.__post_init__
     with HostReads(phase) as reads, contextlib.redirect_stdout(io.StringIO()):
         def allowed_read(report):
             with reads.allowed():
                 return read(report)
 
-        def as_on_a_gpu(precision, *args):  # the device skips a bad step (the CPU's host reads the verdict)
-            init(precision, *args)
-            precision.skips_on_device = True
-        StepReport.read, Precision.__init__ = allowed_read, as_on_a_gpu
+        def as_on_a_gpu(stepper):  # the device decides (on the CPU the host reads the step's values: free there)
+            stepper.host_decides = False
+            post_init(stepper)
+        StepReport.read, Stepper.__post_init__ = allowed_read, as_on_a_gpu
         try:
             run_rank(cfg, job, Path(run_dir), env, Comm(env.store, env.rank, env.world_size), "never", phase=phase)
         finally:
-            StepReport.read, Precision.__init__ = read, init
+            StepReport.read, Stepper.__post_init__ = read, post_init
     return dict(reads.where)
 
 

@@ -16,13 +16,10 @@ def model(seed: int = 0) -> torch.nn.Module:
     return torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.LayerNorm(32), torch.nn.Linear(32, 4))
 
 
-def precision_on(route: str) -> Precision:
-    """Precision for the CPU, skipping a bad step by `route`: "device" (the fused optimizer's flag, as on a
-    GPU) or "host" (the CPU's own)."""
-    precision = Precision("fp32", torch.device("cpu"))
-    assert not precision.skips_on_device  # the CPU's default
-    precision.skips_on_device = route == "device"
-    return precision
+def verdict(bad: float, route: str) -> torch.Tensor | float:
+    """The verdict as the step hands it: a device scalar ("device": the fused optimizer skips, as on a GPU) or a
+    number ("host": the CPU's host decided)."""
+    return torch.tensor(bad) if route == "device" else bad
 
 
 def train(optimizer_name: str, fused: bool, steps: int = 20, bad_at: tuple[int, ...] = (),
@@ -34,12 +31,12 @@ def train(optimizer_name: str, fused: bool, steps: int = 20, bad_at: tuple[int, 
     cls, groups, hyper = optimizer_groups(m.parameters(), cfg)
     hyper = {k: v for k, v in hyper.items() if k != "fused"}
     opt = cls(groups, **hyper, **({"fused": True} if fused else {"foreach": True}))
-    precision = precision_on(route)
+    precision = Precision("fp32", torch.device("cpu"))
     g = torch.Generator().manual_seed(1)
     for step in range(steps):
         x, y = torch.randn(8, 16, generator=g), torch.randint(0, 4, (8,), generator=g)
         torch.nn.functional.cross_entropy(m(x), y).backward()
-        precision.step(opt, skip=torch.tensor(float(step in bad_at)))
+        precision.step(opt, skip=verdict(float(step in bad_at), route))
         opt.zero_grad(set_to_none=True)
     return m
 
@@ -80,10 +77,10 @@ def test_a_skipped_step_leaves_the_step_count(route):
     cls, groups, hyper = optimizer_groups(m.parameters(), TrainConfig())
     opt = cls(groups, **hyper)
     assert takes_found_inf(opt) and fusable(list(m.parameters()))
-    precision = precision_on(route)
+    precision = Precision("fp32", torch.device("cpu"))
     m(torch.randn(2, 16)).sum().backward()
-    precision.step(opt, skip=torch.tensor(0.0))
+    precision.step(opt, skip=verdict(0.0, route))
     before = [p.detach().clone() for p in m.parameters()]
-    precision.step(opt, skip=torch.tensor(1.0))
+    precision.step(opt, skip=verdict(1.0, route))
     assert all(torch.equal(a, b) for a, b in zip(before, m.parameters(), strict=True))
     assert {float(s["step"]) for s in opt.state.values()} == {1.0}  # AdamW's bias correction stays in step

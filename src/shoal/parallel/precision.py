@@ -28,12 +28,6 @@ class Precision:
         self.dtype = DTYPES[dtype]
         self.device = device
         self.scaler = torch.amp.GradScaler("cuda") if dtype == "fp16" else None
-        # How step() skips a bad step. On an accelerator the fused optimizer skips it itself, from the device's
-        # flag: reading the flag would make the host wait for the device's queue. On the CPU the host is the
-        # device and reading the flag waits for nothing: the host skips the call instead, the same skip without
-        # the correction of the step counts torch runs after a fused step given a flag (one operation per
-        # parameter on the CPU: ~50 us of a small GPT's ~3 ms step here; one kernel per parameter group on a GPU).
-        self.skips_on_device = device.type != "cpu"
 
     def autocast(self):
         if self.dtype == torch.float32:
@@ -65,21 +59,26 @@ class Precision:
         return scaler_scale(self.scaler) if self.scaler else None
 
     def step(self, optimizer: torch.optim.Optimizer, skip: torch.Tensor | float) -> None:
-        """The update, unless `skip` (1.0 skips: a device scalar, or a number the host decided) or, with fp16, an
-        overflow says no; a skipped step leaves the weights, the optimizer's state and its step count as they
-        were. Decided on the device (skips_on_device): a fused optimizer takes the verdict as GradScaler hands it
-        one (`found_inf`). Any other optimizer, and any on the CPU, branches on the host: it reads the verdict
-        (off the CPU, one wait for the device). fp16: the scaler then lowers its scale after an overflow (or a bad
-        step), grows it after enough good ones."""
+        """The update, unless `skip` (1.0 skips) or, with fp16, an overflow says no; a skipped step leaves the
+        weights, the optimizer's state and its step count as they were. `skip` a number: the host decided (the
+        CPU, Stepper.host_decides), and skips the call. A device scalar: a fused optimizer takes the verdict as
+        GradScaler hands it one (`found_inf`) and skips on the device; any other optimizer reads the verdict (one
+        wait for the device). fp16: the scaler then lowers its scale after an overflow (or a bad step), grows it
+        after enough good ones."""
+        if not isinstance(skip, torch.Tensor) and self.scaler is None:
+            if not skip:
+                optimizer.step()
+            return
         inner = local_optimizer(optimizer)
+        skip = torch.as_tensor(skip, dtype=torch.float32, device=self.device)
         found_inf = skip if self.scaler is None else (skip + self.overflowed(optimizer)).clamp(max=1.0)
-        if self.skips_on_device and takes_found_inf(inner):
+        if takes_found_inf(inner):
             inner.found_inf = found_inf
             try:
                 optimizer.step()
             finally:
                 del inner.found_inf
-        elif not float(found_inf):
+        elif not found_inf.item():
             optimizer.step()
         if self.scaler:
             # what unscale_() recorded for this optimizer, with the bad-step verdict added, is what

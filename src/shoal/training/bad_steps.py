@@ -36,7 +36,7 @@ class BadStepPolicy:
         and their norm NaN). On the device (the optimizer skips the step there), in float32 as a fused optimizer
         takes it (`found_inf`): a value times zero is NaN exactly when it is not finite, at most four small
         operations where a comparison of each took seven. `on_host` (the CPU, where the host reads the values
-        without waiting: Precision.skips_on_device): a number, read from the two values."""
+        without waiting: Stepper.host_decides): a number, read from the two values."""
         if on_host:
             finite = math.isfinite(loss_sum.item()) and (self.scaled or math.isfinite(norms.item()))
             return 0.0 if finite else 1.0

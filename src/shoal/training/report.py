@@ -73,20 +73,21 @@ class MemoryShare:
 
 
 class StepReport:
-    """One step's values on their way to the host: `values`, a float64 vector on the step's device, holds
-    `names`' entries, then (a step that measures memory) `memory`'s result; `known` holds the entries the
+    """One step's values on their way to the host: `values`, a float64 vector on the step's device (or, where the
+    host read them as the step ended, Stepper.host_decides, their list), holds `names`' entries, then (a step
+    that measures memory) `memory`'s result; `known` holds the entries the
     host knew already (at world size 1 the flags it would have agreed with no one, at dp 1 the items it
     counted). Together: flags.AGREED's entries, grad_norm, items, bad, overflow, loss_scale."""
 
-    def __init__(self, values: torch.Tensor, names: list[str], known: dict[str, float], *, step: int, lr: float,
-                 timer: StepTimer, memory: MemoryShare | None, comm_bytes: int,
+    def __init__(self, values: torch.Tensor | list[float], names: list[str], known: dict[str, float], *, step: int,
+                 lr: float, timer: StepTimer, memory: MemoryShare | None, comm_bytes: int,
                  decide: Callable[[Flags], tuple[bool, bool]]):
         self.step, self.lr, self.timer, self.memory, self.comm_bytes = step, lr, timer, memory, comm_bytes
         self.names, self.known = names, known
         self.decide = decide  # (stop, regroup) from the agreed flags (flags.stop_or_regroup)
         self.copied: torch.cuda.Event | None = None
-        if values.device.type == "cpu":
-            self.host = values  # already there: a vector of its own, which nothing writes to again
+        if isinstance(values, list) or values.device.type == "cpu":
+            self.host = values  # already there (read already, or a vector of its own nothing writes to again)
         else:
             cuda = values.device.type == "cuda"
             self.host = torch.empty(values.shape, dtype=values.dtype, pin_memory=cuda)
@@ -107,7 +108,7 @@ class StepReport:
         if self.copied is not None:
             self.copied.synchronize()
             self.timer.settle()  # its events were recorded before this copy's: they have run
-        return self.host.tolist()
+        return self.host if isinstance(self.host, list) else self.host.tolist()
 
     def __getattr__(self, name: str):
         """A StepResult's fields (report.loss, report.grad_norm, ...), read when first asked for: what a
