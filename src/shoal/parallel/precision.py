@@ -101,7 +101,7 @@ def start_gradient(scale: torch.Tensor | float, root: torch.Tensor) -> torch.Ten
     (a fill, where a tensor made from a number would be a copy from the host that waits for the device's queue)."""
     if isinstance(scale, torch.Tensor):
         return scale.to(root.dtype).reshape(root.shape)
-    return torch.full(root.shape, scale, dtype=root.dtype, device=root.device)
+    return torch.full_like(root, scale)
 
 
 def by_kind(params: list[torch.Tensor]) -> list[list[torch.Tensor]]:

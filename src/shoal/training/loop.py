@@ -217,13 +217,13 @@ class Trainer:
 
     def step_metrics(self, done: int, lr: float, out: StepResult, timer: StepTimer) -> dict:
         """What metrics.jsonl records of step `done` (memory and validation aside)."""
-        profile = self.watch.profile
+        profile, phases = self.watch.profile, timer.phases
+        total = sum(phases.values())  # timer.total, added up once
         return {"step": done, "time": time.time(), "loss": out.loss, "lr": lr, "grad_norm": out.grad_norm,
-                f"{self.items_name}_per_s": out.items / timer.total, "step_time_s": timer.total, **timer.phases,
+                f"{self.items_name}_per_s": out.items / total, "step_time_s": total, **phases,
                 # bytes this rank sent to keep the replicas in sync: this step, and since this attempt started
                 "comm_bytes": out.comm_bytes, "comm_bytes_total": self.comm.sync_bytes, **self.hooks.step_metrics(),
-                **(profile.step(timer.phases, timer.exposed, timer.total, self.share_of_batch(done))
-                   if profile else {})}
+                **(profile.step(phases, timer.exposed, total, self.share_of_batch(done)) if profile else {})}
 
     def memory_figures(self, step: int) -> dict[str, float] | None:
         """What step `step` (0-based) gathers with its memory: None when it measures none (not logged); with
