@@ -37,8 +37,8 @@ class Precision:
     def backward(self, loss: torch.Tensor, scale: torch.Tensor | float | None = None) -> None:
         """`loss`'s backward, its gradients multiplied by `scale` (a number or a device scalar; None: 1). The
         scale enters as the gradient the backward starts from, not as a multiplication in the graph: the same
-        products (1 x scale either way), without an autograd node and its backward (~15 us of host time a
-        micro-batch here, where the host's work is a small model's step)."""
+        products (1 x scale either way), without an autograd node and its backward (the multiplication alone took
+        11.5 us of host time inside a small model's step here)."""
         root = self.scaler.scale(loss) if self.scaler else loss
         root.backward(None if scale is None else start_gradient(scale, root))
 
@@ -70,7 +70,6 @@ class Precision:
                 optimizer.step()
             return
         inner = local_optimizer(optimizer)
-        skip = torch.as_tensor(skip, dtype=torch.float32, device=self.device)
         found_inf = skip if self.scaler is None else (skip + self.overflowed(optimizer)).clamp(max=1.0)
         if takes_found_inf(inner):
             inner.found_inf = found_inf
