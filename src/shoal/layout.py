@@ -91,11 +91,9 @@ def resolve_layout(cfg: Config, world_size: int, cuda: bool) -> Layout:
     backend = choose_backend(p.backend, device)
     step = t.micro_batch_size * dims.dp
     if t.global_batch_size % step:
-        raise UserError(
-            f"train.global_batch_size ({t.global_batch_size}) must be divisible by train.micro_batch_size "
-            f"({t.micro_batch_size}) x dp ({dims.dp}) = {step}; set it to a multiple of {step} "
-            f"(for example {max(step, t.global_batch_size // step * step)})"
-        )
+        raise UserError(f"train.global_batch_size ({t.global_batch_size}) must be divisible by train.micro_batch_size "
+                        f"({t.micro_batch_size}) x dp ({dims.dp}) = {step}; "
+                        + batch_fix(t.global_batch_size, t.micro_batch_size, dims.dp))
     _check_sharding(cfg, dims, device, world_size)
     _check_precision(cfg, device)
     check_cuda_graphs(cfg, device)
@@ -104,6 +102,20 @@ def resolve_layout(cfg: Config, world_size: int, cuda: bool) -> Layout:
     replicas = _replicas(cfg, dims) if cfg.sync.mode in ("local-sgd", "diloco") else 1
     return Layout(dims, backend, device, p.zero, t.global_batch_size // step, per_rank, microbatches, replicas,
                   servers)
+
+
+def batch_fix(global_batch: int, micro: int, dp: int) -> str:
+    """Both ways out of a global batch that micro-batch x dp does not divide: the largest micro-batch up to this
+    one that splits each rank's share (the global batch, and so the recipe, unchanged: more accumulation, as
+    Accelerate and DeepSpeed keep the global batch and derive the rest), or the next larger global batch."""
+    step = micro * dp
+    larger = f"train.global_batch_size = {-(-global_batch // step) * step} (a multiple of {step}; a larger batch)"
+    if global_batch % dp:  # no micro-batch splits a share that is not whole
+        return f"set {larger}, or a multiple of dp ({dp}) with a micro-batch that divides each rank's share"
+    per_rank = global_batch // dp
+    fits = max(m for m in range(1, min(micro, per_rank) + 1) if per_rank % m == 0)
+    return (f"set train.micro_batch_size = {fits} (the same global batch: {per_rank} samples a rank in "
+            f"{per_rank // fits} micro-batch{'es' if per_rank // fits > 1 else ''}), or {larger}")
 
 
 def _replicas(cfg: Config, dims: ParallelDims) -> int:

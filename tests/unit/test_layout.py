@@ -18,6 +18,27 @@ def test_batch_not_divisible():
     with pytest.raises(UserError) as e:
         resolve_layout(cfg, 2, cuda=False)
     assert "train.global_batch_size (30) must be divisible by train.micro_batch_size (8) x dp (2) = 16" in str(e.value)
+    # both ways out: the micro-batch that splits each rank's 15 samples (the recipe kept), or a larger batch
+    assert str(e.value).endswith("set train.micro_batch_size = 5 (the same global batch: 15 samples a rank in 3 "
+                                 "micro-batches), or train.global_batch_size = 32 (a multiple of 16; a larger batch)")
+
+
+@pytest.mark.parametrize("global_batch, micro, dp, fix", [
+    # docs/gpus.md's first 8-GPU command: gpt-tiny's 32 at micro-batch 16 over 8 GPUs
+    (32, 16, 8, "set train.micro_batch_size = 4 (the same global batch: 4 samples a rank in 1 micro-batch), or "
+                "train.global_batch_size = 128 (a multiple of 128; a larger batch)"),
+    (30, 8, 4, "set train.global_batch_size = 32 (a multiple of 32; a larger batch), or a multiple of dp (4) with a "
+               "micro-batch that divides each rank's share"),
+])
+def test_a_batch_that_does_not_split_names_both_ways_out(global_batch, micro, dp, fix):
+    cfg = load_config(None, [f"train.global_batch_size={global_batch}", f"train.micro_batch_size={micro}"])
+    with pytest.raises(UserError) as e:
+        resolve_layout(cfg, dp, cuda=False)
+    assert str(e.value).endswith(fix)
+    if "micro_batch_size =" in fix:  # the micro-batch it names does split the batch
+        m = int(fix.split("micro_batch_size = ")[1].split()[0])
+        fixed = load_config(None, [f"train.global_batch_size={global_batch}", f"train.micro_batch_size={m}"])
+        assert resolve_layout(fixed, dp, cuda=False).per_rank_batch == global_batch // dp
 
 
 def test_fp16_on_cpu_is_refused():
