@@ -114,8 +114,9 @@ def batch_fix(global_batch: int, micro: int, dp: int) -> str:
         return f"set {larger}, or a multiple of dp ({dp}) with a micro-batch that divides each rank's share"
     per_rank = global_batch // dp
     fits = max(m for m in range(1, min(micro, per_rank) + 1) if per_rank % m == 0)
-    return (f"set train.micro_batch_size = {fits} (the same global batch: {per_rank} samples a rank in "
-            f"{per_rank // fits} micro-batch{'es' if per_rank // fits > 1 else ''}), or {larger}")
+    samples, parts = f"sample{'s' if per_rank > 1 else ''}", f"micro-batch{'es' if per_rank // fits > 1 else ''}"
+    return (f"set train.micro_batch_size = {fits} (the same global batch: {per_rank} {samples} a rank in "
+            f"{per_rank // fits} {parts}), or {larger}")
 
 
 def _replicas(cfg: Config, dims: ParallelDims) -> int:
