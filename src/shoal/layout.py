@@ -28,6 +28,7 @@ class Layout:
     pp_microbatches: int = 0  # pp > 1: micro-batches per step through the pipeline
     replicas: int = 1  # models kept apart between periodic syncs (local SGD, DiLoCo); 1: every step
     servers: int = 0  # parameter-server ranks (the last ones of the world), outside dims
+    micro_batch: int = 1  # samples per forward and backward: train.micro_batch_size, at most a rank's share
 
     def describe(self, cfg: Config, items_name: str, items_per_sample: int) -> str:
         t, d = cfg.train, self.dims
@@ -35,7 +36,7 @@ class Layout:
             split = (f"{self.per_rank_batch // self.pp_microbatches} x dp {d.dp} x {self.pp_microbatches} "
                      f"pipeline micro-batches")
         else:
-            split = f"micro {t.micro_batch_size} x dp {d.dp} x accumulation {self.grad_accum}"
+            split = f"micro {self.micro_batch} x dp {d.dp} x accumulation {self.grad_accum}"
         zero = f", ZeRO {self.zero}" if self.zero else ""
         on = " on cuda" if self.backend == "gloo" and self.device == "cuda" else ""
         mode = cfg.sync.mode
@@ -89,19 +90,28 @@ def resolve_layout(cfg: Config, world_size: int, cuda: bool) -> Layout:
     dims = ParallelDims.resolve(p.dp, p.tp, p.pp, world_size - servers)
     device = choose_device(p.device, cuda)
     backend = choose_backend(p.backend, device)
-    step = t.micro_batch_size * dims.dp
-    if t.global_batch_size % step:
-        raise UserError(f"train.global_batch_size ({t.global_batch_size}) must be divisible by train.micro_batch_size "
-                        f"({t.micro_batch_size}) x dp ({dims.dp}) = {step}; "
-                        + batch_fix(t.global_batch_size, t.micro_batch_size, dims.dp))
+    micro = micro_batch(t.global_batch_size, t.micro_batch_size, dims.dp)
     _check_sharding(cfg, dims, device, world_size)
     _check_precision(cfg, device)
     check_cuda_graphs(cfg, device)
     per_rank = t.global_batch_size // dims.dp
-    microbatches = _pipeline_microbatches(cfg, dims, per_rank) if dims.pp > 1 else 0
+    microbatches = _pipeline_microbatches(cfg, dims, per_rank, micro) if dims.pp > 1 else 0
     replicas = _replicas(cfg, dims) if cfg.sync.mode in ("local-sgd", "diloco") else 1
-    return Layout(dims, backend, device, p.zero, t.global_batch_size // step, per_rank, microbatches, replicas,
-                  servers)
+    return Layout(dims, backend, device, p.zero, per_rank // micro, per_rank, microbatches, replicas, servers,
+                  micro)
+
+
+def micro_batch(global_batch: int, micro: int, dp: int) -> int:
+    """The samples of one forward and backward: train.micro_batch_size, or a rank's whole share of the global
+    batch where that is smaller (gpt-tiny's 32 at micro-batch 16 over 8 GPUs: 4 each, in one micro-batch).
+    The micro-batch is a bound on what one pass holds; the global batch is the recipe, kept as set (so it is
+    in Accelerate and DeepSpeed, where the rest is derived from it). A share it does not split is refused."""
+    if global_batch % dp == 0 and micro >= global_batch // dp:
+        return global_batch // dp
+    if global_batch % (micro * dp):
+        raise UserError(f"train.global_batch_size ({global_batch}) must be divisible by train.micro_batch_size "
+                        f"({micro}) x dp ({dp}) = {micro * dp}; " + batch_fix(global_batch, micro, dp))
+    return micro
 
 
 def batch_fix(global_batch: int, micro: int, dp: int) -> str:
@@ -176,12 +186,12 @@ def check_cuda_graphs(cfg: Config, device: str) -> None:
                         f'CPU (CUDA is not available, or parallel.device = "cpu"); use train.compile = true')
 
 
-def _pipeline_microbatches(cfg: Config, dims: ParallelDims, per_rank: int) -> int:
+def _pipeline_microbatches(cfg: Config, dims: ParallelDims, per_rank: int, micro: int) -> int:
     """Micro-batches per step through the pipeline, checked against what torch's schedules accept:
     1F1B and interleaved 1F1B need at least one per stage of the group (a pipeline with fewer
     micro-batches than stages never fills); the interleaved schedule runs them in rounds of pp."""
     p, t, pp = cfg.parallel, cfg.train, dims.pp
-    microbatches = p.pp_microbatches or per_rank // t.micro_batch_size
+    microbatches = p.pp_microbatches or per_rank // micro
     if per_rank % microbatches:
         raise UserError(f"parallel.pp_microbatches ({microbatches}) must divide the per-rank batch ({per_rank} = "
                         f"train.global_batch_size / dp)")

@@ -56,6 +56,11 @@ def test_dp2_equals_dp1_without_accumulation(tmp_path, ranks, dp2):
     assert_same_training(train(ranks, tmp_path / "dp1", nproc=1, micro=16), dp2)
 
 
+def test_a_micro_batch_above_a_ranks_share_takes_the_share(tmp_path, ranks, dp2):
+    """micro 16 over dp 2 of a global 16: each rank's 8 in one pass, the very run of micro 8 (layout.py)."""
+    assert_same_training(train(ranks, tmp_path / "dp2mb16", nproc=2, micro=16), dp2)
+
+
 @pytest.mark.slow  # runs the CLI
 def test_torchrun_launch_is_detected(tmp_path, dp2):
     """`torchrun -m shoal train` runs the same workers as `shoal train --nproc`."""

@@ -1,5 +1,3 @@
-import shlex
-from pathlib import Path
 
 import pytest
 import torch
@@ -27,14 +25,12 @@ def test_batch_not_divisible():
 
 
 @pytest.mark.parametrize("global_batch, micro, dp, fix", [
-    # docs/gpus.md's first 8-GPU command: gpt-tiny's 32 at micro-batch 16 over 8 GPUs
-    (32, 16, 8, "set train.micro_batch_size = 4 (the same global batch: 4 samples a rank in 1 micro-batch), or "
-                "train.global_batch_size = 128 (a multiple of 128; a larger batch)"),
+    (48, 8, 4, "set train.micro_batch_size = 6 (the same global batch: 12 samples a rank in 2 micro-batches), or "
+               "train.global_batch_size = 64 (a multiple of 32; a larger batch)"),
     (30, 8, 4, "set train.global_batch_size = 32 (a multiple of 32; a larger batch), or a multiple of dp (4) with a "
                "micro-batch that divides each rank's share"),
-    # configs/llama3-8b.toml on two nodes of 8 GPUs (tp 2: dp 8), one sample a rank
-    (8, 2, 8, "set train.micro_batch_size = 1 (the same global batch: 1 sample a rank in 1 micro-batch), or "
-              "train.global_batch_size = 16 (a multiple of 16; a larger batch)"),
+    (20, 16, 8, "set train.global_batch_size = 128 (a multiple of 128; a larger batch), or a multiple of dp (8) "
+                "with a micro-batch that divides each rank's share"),
 ])
 def test_a_batch_that_does_not_split_names_both_ways_out(global_batch, micro, dp, fix):
     cfg = load_config(None, [f"train.global_batch_size={global_batch}", f"train.micro_batch_size={micro}"])
@@ -45,6 +41,19 @@ def test_a_batch_that_does_not_split_names_both_ways_out(global_batch, micro, dp
         m = int(fix.split("micro_batch_size = ")[1].split()[0])
         fixed = load_config(None, [f"train.global_batch_size={global_batch}", f"train.micro_batch_size={m}"])
         assert resolve_layout(fixed, dp, cuda=False).per_rank_batch == global_batch // dp
+
+
+@pytest.mark.parametrize("global_batch, micro, dp, taken, accumulation", [
+    (32, 16, 8, 4, 1),   # gpt-tiny on 8 GPUs: each rank's 4 samples in one pass
+    (8, 2, 8, 1, 1),     # configs/llama3-8b.toml on two nodes of 8 (tp 2: dp 8)
+    (32, 16, 2, 16, 1),  # the micro-batch as set where the share holds it
+    (32, 16, 1, 16, 2),
+])
+def test_the_micro_batch_is_at_most_a_ranks_share(global_batch, micro, dp, taken, accumulation):
+    cfg = load_config(None, [f"train.global_batch_size={global_batch}", f"train.micro_batch_size={micro}"])
+    layout = resolve_layout(cfg, dp, cuda=False)
+    assert (layout.micro_batch, layout.grad_accum, layout.per_rank_batch) == (taken, accumulation, global_batch // dp)
+    assert f"micro {taken} x dp {dp} x accumulation {accumulation}" in layout.describe(cfg, "tokens", 1)
 
 
 def test_fp16_on_cpu_is_refused():
@@ -190,22 +199,3 @@ def test_parameter_server_shards_whole_tensors_balanced_by_bytes():
     assert shard_names(named, 2) == [["a", "b", "e"], ["c", "d"]]  # 55 and 50 elements, each in model order
     assert shard_names(named, 1) == [["a", "b", "c", "d", "e"]]
     assert sorted(sum(shard_names(named, 3), [])) == ["a", "b", "c", "d", "e"]
-
-
-def docs_train_commands() -> list[str]:
-    """The GPU and cluster `shoal train configs/...` commands of docs/ (illustrations, never run on a CPU)."""
-    root = Path(__file__).parents[2]
-    return [line.split("#")[0].strip() for page in sorted((root / "docs").glob("*.md"))
-            for line in page.read_text().splitlines()
-            if line.startswith("shoal train configs/") and "--nproc" in line]
-
-
-@pytest.mark.parametrize("command", docs_train_commands())
-def test_a_gpu_command_of_the_docs_has_a_layout_at_its_gpu_count(command):
-    """What a launch checks first, at the world the command names (--nproc x --nnodes, on CUDA)."""
-    words = shlex.split(command)
-    flags = {w: words[i + 1] for i, w in enumerate(words[:-1]) if w.startswith("--")}
-    world = int(flags["--nproc"]) * int(flags.get("--nnodes", "1").split(":")[0])
-    sets = [words[i + 1] for i, w in enumerate(words) if w == "--set"]
-    cfg = load_config(str(Path(__file__).parents[2] / words[2]), sets)
-    resolve_layout(cfg, world, cuda=True)

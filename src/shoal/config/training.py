@@ -28,7 +28,9 @@ class TrainConfig(Section):
     global_batch_size: int = Field(32, ge=1)
     """Samples per optimizer step, summed over all data-parallel ranks and accumulation steps."""
     micro_batch_size: int = Field(8, ge=1)
-    """Samples per forward/backward on one rank; accumulation = global / (micro x dp)."""
+    """Samples per forward/backward on one rank, at most: a rank whose share of the global batch (global / dp)
+    is smaller takes its share in one pass (so a config keeps its recipe on more GPUs); accumulation =
+    share / micro."""
     lr: float = Field(1e-3, gt=0.0, le=10.0)
     """Peak learning rate (AdamW)."""
     min_lr_ratio: float = Field(0.1, ge=0.0, le=1.0)

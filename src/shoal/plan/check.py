@@ -92,7 +92,7 @@ def session_state(models: list[dict], cfg, world: int) -> dict[str, int | None]:
     cannot trace as it traces the models it builds from a config: its activations, peak and step time
     are not predicted (shown as ?)."""
     layout = resolve_layout(cfg, world, cuda=False)
-    none = MicroBatchCost(cfg.train.micro_batch_size, Ops(), 0.0, 0, [], [], 0)
+    none = MicroBatchCost(layout.micro_batch, Ops(), 0.0, 0, [], [], 0)
     total: dict[str, int | None] = {"params": 0, "grads": 0, "optimizer": 0}
     for m in models:
         shape = ModelShape([tuple(p) for p in m["params"]], [[tuple(p) for p in b] for b in m["blocks"]])

@@ -151,7 +151,7 @@ def predict(model: Model, cfg: Config, layout, profile: HardwareProfile | None,
     # shoal's runs are traced under autocast; a stack without fused attention (Megatron-LM's) keeps every
     # activation in 16 bits: the fp32 trace at half its bytes
     unfused = not model.fused_attention
-    cost = model.cost(cfg.train.micro_batch_size, None if unfused else autocast_dtype(profile, cfg.precision.dtype))
+    cost = model.cost(layout.micro_batch, None if unfused else autocast_dtype(profile, cfg.precision.dtype))
     act_scale = sixteen_bit_scale(profile, cfg.precision.dtype) if unfused else 1.0
     split = (p.pp, p.pp_schedule, p.pp_stages_per_rank, repr(p.pp_split))
     params = model.shape.once(("largest stage", *split), lambda: rank_params(

@@ -84,7 +84,7 @@ def profiler(parts: Parts) -> tuple[Profiler, str]:
         return b.model, b.loss_fn
 
     flops = FlopSource(per_sample=parts.bundle.flops_per_sample, build=meta_model,
-                       batch=source.train_batch(torch.arange(min(cfg.train.micro_batch_size, source.num_train))))
+                       batch=source.train_batch(torch.arange(min(layout.micro_batch, source.num_train))))
     return start_profiler(cfg.metrics, cfg.precision.dtype, parts.env.device, flops,
                           axes=axes + (("world",) if comm.world_size > 1 else ()),
                           bubble=bubble_fraction(dims.pp, layout.pp_microbatches,

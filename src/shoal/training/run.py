@@ -230,7 +230,7 @@ def batches(parts: Parts):
     """make(step): this rank's micro-batches of training step `step` (its share of the global batch), made
     ready for the device and counted (Stepper.prepare), on the data thread."""
     sampler, source, balance = parts.sampler, parts.source, parts.step.balance
-    dp, micro = parts.layout.dims.dp, parts.cfg.train.micro_batch_size
+    dp, micro = parts.layout.dims.dp, parts.layout.micro_batch
 
     def make(step: int):
         shares = balance.split_for(step) if balance else None

@@ -195,11 +195,11 @@ class Session:
 
     def data(self, dataset, batch_size: int | None = None, collate: Callable | None = None) -> Loader:
         """This rank's micro-batches of `dataset` (len() and [i]), `batch_size` samples each (default
-        train.micro_batch_size), their tensors on `sess.device`, drawn by shoal's sampler: every global
-        batch of train.global_batch_size samples is a pure function of (train.seed, step), so a restored run
-        goes on with the very samples the uninterrupted one would have seen. Iterating ends after
-        train.steps steps."""
-        micro = batch_size or self.cfg.train.micro_batch_size
+        train.micro_batch_size, at most this rank's share), their tensors on `sess.device`, drawn by shoal's
+        sampler: every global batch of train.global_batch_size samples is a pure function of (train.seed, step),
+        so a restored run goes on with the very samples the uninterrupted one would have seen. Iterating ends
+        after train.steps steps."""
+        micro = batch_size or self.layout.micro_batch
         dp, batch = self.layout.dims.dp, self.cfg.train.global_batch_size
         if batch % (micro * dp):
             raise UserError(f"sess.data(batch_size={micro}): train.global_batch_size ({batch}) must be a multiple "
