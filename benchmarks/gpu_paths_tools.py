@@ -44,6 +44,9 @@ warmup_steps = 0
 min_lr_ratio = 1.0
 val_batches = 2
 
+[precision]
+dtype = "fp32"  # the reference the other paths are held to ("auto" would be bf16 on the GPU)
+
 [metrics]
 log_interval = 1
 tensorboard = false

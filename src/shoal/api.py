@@ -22,10 +22,10 @@ def train(config: str | Path | None = None, overrides: Mapping[str, object] | No
           run_dir: str | Path | None = None, resume: str = "auto", max_restarts: int = 0, ray: str | None = None,
           nnodes: int | None = None) -> dict:
     """Train as `shoal train CONFIG --nproc N --set KEY=VALUE ...` would; returns the run's summary
-    (summary.json). `nproc` None: as the command without --nproc (1, or what a scheduler's environment
-    says: launch/environment.py). `ray`: a Ray cluster's address ("auto": the one this machine belongs
-    to), as --ray: one node per Ray node (`nnodes` of them, default every node), the run dir on a path
-    they share. Raises UserError for a bad config or arguments, TrainingError if the run fails."""
+    (summary.json). `nproc` None: as the command without --nproc (one per GPU of this node, 1 without GPUs,
+    or what a scheduler's environment says: launch/environment.py). `ray`: a Ray cluster's address ("auto":
+    the one this machine belongs to), as --ray: one node per Ray node (`nnodes` of them, default every node),
+    the run dir on a path they share. Raises UserError for a bad config or arguments, TrainingError if the run fails."""
     from shoal.cli import build_parser
     from shoal.cli.train import train as train_command
     from shoal.config import load_config

@@ -114,12 +114,19 @@ def scaler_scale(scaler: torch.amp.GradScaler) -> torch.Tensor:
 
 
 def visible_gpu_memory() -> list[tuple[str, int]] | None:
-    """(name, total bytes) of each GPU this process sees, in CUDA_VISIBLE_DEVICES's order, asked of NVML as
-    torch.cuda.device_count() asks it: no CUDA context is made, so the launcher, which forks its workers
-    afterwards, may ask (CUDA initialised before a fork fails in the children; get_device_properties would
-    initialise it). torch's private _get_nvml_device_index maps CUDA_VISIBLE_DEVICES (indices or UUIDs) to
-    NVML's numbering, on every supported release. None where NVML cannot say: no NVIDIA driver, a MIG
-    instance (whose memory is not its GPU's)."""
+    """(name, total bytes) of each GPU this process sees (visible_gpus); None where NVML cannot say."""
+    gpus = visible_gpus()
+    return None if gpus is None else [(name, total) for name, total, _ in gpus]
+
+
+def visible_gpus() -> list[tuple[str, int, tuple[int, int]]] | None:
+    """(name, total bytes, compute capability) of each GPU this process sees, in CUDA_VISIBLE_DEVICES's order,
+    asked of NVML as torch.cuda.device_count() asks it: no CUDA context is made, so the launcher, which forks
+    its workers afterwards, may ask (CUDA initialised before a fork fails in the children;
+    get_device_properties and get_device_capability would initialise it). torch's private
+    _get_nvml_device_index maps CUDA_VISIBLE_DEVICES (indices or UUIDs) to NVML's numbering, on every
+    supported release. None where NVML cannot say: no NVIDIA driver, a MIG instance (whose memory is not its
+    GPU's)."""
     import ctypes
 
     class Memory(ctypes.Structure):  # NVML's nvmlMemory_t
@@ -136,12 +143,14 @@ def visible_gpu_memory() -> list[tuple[str, int]] | None:
     try:
         for i in range(count):
             handle, memory, name = ctypes.c_void_p(), Memory(), ctypes.create_string_buffer(96)
+            major, minor = ctypes.c_int(), ctypes.c_int()
             if (nvml.nvmlDeviceGetHandleByIndex_v2(ctypes.c_uint(torch.cuda._get_nvml_device_index(i)),
                                                    ctypes.byref(handle)) != 0
-                    or nvml.nvmlDeviceGetMemoryInfo(handle, ctypes.byref(memory)) != 0):
+                    or nvml.nvmlDeviceGetMemoryInfo(handle, ctypes.byref(memory)) != 0
+                    or nvml.nvmlDeviceGetCudaComputeCapability(handle, ctypes.byref(major), ctypes.byref(minor)) != 0):
                 return None
             nvml.nvmlDeviceGetName(handle, name, ctypes.c_uint(len(name)))
-            out.append((name.value.decode(errors="replace"), memory.total))
+            out.append((name.value.decode(errors="replace"), memory.total, (major.value, minor.value)))
     except (RuntimeError, AttributeError, IndexError, ValueError):
         return None
     finally:

@@ -236,6 +236,15 @@ def machine_differences(measured: dict, here: dict) -> list[str]:
             if key in measured and measured[key] != here[key]]
 
 
+def gpu_capabilities() -> list[tuple[int, int]] | None:
+    """The compute capability of each GPU this process sees, without making a CUDA context
+    (compat.visible_gpus); None where that cannot be told. A probe a test replaces."""
+    from shoal.compat import visible_gpus
+
+    gpus = visible_gpus()
+    return None if gpus is None else [capability for _, _, capability in gpus]
+
+
 def gpu_memory() -> list[tuple[str, int]] | None:
     """(name, total bytes) of each GPU this process sees, without making a CUDA context
     (compat.visible_gpu_memory); None where that cannot be told. A probe a test replaces."""

@@ -14,6 +14,7 @@ import shlex
 from pathlib import Path
 
 import pytest
+import torch
 
 from shoal.cli import build_parser
 from shoal.config import load_config
@@ -67,7 +68,7 @@ COMMANDS = shown_commands()
 def test_the_gpu_and_cluster_commands_are_found():
     """Fails if the extraction above stops finding what the docs show."""
     text = "\n".join(c for _, c, _ in COMMANDS)
-    for shown in ("shoal train configs/gpt-tiny.toml --nproc 8", "shoal train configs/llama3-8b.toml --nproc 8",
+    for shown in ("shoal train configs/gpt-tiny.toml\n", "shoal train configs/llama3-8b.toml --nproc 8",
                   "--ray 10.0.0.1:6379 --nnodes 2 --nproc 8", "shoal launch --target slurm configs/gpt-tiny.toml",
                   "shoal train configs/llama3-8b.toml --nproc 4 --set model.config.hidden_size=64 --set"):
         assert shown in text, shown
@@ -79,7 +80,11 @@ def preflight(cfg_path: str | None, sets: list[str], nproc: int, nodes: tuple[in
     from shoal import hardware
 
     monkeypatch.setattr(hardware, "gpu_memory", lambda: [H100] * GPUS_PER_NODE if cuda else None)
-    cfg = load_config(cfg_path and str(ROOT / cfg_path), sets)
+    with monkeypatch.context() as gpu:  # the config loaded as on the node: precision.dtype "auto" is bf16 there
+        if cuda:
+            gpu.setattr(torch.cuda, "is_available", lambda: True)
+            gpu.setattr(hardware, "gpu_capabilities", lambda: [(9, 0)] * GPUS_PER_NODE)
+        cfg = load_config(cfg_path and str(ROOT / cfg_path), sets)
     worlds = [nproc * n for n in range(nodes[0], nodes[1] + 1)]
     job = check_job(cfg, worlds, cuda=cuda, local_workers=nproc)
     check_gpus_per_node(job.layout, nproc, GPUS_PER_NODE if cuda else 0)

@@ -22,7 +22,8 @@ def test_the_report_names_versions_device_backend_extras_and_profiles(capsys, tm
     assert "python      3." in out and "cuda        " in out and "driver      " in out
     if not torch.cuda.is_available():
         assert "gpus        none visible" in out
-        assert "auto        parallel.device = cpu, parallel.backend = gloo (the CPU)" in out
+        assert ("auto        parallel.device = cpu, parallel.backend = gloo (the CPU); precision.dtype = fp32 "
+                "(training on the CPU); shoal train --nproc 1\n") in out
     assert "extra       hf: installed (datasets " in out  # make test installs every extra
     assert "profile     none cached" in out
     assert "PROBLEM" not in out
@@ -32,7 +33,12 @@ def test_gpus_are_listed_with_memory_and_capability():
     facts = dataclasses.replace(machine.gather(), gpus=[H100, dataclasses.replace(H100, index=1)], nccl="2.27.5")
     lines = machine.render(facts)
     assert "gpu 0       NVIDIA H100 80GB HBM3, 85.0 GiB, compute capability 9.0" in lines
-    assert "auto        parallel.device = cuda, parallel.backend = nccl (2 GPU(s), one worker per GPU)" in lines
+    assert ("auto        parallel.device = cuda, parallel.backend = nccl (2 GPU(s), one worker per GPU); "
+            "precision.dtype = bf16 (GPUs of compute capability 9.0: bf16 tensor cores); shoal train --nproc 2 (one "
+            "per GPU)") in lines
+    v100 = dataclasses.replace(H100, name="Tesla V100-SXM2-32GB", capability=(7, 0))
+    auto = next(line for line in machine.render(dataclasses.replace(facts, gpus=[v100])) if line.startswith("auto "))
+    assert "precision.dtype = fp32 (compute capability 7.0 has no bf16 tensor cores)" in auto
 
 
 def test_fp8_support_is_one_line():

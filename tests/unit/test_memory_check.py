@@ -204,7 +204,7 @@ def test_a_pipeline_rank_holds_its_stages_and_offload_keeps_the_state_in_cpu_mem
 
 
 class _FakeNvml:
-    """libnvidia-ml's calls visible_gpu_memory makes, answering as two 80 GiB GPUs would."""
+    """libnvidia-ml's calls visible_gpus makes, answering as two 80 GiB GPUs of compute capability 9.0 would."""
 
     def __init__(self):
         self.shut = False
@@ -218,6 +218,10 @@ class _FakeNvml:
 
     def nvmlDeviceGetMemoryInfo(self, handle, memory):
         memory._obj.total = 80 * GiB
+        return 0
+
+    def nvmlDeviceGetCudaComputeCapability(self, handle, major, minor):
+        major._obj.value, minor._obj.value = 9, 0
         return 0
 
     def nvmlDeviceGetName(self, handle, name, length):
@@ -240,4 +244,5 @@ def test_gpu_memory_is_read_from_nvml_without_a_cuda_context(monkeypatch):
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
     monkeypatch.setattr(torch.cuda, "_get_nvml_device_index", lambda i: i)
     assert compat.visible_gpu_memory() == [("Fake H100", 80 * GiB)] * 2 and nvml.shut
+    assert compat.visible_gpus() == [("Fake H100", 80 * GiB, (9, 0))] * 2
     assert not torch.cuda.is_initialized()

@@ -25,10 +25,10 @@ def workers(text: str) -> int:
         raise argparse.ArgumentTypeError(f"{text!r}: expected a whole number of workers") from None
 
 
-def add_launch(parser: argparse.ArgumentParser, restarts: str) -> None:
+def add_launch(parser: argparse.ArgumentParser, restarts: str, nproc_default: str = "1") -> None:
     """The flags of a command that starts workers through torch elastic (`shoal train`, `shoal run`)."""
-    parser.add_argument("--nproc", type=workers, help="worker processes on this node (default 1, or what the scheduler "
-                                                  "says: PET_NPROC_PER_NODE, SM_NUM_GPUS, SLURM_GPUS_ON_NODE)")
+    parser.add_argument("--nproc", type=workers, help=f"worker processes on this node (default {nproc_default}, or "
+                        f"what the scheduler says: PET_NPROC_PER_NODE, SM_NUM_GPUS, SLURM_GPUS_ON_NODE)")
     parser.add_argument("--max-restarts", type=int, default=0, help=restarts)
     parser.add_argument("--nnodes", metavar="N", help="nodes in the job (default 1, or what Slurm, a PyTorchJob or "
                                                       "SageMaker says; see docs/your-cluster.md)")

@@ -25,14 +25,14 @@ def add_parser(sub) -> None:
                         "fresh (an earlier run in the run dir is moved aside, not deleted); PATH: that checkpoint "
                         "folder")
     add_launch(t, restarts="restart the worker group this many times after a failure; it resumes from the newest "
-                           "checkpoint (default 0)")
+                           "checkpoint (default 0)", nproc_default="one per GPU of this node, 1 without GPUs")
 
 
 def train(args: argparse.Namespace) -> int:
     from shoal import dist
-    from shoal.config import load_config
+    from shoal.config import load_config, resolve_auto
 
-    cfg = load_config(args.config, args.set)
+    cfg, chosen = resolve_auto(load_config(args.config, args.set, resolve=False))
     from shoal import membership
 
     if dist.is_launched() or membership.is_live_worker():  # we are a worker (torchrun, or our own launcher below)
@@ -43,25 +43,34 @@ def train(args: argparse.Namespace) -> int:
         return train_on_ray(args, cfg)
     if args.cluster:
         return train_on_cluster(args)
-    nodes = node_flags(args)
+    nodes = node_flags(args, every_gpu=cfg.parallel.device != "cpu")
+    if cfg.precision.dtype != "fp32" and chosen:  # on GPUs: what the config left to the machine
+        print(f"shoal: {chosen}", file=sys.stderr, flush=True)
     job, run_dir = preflight(args, cfg, nodes)
     if job is None:
         return 0
     return start(args, cfg, job, run_dir, nodes)
 
 
-def node_flags(args: argparse.Namespace) -> tuple[int, int]:
+def node_flags(args: argparse.Namespace, every_gpu: bool = False) -> tuple[int, int]:
     """--nnodes, --node-rank, --rdzv-endpoint and --nproc as given, or as a scheduler's environment says
-    (flags win; the line printed says what was taken), checked; returns the nodes (min, max)."""
+    (flags win; the line printed says what was taken), checked; returns the nodes (min, max). `every_gpu`:
+    without either, one worker per GPU of this node (`shoal train` of a run on GPUs, as Accelerate and
+    `shoal env --check`), else 1 (torchrun's default, kept by `shoal run`: a script may be a CPU one)."""
     import torch
 
     from shoal.launch.elastic import check_launch_args, parse_nnodes
     from shoal.launch.environment import node_args
 
-    node, taken = node_args(args.nnodes, args.node_rank, args.rdzv_endpoint, args.nproc,
-                            gpus=torch.cuda.device_count() if torch.cuda.is_available() else 0)
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    per_gpu = gpus if every_gpu and gpus > 1 else 1
+    node, taken = node_args(args.nnodes, args.node_rank, args.rdzv_endpoint, args.nproc, gpus=gpus,
+                            default_nproc=per_gpu)
     if taken:
         print(taken, file=sys.stderr, flush=True)
+    if args.nproc is None and per_gpu > 1 and node.nproc == per_gpu and "per node" not in (taken or ""):
+        print(f"shoal: {per_gpu} workers, one per GPU of this node (--nproc N for fewer)", file=sys.stderr,
+              flush=True)
     args.nnodes, args.node_rank, args.rdzv_endpoint, args.nproc = (node.nnodes, node.node_rank, node.rdzv_endpoint,
                                                                    node.nproc)
     args.started_nodes = node.started

@@ -19,6 +19,7 @@ from typing import Any
 import tomli_w
 from pydantic import BaseModel, ValidationError
 
+from shoal.config.auto import resolve_auto
 from shoal.config.base import tomllib
 from shoal.config.run import SECTIONS, Config
 from shoal.errors import UserError
@@ -34,9 +35,11 @@ MOVED = {
 }
 
 
-def load_config(path: str | Path | None = None, overrides: list[str] = (), stored: bool = False) -> Config:
+def load_config(path: str | Path | None = None, overrides: list[str] = (), stored: bool = False,
+                resolve: bool = True) -> Config:
     """Read a TOML file (or defaults), apply `section.key=value` overrides, validate, freeze. `stored`: the
-    file is one shoal wrote (a run dir's config.toml): keys that moved are moved, not refused."""
+    file is one shoal wrote (a run dir's config.toml): keys that moved are moved, not refused. `resolve`: the
+    values left to the machine chosen (auto.py; False: kept "auto", for the caller to say what it chose)."""
     origin = str(path) if path else "defaults"
     raw: dict[str, Any] = {}
     if path is not None:
@@ -64,12 +67,12 @@ def load_config(path: str | Path | None = None, overrides: list[str] = (), store
                                 f"{outer} itself")
         table[path[-1]] = value
         overridden.update(".".join([section, *path[:i]]) for i in range(1, len(path) + 1))
-    return validate_config(raw, origin, overridden, stored=stored)
+    return validate_config(raw, origin, overridden, stored=stored, resolve=resolve)
 
 
 def validate_config(raw: dict[str, Any], origin: str = "config", overridden: set[str] = frozenset(),
-                    stored: bool = False) -> Config:
-    """`raw` (parsed TOML) validated into a Config; `stored`: see [Note: moved keys]."""
+                    stored: bool = False, resolve: bool = True) -> Config:
+    """`raw` (parsed TOML) validated into a Config; `stored`: see [Note: moved keys]; `resolve`: load_config's."""
     for section in raw:
         if not isinstance(raw[section], dict):
             raise UserError(f"{origin}: {section} must be a [{section}] table, got {raw[section]!r}")
@@ -91,9 +94,10 @@ def validate_config(raw: dict[str, Any], origin: str = "config", overridden: set
     except ValidationError as e:
         raise UserError(_explain(e, model_cls, ("model",), where)) from None
     try:
-        return Config.model_validate({**{k: v for k, v in raw.items() if k != "model"}, "model": model})
+        cfg = Config.model_validate({**{k: v for k, v in raw.items() if k != "model"}, "model": model})
     except ValidationError as e:
         raise UserError(_explain(e, Config, (), where)) from None
+    return resolve_auto(cfg)[0] if resolve else cfg
 
 
 def _move_keys(raw: dict[str, Any], where, stored: bool) -> dict[str, Any]:

@@ -97,8 +97,10 @@ class TrainConfig(Section):
 
 
 class PrecisionConfig(Section):
-    dtype: Literal["fp32", "bf16", "fp16", "fp8"] = "fp32"
-    """Compute dtype under autocast; parameters and optimizer state stay fp32. fp16 needs CUDA. fp8: linear
+    dtype: Literal["auto", "fp32", "bf16", "fp16", "fp8"] = "auto"
+    """Compute dtype under autocast; parameters and optimizer state stay fp32. "auto": bf16 on GPUs of compute
+    capability 8.0 or newer, fp32 on the CPU and older GPUs (chosen where the config is loaded, said at start,
+    stored in the run dir's config.toml). fp16 needs CUDA. fp8: linear
     layers in float8 (torchao, `pip install 'shoal[fp8]'`), the rest in bf16; a GPU of compute capability 8.9 or
     newer (docs/gpus.md)."""
     reduce_dtype: Literal["fp32", "bf16"] = "fp32"

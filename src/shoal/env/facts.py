@@ -25,6 +25,7 @@ import torch.distributed as dist
 
 from shoal import __version__, compat
 from shoal.compat import unsupported
+from shoal.config import choose_dtype
 from shoal.layout import choose_backend, choose_device
 from shoal.parallel import float8
 
@@ -268,7 +269,10 @@ def render(facts: Facts) -> list[str]:
     if not facts.gpus:
         lines.append("gpus        none visible" + (f" (CUDA_VISIBLE_DEVICES={facts.visible_devices!r})"
                                                    if facts.visible_devices is not None else ""))
-    lines += [f"auto        parallel.device = {facts.device}, parallel.backend = {facts.backend} ({on})",
+    dtype, why = choose_dtype(facts.device == "cuda", [g.capability for g in facts.gpus])
+    workers = f"{len(facts.gpus)} (one per GPU)" if facts.gpus else "1"
+    lines += [f"auto        parallel.device = {facts.device}, parallel.backend = {facts.backend} ({on}); "
+              f"precision.dtype = {dtype} ({why}); shoal train --nproc {workers}",
               "fp8         " + (float8.refusal(facts.device, min((g.capability for g in facts.gpus), default=None),
                                               float8.torchao_installed()) or 'supported (precision.dtype = "fp8")'),
               f"/dev/shm    {human(facts.shm_bytes) if facts.shm_bytes is not None else 'none'}",

@@ -75,15 +75,17 @@ class NodeArgs:
 
 
 def node_args(nnodes: str | None, node_rank: int | None, rdzv_endpoint: str | None, nproc: int | None,
-              env: Mapping[str, str] = os.environ, gpus: int = 0) -> tuple[NodeArgs, str | None]:
+              env: Mapping[str, str] = os.environ, gpus: int = 0,
+              default_nproc: int = 1) -> tuple[NodeArgs, str | None]:
     """The flags given (None where not), completed from the environment; and the line saying what was
-    taken from where (None when nothing was). `gpus`: CUDA devices here (PET_NPROC_PER_NODE=auto)."""
+    taken from where (None when nothing was). `gpus`: CUDA devices here (PET_NPROC_PER_NODE=auto);
+    `default_nproc`: the workers where neither the flag nor the environment says."""
 
     started = None
 
     def completed() -> NodeArgs:  # the values as they stand when called; a flag given as 0 stays 0 (refused later)
         return NodeArgs("1" if nnodes is None else nnodes, 0 if node_rank is None else node_rank, rdzv_endpoint,
-                        1 if nproc is None else nproc, started)
+                        default_nproc if nproc is None else nproc, started)
 
     if nproc is not None and (nnodes == "1" or None not in (nnodes, node_rank, rdzv_endpoint)):
         return completed(), None  # nothing left to take

@@ -53,6 +53,7 @@ import sys
 import torch
 from torch.distributed.tensor import DTensor
 
+from shoal import hardware
 from shoal.comm.collectives import Comm
 from shoal.config import PrecisionConfig
 from shoal.errors import UserError, require
@@ -81,11 +82,15 @@ def refusal(device: str, capability: tuple[int, int] | None, torchao: bool) -> s
 
 
 def gpu_capability(device: torch.device | None = None) -> tuple[int, int] | None:
-    """The compute capability of `device`, or the lowest of the visible GPUs; None: no GPU."""
+    """The compute capability of `device`, or the lowest of the visible GPUs (asked of NVML where it can say: the
+    launcher's preflight makes no CUDA context before it forks its workers); None: no GPU."""
     if not torch.cuda.is_available():
         return None
     if device is not None:
         return torch.cuda.get_device_capability(device)
+    known = hardware.gpu_capabilities()
+    if known:
+        return min(known)
     return min((torch.cuda.get_device_capability(i) for i in range(torch.cuda.device_count())), default=None)
 
 
