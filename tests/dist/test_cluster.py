@@ -577,7 +577,7 @@ def test_a_heterogeneous_job_trains_as_on_loopback_and_scancel_stops_it_with_a_v
 # --- a real Ray on the hosts: `ray start --head` in h0, `ray start --address` in h1 (shoal cluster up --ray) ---
 
 RAY = importlib.util.find_spec("ray") is not None
-needs_ray = pytest.mark.skipif(not RAY, reason="ray is not installed (pip install 'shoal[ray]'; make test installs it)")
+needs_ray = pytest.mark.skipif(not RAY, reason="ray is not installed (pip install -e '.[ray]'; make test installs it)")
 
 
 @pytest.fixture(scope="module")

@@ -28,7 +28,7 @@ from shoal.models.spec import DataSpec
 from shoal.parallel import float8
 
 pytestmark = pytest.mark.skipif(not float8.torchao_installed(), reason="torchao is not installed (pip install "
-                                "'shoal[fp8]')")
+                                "-e '.[fp8]')")
 
 LOSS_RTOL, CHANGE_RTOL = 1e-3, 0.15
 FP8 = ['precision.dtype="fp8"']

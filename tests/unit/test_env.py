@@ -3,6 +3,7 @@ in one line with its fix, the causes simulated (no GPU visible, no NCCL, a small
 driver, an unsupported torch). The real check on this machine's CPU is tests/integration/test_env_check.py."""
 
 import dataclasses
+import sys
 
 import pytest
 import torch
@@ -10,6 +11,7 @@ import torch
 from shoal import compat
 from shoal.cli import main
 from shoal.env import facts as machine
+from shoal.errors import install_hint
 
 H100 = machine.Gpu(0, "NVIDIA H100 80GB HBM3", 85 * 2**30, (9, 0))
 
@@ -45,7 +47,7 @@ def test_fp8_support_is_one_line():
     facts = dataclasses.replace(machine.gather(), gpus=[H100], nccl="2.27.5")
     fp8 = next(line for line in machine.render(facts) if line.startswith("fp8 "))
     assert fp8.endswith('supported (precision.dtype = "fp8")' if machine.float8.torchao_installed() else
-                        "install it with: pip install 'shoal[fp8]'")
+                        f"install it with: {install_hint('fp8')}")
     a100 = dataclasses.replace(H100, name="NVIDIA A100-SXM4-80GB", capability=(8, 0))
     fp8 = next(line for line in machine.render(dataclasses.replace(facts, gpus=[a100])) if line.startswith("fp8 "))
     assert "but this GPU has compute capability 8.0" in fp8
@@ -150,3 +152,28 @@ def test_a_workers_error_is_one_line_with_what_fixes_it(monkeypatch):
     assert not ok and name == "collective"
     assert text == ("rank 0: DistBackendError: NCCL error in: ProcessGroupNCCL.cpp:3690, invalid usage; NCCL "
                     "refuses two ranks on one GPU: one worker per GPU (--nproc at most the GPUs)")
+
+
+def test_an_install_hint_names_a_command_that_works_from_where_shoal_came_from(monkeypatch, tmp_path):
+    """pip's direct_url.json of this install: a clone installed -e (as `make run` installs it), a local wheel,
+    or nothing (from an index: the package by name)."""
+    from importlib import metadata
+
+    class Dist:
+        def __init__(self, text):
+            self.text = text
+
+        def read_text(self, name):
+            return self.text
+
+    wheel = tmp_path / "shoal-0.1.0-py3-none-any.whl"
+    wheel.write_bytes(b"")
+    for text, hint in [
+        (f'{{"url": "file://{tmp_path}", "dir_info": {{"editable": true}}}}',
+         f"{sys.executable} -m pip install -e '{tmp_path}[ray]'"),
+        (f'{{"url": "file://{wheel}", "archive_info": {{}}}}', f"{sys.executable} -m pip install '{wheel}[ray]'"),
+        (None, "pip install 'shoal[ray]'"),
+        ('{"url": "file:///gone/away", "dir_info": {}}', "pip install 'shoal[ray]'"),  # the clone was removed
+    ]:
+        monkeypatch.setattr(metadata, "distribution", lambda name, text=text: Dist(text))
+        assert install_hint("ray") == hint

@@ -4,13 +4,14 @@ all-gather without ZeRO 2/3), and, where torchao is installed, which linear laye
 swaps, for which recipe, which tensor-parallel styles they take, and one emulated step (float8 matmuls need a
 GPU of compute capability 8.9; torchao emulates them on a CPU). The layouts: tests/dist/test_float8_layouts.py."""
 
+import re
 import sys
 
 import pytest
 import torch
 
 from shoal.config import load_config
-from shoal.errors import UserError
+from shoal.errors import UserError, install_hint
 from shoal.layout import resolve_layout
 from shoal.models.registry import build_model
 from shoal.models.spec import DataSpec
@@ -18,7 +19,7 @@ from shoal.parallel import float8
 from shoal.preflight import check_job
 
 needs_torchao = pytest.mark.skipif(not float8.torchao_installed(),
-                                   reason="torchao is not installed (pip install 'shoal[fp8]')")
+                                   reason="torchao is not installed (pip install -e '.[fp8]')")
 
 
 def test_fp8_trains_on_a_gpu_of_capability_8_9_or_newer_with_torchao():
@@ -34,8 +35,8 @@ def test_fp8_trains_on_a_gpu_of_capability_8_9_or_newer_with_torchao():
     ("cuda", (8, 0), True, 'precision.dtype = "fp8" needs float8 tensor cores (compute capability 8.9 or newer: '
                            'L4, L40S, H100, H200), but this GPU has compute capability 8.0; use "bf16"'),  # A100
     ("cuda", (8, 6), False, "this GPU has compute capability 8.6"),
-    ("cuda", (9, 0), False, 'precision.dtype = "fp8" needs the torchao package; install it with: pip install '
-                            "'shoal[fp8]'"),
+    ("cuda", (9, 0), False, 'precision.dtype = "fp8" needs the torchao package; install it with: '
+                            f"{install_hint('fp8')}"),
 ])
 def test_each_refusal_is_one_line(device, capability, torchao, expected):
     said = float8.refusal(device, capability, torchao)
@@ -88,7 +89,7 @@ def test_where_float8_all_gather_is_on(sets, zero, gathers):
 
 def test_without_torchao_the_conversion_names_the_install(monkeypatch):
     monkeypatch.setitem(sys.modules, "torchao.float8", None)  # import fails as if absent
-    with pytest.raises(UserError, match=r"needs the torchao package; install it with: pip install 'shoal\[fp8\]'"):
+    with pytest.raises(UserError, match=re.escape(f"needs the torchao package; install it with: {install_hint('fp8')}")):
         float8.convert(torch.nn.Sequential(torch.nn.Linear(16, 16)))
 
 

@@ -2,6 +2,7 @@
 Face tokenizer trained here, packed doc EOS doc EOS ..., cached on disk once and invalidated by any
 change to what the tokens depend on."""
 
+import re
 import sys
 import threading
 
@@ -13,7 +14,7 @@ from hf_corpus import EOS, documents, train_tokenizer, write_corpus
 from shoal.config import DataConfig, load_config
 from shoal.data import hf
 from shoal.data.sources import build_source
-from shoal.errors import UserError
+from shoal.errors import UserError, install_hint
 
 DOCS = documents(120)
 
@@ -164,7 +165,7 @@ def test_mistakes_are_one_line_naming_the_key_and_the_fix(corpus, tmp_path, monk
     with pytest.raises(UserError, match='data.source = "hf" needs data.tokenizer; set it'):
         load_config(None, ['data.source="hf"', 'data.path="x.parquet"'])
     monkeypatch.setitem(sys.modules, "datasets", None)  # the hf extra not installed
-    fails(r"""data.source = "hf" needs the datasets package; install it with: pip install 'shoal\[hf\]'""")
+    fails(r"""data.source = "hf" needs the datasets package; install it with: """ + re.escape(install_hint("hf")))
 
 
 def test_where_the_tokens_are_cached_is_not_what_a_run_trains():

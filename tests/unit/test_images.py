@@ -1,6 +1,7 @@
 """Real images (data/images.py): the folder and CIFAR-10 readers, normalisation, the augmentation's
 determinism, and the one-line errors. Every file is written by the test."""
 
+import re
 import sys
 
 import numpy as np
@@ -11,7 +12,7 @@ from PIL import Image
 from shoal.config import DataConfig, load_config
 from shoal.data.images import CIFAR_MEAN, CIFAR_RECORD, CIFAR_STD, augment
 from shoal.data.sources import build_source
-from shoal.errors import UserError
+from shoal.errors import UserError, install_hint
 
 
 def folder(cfg_path, **kw) -> DataConfig:
@@ -174,5 +175,5 @@ def test_without_pillow_the_folder_source_names_the_install(tmp_path, monkeypatc
     write_folder(tmp_path)
     monkeypatch.setitem(sys.modules, "PIL.Image", None)  # import PIL.Image now raises ImportError
     with pytest.raises(UserError, match=r"data.source = \"image-folder\" needs the PIL package; install it with: "
-                                        r"pip install 'shoal\[vision\]'"):
+                                        + re.escape(install_hint("vision"))):
         build_source(folder(tmp_path), None)

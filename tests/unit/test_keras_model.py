@@ -19,7 +19,7 @@ from conftest import FIXTURES
 from shoal.cli import main
 from shoal.config import load_config
 from shoal.data.sources import build_source
-from shoal.errors import UserError
+from shoal.errors import UserError, install_hint
 from shoal.models.meta import on_meta
 from shoal.models.registry import build_model, import_user_callable
 from shoal.training.build import build_on
@@ -195,7 +195,7 @@ def test_backend_and_import_mistakes_are_one_line(monkeypatch, tmp_path):
     (tmp_path / "needs_keras.py").write_text("import keras\n\ndef build(cfg, spec):\n    pass\n")
     monkeypatch.syspath_prepend(str(tmp_path))
     monkeypatch.setitem(sys.modules, "keras", None)  # as if not installed
-    with pytest.raises(UserError, match=r"needs the keras package; install it with: pip install 'shoal\[keras\]'"):
+    with pytest.raises(UserError, match=r"needs the keras package; install it with: " + re.escape(install_hint("keras"))):
         import_user_callable("model.name", "needs_keras:build")
     monkeypatch.delenv("KERAS_BACKEND")
     with pytest.raises(UserError):

@@ -1,6 +1,7 @@
 """Hugging Face models as shoal builds them, pretrained weights (model.init_from), train.freeze, and
 the one-line errors of each: all in one process, without training."""
 
+import re
 import sys
 
 import pytest
@@ -8,7 +9,7 @@ import torch
 from safetensors.torch import save_file, save_model
 
 from shoal.config import load_config
-from shoal.errors import UserError
+from shoal.errors import UserError, install_hint
 from shoal.models.pretrained import check_pretrained, load_pretrained
 from shoal.models.registry import build_model
 from shoal.models.spec import DataSpec
@@ -41,7 +42,7 @@ def test_hf_model_declares_its_units_and_plan():
 
 def test_hf_without_its_extra_is_one_line(monkeypatch):
     monkeypatch.setitem(sys.modules, "transformers", None)  # import fails as if not installed
-    with pytest.raises(UserError, match=r"pip install 'shoal\[hf\]'"):
+    with pytest.raises(UserError, match=re.escape(install_hint("hf"))):
         build_model(load_config(None, LLAMA).model, TOKENS)
 
 

@@ -7,6 +7,7 @@ import types
 import pytest
 
 from shoal.cli import main
+from shoal.errors import install_hint
 
 
 @pytest.mark.parametrize("argv, expected", [
@@ -29,7 +30,7 @@ def test_without_ray_installed_it_names_the_install(capsys, monkeypatch):
     monkeypatch.setitem(sys.modules, "ray", None)  # import ray raises ImportError
     assert main(["train", "--ray"]) == 2
     assert capsys.readouterr().err == ("shoal: error: shoal --ray needs the ray package; install it with: "
-                                       "pip install 'shoal[ray]'\n")
+                                       f"{install_hint('ray')}\n")
 
 
 @pytest.mark.slow  # imports Ray

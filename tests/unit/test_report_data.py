@@ -1,12 +1,13 @@
 """What `shoal report` reads from a run dir: every phase key present (not a fixed list), the time of a
 checkpoint in the attempt that saved it, named stragglers, and one-line errors for what is not a run."""
 
+import re
 import sys
 
 import pytest
 
 from conftest import FIXTURES
-from shoal.errors import UserError
+from shoal.errors import UserError, install_hint
 from shoal.report.data import (
     comm_keys,
     load_run,
@@ -77,7 +78,7 @@ def test_without_matplotlib_the_report_names_its_extra(tmp_path, monkeypatch):
 
     done, _ = write_runs(tmp_path)
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # `import matplotlib` now fails
-    with pytest.raises(UserError, match=r"pip install 'shoal\[report\]'"):
+    with pytest.raises(UserError, match=re.escape(install_hint("report"))):
         render([done], tmp_path / "report.html")
 
 

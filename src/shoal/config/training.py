@@ -101,7 +101,7 @@ class PrecisionConfig(Section):
     """Compute dtype under autocast; parameters and optimizer state stay fp32. "auto": bf16 on GPUs of compute
     capability 8.0 or newer, fp32 on the CPU and older GPUs (chosen where the config is loaded, said at start,
     stored in the run dir's config.toml). fp16 needs CUDA. fp8: linear
-    layers in float8 (torchao, `pip install 'shoal[fp8]'`), the rest in bf16; a GPU of compute capability 8.9 or
+    layers in float8 (torchao, `pip install -e '.[fp8]'`), the rest in bf16; a GPU of compute capability 8.9 or
     newer (docs/gpus.md)."""
     reduce_dtype: Literal["fp32", "bf16"] = "fp32"
     """ZeRO 2/3 with dtype bf16: parameters are gathered in bf16 and gradients reduced in this dtype

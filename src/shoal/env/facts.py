@@ -26,6 +26,7 @@ import torch.distributed as dist
 from shoal import __version__, compat
 from shoal.compat import unsupported
 from shoal.config import choose_dtype
+from shoal.errors import install_hint
 from shoal.layout import choose_backend, choose_device
 from shoal.parallel import float8
 
@@ -281,7 +282,7 @@ def render(facts: Facts) -> list[str]:
         missing = [name for name, version in packages if version is None]
         have = ", ".join(f"{name} {version}" for name, version in packages if version)
         state = f"installed ({have})" if not missing else (
-            f"missing {', '.join(missing)}: pip install 'shoal[{extra}]'" + (f" (has {have})" if have else ""))
+            f"missing {', '.join(missing)}: {install_hint(extra)}" + (f" (has {have})" if have else ""))
         lines.append(f"extra       {extra}: {state}")
     lines += [f"profile     {p}" for p in facts.profiles] or ["profile     none cached (shoal plan measures one on "
                                                                "the spot; shoal probe calibrates one)"]

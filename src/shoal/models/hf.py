@@ -52,7 +52,7 @@ class LoraSection(BaseModel):
 
 class HFConfig(ModelSection):
     """A Hugging Face transformers model, built from a local config (nothing is downloaded): a causal LM
-    on a text or token source, or a sequence classifier on your data set. Needs `pip install 'shoal[hf]'`."""
+    on a text or token source, or a sequence classifier on your data set. Needs `pip install -e '.[hf]'`."""
 
     data_kinds: ClassVar = None  # checked in build(): the task decides
     name: Literal["hf"] = "hf"

@@ -43,7 +43,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from shoal.errors import UserError, require
+from shoal.errors import UserError, install_hint, require
 from shoal.models.keras_compile import KerasMetrics, as_float, compiled_loss, keras_loss
 from shoal.models.spec import ModelBundle
 
@@ -68,7 +68,7 @@ def check_backend(keras) -> None:
 def import_error(key: str, name: str, e: ImportError) -> UserError | None:
     """The one line for a user module that could not import keras, or the backend KERAS_BACKEND names."""
     if (e.name or "").partition(".")[0] == "keras":
-        return UserError(f"{key} = \"{name}\" needs the keras package; install it with: pip install 'shoal[keras]'")
+        return UserError(f"{key} = \"{name}\" needs the keras package; install it with: {install_hint('keras')}")
     backend = os.environ.get("KERAS_BACKEND", "torch")
     if e.name in ("tensorflow", "jax") and backend != "torch":
         return UserError(f"{key} = \"{name}\": KERAS_BACKEND={backend}, but shoal trains Keras models on torch; set "

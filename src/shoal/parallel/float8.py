@@ -11,7 +11,7 @@ loss, and a tied weight is also an embedding table. The conversion comes first i
 that activation checkpointing, torch.compile and FSDP2 wrap Float8Linear modules (torchtitan's order).
 
 Where it runs: NVIDIA GPUs of compute capability 8.9 or newer (Ada 8.9, Hopper 9.0, Blackwell), torchao
-installed (pip install 'shoal[fp8]'). `refusal` says why not, one line, as a function of (device type,
+installed (pip install -e '.[fp8]'). `refusal` says why not, one line, as a function of (device type,
 capability, torchao installed) so that a CPU test covers every branch; the preflight asks it before any
 worker starts, and the conversion again on the worker's own GPU (shoal.Session has no preflight).
 
@@ -56,7 +56,7 @@ from torch.distributed.tensor import DTensor
 from shoal import hardware
 from shoal.comm.collectives import Comm
 from shoal.config import PrecisionConfig
-from shoal.errors import UserError, require
+from shoal.errors import UserError, install_hint, require
 
 CAPABILITY = (8, 9)  # float8 tensor cores: Ada (8.9), Hopper (9.0) and newer
 HEADS = ("head", "lm_head", "output")  # the last name of an output head, left in bf16
@@ -77,7 +77,7 @@ def refusal(device: str, capability: tuple[int, int] | None, torchao: bool) -> s
         return (f'precision.dtype = "fp8" needs float8 tensor cores (compute capability 8.9 or newer: L4, L40S, '
                 f'H100, H200), but this GPU has compute capability {have}; use "bf16"')
     if not torchao:
-        return ('precision.dtype = "fp8" needs the torchao package; install it with: pip install \'shoal[fp8]\'')
+        return f'precision.dtype = "fp8" needs the torchao package; install it with: {install_hint("fp8")}'
     return None
 
 

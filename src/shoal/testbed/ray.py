@@ -24,7 +24,7 @@ import sys
 import time
 from pathlib import Path
 
-from shoal.errors import UserError
+from shoal.errors import UserError, install_hint
 from shoal.testbed import shape
 from shoal.testbed.system import netns_exec, wait_up
 
@@ -36,7 +36,7 @@ STARTED = "Ray runtime started"  # what `ray start` prints once its node is up
 
 def require_ray() -> None:
     if importlib.util.find_spec("ray") is None:
-        raise UserError("--ray needs the ray package; install it with: pip install 'shoal[ray]'")
+        raise UserError(f"--ray needs the ray package; install it with: {install_hint('ray')}")
 
 
 def address(cluster) -> str:
