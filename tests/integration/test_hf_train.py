@@ -8,10 +8,10 @@ import json
 import math
 import re
 
-from conftest import ROOT, run_cli
 from hf_corpus import documents, write_corpus
 
 import shoal
+from conftest import ROOT, run_cli
 
 NOISE = re.compile(r"^[WIE]\d{4} |Warning|warn\(|Failed to load|Traceback")  # torch's logs, Python's warnings
 
