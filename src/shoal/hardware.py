@@ -37,9 +37,10 @@ PRESETS = {
 }
 # a GPU preset's memory beyond tensors (HardwareProfile.context_bytes, nccl_bytes) until `shoal probe` measures
 # them on the GPU: the CUDA context under lazy module loading (CUDA >= 11.7) is 300-430 MiB before a kernel
-# runs (426 MiB with torch 2.10 + CUDA 13.0), and the kernels a training step loads add to it; NCCL on 8 x
-# H100 held ~1 GB a GPU outside torch's allocator after its first collectives (its buffers grow with its
-# channels: NVLink4 runs up to 32 of them)
+# runs (426 MiB with torch 2.10 + CUDA 13.0), and the kernels a training step loads add to it; NCCL's buffers
+# outside torch's allocator were reported at 1.06 GB a GPU on 8 x H100 after a communicator's setup
+# (NVIDIA/nccl issue 1685) and 544-688 MB a communicator on 4 x A100 (NVIDIA/nccl issue 964); they grow with
+# its channels (NVLink4 runs up to 32 of them)
 GPU_MEMORY = {"context_bytes": 512 * 2 ** 20, "nccl_bytes": 2 ** 30}
 for _gpu in ("h100", "h200", "a100"):
     PRESETS[_gpu] |= GPU_MEMORY

@@ -171,3 +171,41 @@ def test_the_forward_without_a_host_read_is_transformers_own():
         meta = build_model(cfg.model, spec).model
     loss = causal_lm_loss(meta, {"input": x.to("meta"), "target": x.to("meta")})
     assert loss.is_meta and loss.shape == ()
+
+
+@pytest.mark.slow  # three plans of the 8B model: ~20 s
+def test_the_figures_quoted_from_the_plan_are_the_plans():
+    """docs/gpus.md and this config's comments quote `shoal plan configs/llama3-8b.toml --nproc 8 --preset
+    h100 --memory 80GB` (and, for torchtitan's layout, the same at a global batch of 16): the plan is their
+    one source, recomputed here (tests/unit/test_figures.py holds the measured figures to theirs)."""
+    def planned(sets=()):
+        cfg = load_config(CONFIG, list(sets))
+        profile = preset("h100").model_copy(update={"nproc": 8, "nnodes": 1})
+        return {p.candidate.label(): p.prediction for p in plan(cfg, 8, profile, None)}
+
+    def seconds(prediction, key="step"):
+        return f"{prediction.time[key]:.2f} s"
+
+    def gib(prediction, key):
+        return f"{prediction.memory[key] / 2 ** 30:.1f} GiB"
+
+    layouts = planned()
+    own, fsdp, tp4 = layouts[LAYOUT], layouts["dp8 tp1 pp1 zero3 ckpt mb1"], layouts["dp2 tp4 pp1 zero3 ckpt mb2"]
+    whole = layouts["dp4 tp2 pp1 zero3 mb1"]  # no recomputation
+    budget = parse_bytes("80GB") / 2 ** 30  # --memory 80GB, in GiB
+    tokens = 8 * 8192 / 8 / own.time["step"]
+    docs = " ".join((CONFIG.parents[1] / "docs" / "gpus.md").read_text().split())
+    for quoted in (f"a step of **{seconds(own)}** (compute {seconds(own, 'compute')}, exposed communication "
+                   f"{seconds(own, 'comm')}: {round(tokens, -2):,.0f} tokens/s per GPU)",
+                   f"**{gib(own, 'peak')} of tensors a rank**", f"**{gib(own, 'device')} on the device**",
+                   f"(`dp8 tp1 pp1 zero3 ckpt mb1`) {seconds(fsdp)}", f"dp 2 x tp 4 {seconds(tp4)}",
+                   f"does not fit ({gib(whole, 'device')} on the device against {budget:.1f})"):
+        assert quoted in docs, quoted
+    comments = " ".join(line.lstrip("#") for line in CONFIG.read_text().splitlines() if line.startswith("#"))
+    comments = " ".join(comments.split())
+    for quoted in (f"{gib(own, 'peak')} of tensors a rank, {gib(own, 'device')} on the device, a step of "
+                   f"{seconds(own)}", f"({seconds(fsdp)} a step;", f"dp 2 x tp 4 slower ({seconds(tp4)},"):
+        assert quoted in comments, quoted
+    titan = planned(["train.global_batch_size=16"])["dp8 tp1 pp1 zero3 ckpt mb2"]
+    assert (f"predicts {seconds(titan)} a step, {16 * 8192 / 8 / titan.time['step']:,.0f} tokens/s a GPU"
+            in docs)

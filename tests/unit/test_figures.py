@@ -1,0 +1,78 @@
+"""A GPU figure quoted in README.md, docs/ or configs/ has one source, and the quote must say what the source
+says: measured figures come from benchmarks/README.md (the run's table and its RESULT line, beside the
+command that made them) or from the planner's tables in docs/planner.md; predicted ones from the plan itself
+(tests/unit/test_llama3_8b.py recomputes configs/llama3-8b.toml's). Changing a source without its quotes,
+or a quote without its source, fails here. Text is compared with its line breaks folded to spaces."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def text(path: str) -> str:
+    return " ".join((ROOT / path).read_text().split())
+
+
+def section(path: str, heading: str) -> str:
+    """The Markdown section under `heading` (to the next heading of its level or above), folded."""
+    body = (ROOT / path).read_text()
+    level = heading.split()[0]
+    start = body.index(f"\n{heading}\n")
+    rest = body[start + len(heading) + 2:]
+    ends = [m.start() for m in re.finditer(rf"^#{{1,{len(level)}}} ", rest, re.M)]
+    return " ".join(rest[:ends[0] if ends else None].split())
+
+
+def result(block: str, key: str) -> str:
+    """A value of the section's first `RESULT ...` line that names `key`."""
+    return re.search(rf"RESULT [^`]*?\b{key}=(\S+)", block).group(1)
+
+
+H200 = section("benchmarks/README.md", "## One H200")
+
+
+def step_row(who: str, mode: str) -> str:
+    """The step in ms of the H200 table's row of `who` ("plain loop" | "shoal train") in `mode`."""
+    return re.search(rf"{who} +{mode} +16 +([\d.]+)", H200).group(1)
+
+
+# (quoting file, text as quoted, source file, the text there): quotes of a table or prose figure
+QUOTES = [
+    ("docs/gpus.md", "against the plain loop's eager step on an H100, -6.6% at micro-batch 16 and -0.5% at 32, "
+     "compiled -17% and -12%",
+     "docs/planner.md", "| mb 16 | 54.8 ms | 67.46 ms (-19%) | 58.7 ms (-6.6%) |"),
+    ("docs/gpus.md", "-0.5% at 32", "docs/planner.md", "| mb 32 | 106.6 ms | 119.3 ms (-11%) | 107.1 ms (-0.5%) |"),
+    ("docs/gpus.md", "compiled -17% and -12%", "docs/planner.md", "predicts 41.1 and 79.6 (-17%, -12%;"),
+    ("docs/gpus.md", "on an H200 the preset is +1.4% eager and +6.0% compiled",
+     "docs/planner.md", "against the plain loop the preset is +1.4% eager and +6.0% compiled"),
+    ("docs/gpus.md", "It trained 1.10-1.25x slower than a hand-written loop of the same model",
+     "benchmarks/README.md", "shoal's step was 1.10-1.25x the plain loop's, eager or compiled"),
+    ("docs/planner.md", "process held 1.29 GiB outside the allocator, context included",
+     "docs/planner.md", "the process held 1.29 GiB outside the allocator at world 1"),
+]
+
+
+@pytest.mark.parametrize("quoting, quote, source, there", QUOTES, ids=[q[1][:40] for q in QUOTES])
+def test_a_quote_says_what_its_source_says(quoting, quote, source, there):
+    assert quote in text(quoting), f"{quoting} no longer quotes: {quote}"
+    assert there in text(source), f"{source} no longer says: {there}"
+
+
+def test_the_h200_step_ratios_are_the_runs():
+    eager, compiled = result(H200, "eager_ratio_mb16"), result(H200, "compiled_ratio_mb16")
+    quoted = (f"{eager}x the plain loop's eager ({step_row('shoal train', 'eager')} against "
+              f"{step_row('plain loop', 'eager')} ms) and {compiled}x compiled "
+              f"({step_row('shoal train', 'compiled')} against {step_row('plain loop', 'compiled')} ms)")
+    assert quoted in text("docs/gpus.md")
+    assert f"{compiled}x the compiled plain loop's step on the H200" in text("docs/gpus.md")
+    assert f"eager mb16 {eager}, compiled mb16 {compiled}" in H200  # the run's own summary line agrees
+
+
+def test_the_h200_probe_time_is_the_runs():
+    assert f"on one H200 it took {result(H200, 'spot_s')} s" in text("docs/planner.md")
+    assert f"measured on the spot in {result(H200, 'spot_s')} s" in H200
