@@ -71,6 +71,7 @@ def test_the_h200_step_ratios_are_the_runs():
     assert quoted in text("docs/gpus.md")
     assert f"{compiled}x the compiled plain loop's step on the H200" in text("docs/gpus.md")
     assert f"eager mb16 {eager}, compiled mb16 {compiled}" in H200  # the run's own summary line agrees
+    assert f"shoal's step was {eager}x a hand-written loop's eager and {compiled}x compiled" in text("README.md")
 
 
 def test_the_h200_probe_time_is_the_runs():
