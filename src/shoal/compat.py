@@ -113,6 +113,16 @@ def scaler_scale(scaler: torch.amp.GradScaler) -> torch.Tensor:
 # --- what a GPU holds, asked without making a CUDA context ---------------------------------------------
 
 
+def split_mesh_axis(mesh, axis: str, sizes: tuple[int, ...], names: tuple[str, ...]):
+    """The sub-mesh over `names`: `mesh`'s axis `axis` split into axes of `sizes` (row-major, the last fastest),
+    sharing `mesh`'s ranks and groups (a tensor-parallel DTensor of `mesh` composes with it under FSDP2).
+    DeviceMesh._unflatten is private but the one way on every supported release (2.11-2.15): flattening a
+    4-D mesh's two axes back into "dp" (torchtitan's older route) warns on 2.11+ that slicing a flattened
+    axis from the root is deprecated."""
+    split = mesh._unflatten(mesh.mesh_dim_names.index(axis), sizes, names)
+    return split[names]
+
+
 def visible_gpu_memory() -> list[tuple[str, int]] | None:
     """(name, total bytes) of each GPU this process sees (visible_gpus); None where NVML cannot say."""
     gpus = visible_gpus()

@@ -30,6 +30,12 @@ class Layout:
     servers: int = 0  # parameter-server ranks (the last ones of the world), outside dims
     micro_batch: int = 1  # samples per forward and backward: train.micro_batch_size, at most a rank's share
 
+    @property
+    def shard_ranks(self) -> int:
+        """The ranks ZeRO shards the state over: every dp rank, one replica's under local SGD / DiLoCo, one
+        shard group's under HSDP (parallel.dp_replicate)."""
+        return self.dims.dp // (self.replicas * self.dims.dp_replicate)
+
     def describe(self, cfg: Config, items_name: str, items_per_sample: int) -> str:
         t, d = cfg.train, self.dims
         if d.pp > 1:
@@ -38,6 +44,8 @@ class Layout:
         else:
             split = f"micro {self.micro_batch} x dp {d.dp} x accumulation {self.grad_accum}"
         zero = f", ZeRO {self.zero}" if self.zero else ""
+        if d.dp_replicate > 1:
+            zero += f" sharded over {d.dp_shard} ranks, {d.dp_replicate} replicas (HSDP)"
         on = " on cuda" if self.backend == "gloo" and self.device == "cuda" else ""
         mode = cfg.sync.mode
         sync = (f"; {self.replicas} replicas of {d.dp // self.replicas} dp rank(s), {mode} every {cfg.sync.every} "
@@ -87,7 +95,7 @@ def resolve_layout(cfg: Config, world_size: int, cuda: bool) -> Layout:
     if servers and world_size <= servers:
         raise UserError(f"ps.servers = {servers} leaves no process to train in a world of {world_size}; start "
                         f"more processes (--nproc {servers + 1} or more) or use fewer servers")
-    dims = ParallelDims.resolve(p.dp, p.tp, p.pp, world_size - servers)
+    dims = ParallelDims.resolve(p.dp, p.tp, p.pp, world_size - servers, p.dp_replicate)
     device = choose_device(p.device, cuda)
     backend = choose_backend(p.backend, device)
     micro = micro_batch(t.global_batch_size, t.micro_batch_size, dims.dp)
@@ -160,9 +168,27 @@ def _check_sharding(cfg: Config, dims: ParallelDims, device: str, world_size: in
                         f"needs DDP, which cannot run under a pipeline schedule); use parallel.zero = 2 or 3")
     if p.offload and p.zero < 2:
         raise UserError(f"parallel.offload = true needs parallel.zero = 2 or 3 (FSDP2), not {p.zero}")
+    if dims.dp_replicate > 1:
+        _check_hsdp(cfg, dims)
     if p.offload and device != "cuda":
         raise UserError("parallel.offload = true moves sharded state from GPU to CPU memory; this run trains on "
                         "the CPU already: set parallel.offload = false")
+
+
+def _check_hsdp(cfg: Config, dims: ParallelDims) -> None:
+    """parallel.dp_replicate > 1: ZeRO 2/3's shards replicated across groups of dp ranks, every step."""
+    r, zero = dims.dp_replicate, cfg.parallel.zero
+    if zero < 2:
+        raise UserError(f"parallel.dp_replicate = {r} replicates ZeRO 2/3's shards across {r} groups (HSDP), but "
+                        f"parallel.zero = {zero} shards no parameters; set parallel.zero = 3 (or 2), or "
+                        f"parallel.dp_replicate = 1")
+    if dims.dp_shard == 1:
+        raise UserError(f"parallel.dp_replicate = {r} = dp leaves one rank in each shard group: nothing is sharded "
+                        f"(that is DDP); set parallel.zero = 0, or a dp_replicate that leaves 2 or more ranks a group")
+    if cfg.sync.mode != "every-step":
+        raise UserError(f'parallel.dp_replicate = {r} (HSDP) all-reduces across its replicas every step; sync.mode = '
+                        f'"{cfg.sync.mode}" keeps replicas of its own: set parallel.dp_replicate = 1 (its replicas '
+                        f"are sync.replicas)")
 
 
 def _check_precision(cfg: Config, device: str) -> None:

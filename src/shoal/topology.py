@@ -20,10 +20,15 @@ class ParallelDims:
     tp: int
     pp: int
     world_size: int
+    dp_replicate: int = 1  # HSDP: dp = dp_replicate x dp_shard, the shard groups of consecutive dp ranks
+
+    @property
+    def dp_shard(self) -> int:
+        return self.dp // self.dp_replicate
 
     @classmethod
-    def resolve(cls, dp: int | str, tp: int, pp: int, world_size: int) -> ParallelDims:
-        """Fill in dp = "auto" and validate dp x tp x pp == world_size."""
+    def resolve(cls, dp: int | str, tp: int, pp: int, world_size: int, dp_replicate: int = 1) -> ParallelDims:
+        """Fill in dp = "auto" and validate dp x tp x pp == world_size (and that dp_replicate divides dp)."""
         if world_size < 1:
             raise UserError(f"world size must be >= 1, got {world_size}")
         if dp == "auto":
@@ -38,7 +43,10 @@ class ParallelDims:
                 f"parallel.dp ({dp}) x parallel.tp ({tp}) x parallel.pp ({pp}) = {dp * tp * pp}, but "
                 f"{world_size} processes were started; set --nproc {dp * tp * pp} or change the degrees"
             )
-        return cls(dp=dp, tp=tp, pp=pp, world_size=world_size)
+        if dp % dp_replicate:
+            raise UserError(f"parallel.dp_replicate ({dp_replicate}) must divide dp ({dp}): replicas of equal "
+                            f"shard groups; set it to a divisor of {dp} (the nodes of the job, typically)")
+        return cls(dp=dp, tp=tp, pp=pp, world_size=world_size, dp_replicate=dp_replicate)
 
     @property
     def shape(self) -> tuple[int, int, int]:
@@ -73,6 +81,15 @@ class ParallelDims:
         from torch.distributed.device_mesh import init_device_mesh
 
         return init_device_mesh(device_type, self.shape, mesh_dim_names=AXES)
+
+    def shard_mesh(self, mesh):
+        """The mesh ZeRO 2/3 shards over: `mesh`'s dp axis, or under HSDP (dp_replicate > 1) that axis split
+        into (dp_replicate, dp_shard), FSDP2's 2-D mesh (replicated over the first, sharded over the second)."""
+        if self.dp_replicate == 1:
+            return mesh["dp"]
+        from shoal.compat import split_mesh_axis
+
+        return split_mesh_axis(mesh, "dp", (self.dp_replicate, self.dp_shard), ("dp_replicate", "dp_shard"))
 
 
 def local_part(t):

@@ -42,7 +42,11 @@ LAYOUTS = {"dp1": (1, []), "dp1-bf16": (1, ['precision.dtype="bf16"']),
            "dp2-pp2": (4, ["parallel.pp=2"]),
            "dp2-pp2-zero3": (4, ["parallel.pp=2", "parallel.zero=3"]),
            "dp2-tp2-pp2-zero3": (8, ["parallel.tp=2", "parallel.pp=2", "parallel.zero=3"]),
-           "tp2-pp2": (4, ["parallel.tp=2", "parallel.pp=2"])}
+           "tp2-pp2": (4, ["parallel.tp=2", "parallel.pp=2"]),
+           # HSDP: 2 replicas of 2-rank shard groups (FSDP2 on a 2-D mesh); with tp 2 inside each rank pair
+           "hsdp2x2-zero3": (4, ["parallel.zero=3", "parallel.dp_replicate=2"]),
+           "hsdp2x2-zero2": (4, ["parallel.zero=2", "parallel.dp_replicate=2"]),
+           "hsdp2x2-tp2-zero3": (8, ["parallel.zero=3", "parallel.dp_replicate=2", "parallel.tp=2"])}
 
 
 @pytest.fixture(scope="module")
@@ -124,6 +128,19 @@ def test_tensor_parallel_layouts_match_single_process(trained, reference, layout
     assert all(r["params"] < 0.7 * ref_mem["params"] for r in mem), mem
 
 
+@pytest.mark.parametrize("layout", ["hsdp2x2-zero3", *slow("hsdp2x2-zero2", "hsdp2x2-tp2-zero3")])
+def test_hsdp_matches_single_process_and_shards_within_a_replica(trained, reference, layout):
+    """ZeRO 2/3 sharded over each replica's 2 ranks, replicated across the 2 replicas: the training of one
+    process, each rank holding half the state (a quarter under plain ZeRO 3 over 4 ranks)."""
+    run_dir, out = trained(layout)
+    assert_same_training(run_dir, reference["fp32"], rtol=1e-5, atol=1e-5)
+    mem = json.loads((run_dir / "summary.json").read_text())["memory_per_rank"]
+    ref_mem = json.loads((reference["fp32"] / "summary.json").read_text())["memory_per_rank"][0]
+    split = 4 if "tp2" in layout else 2  # tp halves the layers again
+    for r in mem:
+        assert r["optimizer"] < 0.6 * ref_mem["optimizer"] and r["params"] > 0.8 * ref_mem["params"] / split, mem
+
+
 def test_zero3_bf16_matches_single_process_bf16(trained, reference):
     """bf16 compute: the one process casts under autocast, ZeRO 3 gathers bf16 parameters (FSDP2
     mixed precision), reduces gradients in fp32 and takes the loss in 4 chunks of tokens (model.loss_chunks;
@@ -143,7 +160,8 @@ def test_zero3_bf16_matches_single_process_bf16(trained, reference):
     *[pytest.param(*case, marks=pytest.mark.slow) for case in [
         ("dp1", "dp2", 1e-6), ("dp2", "dp4", 1e-6), ("dp2-zero3", "dp1", 1e-5), ("dp2-zero1", "dp2-zero2", 1e-5),
         ("dp1", "dp2-zero1", 1e-5), ("tp2", "dp2-zero3", 1e-5), ("dp2", "dp2-pp2-zero3", 1e-5),
-        ("pp2-interleaved", "dp1", 1e-5)]]])
+        ("pp2-interleaved", "dp1", 1e-5), ("dp2-zero3", "hsdp2x2-zero3", 1e-5)]],
+    ("hsdp2x2-zero3", "dp2-zero3", 1e-5)])
 def test_checkpoints_reshard_across_layouts(tmp_path, ranks, trained, reference, before, after, rtol):
     first, second = trained(before)[0], tmp_path / "second"
     nproc, extra = LAYOUTS[after]

@@ -19,7 +19,7 @@ import pytest
 import yaml
 from jsonschema.exceptions import best_match
 
-from conftest import FIXTURES
+from conftest import FIXTURES, ROOT
 from shoal.cli import build_parser, main
 
 CONFIG = """# a job for 2 nodes x 2 workers
@@ -329,3 +329,67 @@ def test_bad_input_is_one_line_and_exit_2(config, capsys, target, args, expected
 def test_a_missing_config_is_one_line(config, capsys):
     assert launch("--target", "slurm", "configs/nope.toml", "--nodes", 2) == 2
     assert capsys.readouterr().err == "shoal: error: config file configs/nope.toml does not exist; pass the path of a .toml file\n"
+
+
+NCCL = ["--nccl-ifname", "eth0", "--nccl-ib-hca", "mlx5"]
+
+
+def test_nccls_network_settings_reach_every_node_of_every_target(config):
+    """--nccl-ifname and --nccl-ib-hca become NCCL_SOCKET_IFNAME and NCCL_IB_HCA where each system sets a
+    node's environment; on Slurm --image runs the task in that container through pyxis."""
+    want = {"NCCL_SOCKET_IFNAME": "eth0", "NCCL_IB_HCA": "mlx5"}
+    assert launch("--target", "slurm", config, "--nodes", 2, "--nproc", 2, *NCCL, "--image", "nvcr.io/x:1",
+                  "--out", "a.sbatch") == 0
+    text = open("a.sbatch").read()
+    assert "export NCCL_SOCKET_IFNAME=eth0\nexport NCCL_IB_HCA=mlx5\n" in text
+    assert '--container-image=nvcr.io/x:1 --container-mounts="$PWD:$PWD" --container-workdir="$PWD"' in text
+    assert subprocess.run(["bash", "-n", "a.sbatch"]).returncode == 0
+    assert launch("--target", "kubernetes", config, "--nodes", 2, "--nproc", 2, *NCCL, "--image", "x",
+                  "--out", "k.yaml") == 0
+    job = list(yaml.safe_load_all(open("k.yaml")))[1]
+    for spec in job["spec"]["pytorchReplicaSpecs"].values():
+        env = spec["template"]["spec"]["containers"][0]["env"]
+        assert {e["name"]: e["value"] for e in env} == want
+    assert launch("--target", "sagemaker", config, "--nodes", 2, "--nproc", 2, *NCCL, "--image", "x",
+                  "--out", "s.py") == 0
+    script = open("s.py").read()
+    assert f"ENV = {want!r}" in script and "subprocess.call(TRAIN, env={**os.environ, **ENV})" in script
+    assert launch("--target", "azureml", config, "--nodes", 2, "--nproc", 2, *NCCL, "--image", "x", "--compute",
+                  "c", "--out", "z.yaml") == 0
+    assert yaml.safe_load(open("z.yaml"))["environment_variables"] == want
+    assert launch("--target", "vertex", config, "--nodes", 2, "--nproc", 2, *NCCL, "--image", "x",
+                  "--out", "v.yaml") == 0
+    env = yaml.safe_load(open("v.yaml"))["workerPoolSpecs"][0]["containerSpec"]["env"]
+    assert {e["name"]: e["value"] for e in env if e["name"].startswith("NCCL")} == want
+
+
+@pytest.mark.parametrize("sets, nodes, chosen", [
+    # a small model's gathers are latency-bound: four nodes of 8 priced as HSDP, a replica a node
+    (["parallel.zero=3", "train.global_batch_size=256"], 4, "HSDP (parallel.dp_replicate = 4"),
+    (["parallel.zero=3", "train.global_batch_size=256", "parallel.dp_replicate=2"], 4, None),  # set: kept
+    (["parallel.zero=0", "train.global_batch_size=256"], 4, None),  # nothing sharded: no choice to make
+])
+def test_several_gpu_nodes_get_hsdp_where_the_plan_says_it_is_faster(config, capsys, sets, nodes, chosen):
+    assert launch("--target", "slurm", config, "--nodes", nodes, "--nproc", 8, "--gpus-per-node", 8,
+                  *[a for s in sets for a in ("--set", s)], "--out", "g.sbatch") == 0
+    out = capsys.readouterr().out
+    train = train_args(shlex.split(open("g.sbatch").read().split("\n    ")[-1]))
+    if chosen is None:
+        assert "shoal launch: " not in out and train.set == sets
+        return
+    assert f"shoal launch: {chosen}" in out and "ms a step predicted against" in out
+    assert train.set == [*sets, f"parallel.dp_replicate={nodes}"]
+    plain, hsdp = map(float, re.search(r": ([\d.]+) ms a step predicted against ([\d.]+) ms", out).groups()[::-1])
+    assert hsdp < plain  # as the line says
+
+
+def test_llama3_8b_on_two_nodes_of_8_is_priced_both_ways(capsys, monkeypatch, tmp_path):
+    """The command of docs/gpus.md: passes launch's checks (it was refused: 8 samples over dp 8 at micro-batch
+    2), and the plan keeps ZeRO over every rank on the H100 preset's InfiniBand (HSDP predicted slower: its
+    optimizer steps twice the shard, and NDR's bandwidth across nodes hides the gathers)."""
+    config = ROOT / "configs" / "llama3-8b.toml"
+    monkeypatch.chdir(tmp_path)
+    assert launch("--target", "slurm", config, "--nodes", 2, "--nproc", 8, "--gpus-per-node", 8, "--out", "-") == 0
+    out = capsys.readouterr().out
+    assert "shoal launch: ZeRO sharded over every rank (HSDP would be slower)" in out
+    assert "shoal train" in out and "dp_replicate" not in out.split("shoal launch:")[1].split("\n", 1)[1]

@@ -199,3 +199,25 @@ def test_parameter_server_shards_whole_tensors_balanced_by_bytes():
     assert shard_names(named, 2) == [["a", "b", "e"], ["c", "d"]]  # 55 and 50 elements, each in model order
     assert shard_names(named, 1) == [["a", "b", "c", "d", "e"]]
     assert sorted(sum(shard_names(named, 3), [])) == ["a", "b", "c", "d", "e"]
+
+
+def test_hsdp_shards_within_a_replica_and_says_so():
+    cfg = load_config(None, ["parallel.zero=3", "parallel.dp_replicate=2"])
+    layout = resolve_layout(cfg, 8, cuda=False)
+    assert (layout.dims.dp_replicate, layout.dims.dp_shard, layout.shard_ranks) == (2, 4, 4)
+    assert "ZeRO 3 sharded over 4 ranks, 2 replicas (HSDP)" in layout.describe(cfg, "tokens", 1)
+    assert resolve_layout(load_config(None, ["parallel.zero=3"]), 8, cuda=False).shard_ranks == 8
+
+
+@pytest.mark.parametrize("sets, world, words", [
+    (["parallel.dp_replicate=2"], 4, "but parallel.zero = 0 shards no parameters; set parallel.zero = 3"),
+    (["parallel.zero=3", "parallel.dp_replicate=4"], 4, "leaves one rank in each shard group"),
+    (["parallel.zero=3", "parallel.dp_replicate=4", "train.global_batch_size=24"], 6,
+     "parallel.dp_replicate (4) must divide dp (6)"),
+    (["parallel.zero=3", "parallel.dp_replicate=2", 'sync.mode="diloco"', "sync.replicas=2"], 4,
+     'sync.mode = "diloco" keeps replicas'),
+])
+def test_hsdp_misuse_is_one_line(sets, world, words):
+    with pytest.raises(UserError) as e:
+        resolve_layout(load_config(None, sets), world, cuda=False)
+    assert words in str(e.value) and "\n" not in str(e.value)

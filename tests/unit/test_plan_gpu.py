@@ -327,3 +327,26 @@ def test_the_machine_s_gpu_is_named_without_initialising_cuda(monkeypatch):
     monkeypatch.setattr(hw, "gpu_memory", lambda: None)
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda _index=0: "NVIDIA H100 80GB HBM3")
     assert hw.this_machine()["gpu"] == "NVIDIA H100 80GB HBM3"
+
+
+def test_on_several_nodes_hsdp_is_planned_with_its_links_priced_apart():
+    """Two nodes of 8 H100s: each ZeRO 2/3 layout also as HSDP (a replica a node), holding twice plain
+    ZeRO's shard of the state; its gathers priced on NVLink inside a node and its all-reduce across the nodes,
+    so on a slower network between nodes HSDP's communication costs less than ZeRO over all 16 ranks'."""
+    cfg = load_config(None, ["model.n_layer=4", "model.d_model=256", "model.n_head=4", "model.seq_len=256",
+                             "train.global_batch_size=64", 'precision.dtype="bf16"'])
+
+    def planned(net):
+        profile = preset("h100").model_copy(update={"nproc": 8, "nnodes": 2, "network": net})
+        return {p.candidate.label(): p for p in plan(cfg, 16, profile, None, cuda=True)}
+
+    fast, slow = planned("nvlink4-ndr400"), planned("nvlink4-eth100")
+    plain, hsdp = fast["dp16 tp1 pp1 zero3 mb4"], fast["dp16 tp1 pp1 zero3 hsdp2 mb4"]
+    assert plain.ok and hsdp.ok
+    assert hsdp.prediction.memory["params"] == pytest.approx(2 * plain.prediction.memory["params"], rel=0.02)
+    one_node = plan(cfg, 8, preset("h100").model_copy(update={"nproc": 8}), None, cuda=True)
+    assert not any("hsdp" in p.candidate.label() for p in one_node)  # a replica a node: on one node, none
+    slow_plain, slow_hsdp = slow["dp16 tp1 pp1 zero3 mb4"], slow["dp16 tp1 pp1 zero3 hsdp2 mb4"]
+    assert slow_hsdp.prediction.time["comm"] < slow_plain.prediction.time["comm"]
+    # the network between nodes is what moved: inside a node both priced the same
+    assert slow_plain.prediction.time["comm"] > plain.prediction.time["comm"]

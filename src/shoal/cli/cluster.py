@@ -23,7 +23,8 @@ def add_parsers(sub) -> None:
     j.add_argument("--nproc", type=int, default=1, help="worker processes per node (default 1)")
     j.add_argument("--out", help="the file to write; - for stdout (default: <config name>.sbatch, "
                                  "<config name>-pytorchjob.yaml, _sagemaker.py, -azureml.yaml or -vertex.yaml here)")
-    j.add_argument("--image", help="container image with shoal installed (all but slurm)")
+    j.add_argument("--image", help="container image with shoal installed (needed by all but slurm; on slurm, "
+                                  "srun runs the task in it through pyxis: --container-image)")
     j.add_argument("--gpus-per-node", type=int, default=0, help="GPUs per node to ask for (slurm, kubernetes, vertex)")
     j.add_argument("--cpus-per-node", type=int, help="CPUs per node to ask for (slurm: default the whole node)")
     j.add_argument("--instance-type", help="SageMaker instance type (default ml.g5.xlarge) or Vertex AI machine type "
@@ -32,6 +33,14 @@ def add_parsers(sub) -> None:
     j.add_argument("--accelerator", help="Vertex AI accelerator type with --gpus-per-node, e.g. NVIDIA_L4 (vertex)")
     j.add_argument("--output", help="Vertex AI base output directory gs://BUCKET/PATH, where the run dir goes (vertex)")
     j.add_argument("--pvc", help="Kubernetes PersistentVolumeClaim for the run dirs (default: an emptyDir per pod)")
+    j.add_argument("--nccl-ifname", metavar="IFACE", help="NCCL_SOCKET_IFNAME in the job: the network interface NCCL "
+                   "bootstraps over (and carries traffic on without InfiniBand), e.g. eth0 or ^docker,lo")
+    j.add_argument("--nccl-ib-hca", metavar="HCAS", help="NCCL_IB_HCA in the job: the InfiniBand / RoCE adapters NCCL "
+                   "uses, e.g. mlx5 or =mlx5_0:1,mlx5_1:1")
+    j.add_argument("--preset", default="h100", help="the GPU whose data sheet prices HSDP against ZeRO over every rank "
+                   "for several GPU nodes (h100, h200, a100; default h100)")
+    j.add_argument("--network", help="its cluster's network for that price (default the preset's; shoal plan --help "
+                   "lists them)")
     add_set(j, "override a config value in the job (repeatable)")
     k = sub.add_parser("cluster", help="a multi-host cluster on this machine: network namespaces with rate-limited "
                                        "links and capped CPU (root)")
@@ -61,10 +70,24 @@ def launch_job(args: argparse.Namespace) -> int:
     if not config.is_file():
         raise UserError(f"config file {config} does not exist; pass the path of a .toml file")
     least, nodes = jobs.parse_nodes(args.nodes)
+    env = tuple((k, v) for k, v in (("NCCL_SOCKET_IFNAME", args.nccl_ifname), ("NCCL_IB_HCA", args.nccl_ib_hca)) if v)
     spec = jobs.JobSpec(args.target, args.config, config.read_text(encoding="utf-8"), tuple(args.set), nodes,
                         args.nproc, args.image, args.gpus_per_node, args.cpus_per_node, args.instance_type, args.pvc,
-                        min_nodes=least, compute=args.compute, accelerator=args.accelerator, output=args.output)
+                        min_nodes=least, compute=args.compute, accelerator=args.accelerator, output=args.output,
+                        env=env)
     jobs.check(spec)
+    if args.gpus_per_node and least is None and nodes > 1:  # several GPU nodes: HSDP where the plan says faster
+        from dataclasses import replace
+
+        from shoal.config import load_config
+        from shoal.plan.hsdp import hsdp_choice
+
+        choice = hsdp_choice(load_config(args.config, list(args.set), resolve=False), nodes, args.nproc, args.preset,
+                             args.network)
+        if choice is not None:
+            print(f"shoal launch: {choice.line(nodes)}")
+            if choice.replicate > 1:
+                spec = replace(spec, sets=(*spec.sets, f"parallel.dp_replicate={choice.replicate}"))
     out = Path(args.out) if args.out not in (None, "-") else jobs.default_out(spec)
     text = jobs.render(spec, out.parent)
     if args.out == "-":

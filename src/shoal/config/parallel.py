@@ -40,6 +40,11 @@ class ParallelConfig(Section):
     """ZeRO stage within dp: 0 replicates everything (DDP); 1 shards the optimizer state
     (ZeroRedundancyOptimizer); 2 also the gradients and 3 also the parameters (FSDP2 `fully_shard`;
     2 keeps a block's gathered parameters from forward to backward, 3 frees them after forward)."""
+    dp_replicate: int = Field(1, ge=1)
+    """ZeRO 2/3 as HSDP (torchtitan's data_parallel_replicate_degree, DeepSpeed's hpZ): the dp ranks form
+    this many replicas of dp / dp_replicate ranks each; the state is sharded within a replica and
+    replicated across them (FSDP2 on a 2-D mesh), so the gathers stay inside a replica (a node) and only
+    each step's gradient all-reduce crosses replicas. 1: every dp rank shares one shard group."""
     offload: bool = False
     """ZeRO 2/3 on CUDA: keep parameters, gradients and optimizer state in CPU memory and run the
     optimizer step there (FSDP2 CPUOffloadPolicy)."""

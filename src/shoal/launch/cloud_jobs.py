@@ -33,6 +33,7 @@ def azureml_job(spec, out_dir: Path) -> str:
            "code": code, "command": shlex.join(spec.train_argv(Path(spec.config).name, f"./outputs/{spec.stem}")),
            "environment": {"image": spec.image}, "compute": f"azureml:{spec.compute}",
            "resources": {"instance_count": spec.nodes},
+           **({"environment_variables": dict(spec.env)} if spec.env else {}),
            # shoal starts the --nproc workers of each node itself
            "distribution": {"type": "pytorch", "process_count_per_instance": 1}}
     header = (f"# {spec.config} on {spec.nodes} instance(s) x {spec.nproc} worker(s), written by `shoal launch "
@@ -56,7 +57,8 @@ def vertex_job(spec) -> str:
     if spec.gpus_per_node:
         machine.update(acceleratorType=spec.accelerator, acceleratorCount=spec.gpus_per_node)
     container = {"imageUri": spec.image, "command": ["bash", "-c", script],
-                 "env": [{"name": CONFIG_ENV, "value": spec.config_text}]}
+                 "env": [{"name": CONFIG_ENV, "value": spec.config_text},
+                         *[{"name": k, "value": v} for k, v in spec.env]]}
     pools = [{"machineSpec": machine, "replicaCount": count, "containerSpec": container}
              for count in (1, spec.nodes - 1) if count]
     job: dict = {"workerPoolSpecs": pools}

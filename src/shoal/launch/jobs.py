@@ -57,6 +57,7 @@ class JobSpec:
     compute: str | None = None  # Azure ML's compute cluster
     accelerator: str | None = None  # Vertex AI's accelerator type, with gpus_per_node
     output: str | None = None  # Vertex AI's base output directory, gs://...
+    env: tuple[tuple[str, str], ...] = ()  # variables every node's shoal starts with (NCCL's network settings)
 
     @property
     def stem(self) -> str:
@@ -204,11 +205,17 @@ def sbatch_script(spec: JobSpec) -> str:
         "# Each task reads the node count, its node rank (SLURM_NODEID) and node 0's address (the first host",
         "# of SLURM_JOB_NODELIST) from Slurm; the rendezvous port comes from the job id unless MASTER_PORT is set.",
         *([] if live else ["# A node that fails ends the others' tasks (--kill-on-bad-exit=1): they would wait."]),
+        *(["# NCCL's network, as given to shoal launch (docs/your-cluster.md, NCCL on several nodes)"]
+          + [f"export {k}={shlex.quote(v)}" for k, v in spec.env] if spec.env else []),
+        *(["# the task runs in the container image (the pyxis plugin's srun flags), this directory mounted"]
+          if spec.image else []),
         *(["# A live run (--nnodes MIN:MAX): the others go on without a node whose task ends; a worker that",
            "# fails is replaced on its node (--max-restarts); a requeue resumes the run from its checkpoint."]
           if live else []),
         'srun --ntasks-per-node=1 --cpus-per-task="${SLURM_CPUS_PER_TASK:-$SLURM_CPUS_ON_NODE}"'
         + (" --kill-on-bad-exit=0" if live else " --kill-on-bad-exit=1") + " \\",
+        *([f"    --container-image={shlex.quote(spec.image)} " + '--container-mounts="$PWD:$PWD" '
+           '--container-workdir="$PWD" \\'] if spec.image else []),
         f"    {shlex.join(train)}",
     ]
     return "\n".join(lines) + "\n"
@@ -235,6 +242,7 @@ def pytorchjob_manifest(spec: JobSpec) -> str:
             mounts.append({"name": "shm", "mountPath": "/dev/shm"})
         container = {"name": "pytorch", "image": spec.image,
                      "command": spec.train_argv(f"{CONFIG_DIR}/{config_name}", run_dir),
+                     **({"env": [{"name": k, "value": v} for k, v in spec.env]} if spec.env else {}),
                      "ports": [{"name": "pytorchjob-port", "containerPort": MASTER_PORT}],
                      "volumeMounts": mounts, **({"resources": resources} if resources else {})}
         return {"replicas": count, "restartPolicy": "OnFailure",
@@ -288,13 +296,14 @@ INSTANCE_TYPE = {instance_type!r}
 INSTANCE_COUNT = {nodes}
 RUN_DIR = {run_dir!r}
 TRAIN = {train!r}
+ENV = {env!r}  # NCCL's network settings given to shoal launch, on every instance
 # e.g. "s3://my-bucket/shoal/{stem}": SageMaker copies RUN_DIR's folder there and back, so a restarted
 # (or spot) job resumes from the newest checkpoint
 CHECKPOINT_S3_URI = None
 
 
 def train_here() -> int:
-    code = subprocess.call(TRAIN)
+    code = subprocess.call(TRAIN, env={{**os.environ, **ENV}})
     model_dir = os.environ.get("SM_MODEL_DIR", "/opt/ml/model")
     for name in ("model.safetensors", "summary.json", "config.toml", "metrics.jsonl"):
         if os.path.exists(os.path.join(RUN_DIR, name)):  # on the instance that held global rank 0
@@ -336,4 +345,4 @@ def sagemaker_script(spec: JobSpec) -> str:
     run_dir = f"{SAGEMAKER_RUNS}/{spec.stem}"
     return SAGEMAKER.format(config=spec.config, shipped=shipped, image=spec.image, instance_type=instance_type(spec),
                             nodes=spec.nodes, nproc=spec.nproc, run_dir=run_dir, stem=spec.stem, name=spec.name,
-                            train=spec.train_argv(shipped, run_dir), runs=SAGEMAKER_RUNS)
+                            train=spec.train_argv(shipped, run_dir), runs=SAGEMAKER_RUNS, env=dict(spec.env))

@@ -64,7 +64,7 @@ def replica_meshes(layout: Layout, mesh, dp_group, device_type: str):
     (replica, shard) mesh over the world: the wrapper spans a replica's ranks, syncs run across."""
     dims = layout.dims
     if layout.replicas == 1:
-        return mesh["dp"], dp_group
+        return dims.shard_mesh(mesh) if layout.zero >= 2 else mesh["dp"], dp_group
     if layout.replicas == dims.dp:
         return None, dp_group
     from torch.distributed.device_mesh import init_device_mesh
@@ -92,7 +92,8 @@ def parallelize(bundle: ModelBundle, layout: Layout, *, parallel: ParallelConfig
     coords = dims.coords(rank)
     dp_group = mesh["dp"].get_group() if dims.world_size > dims.dp else None
     inner_mesh, outer_group = replica_meshes(layout, mesh, dp_group, device.type)
-    inner_group = None if inner_mesh is None or inner_mesh.size() == dims.world_size else inner_mesh.get_group()
+    inner_group = None if inner_mesh is None or inner_mesh.size() == dims.world_size else (
+        inner_mesh.get_group() if inner_mesh.ndim == 1 else dp_group)  # HSDP's 2-D mesh: the whole dp group
 
     def wrapped(m: torch.nn.Module) -> torch.nn.Module:
         return wrap(m, bundle.block_types, dims, dp_mesh=inner_mesh, dp_group=inner_group, zero=layout.zero,

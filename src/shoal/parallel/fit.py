@@ -48,7 +48,7 @@ def check_model_fits(bundle: ModelBundle, model_name: str, parallel: ParallelCon
 
 def zero_shards(layout: Layout) -> bool:
     """Does FSDP2 shard the parameters: ZeRO 2/3 over a replica of more than one rank (apply.wrap)."""
-    return layout.zero >= 2 and layout.dims.dp // max(layout.replicas, 1) > 1
+    return layout.zero >= 2 and layout.shard_ranks > 1
 
 
 def check_shardable(bundle: ModelBundle, layout: Layout) -> None:
@@ -144,7 +144,7 @@ def rank_memory(shape: ModelShape, params: list, layout: Layout, cfg: Config) ->
     root: the layers outside blocks), in the gather's dtype. fp8 computes the rest in bf16, and its linear layers'
     weights gathered in float8 (precision.fp8_all_gather) are counted as bf16: an upper bound."""
     dtype = "bf16" if cfg.precision.dtype == "fp8" else cfg.precision.dtype
-    shard, tp = layout.dims.dp // layout.replicas, layout.dims.tp
+    shard, tp = layout.shard_ranks, layout.dims.tp
     need = state_bytes(shape, params, layout, optimizer=cfg.train.optimizer, momentum=cfg.train.momentum,
                        shard=shard)
     gathered = 2 if dtype in ("bf16", "fp16") else shape.element_size
@@ -188,7 +188,7 @@ def _refusal(shape: ModelShape, params: list, cfg: Config, layout: Layout, parts
     what = ", ".join(f"{names[k]} {_gib(v)}" for k, v in parts.items() if v)
     where = "of CPU memory under parallel.offload = true" if p.offload and "params" in parts else ""
     fixes = []
-    if layout.zero < 3 and d.dp // layout.replicas > 1 and not p.offload:
+    if layout.zero < 3 and layout.shard_ranks > 1 and not p.offload:
         z3 = sum(rank_memory(shape, params, dataclasses.replace(layout, zero=3), cfg).values())
         if z3 <= has[0]:
             fixes.append(f"parallel.zero = 3 needs {_gib(z3)}")

@@ -153,9 +153,10 @@ def rank_params(shape: ModelShape, layout: Layout, schedule: str, stage_of) -> l
 def state_bytes(shape: ModelShape, params: list, layout: Layout, *, optimizer: str, momentum: float,
                 shard: int | None = None) -> dict[str, int]:
     """Bytes of parameters, gradients and optimizer state on the largest rank holding `params` (its tp / pp
-    part of the model), ZeRO sharding over `shard` ranks (default dp; a replica's ranks under local SGD)."""
+    part of the model), ZeRO sharding over `shard` ranks (default the layout's: dp, a replica's ranks under
+    local SGD, a shard group's under HSDP)."""
     d, zero, es = layout.dims, layout.zero, shape.element_size
-    shard = d.dp if shard is None else shard
+    shard = layout.shard_ranks if shard is None else shard
     sharded = zero >= 2
     p_bytes = shard_bytes(shape, params, shard, sharded, d.tp, es, "params")
     g_bytes = shard_bytes(shape, params, shard, sharded, d.tp, es, "grads")

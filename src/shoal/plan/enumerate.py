@@ -1,8 +1,10 @@
 """Every layout `shoal plan` considers for a config and a number of processes: dp x tp x pp = world,
-pipeline schedule, ZeRO stage 0-3, activation checkpointing on or off, micro-batch size (the divisors
-of the per-rank batch). Each is a copy of the config with those keys set, checked by the same layout
-resolution (layout.py) and model checks (preflight.py, parallel/fit.py) that a run's start applies:
-the reason a layout is invalid is the run's own one-line error."""
+pipeline schedule, ZeRO stage 0-3 (on several nodes 2 and 3 also as HSDP with a replica per node, the
+layout people reach for first: dp_replicate = the nodes, where that leaves 2 or more ranks a shard group),
+activation checkpointing on or off, micro-batch size (the divisors of the per-rank batch). Each is a copy
+of the config with those keys set, checked by the same layout resolution (layout.py) and model checks
+(preflight.py, parallel/fit.py) that a run's start applies: the reason a layout is invalid is the run's
+own one-line error."""
 
 from __future__ import annotations
 
@@ -29,6 +31,8 @@ class Candidate:
         if k["parallel.pp"] > 1:
             parts.append(str(k["parallel.pp_schedule"]))
         parts.append(f"zero{k['parallel.zero']}")
+        if k.get("parallel.dp_replicate", 1) > 1:
+            parts.append(f"hsdp{k['parallel.dp_replicate']}")
         if k["precision.activation_checkpointing"]:
             parts.append("ckpt")
         parts.append(f"mb{k['train.micro_batch_size']}")
@@ -48,8 +52,9 @@ def with_keys(cfg: Config, keys: dict[str, object]) -> Config:
     return validate_config(raw, "plan")
 
 
-def candidates(cfg: Config, world: int, bundle, source, cuda: bool, micro_batches: list[int] | None = None):
-    """Every layout for `world` processes, valid or with its reason."""
+def candidates(cfg: Config, world: int, bundle, source, cuda: bool, micro_batches: list[int] | None = None,
+               nodes: int = 1):
+    """Every layout for `world` processes on `nodes` nodes, valid or with its reason."""
     out, fits = [], {}  # check_model_fits' answers, per the keys they depend on
     gb = cfg.train.global_batch_size
     for tp in _divisors(world):
@@ -57,11 +62,13 @@ def candidates(cfg: Config, world: int, bundle, source, cuda: bool, micro_batche
             dp = world // (tp * pp)
             micros = micro_batches or (_divisors(gb // dp) if gb % dp == 0 else [cfg.train.micro_batch_size])
             for schedule in (SCHEDULES if pp > 1 else (cfg.parallel.pp_schedule,)):
-                for zero in range(4):
+                hsdp = nodes > 1 and dp % nodes == 0 and dp // nodes > 1 and cfg.sync.mode == "every-step"
+                for zero, replicate in [(z, 1) for z in range(4)] + ([(2, nodes), (3, nodes)] if hsdp else []):
                     for ckpt in (False, True):
                         for micro in micros:
                             keys = {"parallel.dp": dp, "parallel.tp": tp, "parallel.pp": pp,
                                     "parallel.pp_schedule": schedule, "parallel.zero": zero,
+                                    "parallel.dp_replicate": replicate,
                                     "precision.activation_checkpointing": ckpt, "train.micro_batch_size": micro,
                                     "parallel.pp_microbatches": 0}
                             out.append(check(cfg, keys, world, bundle, source, cuda, fits))

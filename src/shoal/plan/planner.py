@@ -191,7 +191,8 @@ def plan(cfg: Config, world: int, profile: HardwareProfile | None, memory: int |
     dropout as Model.build takes them."""
     model = Model.build(cfg, fused_attention, attention_dropout, hidden_dropout, cuda)
     out = []
-    for c in candidates(cfg, world, model.bundle, model.source, cuda, micro_batches):
+    nodes = profile.nnodes if profile is not None else 1
+    for c in candidates(cfg, world, model.bundle, model.source, cuda, micro_batches, nodes):
         if c.reason:
             out.append(Planned(c, reason=c.reason))
             continue

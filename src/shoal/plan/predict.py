@@ -286,6 +286,10 @@ def group_of(layout: Layout, gpus_per_node: int, axis: str) -> tuple[int, int]:
         return d.tp, min(d.tp, g)
     if axis == "dp":
         return d.dp, max(1, min(d.dp, g // d.tp))
+    if axis == "dp_shard":  # HSDP's shard group: consecutive dp ranks
+        return d.dp_shard, max(1, min(d.dp_shard, g // d.tp))
+    if axis == "dp_replicate":  # one rank of each shard group, dp_shard x tp ranks apart
+        return d.dp_replicate, max(1, min(d.dp_replicate, g // (d.dp_shard * d.tp)))
     return 2, 2 if d.world_size <= g else 1
 
 
@@ -316,7 +320,7 @@ def predict_time(shape: ModelShape, cost: MicroBatchCost, opt_ops: Ops, layout: 
     fwd_share = cost.forward_flops / max(cost.ops.flops, 1.0)
     if checkpointing:
         per_micro *= 1 + fwd_share  # blocks run their forward again in backward
-    shard = (1.0 / d.dp if zero >= 1 else 1.0) / (d.tp * d.pp)
+    shard = (1.0 / layout.shard_ranks if zero >= 1 else 1.0) / (d.tp * d.pp)
     compute = per_micro * n_micro + _optimizer_time(opt_ops, profile, dtype, layout)
     if zero >= 2 and profile.fresh_memory_s_per_byte:  # CPU: every large tensor freshly mapped (allocator.py)
         compute += profile.fresh_memory_s_per_byte * (cost.ops.fresh_bytes * n_micro / (d.tp * d.pp)
@@ -352,7 +356,7 @@ def _optimizer_time(opt_ops: Ops, profile: HardwareProfile, dtype: str, layout: 
     """The clip and the optimizer's step on a rank's share of the parameters (ZeRO's shard, tp's and pp's
     part): on a GPU torch's fused kernels (training/optim.py), elsewhere the traced per-tensor operators."""
     d = layout.dims
-    shard = (1.0 / d.dp if layout.zero >= 1 else 1.0) / (d.tp * d.pp)
+    shard = (1.0 / layout.shard_ranks if layout.zero >= 1 else 1.0) / (d.tp * d.pp)
     if profile.device == "cuda":
         # the fused AdamW as a probe timed it, in the run's dtype's steps (one kernel over every tensor: long
         # enough that its wait on the device is a small part), else by the bandwidth
@@ -419,7 +423,9 @@ def _fsdp_comm(shape: ModelShape, profile: HardwareProfile, layout: Layout, n_mi
     FSDP2 on a GPT (per call and per byte moved), else the collectives alone from the curves; DTensor's
     cost per optimizer operator (the shards are DTensors). FSDP2's mixed precision under bf16
     (precision.sharded_mixed_precision) gathers 16-bit parameters, half an fp32 model's bytes, and reduces
-    gradients in `reduce_dtype`."""
+    gradients in `reduce_dtype`. Under HSDP (parallel.dp_replicate) the gathers and the reduce-scatter run
+    over a shard group's links (in a node, when it fits one) and each block's reduced shard is all-reduced
+    across the replicas (over the nodes), overlapped with the backward as the reduce-scatter is."""
     d, zero, ct, over = layout.dims, layout.zero, collectives(profile, layout), profile.parallel_overheads
     n_blocks = max(len(shape.block_params), 1)
     in_blocks = shape.once(("in blocks", d.tp), lambda: sum(
@@ -435,10 +441,15 @@ def _fsdp_comm(shape: ModelShape, profile: HardwareProfile, layout: Layout, n_mi
         comm = (gathers + root_gathers + n_blocks + 1) * over["fsdp_call_s"] + moved * over["fsdp_byte_s"]
     else:
         cuda, block_compute = profile.device == "cuda", per_micro / n_blocks
-        gather = ct("all_gather", block_bytes * g / d.dp) or 0.0
-        scatter = ct("reduce_scatter", block_bytes * r) or 0.0
+        axis = "dp_shard" if d.dp_replicate > 1 else "dp"
+        gather = ct("all_gather", block_bytes * g / layout.shard_ranks, axis) or 0.0
+        scatter = ct("reduce_scatter", block_bytes * r, axis) or 0.0
         comm = (gather + (gathers - 1) * _hidden(gather, block_compute, cuda)
                 + scatter + (n_blocks - 1) * _hidden(scatter, block_compute, cuda))
+    if d.dp_replicate > 1:  # HSDP: each reduced shard all-reduced across the replicas, a block at a time
+        cuda, block_compute = profile.device == "cuda", per_micro / n_blocks
+        reduce = ct("all_reduce", block_bytes * r / layout.shard_ranks, "dp_replicate") or 0.0
+        comm += reduce + (n_blocks - 1) * _hidden(reduce, block_compute, cuda)
     comm += optimizer_ops * over.get("dtensor_op_s", 0.0)
     # per all-gather the block's gathered flat buffer and its parameters copied out of it, per
     # reduce-scatter its flat input and output, and each micro-batch's unsharded gradients (the gathered
