@@ -36,6 +36,12 @@ class DataConfig(Section):
     none, so one of its special tokens <|endoftext|>, </s>, <eos> or <|end_of_text|> is taken)."""
     split: str = "train"
     """hf: the split read from a `save_to_disk` folder of a DatasetDict."""
+    streaming: bool = False
+    """hf: read and tokenize documents as training reaches them (data/stream.py), for a corpus too large to
+    tokenize first: no cache, no pass over the corpus before the first step; each dp rank reads every dp-th
+    training document, and a checkpoint holds each rank's place, so a resumed run sees the tokens the
+    uninterrupted one would. Every val_fraction-th document is held out; validation takes the first of them.
+    false: the whole corpus tokenized once into cache_dir, windows drawn in a shuffled order."""
     max_documents: int = Field(0, ge=0)
     """hf: tokenize only the first this many documents (0: all)."""
     cache_dir: str | None = None

@@ -49,6 +49,15 @@ SECTIONS = {name: f.annotation for name, f in Config.model_fields.items() if nam
 
 
 def _check_data(cfg: Config) -> None:
+    d = cfg.data
+    if d.streaming and d.source != "hf":
+        raise ValueError(f'data.streaming = true reads a Hugging Face dataset as training goes (data.source = "hf"), '
+                         f'not data.source = "{d.source}"; set data.source = "hf" with data.path and data.tokenizer')
+    if d.streaming and (cfg.sync.mode == "parameter-server" or cfg.balance.mode != "uniform"):
+        what = "sync.mode = \"parameter-server\"" if cfg.sync.mode == "parameter-server" else \
+            f'balance.mode = "{cfg.balance.mode}"'
+        raise ValueError(f"data.streaming = true gives each dp rank its own documents, which {what} does not "
+                         f"draw from; set data.streaming = false")
     needs = getattr(type(cfg.model), "data_kinds", None)
     kind = data_kind(cfg.data.source)
     if needs is not None and kind is not None and kind not in needs:

@@ -31,7 +31,8 @@ from shoal.config import DataConfig
 from shoal.errors import UserError, first_line, require
 
 FEATURE = 'data.source = "hf"'
-FORMATS = {".parquet": "parquet", ".jsonl": "json", ".json": "json", ".csv": "csv"}  # suffix -> datasets builder
+# suffix -> datasets builder (a .txt file's lines are its documents, in the column "text")
+FORMATS = {".parquet": "parquet", ".jsonl": "json", ".json": "json", ".csv": "csv", ".txt": "text"}
 # A tokenizer.json names no EOS token; these are the end-of-text tokens of GPT-2 (and most BPEs trained
 # after it), of T5 / Llama 2 / Mistral's SentencePiece models, of Gemma and of Llama 3
 EOS_NAMES = ("<|endoftext|>", "</s>", "<eos>", "<|end_of_text|>")
@@ -53,14 +54,7 @@ def hf_tokens(cfg: DataConfig) -> tuple[np.ndarray, int]:
     filelock = require("filelock", "hf", FEATURE)
     files, builder = dataset_files(cfg.path)
     tok = load_tokenizer(cfg.tokenizer)
-    eos = cfg.eos_token or tok.eos_token
-    if eos is None:
-        raise UserError(f"data.tokenizer = {cfg.tokenizer!r} names no end-of-text token to put between documents; "
-                        f'set data.eos_token (e.g. "<|endoftext|>")')
-    eos_id = tok.backend.token_to_id(eos)
-    if eos_id is None:
-        raise UserError(f"data.eos_token = {eos!r} is not in the vocabulary of data.tokenizer = {cfg.tokenizer!r}; "
-                        f"name one of its special tokens")
+    eos_id = eos_id_of(cfg, tok)
     dtype = "uint16" if tok.vocab_size <= 2**16 else "uint32"
     key = cache_key(cfg, files, tok, eos_id, dtype)
     folder = cache_folder(cfg)
@@ -74,11 +68,24 @@ def hf_tokens(cfg: DataConfig) -> tuple[np.ndarray, int]:
     return tokens, meta["vocab_size"]
 
 
+def eos_id_of(cfg: DataConfig, tok: Tokenizer) -> int:
+    """The id of the token put after every document (data.eos_token, else the tokenizer's own)."""
+    eos = cfg.eos_token or tok.eos_token
+    if eos is None:
+        raise UserError(f"data.tokenizer = {cfg.tokenizer!r} names no end-of-text token to put between documents; "
+                        f'set data.eos_token (e.g. "<|endoftext|>")')
+    eos_id = tok.backend.token_to_id(eos)
+    if eos_id is None:
+        raise UserError(f"data.eos_token = {eos!r} is not in the vocabulary of data.tokenizer = {cfg.tokenizer!r}; "
+                        f"name one of its special tokens")
+    return eos_id
+
+
 def dataset_files(path: str) -> tuple[list[Path], str | None]:
     """The files that make up the dataset at `path`, and the datasets builder that reads them (None: a
     save_to_disk folder, read by load_from_disk)."""
     p = Path(path).expanduser()
-    what = "a save_to_disk folder or parquet / jsonl / json / csv files (a file, a folder or a glob)"
+    what = "a save_to_disk folder or parquet / jsonl / json / csv / txt files (a file, a folder or a glob)"
     if glob.has_magic(path):
         files = sorted(Path(f) for f in glob.glob(os.path.expanduser(path), recursive=True) if Path(f).is_file())
         if not files:
@@ -90,13 +97,13 @@ def dataset_files(path: str) -> tuple[list[Path], str | None]:
     else:
         files = sorted(f for f in p.rglob("*") if f.is_file() and f.suffix in FORMATS) if p.is_dir() else [p]
         if not files:
-            raise UserError(f"data.path = {path!r} holds no parquet, jsonl, json or csv file and is not a "
+            raise UserError(f"data.path = {path!r} holds no parquet, jsonl, json, csv or txt file and is not a "
                             f"save_to_disk folder; point it at {what}")
     builders = sorted({FORMATS.get(f.suffix) for f in files}, key=str)
     if len(builders) > 1 or builders[0] is None:
         found = ", ".join(sorted({f.suffix or f.name for f in files}))
         raise UserError(f"data.path = {path!r} holds {found} files; give files of one format: parquet, jsonl / "
-                        f"json or csv")
+                        f"json, csv or txt")
     return files, builders[0]
 
 
@@ -175,9 +182,10 @@ def read_meta(meta_path: Path, bin_path: Path, key: str) -> dict | None:
     return meta if meta.get("key") == key and whole else None
 
 
-def open_dataset(cfg: DataConfig, files: list[Path], builder: str | None, folder: Path):
+def open_dataset(cfg: DataConfig, files: list[Path], builder: str | None, folder: Path | None,
+                 streaming: bool = False):
     """The dataset as an iterable of batches: a save_to_disk folder memory-mapped, files streamed (read as
-    they are tokenized, with no Arrow copy made first)."""
+    they are tokenized, with no Arrow copy made first); `streaming`: the folder's too, read in order."""
     datasets = require("datasets", "hf", FEATURE)
     if builder is None:
         ds = datasets.load_from_disk(str(Path(cfg.path).expanduser()))
@@ -186,9 +194,11 @@ def open_dataset(cfg: DataConfig, files: list[Path], builder: str | None, folder
                 raise UserError(f"data.split = {cfg.split!r} is not a split of data.path = {cfg.path!r}; its "
                                 f"splits: {', '.join(ds)}")
             ds = ds[cfg.split]
+        if streaming:
+            ds = ds.to_iterable_dataset()
     else:
         ds = datasets.load_dataset(builder, data_files=[str(f) for f in files], split="train", streaming=True,
-                                   cache_dir=str(folder / "datasets"))
+                                   **({"cache_dir": str(folder / "datasets")} if folder else {}))
     return ds.take(cfg.max_documents) if cfg.max_documents else ds
 
 

@@ -26,6 +26,7 @@ from shoal.errors import UserError
 from shoal.models.spec import Batch, DataSpec
 
 DATA_SEED = 20_240_611  # generates the synthetic sets; independent of train.seed
+STREAM_VAL_WINDOWS = 256  # a streamed corpus's validation set: its first held-out windows
 
 
 class TokenWindows:
@@ -210,6 +211,10 @@ def build_source(cfg: DataConfig, seq_len: int | None, seed: int = 0):
     if cfg.source in ("stdlib-text", "text", "tokens", "hf"):
         if seq_len is None:
             raise UserError(f'data.source = "{cfg.source}" needs the model\'s seq_len; set model.seq_len')
+        if cfg.streaming:  # tokenized as training reads it (data/stream.py)
+            from shoal.data.stream import StreamedText
+
+            return StreamedText(cfg, seq_len, STREAM_VAL_WINDOWS)
         if cfg.source == "tokens":
             tokens, vocab = token_file(cfg.path, cfg.token_dtype)
         elif cfg.source == "hf":

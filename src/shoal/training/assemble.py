@@ -92,6 +92,10 @@ def assemble(start: Start, bundle: ModelBundle, optimizer: Callable[[Parallelize
     sampler = GlobalBatchSampler(num_train, cfg.train.global_batch_size, cfg.train.seed)
     stateful = {"sampler": sampler, "scheduler": step.schedule, "scaler": precision, "bad_steps": step.bad_steps,
                 "sync": par.sync, **({"balance": step.balance} if step.balance else {})}
+    if getattr(start.source, "streamed", False):  # data.streaming: this dp rank's place in the stream
+        from shoal.data.stream import StreamPosition
+
+        stateful["stream"] = StreamPosition(start.source.train_stream(par.dp_rank, par.dp), sampler)
     state = TrainState(par.model, strategy.saved_optimizer(opt), stateful, replicas_differ=start.layout.replicas > 1)
     if env.rank == 0:
         run.path.mkdir(parents=True, exist_ok=True)

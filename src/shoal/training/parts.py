@@ -61,8 +61,10 @@ def announce(parts: Parts, sinks: MetricsSinks, recovery: dict | None, profile_l
         sinks.print(f"model built whole on every rank, not sharded at the start: {bundle.built_whole}")
     if parts.step.par.describe():
         sinks.print(parts.step.par.describe())
-    sinks.print(f"data {cfg.data.source}: {source.num_train:,} training / {source.num_val:,} validation samples; "
-                f"run dir {parts.run.path}")
+    held = (f"streamed, tokenized as training reads it; {source.num_val:,} validation windows"
+            if getattr(source, "streamed", False) else
+            f"{source.num_train:,} training / {source.num_val:,} validation samples")
+    sinks.print(f"data {cfg.data.source}: {held}; run dir {parts.run.path}")
     if recovery and recovery["checkpoint"]:
         sinks.print(f"resumed from {recovery['checkpoint']} (step {recovery['resumed_from_step']})")
     elif recovery:
@@ -84,7 +86,8 @@ def profiler(parts: Parts) -> tuple[Profiler, str]:
         return b.model, b.loss_fn
 
     flops = FlopSource(per_sample=parts.bundle.flops_per_sample, build=meta_model,
-                       batch=source.train_batch(torch.arange(min(layout.micro_batch, source.num_train))))
+                       batch=source.train_batch(torch.arange(min(layout.micro_batch,
+                                                                 source.num_train or source.num_val))))
     return start_profiler(cfg.metrics, cfg.precision.dtype, parts.env.device, flops,
                           axes=axes + (("world",) if comm.world_size > 1 else ()),
                           bubble=bubble_fraction(dims.pp, layout.pp_microbatches,

@@ -157,7 +157,8 @@ def build(cfg: Config, layout: Layout, source, run: RunDir, env: DistEnv, comm: 
         return par.build_optimizer(groups, optimizer_class, **hyper)
 
     start = Start(cfg=cfg, layout=layout, source=source, run=run, env=env, comm=comm, phase=phase, strategy=strategy)
-    return assemble(start, bundle, optimizer, n_params=count_parameters(bundle.model), num_train=source.num_train,
+    return assemble(start, bundle, optimizer, n_params=count_parameters(bundle.model),
+                    num_train=source.num_train or 1,  # a stream's (data/stream.py): its sampler only counts steps
                     resume_path=resume_path, sample=sample, regroup_wanted=live.regroup_wanted if live else None)
 
 
@@ -231,6 +232,14 @@ def batches(parts: Parts):
     ready for the device and counted (Stepper.prepare), on the data thread."""
     sampler, source, balance = parts.sampler, parts.source, parts.step.balance
     dp, micro = parts.layout.dims.dp, parts.layout.micro_batch
+    stream = parts.state.parts.get("stream")
+    if stream is not None:  # data.streaming: this rank's next windows, in micro-batches
+        def windows(step: int):
+            w = stream.windows(step, parts.layout.per_rank_batch)
+            return parts.step.prepare([{"input": m[:, :-1].contiguous(), "target": m[:, 1:].contiguous()}
+                                       for m in w.split(micro)])
+
+        return windows
 
     def make(step: int):
         shares = balance.split_for(step) if balance else None
