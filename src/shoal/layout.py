@@ -262,7 +262,8 @@ def check_live(cfg: Config, nodes: tuple[int, int], nproc: int) -> None:
            f"sync.fragments = {cfg.sync.fragments} and sync.fragment_delay = {cfg.sync.fragment_delay} keep the "
            f"replicas apart at every step but the last" if cfg.sync.fragments > 1 or cfg.sync.fragment_delay else
            f'balance.mode = "{cfg.balance.mode}" splits the batch by measured throughput'
-           if cfg.balance.mode != "uniform" else None)
+           if cfg.balance.mode != "uniform" else
+           "data.streaming = true keeps each dp rank's place in its own documents" if cfg.data.streaming else None)
     if why:
         raise UserError(f"--nnodes {text}: {why}, which cannot heal live yet (a live run needs every worker to hold "
                         f"a whole replica: data parallel, parallel.zero = 0, each worker its own replica); give a "

@@ -98,3 +98,11 @@ def test_streaming_is_for_hf_and_a_rank_of_its_own():
     with pytest.raises(UserError, match='which balance.mode = "throughput" does not draw from'):
         load_config(None, ['data.source="hf"', 'data.path="x"', 'data.tokenizer="t"', "data.streaming=true",
                            'balance.mode="throughput"'])
+
+
+def test_a_live_run_does_not_stream():
+    from shoal.layout import check_live
+
+    cfg = load_config(None, ['data.source="hf"', 'data.path="x"', 'data.tokenizer="t"', "data.streaming=true"])
+    with pytest.raises(UserError, match="data.streaming = true keeps each dp rank's place .* cannot heal live"):
+        check_live(cfg, (1, 2), 1)

@@ -12,6 +12,11 @@ from shoal.errors import UserError
 
 
 def add_parsers(sub) -> None:
+    add_launch_parser(sub)
+    add_cluster_parser(sub)
+
+
+def add_launch_parser(sub) -> None:
     j = sub.add_parser("launch", help="write the job file that runs a config on your cluster: an sbatch script, a "
                                       "Kubeflow PyTorchJob manifest, a SageMaker script, an Azure ML command job or a "
                                       "Vertex AI CustomJob spec")
@@ -42,6 +47,9 @@ def add_parsers(sub) -> None:
     j.add_argument("--network", help="its cluster's network for that price (default the preset's; shoal plan --help "
                    "lists them)")
     add_set(j, "override a config value in the job (repeatable)")
+
+
+def add_cluster_parser(sub) -> None:
     k = sub.add_parser("cluster", help="a multi-host cluster on this machine: network namespaces with rate-limited "
                                        "links and capped CPU (root)")
     ksub = k.add_subparsers(dest="action", required=True)

@@ -207,8 +207,6 @@ def sbatch_script(spec: JobSpec) -> str:
         *([] if live else ["# A node that fails ends the others' tasks (--kill-on-bad-exit=1): they would wait."]),
         *(["# NCCL's network, as given to shoal launch (docs/your-cluster.md, NCCL on several nodes)"]
           + [f"export {k}={shlex.quote(v)}" for k, v in spec.env] if spec.env else []),
-        *(["# the task runs in the container image (the pyxis plugin's srun flags), this directory mounted"]
-          if spec.image else []),
         *(["# A live run (--nnodes MIN:MAX): the others go on without a node whose task ends; a worker that",
            "# fails is replaced on its node (--max-restarts); a requeue resumes the run from its checkpoint."]
           if live else []),

@@ -74,6 +74,14 @@ def replica_meshes(layout: Layout, mesh, dp_group, device_type: str):
     return grid["shard"], grid["replica"].get_group()
 
 
+def wrapper_group(mesh, world_size: int, dp_group):
+    """The group a data-parallel wrapper's own collectives run over: None for the default group (no wrapper, or
+    one over every rank), HSDP's 2-D mesh's whole dp group, else its mesh's group."""
+    if mesh is None or mesh.size() == world_size:
+        return None
+    return mesh.get_group() if mesh.ndim == 1 else dp_group
+
+
 def parallelize(bundle: ModelBundle, layout: Layout, *, parallel: ParallelConfig, precision: PrecisionConfig,
                 compile: bool | str, device: torch.device, rank: int, comm: Comm, sync: StepSync | None = None,
                 sample: dict | None = None) -> Parallelized:
@@ -92,8 +100,7 @@ def parallelize(bundle: ModelBundle, layout: Layout, *, parallel: ParallelConfig
     coords = dims.coords(rank)
     dp_group = mesh["dp"].get_group() if dims.world_size > dims.dp else None
     inner_mesh, outer_group = replica_meshes(layout, mesh, dp_group, device.type)
-    inner_group = None if inner_mesh is None or inner_mesh.size() == dims.world_size else (
-        inner_mesh.get_group() if inner_mesh.ndim == 1 else dp_group)  # HSDP's 2-D mesh: the whole dp group
+    inner_group = wrapper_group(inner_mesh, dims.world_size, dp_group)
 
     def wrapped(m: torch.nn.Module) -> torch.nn.Module:
         return wrap(m, bundle.block_types, dims, dp_mesh=inner_mesh, dp_group=inner_group, zero=layout.zero,
