@@ -169,6 +169,7 @@ class Member:
     join_timeout_s: float = 600.0  # below min_world: how long to wait for joiners
     _stop: threading.Event = field(default_factory=threading.Event)
     _join_requests: int = 0  # as the heartbeat thread last read it
+    _ticket: int = 0  # this worker's own join request: the count it made join_requests
     _lost: int = 0  # LOST_KEY as the heartbeat thread last read it
     _watched: tuple | None = None  # (generation, what cuts its connections), while this member trains in it
     _lock: threading.Lock = field(default_factory=threading.Lock)
@@ -234,7 +235,7 @@ class Member:
         self.store.set(f"{PREFIX}leaving/{self.id}", "1")
 
     def request_join(self) -> None:
-        self.store.add(PREFIX + "join_requests", 1)
+        self._ticket = int(self.store.add(PREFIX + "join_requests", 1))
 
     def join_wanted(self, generation: Generation) -> bool:
         """A joiner has asked in since `generation` closed (as of the last heartbeat: no store round trip)."""
@@ -247,6 +248,11 @@ class Member:
         so while it waits."""
         if previous is None and self.current() >= 0:  # a joiner: the group it joins is the newest one
             previous = self.generation(self.current())
+            if previous is not None and self._ticket and previous.admitted >= self._ticket \
+                    and self.id not in previous.members:
+                # that generation closed (after a failure, say) having counted this worker's request, before
+                # it reached the roster: no member would ever want it again, so it asks again
+                self.request_join()
         number = (previous.number + 1) if previous is not None else 0
         key = f"{PREFIX}g{number}/"
         self.store.append(key + "roster", f"{self.id};")
