@@ -176,8 +176,8 @@ def test_zero3_bf16_matches_single_process_bf16(trained, reference):
     *[pytest.param(*case, marks=pytest.mark.slow) for case in [
         ("dp1", "dp2", 1e-6), ("dp2", "dp4", 1e-6), ("dp2-zero3", "dp1", 1e-5), ("dp2-zero1", "dp2-zero2", 1e-5),
         ("dp1", "dp2-zero1", 1e-5), ("tp2", "dp2-zero3", 1e-5), ("dp2", "dp2-pp2-zero3", 1e-5),
-        ("pp2-interleaved", "dp1", 1e-5), ("dp2-zero3", "hsdp2x2-zero3", 1e-5)]],
-    ("hsdp2x2-zero3", "dp2-zero3", 1e-5)])
+        ("pp2-interleaved", "dp1", 1e-5), ("dp2-zero3", "hsdp2x2-zero3", 1e-5),
+        ("hsdp2x2-zero3", "dp2-zero3", 1e-5)]]])
 def test_checkpoints_reshard_across_layouts(tmp_path, ranks, trained, reference, before, after, rtol):
     first, second = trained(before)[0], tmp_path / "second"
     nproc, extra = LAYOUTS[after]

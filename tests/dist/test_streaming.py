@@ -52,6 +52,7 @@ def refusal(env, *args) -> str:
     return "no error"
 
 
+@pytest.mark.slow  # a second streamed run
 def test_a_streamed_checkpoint_resumes_only_on_its_dp(tmp_path, ranks, sets):
     first = tmp_path / "first"
     ranks(2).run(train_on_ranks, [*sets, f"train.steps={SAVED}"], str(first))

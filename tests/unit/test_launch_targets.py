@@ -383,6 +383,7 @@ def test_several_gpu_nodes_get_hsdp_where_the_plan_says_it_is_faster(config, cap
     assert hsdp < plain  # as the line says
 
 
+@pytest.mark.slow  # traces the 8B model on the meta device: ~10 s
 def test_llama3_8b_on_two_nodes_of_8_is_priced_both_ways(capsys, monkeypatch, tmp_path):
     """The command of docs/gpus.md: passes launch's checks (it was refused: 8 samples over dp 8 at micro-batch
     2), and the plan keeps ZeRO over every rank on the H100 preset's InfiniBand (HSDP predicted slower: its

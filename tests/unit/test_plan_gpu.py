@@ -329,6 +329,7 @@ def test_the_machine_s_gpu_is_named_without_initialising_cuda(monkeypatch):
     assert hw.this_machine()["gpu"] == "NVIDIA H100 80GB HBM3"
 
 
+@pytest.mark.slow  # three plans: ~8 s
 def test_on_several_nodes_hsdp_is_planned_with_its_links_priced_apart():
     """Two nodes of 8 H100s: each ZeRO 2/3 layout also as HSDP (a replica a node), holding twice plain
     ZeRO's shard of the state; its gathers priced on NVLink inside a node and its all-reduce across the nodes,
