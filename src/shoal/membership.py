@@ -247,12 +247,7 @@ class Member:
         when it was left out (then ask again, with request_join, for the next), or when `give_up()` says
         so while it waits."""
         if previous is None and self.current() >= 0:  # a joiner: the group it joins is the newest one
-            previous = self.generation(self.current())
-            if previous is not None and self._ticket and previous.admitted >= self._ticket \
-                    and self.id not in previous.members:
-                # that generation closed (after a failure, say) having counted this worker's request, before
-                # it reached the roster: no member would ever want it again, so it asks again
-                self.request_join()
+            previous = self._newest_for_joiner()
         number = (previous.number + 1) if previous is not None else 0
         key = f"{PREFIX}g{number}/"
         self.store.append(key + "roster", f"{self.id};")
@@ -286,6 +281,15 @@ class Member:
             # the members that formed it wait for the slowest to read it: poll often for the first second
             # (a regroup after a failure is one of those), less while waiting for joiners
             time.sleep(0.005 if now - started < 1.0 else 0.02)
+
+    def _newest_for_joiner(self) -> Generation | None:
+        """The newest generation, which a joiner joins the next of. One that closed (after a failure, say) having
+        counted this worker's request, before it reached the roster, would leave no member ever wanting it
+        again: it asks again."""
+        newest = self.generation(self.current())
+        if newest is not None and self._ticket and newest.admitted >= self._ticket and self.id not in newest.members:
+            self.request_join()
+        return newest
 
     def generation(self, number: int) -> Generation | None:
         """Closed generation `number` (None: not closed, or none)."""

@@ -77,3 +77,53 @@ def test_the_h200_step_ratios_are_the_runs():
 def test_the_h200_probe_time_is_the_runs():
     assert f"on one H200 it took {result(H200, 'spot_s')} s" in text("docs/planner.md")
     assert f"measured on the spot in {result(H200, 'spot_s')} s" in H200
+
+
+def sections(path: str) -> dict[str, str]:
+    """Each Markdown section of `path` by its GitHub anchor, its text folded (a heading's own sections
+    included in it)."""
+    out: dict[str, list[str]] = {}
+    open_: list[tuple[int, str]] = []  # the headings whose sections the current line is in
+    for line in (ROOT / path).read_text().splitlines():
+        heading = re.match(r"^(#+) (.*)", line)
+        if heading:
+            level = len(heading.group(1))
+            open_ = [(lv, a) for lv, a in open_ if lv < level]
+            anchor = re.sub(r"[^a-z0-9 -]", "", heading.group(2).lower()).replace(" ", "-")
+            open_.append((level, anchor))
+            out.setdefault(anchor, [])
+            continue
+        for _, anchor in open_:
+            out[anchor].append(line)
+    return {a: " ".join(" ".join(lines).split()) for a, lines in out.items()}
+
+
+# a measured figure: a number or a range with its unit; one hedged (~, about, within, under, ...) is not a quote
+FIGURE = re.compile(r"(~|about |within |under |at most |below |above |over |up to )?(?<![\w.-])"
+                    r"(\d[\d,]*(?:\.\d+)?(?:-\d[\d,]*(?:\.\d+)?)?)\s?(ms|s|GiB|MiB|GB|MB|x|%|tokens/s|minutes)(?!\w)")
+
+
+def test_a_figure_beside_a_link_to_its_measurement_is_that_measurement():
+    """The docs cite a measurement by linking benchmarks/README.md's section (its command, machine and date
+    beside it): every figure in a paragraph (or list item) that links a section must be in that section, as
+    written or as a rounding of one of its numbers (a range: each end). A doc's copy that drifts from its
+    source fails here (it found slow-links.md's 0.26-0.28x, where the runs say 0.26 and 0.27)."""
+    bench = sections("benchmarks/README.md")
+    wrong = []
+    for page in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]:
+        for para in re.split(r"\n\s*\n|\n(?=\s*- )", page.read_text()):
+            anchors = re.findall(r"benchmarks/README\.md#([\w-]+)", para)
+            if not anchors:
+                continue
+            source = " ".join(bench[a] for a in anchors)
+            numbers = [float(v.replace(",", "")) for v in re.findall(r"(?<![\w.])\d[\d,]*(?:\.\d+)?", source)]
+
+            def quoted(text: str, numbers=numbers) -> bool:
+                places = len(text.split(".")[1]) if "." in text else 0
+                value = float(text.replace(",", ""))
+                return any(round(x, places) == value for x in numbers)
+
+            for hedge, figure, unit in FIGURE.findall(" ".join(para.split())):
+                if not (hedge or figure in source or all(quoted(end) for end in figure.split("-"))):
+                    wrong.append(f"{page.relative_to(ROOT)}: {figure} {unit} is not in {', '.join(anchors)}")
+    assert not wrong, "\n".join(wrong)
