@@ -33,6 +33,12 @@ from shoal.models.spec import Batch, DataSpec
 READ_DOCS = 64  # documents read and encoded at a time (one encode_batch call)
 
 
+def windows(tokens: np.ndarray, n: int, seq_len: int) -> torch.Tensor:
+    """The first `n` windows of seq_len + 1 tokens cut from `tokens`, consecutive ones sharing a token."""
+    cut = np.lib.stride_tricks.sliding_window_view(tokens[:n * seq_len + 1], seq_len + 1)[::seq_len]
+    return torch.from_numpy(np.ascontiguousarray(cut))
+
+
 class StreamedText:
     """The source: validation windows made at construction; training windows from `train_stream`."""
 
@@ -89,8 +95,7 @@ class StreamedText:
         if n < 1:
             raise UserError(f"data.path = {self.cfg.path!r} holds too little text for one validation window of "
                             f"model.seq_len = {self.seq_len} + 1 tokens; use more data or a shorter seq_len")
-        tokens = torch.tensor(buffer[:n * self.seq_len + 1], dtype=torch.int64)
-        return torch.stack([tokens[k * self.seq_len:k * self.seq_len + self.seq_len + 1] for k in range(n)])
+        return windows(np.asarray(buffer, dtype=np.int64), n, self.seq_len)
 
     def val_batch(self, idx: torch.Tensor) -> Batch:
         w = self.val[idx]
@@ -142,8 +147,7 @@ class TrainStream:
         """The next `n` windows, (n, seq_len + 1)."""
         t = self.source.seq_len
         self._fill(n * t + 1)
-        windows = np.lib.stride_tricks.sliding_window_view(self.buffer[:n * t + 1], t + 1)[::t]
-        out = torch.from_numpy(np.ascontiguousarray(windows))
+        out = windows(self.buffer, n, t)
         self.buffer = self.buffer[n * t:]
         return out
 
