@@ -46,16 +46,28 @@ def world(run_dir) -> int:
 
 
 def membership(run_dir) -> list[dict]:
-    """The run's membership changes, without the joins that only complete its first generation: a node
-    whose worker started more than the last call (2 s) after the others, as one does on a loaded machine,
-    joins at the first step's end."""
+    """The run's membership changes as metrics.jsonl logged them (one line each), without the joins that
+    only complete its first generation (`story`)."""
     try:
         lines = (run_dir / "metrics.jsonl").read_text().splitlines()
     except OSError:
         return []
     changes = [m for m in map(json.loads, filter(None, lines)) if "membership" in m]
-    while changes and "joined" in changes[0]["membership"] and "left" not in changes[0]["membership"]:
-        changes.pop(0)
+    return story(changes, lambda m: "joined" in m["membership"] and "left" not in m["membership"])
+
+
+def changes(run_dir) -> list[dict]:
+    """The run's membership changes as summary.json records them (who left, why, who joined), without the
+    joins that only complete its first generation (`story`)."""
+    events = json.loads((run_dir / "summary.json").read_text())["membership"]
+    return story(events, lambda e: e["joined"] and not e["left"])
+
+
+def story(changes: list, only_joins) -> list:
+    """`changes` from the first one a test made: a node whose worker started more than the last call (2 s)
+    after the others, as one does on a loaded machine, joins at the first step's end, before any."""
+    while changes and only_joins(changes[0]):
+        changes = changes[1:]
     return changes
 
 

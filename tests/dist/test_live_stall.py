@@ -8,7 +8,7 @@ import signal
 
 import pytest
 
-from live_runs import RUN, end_all, equals_one_process, membership, start_node, wait_for
+from live_runs import RUN, changes, end_all, equals_one_process, membership, start_node, wait_for
 from shoal.launch.ports import free_port
 
 pytestmark = pytest.mark.timeout(240)
@@ -36,7 +36,7 @@ def test_a_stalled_worker_is_evicted_named_and_ended_and_the_others_equal_one_pr
     stalled = next(out for p, out in zip(nodes, outs, strict=True) if p.returncode)
     assert "is out of the run (stalled past parallel.timeout_s, evicted) but still running" in stalled, stalled
     assert "in stalling_forward" in stalled, stalled  # its stacks, from faulthandler
-    (event,) = json.loads((run_dir / "summary.json").read_text())["membership"]
+    (event,) = changes(run_dir)
     assert event["world"] == 2 and event["why"] == ["stalled past parallel.timeout_s, evicted"], event
     assert event["regroup_s"] < 60, event
     equals_one_process(run_dir, shared_dir, run)

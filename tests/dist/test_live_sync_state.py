@@ -16,6 +16,7 @@ from conftest import read_weights
 from harness import train as train_on_ranks
 from live_runs import (
     RUN,
+    changes,
     end_all,
     held_after,
     leave_while_held,
@@ -129,10 +130,10 @@ def a_worker_killed(run_dir, gate, run: list[str], kill_at: int, rank: int | Non
     finally:
         end_all(nodes)
     assert [p.returncode for p in nodes] == [137 if i == victim else 0 for i in range(3)], "\n".join(outs)
-    changes = membership(run_dir)
-    assert [m["world"] for m in changes] == [2], changes
-    (lost,) = json.loads((run_dir / "summary.json").read_text())["membership"][0]["left_ranks"]
-    return changes[0]["step"], lost
+    logged = membership(run_dir)
+    assert [m["world"] for m in logged] == [2], logged
+    (lost,) = changes(run_dir)[0]["left_ranks"]
+    return logged[0]["step"], lost
 
 
 def test_diloco_survivors_redo_the_round_and_equal_a_resume_from_its_start(tmp_path, ranks):
