@@ -81,10 +81,10 @@ def slow_gpt(cfg, spec):
     delay, slow = float(getattr(cfg, "delay_s", 0.0)), rank == getattr(cfg, "slow_rank", -1)
     forward = bundle.model.forward
 
-    def slowed(idx):
+    def slowed(*args, **kwargs):  # the GPT's forward takes the input and, fused with its loss, the target
         if slow and delay and bundle.model.training:
             time.sleep(delay)
-        return forward(idx)
+        return forward(*args, **kwargs)
 
     bundle.model.forward = slowed
     return bundle

@@ -127,7 +127,7 @@ def train_in_process(overrides: list[str], run_dir: Path) -> dict:
     from shoal.comm.collectives import Comm
     from shoal.config import load_config
     from shoal.preflight import check_job
-    from shoal.training.run import run_training
+    from shoal.training.train import run_training
 
     cfg = load_config(None, overrides)
     job = check_job(cfg, [1], cuda=False)

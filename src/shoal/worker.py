@@ -91,7 +91,7 @@ def run_rank(cfg: Config, job: Job, run_dir: Path, env, comm: Comm, resume: str 
         from shoal.ps.run import run_job  # heavy imports come here, after set_num_threads
 
         return run_job(cfg, job.layout, job.source, run_dir, env, comm, resume=resume, phase=phase)
-    from shoal.training.run import run_training
+    from shoal.training.train import run_training
 
     return run_training(cfg, job.layout, job.source, run_dir, env, comm, resume=resume, phase=phase, live=live)
 
@@ -101,7 +101,7 @@ def run_rank(cfg: Config, job: Job, run_dir: Path, env, comm: Comm, resume: str 
 # here), and the built-in GPT by its builder: in the server, a 2-worker run of one step took 6.35 s of
 # CPU in all instead of 6.84 (medians of 5)
 PRELOAD = ("torch", "torch.distributed", "torch._dynamo", "shoal.models.gpt", "shoal.worker",
-           "shoal.training.run", "shoal.ps.run")
+           "shoal.training.train", "shoal.ps.run")
 
 
 def forked(config_path: str | None, sets: list[str], run_dir: str | None, resume: str) -> int:

@@ -42,8 +42,10 @@ def newest_valid(checkpoints: Path) -> Path | None:
     return valid[-1].path if valid else None
 
 
-def check_compatible(cfg: Config, path: Path) -> dict:
-    """The checkpoint's train state, after checking that its config describes this model and data."""
+def check_compatible(cfg: Config, path: Path, keys: tuple[str, ...] | None = None,
+                     fresh: str = "--resume never or another --run-dir") -> dict:
+    """The checkpoint's train state, after checking that its config describes this run: its `keys` match
+    (None: every model.* key and MUST_MATCH's). `fresh`: how the refusal says to start over instead."""
     state = read_train_state(path)
     served = state["parts"].get("parameter_server", {}).get("mode") == "async"
     if served and not (cfg.sync.mode == "parameter-server" and cfg.ps.mode == "async"):
@@ -51,13 +53,13 @@ def check_compatible(cfg: Config, path: Path) -> dict:
                         f'position of the workers\' kind); resume it with ps.mode = "async", or start fresh '
                         f"with --resume never or another --run-dir")
     saved = saved_config(state, f"{path}/{TRAIN_STATE}")
-    for key in [f"model.{k}" for k in type(cfg.model).model_fields] + list(MUST_MATCH):
+    for key in keys if keys is not None else [f"model.{k}" for k in type(cfg.model).model_fields] + list(MUST_MATCH):
         section, name = key.split(".")
         ours, theirs = getattr(getattr(cfg, section), name, None), getattr(getattr(saved, section), name, None)
         if ours != theirs:
             raise UserError(
                 f"{key} is {ours!r} here but {theirs!r} in checkpoint {path.name}; set {key} = {theirs!r} to resume "
-                f"it, or start fresh with --resume never or another --run-dir"
+                f"it, or start fresh with {fresh}"
             )
     return state
 

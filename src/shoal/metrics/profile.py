@@ -220,13 +220,16 @@ class FlopSource:
     batch: dict[str, torch.Tensor]
 
 
-def start_profiler(metrics: MetricsConfig, dtype: str, device: torch.device, flops: FlopSource, *,
+def start_profiler(metrics: MetricsConfig, dtype: str, device: torch.device, flops: FlopSource | None, *,
                    axes: tuple[str, ...], bubble: float, world_size: int, global_batch: int,
                    start_step: int) -> tuple[Profiler, str]:
-    """The profiler of a run and the line that says what its MFU is measured against. `axes`: the mesh
-    axes the layout communicates over; `bubble`: the pipeline's idle share; `start_step`: the steps done."""
+    """The profiler of a run and the line that says what its MFU is measured against. `flops`: None where
+    a sample's FLOPs are not known (a Session's model given without them); `axes`: the mesh axes the layout
+    communicates over; `bubble`: the pipeline's idle share; `start_step`: the steps done."""
+    per_sample, what = None, "MFU off: the model's FLOPs per sample are not known"
     try:
-        per_sample, source = count_flops_per_sample(flops.per_sample, flops.build, flops.batch)
+        if flops is not None:
+            per_sample, source = count_flops_per_sample(flops.per_sample, flops.build, flops.batch)
     except Exception as e:  # noqa: BLE001 - an op the counter cannot run on meta tensors: no MFU, said why
         per_sample, what = None, f"MFU off: the model's FLOPs could not be counted ({str(e).splitlines()[0][:120]})"
     peak_flops, peak_name = resolve_peak(metrics.peak, device, dtype)

@@ -115,6 +115,8 @@ class MetricsSinks:
             sink.log(m)
 
     def close(self) -> None:
+        """Close every sink (once: a later call does nothing)."""
         for sink in [self.console, *self.files]:
             if sink:
                 sink.close()
+        self.console, self.files = None, []

@@ -156,7 +156,7 @@ def reference_heap(repeats: int, width: int) -> int:
     `width` through its training steps, in this process: what the model state and activations cost on
     CPU with the C library's heap as a worker has it. From after importing the training stack, where
     the profile's process_bytes is measured."""
-    import shoal.training.run  # noqa: F401 - as measure() imports it before reading process_bytes
+    import shoal.training.train  # noqa: F401 - as measure() imports it before reading process_bytes
 
     before = status_bytes("VmRSS")
     _wall(_reference_step(width, torch.device("cpu"), repeats), repeats, lambda: None)
@@ -542,7 +542,7 @@ def measure(env: DistEnv, sizes=DEFAULT_SIZES, repeats: int = 3, matmul_sizes=No
     processes, ~18 s), the parallel wrappers' costs as medians of 15 repetitions (not 40), and FSDP2's of 4 (not
     8) on the two narrowest references (the widest alone took ~6 s). A GPU's collectives run after the reference
     steps (gpu_collectives). What each part took is kept as the profile's `measured_seconds`."""
-    import shoal.training.run  # noqa: F401 - the training stack, imported as a worker imports it (resident memory)
+    import shoal.training.train  # noqa: F401 - the training stack, imported as a worker imports it (resident memory)
 
     device, cuda = env.device, env.device.type == "cuda"
     sync = (lambda: torch.cuda.synchronize(device)) if cuda else (lambda: None)

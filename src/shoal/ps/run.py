@@ -31,7 +31,7 @@ from shoal.ps.strategies import AsyncWorker, SyncWorker
 from shoal.ps.sync_server import SyncServer
 from shoal.ps.wire import message_device
 from shoal.rundir import RunDir
-from shoal.training.run import run_training
+from shoal.training.train import run_training
 
 
 def run_job(cfg: Config, layout: Layout, source, run_dir: Path, env: DistEnv, comm: Comm, *, resume: str = "auto",

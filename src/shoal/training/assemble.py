@@ -1,10 +1,10 @@
-"""One rank's run, assembled once, for `shoal train` (run.py) and `shoal.Session` (session.py) alike:
+"""One rank's Run (run.py), assembled once, for `shoal train` (train.py) and `shoal.Session` (session.py) alike:
 
     assemble()  the model laid out by the strategy, its optimizer, number format, checkpoints, the
                 Stepper built whole (its stop / save / regroup controls one object), the sampler, and every
-                stateful part registered for checkpoints
-    trainer()   the loop over those parts: its metrics sinks, the step profile and traces, the hooks
-                (checkpoint when due, heartbeat, rollback)
+                stateful part registered for checkpoints: a Run
+    trainer()   the Run's loop: its metrics sinks, the step profile and traces, the hooks (checkpoint when
+                due, heartbeat, rollback)
 
 What differs between the two is only what comes before: `shoal train` builds the model from the config
 and the optimizer from train.*; a Session is handed the user's model and optimizer (its class and
@@ -20,9 +20,9 @@ from pathlib import Path
 import torch
 
 from shoal import signals
-from shoal.checkpoint.manager import CheckpointManager, load_checkpoint
+from shoal.checkpoint.manager import CheckpointManager
 from shoal.checkpoint.resume import newest_valid
-from shoal.checkpoint.train_state import TrainState, read_train_state
+from shoal.checkpoint.train_state import TrainState
 from shoal.comm.collectives import Comm
 from shoal.comm.phase import Phase
 from shoal.config import Config
@@ -37,13 +37,13 @@ from shoal.metrics.trace import StepTrace
 from shoal.models.spec import ModelBundle
 from shoal.parallel.balance import ComputeClock, ThroughputBalance
 from shoal.parallel.parallelized import Parallelized
-from shoal.parallel.precision import Precision, keep_implementation, one_kind_per_group
+from shoal.parallel.precision import Precision, one_kind_per_group
 from shoal.parallel.zero import local_optimizer
 from shoal.rundir import Heartbeat, RunDir
 from shoal.training.bad_steps import BadStepPolicy
 from shoal.training.loop import Hooks, Trainer, Watch
 from shoal.training.optim import Schedule
-from shoal.training.parts import Parts
+from shoal.training.run import Run
 from shoal.training.step import Controls, Stepper
 from shoal.training.strategy import Strategy
 
@@ -65,7 +65,7 @@ class Start:
 
 def assemble(start: Start, bundle: ModelBundle, optimizer: Callable[[Parallelized], torch.optim.Optimizer], *,
              n_params: int, num_train: int, resume_path: Path | None = None, sample: dict | None = None,
-             regroup_wanted: Callable[[], bool] | None = None) -> Parts:
+             regroup_wanted: Callable[[], bool] | None = None) -> Run:
     """Collective: `bundle`'s model laid out, `optimizer(par)` over it, and every part of the run around
     them. `num_train`: the samples the sampler draws from; `sample`: one pipeline micro-batch to time the
     layers with; `regroup_wanted`: a live elastic run's (training/live.py)."""
@@ -100,9 +100,9 @@ def assemble(start: Start, bundle: ModelBundle, optimizer: Callable[[Parallelize
     if env.rank == 0:
         run.path.mkdir(parents=True, exist_ok=True)
         run.config.write_text(cfg.to_toml(), encoding="utf-8")
-    return Parts(cfg=cfg, layout=start.layout, source=start.source, run=run, env=env, comm=start.comm,
-                 strategy=strategy, bundle=bundle, n_params=n_params, step=step, sampler=sampler, state=state,
-                 resume_path=resume_path, checkpoints=checkpoints)
+    return Run(cfg=cfg, layout=start.layout, source=start.source, dir=run, env=env, comm=start.comm,
+               strategy=strategy, bundle=bundle, n_params=n_params, step=step, sampler=sampler, state=state,
+               resume_path=resume_path, checkpoints=checkpoints)
 
 
 def balance(start: Start, par: Parallelized) -> ThroughputBalance | None:
@@ -118,56 +118,47 @@ def balance(start: Start, par: Parallelized) -> ThroughputBalance | None:
                              device=start.env.device)
 
 
-def trainer(parts: Parts, *, items_name: str, profiler: Callable[[], tuple[Profiler, str]] | None,
-            validates: bool) -> tuple[Trainer, str | None]:
-    """The loop over `parts`, and the line saying what MFU is measured against (None: no step profile).
-    `profiler()`: metrics.profile's profiler and that line."""
-    cfg, run = parts.cfg, parts.run
-    sinks = MetricsSinks(run.path if parts.is_main else None, cfg.train.steps, parts.sampler.step, items_name,
+def trainer(run: Run, *, items_name: str, profiler: Callable[[], tuple[Profiler, str]] | None,
+            validates: bool) -> str | None:
+    """The Run's loop (run.trainer from now on); returns the line saying what MFU is measured against (None: no
+    step profile). `profiler()`: metrics.profile's profiler and that line."""
+    cfg, where = run.cfg, run.dir
+    sinks = MetricsSinks(where.path if run.is_main else None, cfg.train.steps, run.sampler.step, items_name,
                          cfg.metrics.tensorboard, cfg.metrics.progress)
-    watch, line = Watch(phase=parts.step.phase), None
+    watch, line = Watch(phase=run.step.phase), None
     if cfg.metrics.profile and profiler is not None:
         watch.profile, line = profiler()
     if cfg.metrics.trace_steps:
-        watch.trace = StepTrace(cfg.metrics.trace_steps, run.traces, parts.env.rank, parts.env.device)
-    loop = Trainer(train=cfg.train, metrics=cfg.metrics, step=parts.step, sampler=parts.sampler, source=parts.source,
-                   items_name=items_name, hooks=hooks(parts), watch=watch, sinks=sinks, validates=validates)
-    return loop, line
+        watch.trace = StepTrace(cfg.metrics.trace_steps, where.traces, run.env.rank, run.env.device)
+    run.trainer = Trainer(train=cfg.train, metrics=cfg.metrics, step=run.step, sampler=run.sampler, source=run.source,
+                          items_name=items_name, hooks=hooks(run), watch=watch, sinks=sinks, validates=validates)
+    return line
 
 
-def hooks(parts: Parts) -> Hooks:
+def hooks(run: Run) -> Hooks:
     """The loop's hooks: the checkpoint when due, the heartbeat (rank 0), the rollback of a bad step."""
-    cfg, run, state, checkpoints = parts.cfg, parts.run, parts.state, parts.checkpoints
-    data_spec, config_toml = dataclasses.asdict(parts.source.spec), cfg.to_toml()
+    checkpoints = run.checkpoints
 
     def save_if_due(m: dict, last: bool, by_time: bool) -> None:
         if checkpoints.due(m["step"], last, by_time):
-            checkpoints.save(m["step"], state, state.capture(m["step"], config_toml, data_spec))
+            run.save(m["step"])
         checkpoints.poll()
 
     def rollback(bad_data_step: int) -> None:
         """Collective: back to the newest checkpoint, never to train on data step `bad_data_step` again."""
         checkpoints.wait()
-        path = parts.comm.agree("rollback", lambda: str(newest_valid(run.checkpoints) or ""))
+        path = run.comm.agree("rollback", lambda: str(newest_valid(run.dir.checkpoints) or ""))
         if not path:
             raise TrainingError('train.on_bad_step = "rollback" found no checkpoint to go back to; save one '
                                 'earlier (checkpoint.interval) or use "skip"')
-        reload(parts, Path(path), keep=("bad_steps",))  # counting rollbacks goes on
-        parts.sampler.skip_data_step(bad_data_step)
+        run.reload(Path(path), keep=("bad_steps",))  # counting rollbacks goes on
+        run.sampler.skip_data_step(bad_data_step)
 
     # the heartbeat a restart reads (the step a failed attempt had reached): with each logged line, not every
     # step, where a new file and a rename cost a small step's host as much as the rest of it
-    heartbeat = Heartbeat(run.progress)
+    heartbeat = Heartbeat(run.dir.progress)
     logged = [lambda m: heartbeat.write({"step": m["step"], "time": m["time"],
-                                         "world": parts.comm.world_size})] if parts.is_main else []
-    return Hooks(rollback=rollback, after_step=[save_if_due], logged=logged, step_metrics=parts.strategy.step_metrics,
+                                         "world": run.comm.world_size})] if run.is_main else []
+    return Hooks(rollback=rollback, after_step=[save_if_due], logged=logged, step_metrics=run.strategy.step_metrics,
                  due=lambda done: checkpoints.due(done, last=False))
 
-
-def reload(parts: Parts, path: Path, keep: tuple[str, ...] = ()) -> bool:
-    """Collective: every registered part as saved at `path` (but those in `keep`); returns whether the
-    RNG streams are the saved ones."""
-    state, env = parts.state, parts.env
-    load_checkpoint(path, state.model, state.optimizer, parts.comm)
-    keep_implementation(state.optimizer)
-    return state.restore(path, read_train_state(path), env.rank, env.world_size, parts.cfg.train.seed, keep)

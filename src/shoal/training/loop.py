@@ -7,6 +7,7 @@ object inside the step (parallel/) and the Feed it draws from (feed.py).
 
 from __future__ import annotations
 
+import enum
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -27,6 +28,27 @@ from shoal.training.evaluate import evaluate
 from shoal.training.feed import Feed
 from shoal.training.report import StepReport, StepResult
 from shoal.training.step import Stepper
+
+
+class Ended(enum.Enum):
+    """How the loop left off (Trainer.run), or what reading a step's report asks of it (Trainer.complete)."""
+
+    END = "the feed ended: train.steps reached"
+    STOP = "the ranks agreed to stop early: a signal"
+    REGROUP = "the ranks agreed to change the group at this step's end (a live elastic run)"
+    ROLLED_BACK = "a bad step sent the run back to its newest checkpoint"
+    ACT = "a step read late asks for a stop, a save or a regroup: the step after it carries it out"
+
+
+def begin_step(watch: Watch, device: torch.device, log, step: int) -> StepTimer:
+    """Step `step` (0-based) begins: the hang report's phase and the step trace know it, and its clock starts
+    (`log`: the collective log, whose waits the timer reads at each mark with the step profile on, else None)."""
+    watch.phase.begin_step(step + 1)
+    if watch.trace:
+        watch.trace.before(step + 1)
+    timer = StepTimer(device, log)
+    timer.start()
+    return timer
 
 
 @dataclass
@@ -85,9 +107,9 @@ class Trainer:
     def device(self) -> torch.device:
         return self.step.device
 
-    def run(self, feed: Feed) -> str:
-        """Train until the feed ends ("end"); or until the ranks agreed to stop early on a signal ("stop"),
-        or (a live elastic run) to change the group at this step's end ("regroup").
+    def run(self, feed: Feed) -> Ended:
+        """Train until the feed ends (END); or until the ranks agreed to stop early on a signal (STOP), or (a
+        live elastic run) to change the group at this step's end (REGROUP).
 
         A step the loop need not act on at once (not logged, validated, saved or the last) is read a step
         late: its report is read once the next step is queued (report.py), so the device always has a
@@ -101,19 +123,14 @@ class Trainer:
         try:
             while feed.more():
                 step = self.sampler.step
-                watch.phase.begin_step(step + 1)
-                if watch.trace:
-                    watch.trace.before(step + 1)
-                # with the profile on, the timer also reads the collective log's waits at each mark
-                timer = StepTimer(self.device, self.comm.log if watch.profile else None)
-                timer.start()
+                timer = self.begin_step()
                 micro_batches = feed.next()
                 timer.mark("data_wait_s")
                 report = self.step(micro_batches, step, timer, memory=self.memory_figures(step),
                                    backward_began=feed.release)
                 self.sampler.step = step + 1
                 ended = self.advance(report, feed)
-                if ended in ("stop", "regroup"):
+                if ended in (Ended.STOP, Ended.REGROUP):
                     return ended
                 self.collector.after_step(self.sampler.step)
             self.flush(feed)
@@ -122,9 +139,13 @@ class Trainer:
             feed.close()
             if watch.trace:
                 watch.trace.close()
-        return "end"
+        return Ended.END
 
-    def advance(self, report: StepReport, feed: Feed | None, now: bool = False) -> str | None:
+    def begin_step(self) -> StepTimer:
+        """The step the sampler is at begins (begin_step): shoal's loop and a Session's steps alike."""
+        return begin_step(self.watch, self.device, self.comm.log if self.watch.profile else None, self.sampler.step)
+
+    def advance(self, report: StepReport, feed: Feed | None, now: bool = False) -> Ended | None:
         """A step is queued (the sampler has moved past it): read the step before it if that was left for
         now, then this one at once or not (`now`: at once). shoal's loop and a Session's step() complete
         every step here. Returns what complete() says of the step read, or None. `feed`: None in a Session
@@ -134,9 +155,9 @@ class Trainer:
         if self.late is not None:
             late, self.late = self.late, None
             ended = self.complete(late, feed, last=False)
-            if ended == "rolled back":
+            if ended is Ended.ROLLED_BACK:
                 return ended  # the step just queued trained on weights the rollback replaced
-            at_once, owed_save = at_once or ended == "act", late.result().save
+            at_once, owed_save = at_once or ended is Ended.ACT, late.result().save
         if not at_once:
             self.late = report
             return None
@@ -162,17 +183,17 @@ class Trainer:
         return (self.at_end(feed) or bool(t.val_interval and done % t.val_interval == 0 and self.validates)
                 or self.hooks.due(done))
 
-    def complete(self, report: StepReport, feed: Feed | None, last: bool, owed_save: bool = False) -> str | None:
+    def complete(self, report: StepReport, feed: Feed | None, last: bool, owed_save: bool = False) -> Ended | None:
         """Read a step's report and do what follows it: count a bad step (or roll back), the metrics, the
-        hooks. Returns "stop" or "regroup" when the ranks agreed to, "rolled back", "act" when a step read
-        late asks for a stop, a save or a regroup (which the step after it then carries out), else None."""
+        hooks. Returns STOP or REGROUP when the ranks agreed to, ROLLED_BACK, ACT when a step read late asks
+        for a stop, a save or a regroup (which the step after it then carries out), else None."""
         out, step = report.result(), report.step
         if out.bad and self.step.bad_steps.record_bad(step + 1, out.loss, out.grad_norm) == "rollback":
             feed.close()  # nothing is prepared from the sampler while it is read back
             self.hooks.rollback(self.sampler.data_step(step))  # back to the checkpoint, minus this batch
             self.sinks.print(f"step {step + 1}: loss {out.loss}; rolled back to step {self.sampler.step}")
             feed.restart(self.sampler.step)
-            return "rolled back"
+            return Ended.ROLLED_BACK
         if not out.bad:
             self.step.bad_steps.record_good()
         if self.watch.trace:
@@ -181,9 +202,9 @@ class Trainer:
         self.after_step(step + 1, report.lr, out, report.timer, last=last,
                         by_time=acted_on_now and (out.save or owed_save))
         if not acted_on_now:
-            return "act" if out.stop or out.save or out.regroup else None
+            return Ended.ACT if out.stop or out.save or out.regroup else None
         if out.stop or out.regroup:
-            return "stop" if out.stop else "regroup"
+            return Ended.STOP if out.stop else Ended.REGROUP
         return None
 
     def after_step(self, done: int, lr: float, out: StepResult, timer: StepTimer, last: bool,

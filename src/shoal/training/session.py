@@ -10,11 +10,12 @@
         sess.log(my_metric=...)
     sess.close()                                       # summary.json
 
-It is shoal's own loop taken apart, not a second copy: the layout is the Strategy's parallelize(), a
-step ends in the Stepper's finish() (norm, clipping, the non-finite policy, the update, the learning-rate
-schedule, the StepSync), the step's metrics, memory, checkpoints and heartbeat go through the Trainer's
-after_step() and run.py's hooks, data through the GlobalBatchSampler, checkpoints through TrainState and
-CheckpointManager. What differs is only who runs the forward: the user's code, so the loss arrives
+It is a thin adapter over shoal's own Run (run.py), not a second copy: the layout is the Strategy's
+parallelize(), a step begins as the Trainer begins one and ends in the Stepper's finish() (norm, clipping,
+the non-finite policy, the update, the learning-rate schedule, the StepSync), the step's metrics, memory,
+checkpoints and heartbeat go through the Trainer's after_step() and the Run's hooks, data through the
+GlobalBatchSampler, and restore (checked against the config), checkpoints, the final weights and the summary
+through the Run. What differs is only who runs the forward: the user's code, so the loss arrives
 already computed, as the mean over one micro-batch; each backward is scaled by 1 / (micro-batches per
 step) and the data-parallel wrapper averages over dp, which gives the global batch's mean loss when
 micro-batches are the same size (the sampler makes them so).
@@ -38,7 +39,6 @@ from shoal.checkpoint.resume import find_resume_point
 from shoal.checkpoint.tensors import original_name
 from shoal.checkpoint.train_state import read_train_state
 from shoal.comm.collectives import Comm
-from shoal.comm.model_waits import time_model_waits
 from shoal.comm.phase import Phase
 from shoal.config import Config, load_config
 from shoal.config.literals import overrides_as_sets
@@ -46,7 +46,7 @@ from shoal.data.loader import Prefetcher, prefetch_depth
 from shoal.data.sampler import GlobalBatchSampler
 from shoal.errors import UserError
 from shoal.layout import choose_backend, choose_device, resolve_layout
-from shoal.metrics.profile import Profiler, resolve_peak
+from shoal.metrics.profile import FlopSource
 from shoal.metrics.timers import StepTimer
 from shoal.models.keras import KerasModule, check_layout, is_keras
 from shoal.models.spec import DataSpec, ModelBundle, count_parameters
@@ -54,13 +54,13 @@ from shoal.parallel.data import set_grad_sync
 from shoal.parallel.fit import check_model_fits
 from shoal.parallel.precision import Precision
 from shoal.rundir import RunDir, default_run_dir, write_json
-from shoal.training.assemble import Start, assemble, reload, trainer
+from shoal.training.assemble import Start, assemble, trainer
 from shoal.training.build import freeze
 from shoal.training.feed import pinned
 from shoal.training.flags import host_tensor
-from shoal.training.loop import Trainer
-from shoal.training.parts import Parts
+from shoal.training.loop import Trainer, Watch, begin_step
 from shoal.training.report import StepReport
+from shoal.training.run import Run
 from shoal.training.step import Stepper
 from shoal.training.strategy import Strategy
 
@@ -83,13 +83,14 @@ class Session:
         strategy = Strategy(cfg, self.layout, self.env.device, self.env.rank, self.comm)
         self.start = Start(cfg=cfg, layout=self.layout, source=_UserData(), run=run, env=self.env, comm=self.comm,
                            phase=Phase(), strategy=strategy)
-        self.parts: list[Parts] = []  # one per prepared model; the first one's run is the Session's
+        # one per prepared model; the first one's loop, checkpoints and summary are the Session's
+        self.runs: list[Run] = []
         self.sampler = GlobalBatchSampler(1, cfg.train.global_batch_size, cfg.train.seed)  # sess.data() sets it
         self.micro = 0  # micro-batches backward has seen in this step
         self.per_step = self.layout.grad_accum  # micro-batches per step (sess.data() may say otherwise)
         self.loss_sum = torch.zeros((), dtype=torch.float64, device=self.env.device)
         self.logged: dict = {}
-        self.trainer: Trainer | None = None
+        self.recovery: dict | None = None  # what restore() found, for the summary
         self.timer: StepTimer | None = None  # the step's, from its start
         self.sent = 0  # comm.sync_bytes when the step began
         self.has_data = False  # sess.data() was called: the sampler knows the data set
@@ -127,7 +128,12 @@ class Session:
     @property
     def pairs(self) -> list[Stepper]:
         """Each prepared model's Stepper (its laid-out model, optimizer, schedule, number format)."""
-        return [p.step for p in self.parts]
+        return [r.step for r in self.runs]
+
+    @property
+    def trainer(self) -> Trainer | None:
+        """The loop's bookkeeping (metrics, hooks, the step read late): the first prepared model's Run's."""
+        return self.runs[0].trainer if self.runs else None
 
     # --- the model ----------------------------------------------------------------------------------
 
@@ -150,25 +156,27 @@ class Session:
             self.comm.broadcast_module(model)
         freeze(model, self.cfg.train.freeze)
         bundle = self._bundle(model, tuple(blocks), tp_plan)
-        parts = assemble(self.start, bundle, lambda par: rebuilt(optimizer, groups, par),
-                         n_params=count_parameters(model), num_train=1)
-        par, precision = parts.step.par, parts.step.precision
+        run = assemble(self.start, bundle, lambda par: rebuilt(optimizer, groups, par),
+                       n_params=count_parameters(model), num_train=1)
+        par, precision = run.step.par, run.step.precision
         if precision.dtype != torch.float32:  # the forward the user calls runs under autocast, as shoal's
             par.module.forward = _autocast(par.module.forward, precision)
-        self.parts.append(parts)
-        if self.trainer is None:
-            parts.sampler = parts.state.parts["sampler"] = self.sampler
-            self.trainer, _ = trainer(parts, items_name="samples", profiler=self._profiler, validates=False)
-            self.trainer.hooks.step_metrics = lambda: {**self.start.strategy.step_metrics(), **self.logged}
+        self.runs.append(run)
+        if len(self.runs) == 1:
+            run.started = self.started
+            run.sampler = run.state.parts["sampler"] = self.sampler
+            flops = FlopSource(self.flops_per_sample, build=None, batch=None) if self.flops_per_sample else None
+            trainer(run, items_name="samples", profiler=lambda: run.profiler(flops), validates=False)
+            run.trainer.hooks.step_metrics = lambda: {**self.start.strategy.step_metrics(), **self.logged}
         if self.is_main:
             write_json(self.run.session_models, self.described)
         self._grad_sync()
-        return par.module, parts.step.optimizer
+        return par.module, run.step.optimizer
 
     def _accepted(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> torch.nn.Module:
         """`model` as shoal trains it (a Keras model wrapped), after refusing what a Session cannot prepare."""
         cfg = self.cfg
-        if self.parts and cfg.checkpoint.enabled:
+        if self.runs and cfg.checkpoint.enabled:
             raise UserError("a Session's checkpoints hold one prepared model and its optimizer; for a second one, "
                             "set checkpoint.enabled = false and save them yourself (torch.distributed.checkpoint)")
         if optimizer.state:
@@ -213,8 +221,8 @@ class Session:
             except ValueError as e:
                 raise UserError(f"sess.data(): cannot go on from the restored checkpoint: {e}") from None
             self.restored_position = None
-        if self.parts:  # the loop's and the checkpoints' sampler from now on
-            first = self.parts[0]
+        if self.runs:  # the loop's and the checkpoints' sampler from now on
+            first = self.runs[0]
             first.sampler = self.trainer.sampler = first.state.parts["sampler"] = self.sampler
         self.has_data = True
         self.per_step = batch // (micro * dp)
@@ -287,10 +295,9 @@ class Session:
         if not self.cfg.checkpoint.enabled:
             return None
         self.trainer.flush(None)
-        parts, step = self.parts[0], self.sampler.step
-        parts.checkpoints.save(step, parts.state, parts.state.capture(step, self.cfg.to_toml(), {}))
-        parts.checkpoints.wait()
-        return self.run.checkpoints / f"step_{step:08d}"
+        saved = self.runs[0].save()
+        self.runs[0].checkpoints.wait()
+        return saved
 
     def restore(self) -> int:
         """Collective: the newest valid checkpoint of the run dir, if any (model, optimizer, schedule, data
@@ -301,8 +308,10 @@ class Session:
         if not found:
             return 0
         saved = read_train_state(Path(found))
-        # before sess.data() the data set is not known: its position waits for it
-        reload(self.parts[0], Path(found), keep=() if self.has_data else ("sampler",))
+        # before sess.data() the data set is not known: its position waits for it. What describes the run here
+        # is the seed its sampler draws by (the model and the data are the user's code)
+        self.recovery = self.runs[0].restore(Path(found), keep=() if self.has_data else ("sampler",),
+                                             describes=("train.seed",), fresh="another run_dir")
         if not self.has_data:
             self.restored_position = saved["parts"]["sampler"]
             self.sampler.step = saved["step"]
@@ -313,40 +322,16 @@ class Session:
         """Collective. Finish: the last step's metrics, a pending checkpoint written, the final weights
         (model.safetensors, as shoal train writes them, when checkpoint.final_weights and one model is
         prepared), summary.json (rank 0); returns the summary."""
-        from shoal.training.summary import summarize
-
-        summary = {}
-        if self.trainer is not None:
-            self.trainer.flush(None)
-            if self.trainer.watch.trace:
-                self.trainer.watch.trace.close()
-            self.parts[0].checkpoints.close()
-            if self.cfg.checkpoint.final_weights and len(self.parts) == 1:
-                self._save_weights()
-            params = sum(p.numel() for s in self.pairs for p in s.par.model.parameters())
-            name = type(self.pairs[0].par.model).__name__
-            summary = summarize(self.trainer.record, "samples", model_name=name, n_params=params,
-                                dims=self.layout.dims, total_s=time.perf_counter() - self.started,
-                                restart_count=self.env.restart_count, recovery=None, run=self.run,
-                                is_main=self.is_main, bad_steps=self.pairs[0].bad_steps.state_dict(), start_step=0)
-            self.trainer.sinks.close()
-            if self.is_main:
-                write_json(self.run.summary, summary)
-        self.start.strategy.finish()
+        if not self.runs:
+            self.start.strategy.finish()
+            return {}
+        run = self.runs[0]
+        run.close()
+        params = sum(p.numel() for s in self.pairs for p in s.par.model.parameters())
+        summary = run.summary(recovery=self.recovery, model_name=type(self.pairs[0].par.model).__name__,
+                              n_params=params)
+        run.finish(summary, weights=len(self.runs) == 1)  # the final weights of the one model prepared
         return summary
-
-    def _save_weights(self) -> None:
-        """run_dir/model.safetensors: the whole model as one process holds it (gathered from its shards)."""
-        from safetensors.torch import save_file, save_model
-
-        par = self.pairs[0].par
-        if par.holds_whole():
-            if self.is_main:
-                save_model(par.model, str(self.run.weights))  # tied weights once
-            return
-        full = par.full_state()
-        if self.is_main:
-            save_file({k: v.contiguous() for k, v in full.items()}, str(self.run.weights))
 
     def __enter__(self) -> Session:
         return self
@@ -354,30 +339,17 @@ class Session:
     def __exit__(self, exc_type, *exc) -> None:
         if exc_type is None:
             self.close()
-        elif self.parts:  # failing: no summary, but a save in flight is finished
-            self.parts[0].checkpoints.close()
+        elif self.runs:  # failing: no summary, but a save in flight is finished
+            self.runs[0].checkpoints.close()
 
     # --- what a step needs around it ------------------------------------------------------------------
 
-    def _profiler(self) -> tuple[Profiler, str]:
-        """metrics.profile: the step profile, as shoal train's (parts.profiler), MFU where the FLOPs are given."""
-        cfg, dims = self.cfg, self.layout.dims
-        time_model_waits(self.comm.log, "dp", pipeline=False)  # FSDP2's all-gathers: exposed dp time
-        axes = ("dp",) * (dims.dp > 1) + ("world",) * (self.world_size > 1)
-        peak, line = resolve_peak(cfg.metrics.peak, self.device, cfg.precision.dtype)
-        flops = self.flops_per_sample * cfg.train.global_batch_size if self.flops_per_sample else None
-        return Profiler(axes, 0.0, self.world_size, flops, peak, cfg.metrics.straggler_ratio,
-                        logged_step=self.sampler.step), line
-
     def _begin_step(self) -> None:
-        """A step's clock starts when the one before it ended (or at its first backward)."""
-        profile = self.trainer is not None and self.trainer.watch.profile is not None
-        self.timer = StepTimer(self.device, self.comm.log if profile else None)
-        self.timer.start()
+        """A step's clock starts when the one before it ended (or at its first backward), as shoal train's loop
+        starts its steps (before sess.prepare(), with no step profile or trace to tell)."""
+        self.timer = (self.trainer.begin_step() if self.trainer is not None
+                      else begin_step(Watch(phase=self.start.phase), self.device, None, self.sampler.step))
         self.sent = self.comm.sync_bytes
-        self.start.phase.begin_step(self.sampler.step + 1)
-        if self.trainer is not None and self.trainer.watch.trace:  # metrics.trace_steps, as shoal train's loop
-            self.trainer.watch.trace.before(self.sampler.step + 1)
 
     def _grad_sync(self) -> None:
         """Whether the coming micro-batch's backward averages over dp: set before its forward, which is
@@ -386,7 +358,7 @@ class Session:
             set_grad_sync(stepper.par.module, stepper.par.sync.reduces(self.micro, self.per_step))
 
     def _need_prepare(self, call: str) -> None:
-        if not self.parts:
+        if not self.runs:
             raise UserError(f"sess.{call}() before sess.prepare(model, optimizer): prepare the model first")
 
 
@@ -577,6 +549,6 @@ def _loss_in_your_loop(model, batch):
 
 
 class _UserData:
-    """What run.py's hooks read of a run's data source: its spec (a user's data: no sizes)."""
+    """What a Run's hooks read of a run's data source: its spec (a user's data: no sizes)."""
 
     spec = DataSpec(kind="custom")

@@ -1,0 +1,285 @@
+"""`shoal train` on one rank: a Run (run.py) and its loop, as the sequence it is:
+
+    build      the config's model (same seed on every rank), then the one assembly of a Run (assemble.py)
+    restore    the checkpoint to resume from, if any (a live run: the snapshot it goes on from)
+    loop       the Run's Trainer over the strategy's feed, with checkpoint and heartbeat hooks
+    finish     summary.json's numbers, the final weights, summary.json (rank 0)
+
+Nothing here is particular to a layout or a way of training: what differs is asked of the Strategy.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import signal
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from shoal import signals
+from shoal.checkpoint.manifest import step_dir_name
+from shoal.checkpoint.resume import find_resume_point
+from shoal.comm.collectives import Comm
+from shoal.comm.phase import Phase
+from shoal.config import Config
+from shoal.data.loader import prefetch_depth
+from shoal.dist import DistEnv
+from shoal.layout import Layout
+from shoal.metrics.memory import memory_mark, memory_since
+from shoal.metrics.profile import FlopSource
+from shoal.metrics.sinks import MetricsSinks
+from shoal.models.meta import on_meta
+from shoal.models.registry import build_model
+from shoal.models.spec import count_parameters
+from shoal.rundir import RunDir, read_json
+from shoal.training.assemble import Start, assemble, trainer
+from shoal.training.build import build_deferred, freeze, plain_model
+from shoal.training.collector import Collector
+from shoal.training.feed import Steps
+from shoal.training.live import Live, Regroup, capture, copied, one_replica, peer_failed, pooled
+from shoal.training.live import restore as restore_live
+from shoal.training.loop import Ended, Hooks
+from shoal.training.optim import optimizer_groups
+from shoal.training.run import Run
+from shoal.training.strategy import Strategy
+from shoal.training.summary import fresh_start
+
+
+def run_training(cfg: Config, layout: Layout, source, run_dir: Path, env: DistEnv, comm: Comm, *,
+                 resume: str = "auto", phase: Phase | None = None, strategy: Strategy | None = None,
+                 live: Live | None = None) -> dict:
+    """Train on this rank; returns the run summary (identical on every rank). `source`: the data source
+    the preflight built; `strategy`: how this rank trains (default: shoal's layouts); `live`: this rank's
+    part in a live elastic run, which raises Regroup when the group changes (training/live.py)."""
+    strategy = strategy or Strategy(cfg, layout, env.device, env.rank, comm)
+    phase = phase or Phase()
+    mark = memory_mark(env.device)
+    run = build(cfg, layout, source, RunDir(run_dir), env, comm, phase=phase, strategy=strategy,
+                resume=resume, live=live)
+    if live:
+        run.started = live.started
+    # on the rank's device: NCCL, a GPU run's only backend, takes no CPU tensor
+    grown = torch.tensor(float(memory_since(env.device, mark)), device=env.device)
+    start_memory = comm.all_reduce(grown, op=dist.ReduceOp.MAX, label="world, start memory")
+    recovery = restore(run, live)
+    if run.sampler.step >= cfg.train.steps and run.dir.summary.exists():  # finished before: leave it be
+        strategy.finish()
+        return {**read_json(run.dir.summary), "already_finished": True, "steps": run.sampler.step}
+    start_step = run.sampler.step
+    lost: Regroup | None = None
+    try:
+        with live.watching(phase) if live is not None else contextlib.nullcontext():
+            loop(run, recovery, live)
+    except Regroup as e:  # at a step boundary: a member leaves, or a joiner waits
+        lost = e
+    except Exception as e:
+        if live is None or not peer_failed(e):
+            raise
+        lost = Regroup(held_after_failure(run, live), f"a peer failed ({str(e).splitlines()[0][:160]})")
+    if lost is not None:  # raised here, outside the handler: nothing keeps the failed collective's frames
+        raise lost
+    summary = run.summary(recovery=recovery, start_step=start_step)
+    if live:
+        summary["membership"] = live.events
+    summary["start_memory_bytes"] = int(start_memory)  # the most a rank's memory grew while it built its share
+    run.finish(summary, plain_model=lambda: plain_model(cfg.model, source.spec))
+    return summary
+
+
+def held_after_failure(run: Run, live: Live):
+    """The state a live run's survivor goes on from when a peer failed inside a step. Replicas that differ go
+    back to where they were one model: the round's work died with the peer. Else the state at the last step
+    this rank completed; where a collective after the update failed (a logged step's memory figures are
+    gathered then), the weights, the optimizer and the schedule are at that step's end on every survivor (each
+    took it once their flags were agreed), so that step counts as done, not the one before with its weights."""
+    if run.state.replicas_differ:
+        return live.round
+    run.sampler.step = max(run.sampler.step, run.step.updated)
+    return snapshot(run)
+
+
+def hold_rounds(run: Run, live: Live, on: Hooks) -> None:
+    """Keep a copy of this rank's state wherever the replicas are one model (the start, if they are, and
+    each synchronisation): where a live run of replicas that differ goes back to when a peer fails. None
+    (the start, or a resume that began mid-round): back to the newest checkpoint, or the start."""
+    live.round = copied(snapshot(run)) if run.step.par.in_sync(run.sampler.step) else None
+
+    def keep(m: dict, last: bool, by_time: bool) -> None:
+        if run.step.par.in_sync(m["step"]):
+            live.round = copied(snapshot(run))
+
+    on.after_step.append(keep)
+
+
+def snapshot(run: Run):
+    """This rank's state at its last completed step, as a live run's Snapshot (training/live.py); None
+    before its first: nothing is learned yet, and DCP's state dict of an optimizer that has not stepped
+    would initialise its state by a step of lr 0, which AdamW counts (its bias correction is then one
+    step off)."""
+    step = run.sampler.step
+    if step == 0:
+        return None
+    return capture(run.state, step, run.cfg.to_toml(), dataclasses.asdict(run.source.spec), run.env.rank,
+                   run.env.world_size)
+
+
+def build(cfg: Config, layout: Layout, source, run_dir: RunDir, env: DistEnv, comm: Comm, *, phase: Phase,
+          strategy: Strategy, resume: str, live: Live | None = None) -> Run:
+    """Collective: everything this rank's run is built from, before any checkpoint is read (a live run
+    going on from a Snapshot reads none): the config's model, then the one assembly (assemble.py)."""
+    in_memory = live is not None and live.held is not None
+    found = "" if in_memory else comm.agree("resume_from",
+                                            lambda: str(find_resume_point(run_dir.checkpoints, resume) or ""))
+    resume_path = Path(found) if found and strategy.restores else None
+    torch.manual_seed(cfg.train.seed)  # identical initial weights on every rank
+    bundle = build_deferred(cfg.model, source.spec, init=resume_path is None and not in_memory)
+    freeze(bundle.model, cfg.train.freeze)
+    # one pipeline micro-batch, for timing the layers (parallel.pp_balance = "time")
+    sample = (source.train_batch(torch.arange(layout.per_rank_batch // layout.pp_microbatches))
+              if layout.dims.pp > 1 else None)
+
+    def optimizer(par):
+        optimizer_class, groups, hyper = optimizer_groups(par.model.parameters(), cfg.train)
+        return par.build_optimizer(groups, optimizer_class, **hyper)
+
+    start = Start(cfg=cfg, layout=layout, source=source, run=run_dir, env=env, comm=comm, phase=phase,
+                  strategy=strategy)
+    return assemble(start, bundle, optimizer, n_params=count_parameters(bundle.model),
+                    num_train=source.num_train or 1,  # a stream's (data/stream.py): its sampler only counts steps
+                    resume_path=resume_path, sample=sample, regroup_wanted=live.regroup_wanted if live else None)
+
+
+def restore(run: Run, live: Live | None = None) -> dict | None:
+    """Collective: restore the checkpoint the run resumes from, if any (a live run: the Snapshot it goes on
+    from). Returns what the summary reports about the recovery (None on a fresh start)."""
+    if live is not None and live.held is not None:
+        # a failure's survivors merge their residuals for the new world (a planned change merged them already)
+        env = run.env
+        snap = pooled(run.comm, run.state, live.held,
+                      gives=live.held.meta.get("own", True) and not live.held.meta.get("pooled"), device=env.device)
+        restore_live(run.state, snap, env.rank, env.world_size, run.cfg.train.seed, own=snap.meta.get("own", True))
+        return None
+    if run.resume_path is None:  # a fresh start; after an elastic restart with no checkpoint yet, all steps are redone
+        return fresh_start(run.dir, run.env.restart_count)
+    return run.restore(run.resume_path)
+
+
+def loop(run: Run, recovery: dict | None, live: Live | None = None) -> None:
+    """The Run's Trainer over the strategy's feed, checkpointing as it goes; raises signals.Interrupted when
+    the ranks agreed to stop early (after saving), and (a live run) Regroup when they agreed to change the
+    group."""
+    cfg, sampler = run.cfg, run.sampler
+    line = trainer(run, items_name=run.bundle.items_name, profiler=lambda: run.profiler(model_flops(run)),
+                   validates=run.strategy.validates)
+    loop_ = run.trainer
+    # a live run has frozen its start-up heap, and collects each ended generation itself (worker.py)
+    loop_.collector = Collector(cfg.train.gc_interval, freeze=live is None)
+    if live is not None:
+        if run.state.replicas_differ:
+            hold_rounds(run, live, loop_.hooks)
+        if live.record is not None:  # the history of the generations before this one
+            loop_.record = live.record
+        live.record = loop_.record
+    if live is None or live.held is None:  # a start (or, lost before the first step, a start again)
+        announce(run, loop_.sinks, recovery, line)
+    if live is not None and live.events:  # a new generation: what changed
+        event = live.events[-1]
+        loop_.sinks.print(event["line"])
+        loop_.sinks.event({"step": sampler.step, "time": event["time"], "membership": event["line"],
+                           "world": event["world"]})
+    try:
+        steps = Steps(sampler, cfg.train.steps, batches(run), prefetch_depth(cfg.data.prefetch, run.source))
+        ended = loop_.run(run.strategy.feed(steps, run.step.schedule))
+        if ended is Ended.REGROUP:
+            run.checkpoints.close()  # an async save in flight is part of the run
+            raise Regroup(handed_over(run), "the group changes: a member leaves or a joiner waits")
+        if ended is Ended.STOP:  # asked to stop: keep the work done so far, then leave
+            stop(run)
+        run.close()
+    finally:
+        loop_.sinks.close()
+
+
+def model_flops(run: Run) -> FlopSource:
+    """Where a sample's training FLOPs come from: the model's own count, else torch's FLOP counter over a
+    meta-device build of the config's model on one micro-batch."""
+    cfg, source = run.cfg, run.source
+
+    def meta_model():  # shapes only: what FlopCounterMode needs
+        with on_meta():
+            b = build_model(cfg.model, source.spec)
+        return b.model, b.loss_fn
+
+    return FlopSource(per_sample=run.bundle.flops_per_sample, build=meta_model,
+                      batch=source.train_batch(torch.arange(min(run.layout.micro_batch,
+                                                                source.num_train or source.num_val))))
+
+
+def announce(run: Run, sinks: MetricsSinks, recovery: dict | None, profile_line: str | None) -> None:
+    """The start-up lines: the model, every derived value of the layout, the data, the run dir, the resume,
+    what MFU is measured against."""
+    cfg, bundle, source = run.cfg, run.bundle, run.source
+    items_per_sample = getattr(cfg.model, "seq_len", 1) if bundle.items_name == "tokens" else 1
+    trainable = sum(p.numel() for p in bundle.model.parameters() if p.requires_grad)
+    frozen = f" ({trainable:,} trainable)" if trainable < run.n_params else ""  # train.freeze, model.lora
+    sinks.print(f"[bold]shoal[/] {cfg.model.name}: {run.n_params:,} parameters{frozen}; "
+                f"{run.layout.describe(cfg, bundle.items_name, items_per_sample)}")
+    if bundle.built_whole:
+        sinks.print(f"model built whole on every rank, not sharded at the start: {bundle.built_whole}")
+    if run.step.par.describe():
+        sinks.print(run.step.par.describe())
+    held = (f"streamed, tokenized as training reads it; {source.num_val:,} validation windows"
+            if getattr(source, "streamed", False) else
+            f"{source.num_train:,} training / {source.num_val:,} validation samples")
+    sinks.print(f"data {cfg.data.source}: {held}; run dir {run.dir.path}")
+    if recovery and recovery["checkpoint"]:
+        sinks.print(f"resumed from {recovery['checkpoint']} (step {recovery['resumed_from_step']})")
+    elif recovery:
+        sinks.print(f"restart {recovery['restart']}: no checkpoint yet, starting from step 0")
+    if profile_line:
+        sinks.print(profile_line)
+
+
+def handed_over(run: Run):
+    """Collective over the old group at a planned change: the state this rank goes on from. Every member gives
+    its residuals to the merge while the group still holds them all; where replicas differ, rank 0 hands its
+    replica to the others, even when rank 0 is the member that leaves (training/live.py, one_replica)."""
+    held = pooled(run.comm, run.state, snapshot(run), gives=True, device=run.env.device)
+    return one_replica(run.comm, held, run.env.device) if run.state.replicas_differ else held
+
+
+def batches(run: Run):
+    """make(step): this rank's micro-batches of training step `step` (its share of the global batch), made
+    ready for the device and counted (Stepper.prepare), on the data thread."""
+    sampler, source, balance = run.sampler, run.source, run.step.balance
+    dp, micro = run.layout.dims.dp, run.layout.micro_batch
+    stream = run.state.parts.get("stream")
+    if stream is not None:  # data.streaming: this rank's next windows, in micro-batches
+        def windows(step: int):
+            w = stream.windows(step, run.layout.per_rank_batch)
+            return run.step.prepare([{"input": m[:, :-1].contiguous(), "target": m[:, 1:].contiguous()}
+                                     for m in w.split(micro)])
+
+        return windows
+
+    def make(step: int):
+        shares = balance.split_for(step) if balance else None
+        return run.step.prepare([source.train_batch(i, sampler.data_step(step))
+                                 for i in sampler.local_micro_batches(step, run.step.par.dp_rank, dp, micro, shares)])
+
+    return make
+
+
+def stop(run: Run) -> None:
+    """The ranks agreed to stop early: save the step reached (unless saved), finish, raise Interrupted."""
+    step, checkpoints = run.sampler.step, run.checkpoints
+    # decided from what every rank knows alike (not the filesystem, which rank 0 may still be sealing)
+    saved = None
+    if checkpoints.cfg.enabled and (not checkpoints.stats or checkpoints.stats[-1]["step"] != step):
+        saved = run.save(step)
+    run.close()
+    saved = saved or run.dir.checkpoints / step_dir_name(step)
+    signum = signals.requested() or signal.SIGTERM  # another rank got the signal: say it was SIGTERM
+    raise signals.Interrupted(signum, step, str(saved) if saved.exists() else None)
