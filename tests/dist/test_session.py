@@ -124,6 +124,14 @@ def refusal(env, case: str, run_dir: str) -> str:
         if case == "stepped optimizer":
             model(torch.randn(2, 4)).sum().backward()
             optimizer.step()
+        if case == "another seed":  # a checkpoint saved under the default train.seed (1337), restored under 7
+            sess.prepare(model, optimizer)
+            sess.save()
+            sess.close()
+            sess = Session(run_dir=run_dir, train={"seed": 7})
+            model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Linear(3, 2))
+            sess.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9))
+            sess.restore()
         sess.prepare(model, optimizer)
         if case == "second model":
             other = torch.nn.Linear(2, 2)
@@ -149,6 +157,8 @@ def refusal(env, case: str, run_dir: str) -> str:
     ("adamw", "train.momentum = 0.5, but the optimizer you prepare has 0.9"),
     ("second model", "a Session's checkpoints hold one prepared model and its optimizer; for a second one, set "
                      "checkpoint.enabled = false"),
+    ("another seed", "train.seed is 7 here but 1337 in checkpoint step_00000000; set train.seed = 1337 to resume it, "
+                     "or start fresh with another run_dir"),
 ])
 def test_misuse_is_one_line(ranks, tmp_path, case, expected):
     messages = ranks(2).run(refusal, case, str(tmp_path / "run"))
