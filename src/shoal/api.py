@@ -41,7 +41,7 @@ def train(config: str | Path | None = None, overrides: Mapping[str, object] | No
     argv += ["--run-dir", str(where)]
     args = build_parser().parse_args(argv)
     args.argv = argv
-    args.fresh_workers = True  # the caller's __main__ may be a script without a main guard (launch/elastic.py)
+    args.fresh_workers = True  # the caller's __main__ may be a script without a main guard (launch/restart.py)
     saved = dict(os.environ)  # the launch sets variables for its workers; leave the caller's as they were
     try:
         code = train_command(args)

@@ -1,6 +1,6 @@
 """When this process started (imported first by the package): the recovery-time breakdown in
 summary.json measures a restarted worker's start-up from here. A worker forked from a preloaded server
-([Note: forked workers] in launch/elastic.py) imported this module long before it existed: the clock
+([Note: forked workers] in launch/restart.py) imported this module long before it existed: the clock
 starts again in every child."""
 
 import os

@@ -20,7 +20,7 @@ from shoal.cli import build_parser
 from shoal.config import load_config
 from shoal.errors import UserError
 from shoal.launch import jobs
-from shoal.launch.elastic import parse_nnodes
+from shoal.launch.restart import parse_nnodes
 from shoal.layout import check_gpus_per_node
 from shoal.preflight import check_job
 

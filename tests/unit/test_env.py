@@ -139,7 +139,7 @@ def test_a_workers_error_is_one_line_with_what_fixes_it(monkeypatch):
     from pathlib import Path
 
     from shoal.env import check
-    from shoal.launch import elastic
+    from shoal.launch import restart
 
     def failing(argv, nproc, **kw):
         out = argv[argv.index("--out") + 1]
@@ -147,7 +147,7 @@ def test_a_workers_error_is_one_line_with_what_fixes_it(monkeypatch):
                                                          "ProcessGroupNCCL.cpp:3690, invalid usage"}))
         return 1
 
-    monkeypatch.setattr(elastic, "launch", failing)
+    monkeypatch.setattr(restart, "launch", failing)
     [(ok, name, text)] = check.workers(machine.gather(), 2)
     assert not ok and name == "collective"
     assert text == ("rank 0: DistBackendError: NCCL error in: ProcessGroupNCCL.cpp:3690, invalid usage; NCCL "

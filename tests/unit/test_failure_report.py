@@ -1,11 +1,11 @@
-"""How a failed launch is reported (launch/elastic.py report_failures): one line per rank, the exit code
+"""How a failed launch is reported (launch/restart.py report_failures): one line per rank, the exit code
 that says what the failed rank said, and peers the launcher stopped named as such, not as the cause."""
 
 import signal
 
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
 
-from shoal.launch.elastic import report_failures
+from shoal.launch.restart import report_failures
 
 
 def failed(tmp_path, **codes) -> ChildFailedError:

@@ -36,7 +36,7 @@ def add_parser(sub) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from shoal.cli.train import node_flags
-    from shoal.launch.elastic import launch
+    from shoal.launch.restart import launch
 
     if not args.module and not Path(args.script).is_file():
         raise UserError(f"script {args.script!r} does not exist (a module to run as python -m takes -m: "

@@ -59,8 +59,8 @@ def node_flags(args: argparse.Namespace, every_gpu: bool = False) -> tuple[int, 
     `shoal env --check`), else 1 (torchrun's default, kept by `shoal run`: a script may be a CPU one)."""
     import torch
 
-    from shoal.launch.elastic import check_launch_args, parse_nnodes
     from shoal.launch.environment import node_args
+    from shoal.launch.restart import check_launch_args, parse_nnodes
 
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
     per_gpu = gpus if every_gpu and gpus > 1 else 1
@@ -113,7 +113,7 @@ def start(args: argparse.Namespace, cfg, job, run_dir: Path, nodes: tuple[int, i
     """The workers, through torch elastic (or an asynchronous parameter server's roles, each under an agent
     of its own: workers that come and go); returns the exit code."""
     from shoal.allocator import preload_for_workers
-    from shoal.launch.elastic import RESUME_COMMAND, Forked, launch
+    from shoal.launch.restart import RESUME_COMMAND, Forked, launch
     from shoal.ps import roles
     from shoal.worker import PRELOAD, forked, threads_per_worker
 
@@ -163,7 +163,7 @@ def train_on_ray(args: argparse.Namespace, cfg) -> int:
     """`shoal train ... --ray [ADDRESS]`: the same command, as one node per node of a Ray cluster
     (launch/ray_nodes.py); the working directory and the run dir must be shared by every node."""
     from shoal.launch import ray_nodes
-    from shoal.launch.elastic import RESUME_COMMAND
+    from shoal.launch.restart import RESUME_COMMAND
     from shoal.rundir import default_run_dir
 
     nnodes = ray_nodes.launch_args(args)

@@ -61,7 +61,7 @@ def say(ok: bool, name: str, text: str) -> tuple[bool, str, str]:
 
 def workers(facts: Facts, nproc: int) -> list[tuple[bool, str, str]]:
     """The collective and matmul checks, measured by `nproc` launched workers (worker() below)."""
-    from shoal.launch.elastic import launch
+    from shoal.launch.restart import launch
 
     with tempfile.TemporaryDirectory(prefix="shoal-env-") as tmp:
         out = Path(tmp) / "result"

@@ -1,7 +1,7 @@
 """`shoal probe`: measure what this machine and its network can do, and write the hardware profile
 (hardware.py) that `shoal plan` and MFU read.
 
-One worker per process of the group, started through shoal's own launcher (launch/elastic.py; `--cluster`:
+One worker per process of the group, started through shoal's own launcher (launch/restart.py; `--cluster`:
 one node per host of the one-machine cluster, testbed/run.py). Each worker measures
   - matmul FLOP/s per dtype over square sizes (the curve, and its best as the peak),
   - memory bandwidth (a large copy: bytes read + written per second),
@@ -712,7 +712,7 @@ def launch_probe(argv: list[str], nproc: int) -> int:
     cluster, testbed/run.py) one node of the cluster's job, as `shoal train` runs there."""
     import os
 
-    from shoal.launch.elastic import launch
+    from shoal.launch.restart import launch
 
     nnodes = int(os.environ.get("SHOAL_NNODES", "1"))
     node_rank = int(os.environ.get("SHOAL_NODE_RANK", "0"))

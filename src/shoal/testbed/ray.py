@@ -9,7 +9,7 @@ cluster down` stops them with the hosts' other processes. Each node has its own 
 nodes sharing one (one machine) each tail every node's logs, and a driver printed every line twice.
 GLOO_SOCKET_IFNAME is the host's interface: this machine's hostname resolves to loopback in every
 namespace, so a process group that Ray Train makes would bind 127.0.0.1 (as shoal's own workers did:
-[Note: node address] in launch/elastic.py).
+[Note: node address] in launch/restart.py).
 """
 
 from __future__ import annotations

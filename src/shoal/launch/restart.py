@@ -1,4 +1,6 @@
-"""Start the worker processes through torch.distributed.elastic, the machinery behind torchrun.
+"""Start the worker processes through torch.distributed.elastic, the machinery behind torchrun; on a
+failure its agent restarts every worker, and they resume from the newest checkpoint (--max-restarts). The
+other elasticity, a live run that goes on without a restart, is launch/live.py's.
 
 One node: a c10d rendezvous on a free loopback port. Several nodes: every node runs the same command
 with --nnodes, --rdzv-endpoint HOST:PORT (node 0's address) and its --node-rank; node 0 hosts the
