@@ -28,7 +28,7 @@ from pathlib import Path
 
 import pytest
 
-from shoal.worker import PRELOAD as WORKER_PRELOAD
+from shoal.launch.forkserver import PRELOAD as WORKER_PRELOAD
 
 _calls = itertools.count(1)
 # Ranks start by fork from one server process that has imported torch and shoal's training stack once

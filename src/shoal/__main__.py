@@ -1,6 +1,4 @@
-import sys
-
-from shoal.cli import main
+from shoal.cli import entry
 
 if __name__ == "__main__":  # a forked worker's server imports this module again as __mp_main__
-    sys.exit(main())
+    entry()

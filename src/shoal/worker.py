@@ -34,7 +34,7 @@ from shoal.comm.report import hang_report
 from shoal.comm.watchdog import Watchdog
 from shoal.config import Config, load_config
 from shoal.errors import TrainingError, UserError
-from shoal.launch.restart import RESUME_COMMAND
+from shoal.launch import RESUME_COMMAND
 from shoal.preflight import Job, check_job
 from shoal.ps.roles import reports, total_world
 from shoal.rundir import default_run_dir, holds_a_run, move_aside
@@ -95,13 +95,6 @@ def run_rank(cfg: Config, job: Job, run_dir: Path, env, comm: Comm, resume: str 
 
     return run_training(cfg, job.layout, job.source, run_dir, env, comm, resume=resume, phase=phase, live=live)
 
-
-# what a forked worker's server imports once, before it forks ([Note: forked workers] in launch/restart.py).
-# torch._dynamo is imported by torch's optimizers when the first one is made (~0.5 s of CPU a worker
-# here), and the built-in GPT by its builder: in the server, a 2-worker run of one step took 6.35 s of
-# CPU in all instead of 6.84 (medians of 5)
-PRELOAD = ("torch", "torch.distributed", "torch._dynamo", "shoal.models.gpt", "shoal.worker",
-           "shoal.training.train", "shoal.ps.run")
 
 
 def forked(config_path: str | None, sets: list[str], run_dir: str | None, resume: str) -> int:

@@ -11,6 +11,7 @@ from pathlib import Path
 
 from shoal.cli.options import add_launch, add_set
 from shoal.errors import UserError
+from shoal.launch import RESUME_COMMAND
 
 
 def add_parser(sub) -> None:
@@ -29,6 +30,21 @@ def add_parser(sub) -> None:
 
 
 def train(args: argparse.Namespace) -> int:
+    from shoal.launch import forkserver
+
+    if forks_on_this_node(args):  # [Note: early fork server] in launch/forkserver.py
+        os.environ.setdefault(RESUME_COMMAND, resume_command(args.argv))
+        forkserver.start_early()
+    try:
+        from shoal.compat import require_supported_torch
+
+        require_supported_torch()
+        return train_from_here(args)
+    finally:
+        forkserver.stop()
+
+
+def train_from_here(args: argparse.Namespace) -> int:
     from shoal import dist
     from shoal.config import load_config, resolve_auto
 
@@ -50,6 +66,16 @@ def train(args: argparse.Namespace) -> int:
     if job is None:
         return 0
     return start(args, cfg, job, run_dir, nodes)
+
+
+def forks_on_this_node(args: argparse.Namespace) -> bool:
+    """Whether, as far as the flags and the environment tell before the config is read, this command will fork
+    its workers here on one node: the `shoal` command itself (not a Python caller of it, whose process's fork
+    server is its own business), not a worker (torchrun's and shoal's have LOCAL_RANK), nor Ray's or the
+    cluster's nodes, nor a node of several. A guess the config proves wrong costs a server started for
+    nothing, stopped when the command ends."""
+    return (getattr(args, "command_line", False) and "LOCAL_RANK" not in os.environ and not args.fresh_workers
+            and args.ray is None and not args.cluster and args.nnodes in (None, "1"))
 
 
 def node_flags(args: argparse.Namespace, every_gpu: bool = False) -> tuple[int, int]:
@@ -113,9 +139,10 @@ def start(args: argparse.Namespace, cfg, job, run_dir: Path, nodes: tuple[int, i
     """The workers, through torch elastic (or an asynchronous parameter server's roles, each under an agent
     of its own: workers that come and go); returns the exit code."""
     from shoal.allocator import preload_for_workers
-    from shoal.launch.restart import RESUME_COMMAND, Forked, launch
+    from shoal.launch.forkserver import PRELOAD
+    from shoal.launch.restart import Forked, launch
     from shoal.ps import roles
-    from shoal.worker import PRELOAD, forked, threads_per_worker
+    from shoal.worker import forked, threads_per_worker
 
     sets = [a for s in args.set for a in ("--set", s)]
     # a launcher that placed this node (the testbed's cluster run, a Ray driver) has set the command that
@@ -163,7 +190,6 @@ def train_on_ray(args: argparse.Namespace, cfg) -> int:
     """`shoal train ... --ray [ADDRESS]`: the same command, as one node per node of a Ray cluster
     (launch/ray_nodes.py); the working directory and the run dir must be shared by every node."""
     from shoal.launch import ray_nodes
-    from shoal.launch.restart import RESUME_COMMAND
     from shoal.rundir import default_run_dir
 
     nnodes = ray_nodes.launch_args(args)

@@ -9,8 +9,6 @@ GPUs (bf16 would be emulated, fp16 needs a loss scaler: set it yourself)."""
 
 from __future__ import annotations
 
-import torch
-
 from shoal import hardware
 from shoal.config.run import Config
 
@@ -29,6 +27,8 @@ def resolve_auto(cfg: Config) -> tuple[Config, str | None]:
 
 def auto_dtype(device: str) -> tuple[str, str]:
     """("bf16" | "fp32", why) for workers on parallel.device `device` here."""
+    import torch  # here, not at the top: `shoal train` loads its config before torch, which it imports meanwhile
+
     on_gpu = device != "cpu" and torch.cuda.is_available()
     return choose_dtype(on_gpu, hardware.gpu_capabilities() if on_gpu else None)
 

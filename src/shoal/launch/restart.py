@@ -54,7 +54,6 @@ from shoal.errors import UserError
 RDZV_TIMEOUT_S = 600  # torch elastic's default join timeout
 # set by `shoal train` (and the testbed's `run`) for the workers: the command that continues this run,
 # which a worker names when it stops on a signal (worker.py, resume_hint)
-RESUME_COMMAND = "SHOAL_RESUME_COMMAND"
 
 
 @dataclass(frozen=True)
@@ -115,6 +114,9 @@ def _entrypoint(worker: list[str] | Forked) -> tuple:
         return sys.executable, worker
     import torch.multiprocessing
 
+    from shoal.launch import forkserver
+
+    forkserver.use_or_stop()  # one started as the command began, if this process's environment is still its
     torch.multiprocessing.get_context("forkserver").set_forkserver_preload(list(worker.preload))
     # a failed forked worker is logged with torch's own traceback of the join (not the worker's, which the
     # worker printed itself): the line is kept, as for a worker started as a binary, the traceback not

@@ -16,7 +16,6 @@ from typing import Any
 from pydantic import ConfigDict
 
 from shoal.errors import UserError
-from shoal.models import keras  # light: keras itself is imported by the user's module that uses it
 from shoal.models.spec import DataSpec, ModelBundle, ModelSection
 
 
@@ -89,6 +88,8 @@ def build_model(cfg: ModelSection, spec: DataSpec, pretrained: bool = False, ada
 
 
 def _build_user_model(builder: Callable[..., Any], cfg: ModelSection, spec: DataSpec) -> Any:
+    from shoal.models import keras  # here, as torch: the config is read before torch is imported
+
     with keras.keras_build() as build:
         built = builder(cfg, spec)
     return keras.user_bundle(built, build, cfg.name)
@@ -112,6 +113,8 @@ def import_user_callable(key: str, name: str) -> Callable[..., Any]:
     try:
         module = importlib.import_module(module_name)
     except ImportError as e:
+        from shoal.models import keras
+
         missing = keras.import_error(key, name, e)  # keras, or the backend KERAS_BACKEND names, is missing
         if missing:
             raise missing from None

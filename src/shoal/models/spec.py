@@ -26,19 +26,23 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import ClassVar, NamedTuple
+from typing import TYPE_CHECKING, ClassVar, NamedTuple
 
-import torch
 from pydantic import BaseModel, ConfigDict
 
-Batch = dict[str, torch.Tensor]
-LossFn = Callable[[torch.nn.Module, Batch], torch.Tensor]
-EvalFn = Callable[[torch.nn.Module, Batch], dict[str, tuple[torch.Tensor, torch.Tensor]]]
+if TYPE_CHECKING:  # torch is not imported here: the config (model sections) is read before torch, at a command's start
+    import torch
+
+Batch = dict[str, "torch.Tensor"]
+LossFn = Callable[["torch.nn.Module", Batch], "torch.Tensor"]
+EvalFn = Callable[["torch.nn.Module", Batch], dict[str, tuple["torch.Tensor", "torch.Tensor"]]]
 LossContext = Callable[[], contextlib.AbstractContextManager]
 
 
 def count_samples(batch: Batch) -> torch.Tensor:
     """Default item count: samples (the leading dimension of the batch's tensors)."""
+    import torch
+
     return torch.tensor(len(next(iter(batch.values()))))
 
 

@@ -17,7 +17,7 @@ import sys
 from pathlib import Path
 
 from shoal.errors import UserError
-from shoal.launch.restart import RESUME_COMMAND
+from shoal.launch import RESUME_COMMAND
 from shoal.launch.supervisor import Child, Supervisor
 from shoal.testbed import hosts, shape
 from shoal.testbed.system import netns_exec, require_root
