@@ -1,0 +1,36 @@
+"""`shoal train`'s workers, forked from the server the command starts as it begins ([Note: early fork server]
+in launch/forkserver.py), see the environment the launcher gives them: with ZeRO 3 on CPU the launcher adds
+LD_PRELOAD of tcmalloc after that server started, so the workers must come from a server started again."""
+
+import json
+import os
+
+import pytest
+
+from conftest import TINY_GPT, run_cli
+from shoal.allocator import TCMALLOC, tcmalloc_path
+
+RUN = [*TINY_GPT, "--set", 'model.name="malloc_probe:build"', "--set", "train.steps=1", "--set", "train.val_interval=0",
+       "--set", "checkpoint.enabled=false", "--set", "checkpoint.final_weights=false", "--nproc", "2"]
+
+
+def probed(tmp_path, zero: int) -> list[dict]:
+    out = tmp_path / f"probe{zero}"
+    out.mkdir()
+    r = run_cli(["train", *RUN, "--set", f"parallel.zero={zero}", "--run-dir", tmp_path / f"run{zero}"], timeout=120,
+                env={"SHOAL_TEST_PROBE_DIR": str(out)})
+    assert r.returncode == 0, r.stdout + r.stderr
+    return [json.loads((out / f"rank{rank}.json").read_text()) for rank in range(2)]
+
+
+@pytest.mark.slow  # two 2-worker runs
+@pytest.mark.skipif(tcmalloc_path() is None, reason=f"{TCMALLOC} is not installed (.ci/run installs it)")
+@pytest.mark.skipif(any(k in os.environ for k in ("LD_PRELOAD", "MALLOC_MMAP_THRESHOLD_")),
+                    reason="this environment chose the workers' malloc itself (allocator.worker_env leaves it)")
+def test_forked_workers_get_what_the_launcher_adds_after_their_server_started(tmp_path):
+    sharded = probed(tmp_path, 3)
+    assert all(w["tcmalloc"] and TCMALLOC in w["ld_preload"] for w in sharded), sharded
+    plain = probed(tmp_path, 0)
+    assert not any(w["tcmalloc"] for w in plain), plain
+    # the command that continues the run, set before the server started, reaches the workers either way
+    assert all(w["resume_command"].startswith("shoal train ") for w in sharded + plain), sharded + plain
