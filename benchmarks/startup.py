@@ -2,7 +2,8 @@
 
 Runs, alternated in rounds so machine noise hits each alike:
   - `shoal train` as a user runs it: workers forked from one server that imported torch and shoal's
-    training stack once ([Note: forked workers] in src/shoal/launch/restart.py);
+    training stack once ([Note: forked workers] in src/shoal/launch/restart.py), started as the command
+    begins ([Note: early fork server] in src/shoal/launch/forkserver.py);
   - the same run through `shoal.train()` from Python, whose workers are fresh interpreters, each
     importing torch itself;
   - `shoal train` where no bytecode is cached and none may be written (PYTHONDONTWRITEBYTECODE with

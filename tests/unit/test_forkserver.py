@@ -2,7 +2,6 @@
 still the one it started in, stopped where it changed, never left running."""
 
 import multiprocessing.forkserver
-import os
 import subprocess
 import sys
 
