@@ -48,6 +48,20 @@ def test_no_comment_cites_a_document_outside_the_repository():
     assert not cited, cited
 
 
+def test_every_file_a_source_comment_names_exists():
+    """A docstring or comment that sends a reader to `x.py` or `dir/x.py` names a file of the repository (a
+    name starting with `_`, such as the `_sagemaker.py` a job file is written as, is a suffix, not a file)."""
+    files = [p.relative_to(ROOT).as_posix() for folder in ("src", "tests", "benchmarks", "examples", "configs")
+             if (ROOT / folder).is_dir() for p in (ROOT / folder).rglob("*.py")]
+    missing = []
+    for path in SRC.rglob("*.py"):
+        for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+            for name in re.findall(r"(?<![\w./-])([a-z][\w/]*\.py)\b", line):
+                if not any(f == name or f.endswith("/" + name) for f in files):
+                    missing.append(f"{path.relative_to(ROOT)}:{number} names {name}")
+    assert not missing, missing
+
+
 def test_built_ins_need_no_extra():
     """shoal without its extras still runs the built-ins: checking and building the default job imports
     none of them (each is imported only by the feature that needs it)."""

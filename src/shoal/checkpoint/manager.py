@@ -9,7 +9,7 @@ the save is finished before the next one starts and before the run ends.
 
 When a save is due: at the end, every `checkpoint.interval` steps, and when `interval_minutes` have
 passed since the last save. Clocks differ between ranks, so the time-based wish of each rank rides on
-the step's flags all-reduce (train/flags.py) and every rank saves at the same step.
+the step's flags all-reduce (training/flags.py) and every rank saves at the same step.
 """
 
 from __future__ import annotations

@@ -17,7 +17,7 @@ without touching the training loop (docs/design.md, "The seams"):
 State comes in two kinds: state_dict() is JSON shared by every rank (train_state.json); rank_state() is
 tensors that differ per rank (residuals, a replica's own parameters), saved in each rank's own file.
 Whatever the mode, decisions every rank must share (stop, bad step, checkpoint due) ride on the one
-flags all-reduce of each step (train/flags.py), which does not depend on gradients being synchronised.
+flags all-reduce of each step (training/flags.py), which does not depend on gradients being synchronised.
 """
 
 from __future__ import annotations

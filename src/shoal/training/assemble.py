@@ -8,7 +8,7 @@
 
 What differs between the two is only what comes before: `shoal train` builds the model from the config
 and the optimizer from train.*; a Session is handed the user's model and optimizer (its class and
-hyperparameters), and refuses the keys it cannot honour (session_keys.py).
+hyperparameters), and refuses the keys it cannot honour (session.py: refuse_unhonoured, refuse_conflicts).
 """
 
 from __future__ import annotations
