@@ -28,6 +28,7 @@ LEAVE_GRACE_S = 2.0
 # the agreed vector's entries, in order: summed over the ranks. "bad_norms" sums each rank's gradient norm times
 # zero: 0 where every rank's norm was finite, NaN where one was not
 AGREED = ("loss_sum", "bad_norms", "stops", "save", "regroup", "stop_age")
+LOSS_SUM, BAD_NORMS = AGREED.index("loss_sum"), AGREED.index("bad_norms")  # where the device reads its two
 
 
 @dataclass
@@ -77,7 +78,7 @@ class StepFlags:
         if self._pending is not None:
             self._pending.wait()
             self._pending = None
-        return self._agreed[0], self._agreed[1]
+        return self._agreed[LOSS_SUM], self._agreed[BAD_NORMS]
 
     def vector(self) -> torch.Tensor:
         """`names`' entries on the device, for the step's report: the agreed float64 vector; at world size 1
