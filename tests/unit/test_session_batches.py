@@ -5,7 +5,7 @@ from collections import namedtuple
 
 import torch
 
-from shoal.training.session import on_device
+from shoal.training.session_data import on_device
 
 Pair = namedtuple("Pair", "x y")
 

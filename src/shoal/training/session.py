@@ -26,9 +26,8 @@ scheduler), or, when the script (Ray Train, Accelerate) already made one, that o
 
 from __future__ import annotations
 
-import inspect
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 
 import torch
@@ -36,31 +35,36 @@ import torch.distributed as dist
 
 from shoal import dist as shoal_dist
 from shoal.checkpoint.resume import find_resume_point
-from shoal.checkpoint.tensors import original_name
 from shoal.checkpoint.train_state import read_train_state
 from shoal.comm.collectives import Comm
 from shoal.comm.phase import Phase
-from shoal.config import Config, load_config
-from shoal.config.literals import overrides_as_sets
-from shoal.data.loader import Prefetcher, prefetch_depth
+from shoal.config import Config
 from shoal.data.sampler import GlobalBatchSampler
 from shoal.errors import UserError
 from shoal.layout import choose_backend, choose_device, resolve_layout
 from shoal.metrics.profile import FlopSource
 from shoal.metrics.timers import StepTimer
 from shoal.models.keras import KerasModule, check_layout, is_keras
-from shoal.models.spec import DataSpec, ModelBundle, count_parameters
+from shoal.models.spec import ModelBundle, count_parameters
 from shoal.parallel.data import set_grad_sync
 from shoal.parallel.fit import check_model_fits
-from shoal.parallel.precision import Precision
 from shoal.rundir import RunDir, default_run_dir, write_json
 from shoal.training.assemble import Start, assemble, trainer
 from shoal.training.build import freeze
-from shoal.training.feed import pinned
 from shoal.training.flags import host_tensor
 from shoal.training.loop import Trainer, Watch, begin_step
 from shoal.training.report import StepReport
 from shoal.training.run import Run
+from shoal.training.session_config import refuse_conflicts, refuse_unhonoured, session_config
+from shoal.training.session_data import Loader, UserData
+from shoal.training.session_model import (
+    autocast_forward,
+    described,
+    loss_in_your_loop,
+    named_groups,
+    rebuilt,
+    tensor_parallel_of,
+)
 from shoal.training.step import Stepper
 from shoal.training.strategy import Strategy
 
@@ -81,7 +85,7 @@ class Session:
         where = Path(run_dir) if run_dir is not None else default_run_dir(path, cfg)
         run = RunDir(Path(self.comm.agree("run_dir", lambda: str(where))))
         strategy = Strategy(cfg, self.layout, self.env.device, self.env.rank, self.comm)
-        self.start = Start(cfg=cfg, layout=self.layout, source=_UserData(), run=run, env=self.env, comm=self.comm,
+        self.start = Start(cfg=cfg, layout=self.layout, source=UserData(), run=run, env=self.env, comm=self.comm,
                            phase=Phase(), strategy=strategy)
         # one per prepared model; the first one's loop, checkpoints and summary are the Session's
         self.runs: list[Run] = []
@@ -160,7 +164,7 @@ class Session:
                        n_params=count_parameters(model), num_train=1)
         par, precision = run.step.par, run.step.precision
         if precision.dtype != torch.float32:  # the forward the user calls runs under autocast, as shoal's
-            par.module.forward = _autocast(par.module.forward, precision)
+            par.module.forward = autocast_forward(par.module.forward, precision)
         self.runs.append(run)
         if len(self.runs) == 1:
             run.started = self.started
@@ -190,8 +194,8 @@ class Session:
 
     def _bundle(self, model: torch.nn.Module, blocks: tuple[type, ...], tp_plan: Mapping[str, object] | None):
         """The ModelBundle the Strategy lays out, checked against the config's layout."""
-        bundle = ModelBundle(model=model, loss_fn=_loss_in_your_loop, block_types=blocks,
-                             tensor_parallel=_tensor_parallel(model, tp_plan))
+        bundle = ModelBundle(model=model, loss_fn=loss_in_your_loop, block_types=blocks,
+                             tensor_parallel=tensor_parallel_of(model, tp_plan))
         if self.layout.dims.tp > 1 and bundle.tensor_parallel is None:
             raise UserError(f"parallel.tp = {self.layout.dims.tp}: model {type(model).__name__} declares no tensor-"
                             f"parallel plan; give one, sess.prepare(model, optimizer, tp_plan={{'layers.*.up': "
@@ -362,104 +366,6 @@ class Session:
             raise UserError(f"sess.{call}() before sess.prepare(model, optimizer): prepare the model first")
 
 
-class Loader:
-    """Iterating gives this rank's micro-batches, step after step, up to train.steps (see Session.data)."""
-
-    def __init__(self, sess: Session, dataset, micro: int, collate: Callable):
-        self.sess, self.dataset, self.micro, self.collate = sess, dataset, micro, collate
-
-    def batches(self, step: int) -> list:
-        sess = self.sess
-        dp_rank = sess.pairs[0].par.dp_rank if sess.pairs else sess.rank
-        idx = sess.sampler.local_micro_batches(step, dp_rank, sess.layout.dims.dp, self.micro)
-        return [on_device(self.collate([self.dataset[int(i)] for i in mb]), sess.device) for mb in idx]
-
-    def __iter__(self) -> Iterator:
-        sess = self.sess
-        prefetch = Prefetcher(self.batches, sess.sampler.step, prefetch_depth(sess.cfg.data.prefetch, None))
-        try:
-            while sess.sampler.step < sess.cfg.train.steps:
-                step = sess.sampler.step
-                batches = prefetch.next()
-                if sess.timer is None:
-                    sess._begin_step()
-                sess.timer.mark("data_wait_s")
-                yield from batches
-                if sess.sampler.step == step:
-                    raise UserError("a step's micro-batches were used without sess.step() after each "
-                                    "sess.backward(loss); call both for every batch")
-        finally:
-            prefetch.close()
-
-
-def on_device(batch, device: torch.device):
-    """A collated batch's tensors on the device the model trains on (in tuples, lists and dicts, as
-    default_collate makes them), the rest as it is: Accelerate's prepared loader does the same. Bound for a
-    GPU, each is pinned first, so that the copy does not wait for the device's queue."""
-    if isinstance(batch, torch.Tensor):
-        return (pinned(batch) if device.type == "cuda" else batch).to(device, non_blocking=True)
-    if isinstance(batch, dict):
-        return {k: on_device(v, device) for k, v in batch.items()}
-    if isinstance(batch, (list, tuple)):
-        moved = [on_device(v, device) for v in batch]
-        return type(batch)(*moved) if hasattr(batch, "_fields") else type(batch)(moved)
-    return batch
-
-
-def refuse_unhonoured(cfg: Config) -> None:
-    """One line for a key that asks a Session for what it does not do. [model] and [data] (but
-    data.prefetch) describe what your code builds and are left to it; the optimizer's keys are checked
-    against the optimizer you prepare (refuse_conflicts)."""
-    t, default = cfg.train, Config().train
-    if t.on_bad_step == "rollback":
-        raise UserError('train.on_bad_step = "rollback" reruns steps inside shoal\'s own loop; in a Session use '
-                        '"skip" or "abort"')
-    asks = {"balance.mode": (cfg.balance.mode != "uniform", "sess.data() splits every step's batch evenly; use "
-                             "`shoal train` to balance by throughput"),
-            "train.eval_on_start": (t.eval_on_start, NO_VALIDATION),
-            "train.val_interval": (t.val_interval not in (0, default.val_interval), NO_VALIDATION)}
-    for key, (asked, fix) in asks.items():
-        if asked:
-            raise UserError(f"{key} asks a Session for what it does not do: {fix}")
-
-
-NO_VALIDATION = "a Session runs no validation; evaluate in your loop and sess.log() the result"
-
-
-def refuse_conflicts(cfg: Config, optimizer: torch.optim.Optimizer) -> None:
-    """A train.* optimizer key set in the config and not what the prepared optimizer does: a Session keeps
-    your optimizer, so say so rather than train with another value than the config shows."""
-    t, default, d = cfg.train, Config().train, optimizer.defaults
-    kinds = {torch.optim.SGD: "sgd", torch.optim.AdamW: "adamw"}
-    kind = next((name for cls, name in kinds.items() if isinstance(optimizer, cls)), t.optimizer)
-    checks = {"train.optimizer": (t.optimizer, default.optimizer, kind),
-              "train.lr": (t.lr, default.lr, d.get("lr", t.lr)),
-              "train.beta1": (t.beta1, default.beta1, d.get("betas", (t.beta1,))[0]),
-              "train.beta2": (t.beta2, default.beta2, d.get("betas", (0, t.beta2))[1]),
-              "train.momentum": (t.momentum, default.momentum, d.get("momentum", t.momentum)),
-              "train.weight_decay": (t.weight_decay, default.weight_decay, d.get("weight_decay", t.weight_decay))}
-    for key, (mine, unset, theirs) in checks.items():
-        if mine != unset and mine != theirs:
-            raise UserError(f"{key} = {mine}, but the optimizer you prepare has {theirs}: a Session keeps your "
-                            f"optimizer; set it there, or leave {key} out")
-
-
-def session_config(config: str | Path | Config | None, overrides: dict | None, sections: dict) -> Config:
-    """The validated config of Session(config, overrides=..., **sections)."""
-    sets = overrides_as_sets(overrides)
-    for section, values in sections.items():
-        if not isinstance(values, dict):
-            raise UserError(f"Session({section}=...): give a section as a dict of its keys, e.g. "
-                            f"Session(train={{'steps': 100}})")
-        sets += overrides_as_sets({f"{section}.{k}": v for k, v in values.items()})
-    if not isinstance(config, Config):
-        return load_config(str(config) if config is not None else None, sets)
-    if sets:
-        raise UserError("Session(config): a loaded Config takes no overrides or sections; load it with them "
-                        "(shoal.load_config(path, ['train.steps=100']))")
-    return config
-
-
 def join(cfg: Config):
     """This process's DistEnv and Comm: the process group someone made already, or one joined as shoal
     train's workers join theirs."""
@@ -481,74 +387,3 @@ def existing_group() -> shoal_dist.DistEnv:
     return shoal_dist.DistEnv(dist.get_rank(), dist.get_world_size(), local_rank,
                               int(os.environ.get("LOCAL_WORLD_SIZE", 1)),
                               int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)), device, store, store)
-
-
-def step_logged(sess: Session, step: int) -> bool:
-    m = sess.cfg.metrics
-    return (step + 1) % m.log_interval == 0 or step + 1 == sess.cfg.train.steps
-
-
-def named_groups(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> list[dict]:
-    """The optimizer's parameter groups with the parameters' names in place of the parameters."""
-    names = {id(p): n for n, p in model.named_parameters()}
-    # a Keras model's parameters() also lists its frozen state (seed generators, moving statistics), which
-    # its KerasModule holds as buffers: an optimizer given those has nothing to do with them (left out here,
-    # so not in the rebuilt optimizer; the user's own is not changed)
-    kept = [[p for p in g["params"] if id(p) in names or p.requires_grad] for g in optimizer.param_groups]
-    if any(id(p) not in names for params in kept for p in params):
-        raise UserError("sess.prepare(model, optimizer): the optimizer holds parameters that are not the model's; "
-                        "give each model its own optimizer")
-    return [{**{k: v for k, v in g.items() if k != "params"}, "params": [names[id(p)] for p in params]}
-            for g, params in zip(optimizer.param_groups, kept, strict=True)]
-
-
-def rebuilt(optimizer: torch.optim.Optimizer, groups: list[dict], par) -> torch.optim.Optimizer:
-    """An optimizer of `optimizer`'s class over the laid-out model's parameters, group by group (ZeRO 1:
-    sharded, as shoal train's)."""
-    params = {original_name(n): p for n, p in par.model.named_parameters()}
-    groups = [{**g, "params": [params[n] for n in g["params"]]} for g in groups]
-    # every group carries all its hyperparameters; the defaults only as far as the constructor takes them
-    accepted = inspect.signature(type(optimizer).__init__).parameters
-    defaults = {k: v for k, v in optimizer.defaults.items() if k in accepted}
-    return par.build_optimizer(groups, type(optimizer), **defaults)
-
-
-def _autocast(forward: Callable, precision: Precision) -> Callable:
-    def run(*args, **kwargs):
-        with precision.autocast():
-            return forward(*args, **kwargs)
-
-    return run
-
-
-def _tensor_parallel(model: torch.nn.Module, plan: Mapping[str, object] | None):
-    """The ModelBundle.tensor_parallel for a prepared model: the user's plan, else a Hugging Face model's
-    declared one, else None (the model cannot be split)."""
-    from shoal.models import hf
-    from shoal.models.tp_plan import tensor_parallel_by_plan
-
-    if plan is not None:
-        return tensor_parallel_by_plan(plan)
-    return hf.tensor_parallel if hasattr(model, "config") and hf.tp_plan(model) else None
-
-
-def described(model: torch.nn.Module, blocks: tuple[type, ...], optimizer: torch.optim.Optimizer) -> dict:
-    """A prepared model as `shoal plan --check` reads it (plan/check.py): each parameter as (numel, first
-    dimension, ndim, trainable), tied ones once, also per block, and its optimizer's class and momentum."""
-
-    def params(m: torch.nn.Module) -> list[list]:
-        return [[p.numel(), p.shape[0] if p.dim() else 1, p.dim(), p.requires_grad] for p in m.parameters()]
-
-    return {"class": type(model).__name__, "params": params(model),
-            "blocks": [params(m) for m in model.modules() if blocks and isinstance(m, blocks)],
-            "optimizer": type(optimizer).__name__, "momentum": float(optimizer.defaults.get("momentum", 0.0) or 0.0)}
-
-
-def _loss_in_your_loop(model, batch):
-    raise AssertionError("a Session's loss is computed by the user's loop")
-
-
-class _UserData:
-    """What a Run's hooks read of a run's data source: its spec (a user's data: no sizes)."""
-
-    spec = DataSpec(kind="custom")
