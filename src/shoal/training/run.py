@@ -33,7 +33,7 @@ from shoal.config import Config
 from shoal.data.sampler import GlobalBatchSampler
 from shoal.dist import DistEnv
 from shoal.layout import Layout
-from shoal.metrics.profile import FlopSource, Profiler, bubble_fraction, start_profiler
+from shoal.metrics.profile import FlopSource, Profiler, bubble_fraction, start_profiler, summarize_profile
 from shoal.models.spec import ModelBundle
 from shoal.parallel.precision import keep_implementation
 from shoal.rundir import RunDir
@@ -125,8 +125,6 @@ class Run:
                 n_params: int | None = None) -> dict:
         """summary.json's numbers (the same on every rank): the loop's record, the recovery `recovery` (None: a
         fresh start), the checkpoints, the garbage collector, the step profile, what the strategy reports."""
-        from shoal.metrics.profile import summarize_profile
-
         trainer = self.trainer
         summary = summarize(trainer.record, trainer.items_name, model_name=model_name or self.cfg.model.name,
                             n_params=self.n_params if n_params is None else n_params, dims=self.layout.dims,

@@ -276,10 +276,9 @@ def stop(run: Run) -> None:
     """The ranks agreed to stop early: save the step reached (unless saved), finish, raise Interrupted."""
     step, checkpoints = run.sampler.step, run.checkpoints
     # decided from what every rank knows alike (not the filesystem, which rank 0 may still be sealing)
-    saved = None
     if checkpoints.cfg.enabled and (not checkpoints.stats or checkpoints.stats[-1]["step"] != step):
-        saved = run.save(step)
+        run.save(step)
     run.close()
-    saved = saved or run.dir.checkpoints / step_dir_name(step)
+    saved = run.dir.checkpoints / step_dir_name(step)  # this save, or the one taken at this step already
     signum = signals.requested() or signal.SIGTERM  # another rank got the signal: say it was SIGTERM
     raise signals.Interrupted(signum, step, str(saved) if saved.exists() else None)
