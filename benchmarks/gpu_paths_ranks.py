@@ -131,7 +131,7 @@ def p_live_heal(ctx: Ctx) -> str:
             raise Failed("node 1 runs no worker at the hold")
         os.kill(victim, signal.SIGKILL)
         asked = ctx.python("live-heal", (  # the replacement's request to join, in the run's membership store
-            "import json, time; from shoal.membership import PREFIX, connect; "
+            "import json, time; from shoal.live.membership import PREFIX, connect; "
             f"s = connect('127.0.0.1:{port}'); end = time.monotonic() + 100\n"
             "while int(s.add(PREFIX + 'join_requests', 0)) == 0 and time.monotonic() < end: time.sleep(0.1)\n"
             "print(json.dumps({'asked': int(s.add(PREFIX + 'join_requests', 0))}))"), cwd=folder)

@@ -16,6 +16,7 @@ import hashlib
 import json
 import os
 import shutil
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -105,6 +106,17 @@ def move_aside(path: Path) -> Path:
         target = path.with_name(f"{path.name}-replaced-{stamp}-{n}")
     path.rename(target)
     return target
+
+
+def choose_run_dir(given: str | None, config_path: str | None, cfg: Config, resume: str, first_attempt: bool) -> Path:
+    """The run dir: the one given, or the stable default ([Note: stable run dir] in rundir.py). A fresh
+    start (--resume never) over an earlier run moves that run aside first; a restarted attempt of the
+    same job never does."""
+    path = Path(given) if given else default_run_dir(config_path, cfg)
+    if resume == "never" and first_attempt and holds_a_run(path):
+        moved = move_aside(path)
+        print(f"shoal: --resume never: the earlier run in {path} was moved to {moved}", file=sys.stderr, flush=True)
+    return path
 
 
 def check_writable(path: Path, need_bytes: int, what: str) -> None:

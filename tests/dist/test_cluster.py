@@ -68,7 +68,7 @@ else:
 # the replacement had asked, so that they finished the run first (2 of 4 full suites)
 JOIN_ASKED = """
 import sys, time
-from shoal.membership import PREFIX, connect
+from shoal.live.membership import PREFIX, connect
 store = connect(sys.argv[1])
 before = int(store.add(PREFIX + "join_requests", 0))
 print("counted", before, flush=True)

@@ -1,6 +1,6 @@
 """A rank that leaves a gloo group DDP has wrapped must not leave its peers waiting: destroying the group
-does not close its connections (DDP keeps it referenced), so dist.cut_connections shuts them down
-([Note: cutting a group's connections] in dist.py). Rank 1 waits in an all_reduce on rank 0, which has
+does not close its connections (DDP keeps it referenced), so live/connections.py's cut_connections shuts them down
+([Note: cutting a group's connections] in live/connections.py). Rank 1 waits in an all_reduce on rank 0, which has
 left but stays alive: with the cut, rank 1's collective fails while rank 0 lives; without it (the
 control), it is still waiting when rank 0 gives up after 5 s."""
 

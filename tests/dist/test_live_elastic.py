@@ -27,8 +27,8 @@ from live_runs import (
 )
 from shoal.cli import main
 from shoal.launch.ports import free_port
-from shoal.membership import PREFIX
-from shoal.membership import connect as membership_store
+from shoal.live.membership import PREFIX
+from shoal.live.membership import connect as membership_store
 
 pytestmark = pytest.mark.timeout(240)
 

@@ -1,6 +1,6 @@
 """Error feedback across a change of the world size: every rank of the new world takes the mean of the old
 ranks' residuals, the same bits whether they come from a checkpoint's files (a resume on another world
-size) or over a live group (training/live.py's pooled()); a member that gives none (a joiner) or is lost
+size) or over a live group (live/snapshot.py's pooled()); a member that gives none (a joiner) or is lost
 counts as zero. In the harness, on 2-3 ranks."""
 
 import pytest
@@ -57,7 +57,7 @@ def pool_on_ranks(env, giving):
     from shoal.comm.codecs import Int8
     from shoal.comm.collectives import Comm
     from shoal.parallel.sync import EveryStep
-    from shoal.training.live import Snapshot, pooled
+    from shoal.live.snapshot import Snapshot, pooled
 
     state = TrainState(None, None, {"sync": EveryStep(Int8(comm=None))})
     mine = {"sync/residual/w": torch.tensor([1.0, -2.0, 4.0]) * (env.rank + 1) / 7}

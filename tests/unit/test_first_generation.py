@@ -3,7 +3,7 @@ MAX workers came or none arrived for LAST_CALL_S; where the scheduler started a 
 Slurm step over a node range), once those came or none arrived for START_CALL_S: a slow host's worker
 (3 s later, on half a core) is then in it from the start."""
 
-from shoal.membership import LAST_CALL_S, START_CALL_S, Member
+from shoal.live.membership import LAST_CALL_S, START_CALL_S, Member
 
 
 def member(start_world=None) -> Member:

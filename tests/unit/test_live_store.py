@@ -7,8 +7,8 @@ import time
 
 import torch.distributed as dist
 
-from shoal import membership
-from shoal.launch.live import _serve_until_done
+from shoal.live import membership
+from shoal.live.node import _serve_until_done
 
 
 def serving(store) -> threading.Thread:

@@ -57,7 +57,7 @@ def run(args: argparse.Namespace) -> int:
 def threads(nproc: int) -> int | None:
     """Intra-op threads per worker: the cores here shared among the node's workers, as `shoal train`
     does (torchrun sets 1 when it starts several); None where OMP_NUM_THREADS is already set."""
-    from shoal.worker import share_of_cores
+    from shoal.dist import share_of_cores
 
     return None if "OMP_NUM_THREADS" in os.environ else share_of_cores(nproc)
 

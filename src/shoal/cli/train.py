@@ -49,7 +49,7 @@ def train_from_here(args: argparse.Namespace) -> int:
     from shoal.config import load_config, resolve_auto
 
     cfg, chosen = resolve_auto(load_config(args.config, args.set, resolve=False))
-    from shoal import membership
+    from shoal.live import membership
 
     if dist.is_launched() or membership.is_live_worker():  # we are a worker (torchrun, or our own launcher below)
         from shoal import worker
@@ -114,8 +114,8 @@ def preflight(args: argparse.Namespace, cfg, nodes: tuple[int, int]):
     from shoal.layout import check_gpus_per_node
     from shoal.preflight import check_job
     from shoal.ps import roles
-    from shoal.rundir import RunDir, default_run_dir
-    from shoal.worker import choose_run_dir, finished_message
+    from shoal.rundir import RunDir, choose_run_dir, default_run_dir
+    from shoal.training.summary import finished_message
 
     run_dir = Path(args.run_dir) if args.run_dir else default_run_dir(args.config, cfg)
     worlds = [roles.total_world(args.nproc * n) for n in range(nodes[0], nodes[1] + 1)]
@@ -139,10 +139,11 @@ def start(args: argparse.Namespace, cfg, job, run_dir: Path, nodes: tuple[int, i
     """The workers, through torch elastic (or an asynchronous parameter server's roles, each under an agent
     of its own: workers that come and go); returns the exit code."""
     from shoal.allocator import preload_for_workers
+    from shoal.dist import threads_per_worker
     from shoal.launch.forkserver import PRELOAD
     from shoal.launch.restart import Forked, launch
     from shoal.ps import roles
-    from shoal.worker import forked, threads_per_worker
+    from shoal.worker import forked
 
     sets = [a for s in args.set for a in ("--set", s)]
     # a launcher that placed this node (the testbed's cluster run, a Ray driver) has set the command that
@@ -159,9 +160,9 @@ def start(args: argparse.Namespace, cfg, job, run_dir: Path, nodes: tuple[int, i
         return roles.launch_roles(role_argv, args.nproc, job.layout.servers, args.max_restarts)
     fresh = ["-m", "shoal", "train", *([args.config] if args.config else []), *sets, "--run-dir", str(run_dir),
              "--resume", args.resume]
-    if nodes[0] < nodes[1]:  # a live run: shoal's own node launcher ([Note: live membership] in membership.py)
-        from shoal.launch.live import launch_live
+    if nodes[0] < nodes[1]:  # a live run: shoal's own node launcher ([Note: live membership] in live/membership.py)
         from shoal.launch.ports import free_port
+        from shoal.live.node import launch_live
 
         return launch_live(fresh, args.nproc, nodes, args.node_rank,
                            args.rdzv_endpoint or f"127.0.0.1:{free_port()}",

@@ -123,6 +123,12 @@ class Comm:
             torch.sum(got.view(w, -1), dim=0, out=flat)
         return out.div_(w) if op == dist.ReduceOp.AVG else out
 
+    def broadcast(self, t: torch.Tensor, src: int, label: str, group=None) -> torch.Tensor:
+        """Rank `src`'s `t` on every rank, in place."""
+        with self.log.record("broadcast", label, [t]):
+            dist.broadcast(t, src=src, group=self._g(group))
+        return t
+
     @torch.no_grad()
     def broadcast_module(self, module: torch.nn.Module, src: int = 0) -> None:
         """Rank `src`'s parameters and buffers on every rank, in place (over the whole world)."""

@@ -7,7 +7,7 @@ FSDP2's own so that its all-gather is charged to the right layer, marks a layer'
 the layer's output gradient marks its backward. Both cost a Python call per layer and micro-batch.
 Not installed under torch.compile, whose graphs run the layers as one piece.
 
-Both hooks also call `check` (set by a live elastic run: dist.ConnectionWatch.check), which raises when
+Both hooks also call `check` (set by a live elastic run: live/connections.py's ConnectionWatch.check), which raises when
 a peer is gone, so that a step that can no longer complete stops at its next layer.
 """
 

@@ -3,7 +3,7 @@
 forkserver.py   the server the workers are forked from, started as `shoal train` begins
 restart.py      workers through torch elastic's agent (the machinery behind torchrun): one node or
                 several, each node named by its address on the route to the rendezvous; on a failure every
-                worker restarts from the newest checkpoint (live.py: the other elasticity, which goes on
+                worker restarts from the newest checkpoint (live/node.py: the other elasticity, which goes on
                 without a restart)
 supervisor.py   the one supervisor of several process trees run as one job (the asynchronous parameter
                 server's roles, the testbed's hosts): signals passed on, a failure stops the rest, the

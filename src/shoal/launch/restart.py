@@ -1,6 +1,6 @@
 """Start the worker processes through torch.distributed.elastic, the machinery behind torchrun; on a
 failure its agent restarts every worker, and they resume from the newest checkpoint (--max-restarts). The
-other elasticity, a live run that goes on without a restart, is launch/live.py's.
+other elasticity, a live run that goes on without a restart, is the live package's (live/node.py).
 
 One node: a c10d rendezvous on a free loopback port. Several nodes: every node runs the same command
 with --nnodes, --rdzv-endpoint HOST:PORT (node 0's address) and its --node-rank; node 0 hosts the
@@ -131,7 +131,7 @@ def _without_traceback(record: logging.LogRecord) -> bool:
 
 def parse_nnodes(text: str) -> tuple[int, int]:
     """--nnodes as (min, max) nodes: N, or an elastic range MIN:MAX (torchrun's syntax), which makes a live
-    run (launch/live.py)."""
+    run (live/node.py)."""
     lo, colon, hi = text.partition(":")
     try:
         nodes = (int(lo), int(hi)) if colon else (int(text), int(text))

@@ -23,7 +23,7 @@ with the anchor and the outer momentum as saved and the codec's residuals merged
 from a checkpoint of another sync mode, the model becomes the anchor. A live run changes its group only
 where the replicas are one model (in_sync), and after a failure goes back to the round's start; every
 replica then goes on from one replica's inner state (rank 0's at a planned change, as from disk; the
-lowest survivor's after a failure: training/live.py).
+lowest survivor's after a failure: live/snapshot.py).
 
 With H = 1, outer lr 1 and no momentum both equal every-step data parallelism for an optimizer that
 is linear in the gradient (SGD, with or without momentum): the mean of the replicas' updates is the

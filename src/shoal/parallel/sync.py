@@ -55,7 +55,7 @@ class StepSync(Protocol):
 
     def in_sync(self, step: int) -> bool:
         """Whether the replicas are one model once `step` steps are done: where a live run may change its
-        group at a step's end (training/live.py)."""
+        group at a step's end (live/generation.py)."""
 
     def after_backward(self) -> None:
         """The step's gradients are complete on this rank."""

@@ -68,7 +68,7 @@ def assemble(start: Start, bundle: ModelBundle, optimizer: Callable[[Parallelize
              regroup_wanted: Callable[[], bool] | None = None) -> Run:
     """Collective: `bundle`'s model laid out, `optimizer(par)` over it, and every part of the run around
     them. `num_train`: the samples the sampler draws from; `sample`: one pipeline micro-batch to time the
-    layers with; `regroup_wanted`: a live elastic run's (training/live.py)."""
+    layers with; `regroup_wanted`: a live elastic run's (live/generation.py)."""
     cfg, env, run, strategy = start.cfg, start.env, start.run, start.strategy
     par = strategy.parallelize(bundle, sample)
     # the layer a hang report names is where a collective inside the model waits: one process has none to wait

@@ -8,7 +8,7 @@ the middle of some step on some rank, and scans the whole heap: with a compiled 
 of milliseconds, a step on one rank that every other rank then waits for at the next collective. Frozen,
 a full collection scans only what the run made since; fixed, it falls between steps, every rank at once.
 
-A live elastic run (training/live.py) freezes its own start-up heap and collects each ended generation's
+A live elastic run (live/generations.py) freezes its own start-up heap and collects each ended generation's
 model itself: there nothing more is frozen here, so that the generation's objects stay collectable.
 """
 

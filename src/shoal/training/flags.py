@@ -105,11 +105,12 @@ def agreed_flags(values: dict[str, float]) -> Flags:
                  v["stop_age"])
 
 
-def stop_or_regroup(agreed: Flags, world: int, live: bool) -> tuple[bool, bool]:
-    """Whether the run stops at this step's end, and whether the group changes. A live run stops only when
+def stop_or_regroup(agreed: Flags, world: int, regroups: bool) -> tuple[bool, bool]:
+    """Whether the run stops at this step's end, and whether the group changes. A run whose group can change
+    (`regroups`: a live elastic run, training/generation.py's regroup_wanted) stops only when
     every rank was asked to; when some were, they leave (a regroup without them) once their request is
     LEAVE_GRACE_S old on average, a figure every rank reads alike from the flags."""
-    if not live:
+    if not regroups:
         return agreed.stops > 0, False
     if agreed.stops >= world:
         return True, False

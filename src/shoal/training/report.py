@@ -40,7 +40,7 @@ class StepResult:
     save: bool  # some rank's clock says a checkpoint is due
     memory: list[dict] | None  # every rank's memory figures, rank by rank (on steps that measure memory)
     comm_bytes: int  # bytes this rank sent to keep the replicas in sync
-    regroup: bool = False  # a live elastic run's group changes after this step (training/live.py)
+    regroup: bool = False  # a live elastic run's group changes after this step (live/generation.py)
     # fp16: the gradients overflowed, the loss scaler skipped the update and lowered its scale to this
     loss_scale_after_overflow: float | None = None
 

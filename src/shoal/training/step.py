@@ -171,11 +171,11 @@ class Stepper:
             values = torch.stack([head, *scalars]) if head.dim() == 0 else torch.cat([head, torch.stack(scalars)])
             if share:
                 values = torch.cat([values, share.result()])
-        live, world = self.controls.regroup_wanted is not None, self.comm.world_size
+        regroups, world = self.controls.regroup_wanted is not None, self.comm.world_size
         in_sync = self.par.in_sync(step + 1)
 
         def decide(flags) -> tuple[bool, bool]:
-            stop, regroup = stop_or_regroup(flags, world, live)
+            stop, regroup = stop_or_regroup(flags, world, regroups)
             return stop, regroup and in_sync  # else at the end of the first step where they are
         return StepReport(values, names, known, step=step, lr=lr, timer=timer, memory=share,
                           comm_bytes=self.comm.sync_bytes - sent, decide=decide)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import statistics
 import time
+from pathlib import Path
 
 from shoal.clock import started_at
 from shoal.rundir import RunDir, read_json, write_json
@@ -77,3 +78,19 @@ def recovery_breakdown(recovery: dict, first_step_at: float) -> dict:
             "startup": recovery["restore_started_at"] - started,
             "restore": recovery["restore_s"],
             "first_step": first_step_at - restored_at}
+
+
+def finished_message(run_dir, step: int, steps: int) -> str:
+    return (f"{run_dir} already holds this run, finished at step {step} of train.steps = {steps}: nothing to "
+            f"train (raise train.steps to train on, or --resume never to start over); results in {run_dir}/")
+
+
+def say_done(summary: dict, path: Path, steps: int, reports: bool) -> None:
+    """The run's last line, on the rank that `reports` (train.steps = `steps`)."""
+    if reports and summary.get("already_finished"):
+        print(finished_message(path, summary["steps"], steps), flush=True)
+    elif reports:
+        val = f", val loss {summary['val_loss']:.4f}" if summary.get("val_loss") is not None else ""
+        loss = f"{summary['final_loss']:.4f}" if summary.get("final_loss") is not None else "-"
+        print(f"done: {summary['steps']} steps in {summary['total_time_s']:.1f} s; final loss {loss}{val}\n"
+              f"results in {path}/ (summary.json, metrics.jsonl, config.toml, checkpoints/, tensorboard/)", flush=True)

@@ -1,7 +1,7 @@
 """`shoal train` on one rank: a Run (run.py) and its loop, as the sequence it is:
 
     build      the config's model (same seed on every rank), then the one assembly of a Run (assemble.py)
-    restore    the checkpoint to resume from, if any (a live run: the snapshot it goes on from)
+    restore    the checkpoint to resume from, if any (or the state its generation holds: generation.py)
     loop       the Run's Trainer over the strategy's feed, with checkpoint and heartbeat hooks
     finish     summary.json's numbers, the final weights, summary.json (rank 0)
 
@@ -10,8 +10,6 @@ Nothing here is particular to a layout or a way of training: what differs is ask
 
 from __future__ import annotations
 
-import contextlib
-import dataclasses
 import signal
 from pathlib import Path
 
@@ -38,9 +36,8 @@ from shoal.training.assemble import Start, assemble, trainer
 from shoal.training.build import build_deferred, freeze, plain_model
 from shoal.training.collector import Collector
 from shoal.training.feed import Steps
-from shoal.training.live import Live, Regroup, capture, copied, one_replica, peer_failed, pooled
-from shoal.training.live import restore as restore_live
-from shoal.training.loop import Ended, Hooks
+from shoal.training.generation import Generation
+from shoal.training.loop import Ended
 from shoal.training.optim import optimizer_groups
 from shoal.training.run import Run
 from shoal.training.strategy import Strategy
@@ -49,87 +46,45 @@ from shoal.training.summary import fresh_start
 
 def run_training(cfg: Config, layout: Layout, source, run_dir: Path, env: DistEnv, comm: Comm, *,
                  resume: str = "auto", phase: Phase | None = None, strategy: Strategy | None = None,
-                 live: Live | None = None) -> dict:
+                 generation: Generation | None = None) -> dict:
     """Train on this rank; returns the run summary (identical on every rank). `source`: the data source
-    the preflight built; `strategy`: how this rank trains (default: shoal's layouts); `live`: this rank's
-    part in a live elastic run, which raises Regroup when the group changes (training/live.py)."""
+    the preflight built; `strategy`: how this rank trains (default: shoal's layouts); `generation`: the
+    group's membership, asked at its hook points (generation.py; default: a fixed group)."""
     strategy = strategy or Strategy(cfg, layout, env.device, env.rank, comm)
-    phase = phase or Phase()
+    phase, generation = phase or Phase(), generation or Generation()
     mark = memory_mark(env.device)
     run = build(cfg, layout, source, RunDir(run_dir), env, comm, phase=phase, strategy=strategy,
-                resume=resume, live=live)
-    if live:
-        run.started = live.started
+                resume=resume, generation=generation)
     # on the rank's device: NCCL, a GPU run's only backend, takes no CPU tensor
     grown = torch.tensor(float(memory_since(env.device, mark)), device=env.device)
     start_memory = comm.all_reduce(grown, op=dist.ReduceOp.MAX, label="world, start memory")
-    recovery = restore(run, live)
+    recovery = restore(run, generation)
     if run.sampler.step >= cfg.train.steps and run.dir.summary.exists():  # finished before: leave it be
         strategy.finish()
         return {**read_json(run.dir.summary), "already_finished": True, "steps": run.sampler.step}
     start_step = run.sampler.step
-    lost: Regroup | None = None
+    lost: BaseException | None = None
     try:
-        with live.watching(phase) if live is not None else contextlib.nullcontext():
-            loop(run, recovery, live)
-    except Regroup as e:  # at a step boundary: a member leaves, or a joiner waits
-        lost = e
+        with generation.watching(phase):
+            loop(run, recovery, generation)
     except Exception as e:
-        if live is None or not peer_failed(e):
+        lost = generation.lost(run, e)  # the group changes (a live run), or a peer failed and it goes on
+        if lost is None:
             raise
-        lost = Regroup(held_after_failure(run, live), f"a peer failed ({str(e).splitlines()[0][:160]})")
     if lost is not None:  # raised here, outside the handler: nothing keeps the failed collective's frames
         raise lost
     summary = run.summary(recovery=recovery, start_step=start_step)
-    if live:
-        summary["membership"] = live.events
+    generation.summarize(summary)
     summary["start_memory_bytes"] = int(start_memory)  # the most a rank's memory grew while it built its share
     run.finish(summary, plain_model=lambda: plain_model(cfg.model, source.spec))
     return summary
 
 
-def held_after_failure(run: Run, live: Live):
-    """The state a live run's survivor goes on from when a peer failed inside a step. Replicas that differ go
-    back to where they were one model: the round's work died with the peer. Else the state at the last step
-    this rank completed; where a collective after the update failed (a logged step's memory figures are
-    gathered then), the weights, the optimizer and the schedule are at that step's end on every survivor (each
-    took it once their flags were agreed), so that step counts as done, not the one before with its weights."""
-    if run.state.replicas_differ:
-        return live.round
-    run.sampler.step = max(run.sampler.step, run.step.updated)
-    return snapshot(run)
-
-
-def hold_rounds(run: Run, live: Live, on: Hooks) -> None:
-    """Keep a copy of this rank's state wherever the replicas are one model (the start, if they are, and
-    each synchronisation): where a live run of replicas that differ goes back to when a peer fails. None
-    (the start, or a resume that began mid-round): back to the newest checkpoint, or the start."""
-    live.round = copied(snapshot(run)) if run.step.par.in_sync(run.sampler.step) else None
-
-    def keep(m: dict, last: bool, by_time: bool) -> None:
-        if run.step.par.in_sync(m["step"]):
-            live.round = copied(snapshot(run))
-
-    on.after_step.append(keep)
-
-
-def snapshot(run: Run):
-    """This rank's state at its last completed step, as a live run's Snapshot (training/live.py); None
-    before its first: nothing is learned yet, and DCP's state dict of an optimizer that has not stepped
-    would initialise its state by a step of lr 0, which AdamW counts (its bias correction is then one
-    step off)."""
-    step = run.sampler.step
-    if step == 0:
-        return None
-    return capture(run.state, step, run.cfg.to_toml(), dataclasses.asdict(run.source.spec), run.env.rank,
-                   run.env.world_size)
-
-
 def build(cfg: Config, layout: Layout, source, run_dir: RunDir, env: DistEnv, comm: Comm, *, phase: Phase,
-          strategy: Strategy, resume: str, live: Live | None = None) -> Run:
-    """Collective: everything this rank's run is built from, before any checkpoint is read (a live run
-    going on from a Snapshot reads none): the config's model, then the one assembly (assemble.py)."""
-    in_memory = live is not None and live.held is not None
+          strategy: Strategy, resume: str, generation: Generation) -> Run:
+    """Collective: everything this rank's run is built from, before any checkpoint is read (a generation
+    that holds its state reads none): the config's model, then the one assembly (assemble.py)."""
+    in_memory = generation.holds_state()
     found = "" if in_memory else comm.agree("resume_from",
                                             lambda: str(find_resume_point(run_dir.checkpoints, resume) or ""))
     resume_path = Path(found) if found and strategy.restores else None
@@ -146,55 +101,43 @@ def build(cfg: Config, layout: Layout, source, run_dir: RunDir, env: DistEnv, co
 
     start = Start(cfg=cfg, layout=layout, source=source, run=run_dir, env=env, comm=comm, phase=phase,
                   strategy=strategy)
-    return assemble(start, bundle, optimizer, n_params=count_parameters(bundle.model),
-                    num_train=source.num_train or 1,  # a stream's (data/stream.py): its sampler only counts steps
-                    resume_path=resume_path, sample=sample, regroup_wanted=live.regroup_wanted if live else None)
+    run = assemble(start, bundle, optimizer, n_params=count_parameters(bundle.model),
+                   num_train=source.num_train or 1,  # a stream's (data/stream.py): its sampler only counts steps
+                   resume_path=resume_path, sample=sample, regroup_wanted=generation.regroup_wanted)
+    if generation.started is not None:
+        run.started = generation.started
+    return run
 
 
-def restore(run: Run, live: Live | None = None) -> dict | None:
-    """Collective: restore the checkpoint the run resumes from, if any (a live run: the Snapshot it goes on
-    from). Returns what the summary reports about the recovery (None on a fresh start)."""
-    if live is not None and live.held is not None:
-        # a failure's survivors merge their residuals for the new world (a planned change merged them already)
-        env = run.env
-        snap = pooled(run.comm, run.state, live.held,
-                      gives=live.held.meta.get("own", True) and not live.held.meta.get("pooled"), device=env.device)
-        restore_live(run.state, snap, env.rank, env.world_size, run.cfg.train.seed, own=snap.meta.get("own", True))
+def restore(run: Run, generation: Generation) -> dict | None:
+    """Collective: restore the checkpoint the run resumes from, if any (or the state the generation holds).
+    Returns what the summary reports about the recovery (None on a fresh start, or from held state)."""
+    if generation.holds_state():
+        generation.restore(run)
         return None
     if run.resume_path is None:  # a fresh start; after an elastic restart with no checkpoint yet, all steps are redone
         return fresh_start(run.dir, run.env.restart_count)
     return run.restore(run.resume_path)
 
 
-def loop(run: Run, recovery: dict | None, live: Live | None = None) -> None:
+def loop(run: Run, recovery: dict | None, generation: Generation) -> None:
     """The Run's Trainer over the strategy's feed, checkpointing as it goes; raises signals.Interrupted when
-    the ranks agreed to stop early (after saving), and (a live run) Regroup when they agreed to change the
-    group."""
+    the ranks agreed to stop early (after saving), and the generation's exception when they agreed to change
+    the group."""
     cfg, sampler = run.cfg, run.sampler
     line = trainer(run, items_name=run.bundle.items_name, profiler=lambda: run.profiler(model_flops(run)),
                    validates=run.strategy.validates)
     loop_ = run.trainer
-    # a live run has frozen its start-up heap, and collects each ended generation itself (worker.py)
-    loop_.collector = Collector(cfg.train.gc_interval, freeze=live is None)
-    if live is not None:
-        if run.state.replicas_differ:
-            hold_rounds(run, live, loop_.hooks)
-        if live.record is not None:  # the history of the generations before this one
-            loop_.record = live.record
-        live.record = loop_.record
-    if live is None or live.held is None:  # a start (or, lost before the first step, a start again)
+    loop_.collector = Collector(cfg.train.gc_interval, freeze=generation.freezes_heap)
+    if not generation.holds_state():  # a start (or, a live run lost before its first step, a start again)
         announce(run, loop_.sinks, recovery, line)
-    if live is not None and live.events:  # a new generation: what changed
-        event = live.events[-1]
-        loop_.sinks.print(event["line"])
-        loop_.sinks.event({"step": sampler.step, "time": event["time"], "membership": event["line"],
-                           "world": event["world"]})
+    generation.begin(run, loop_)
     try:
         steps = Steps(sampler, cfg.train.steps, batches(run), prefetch_depth(cfg.data.prefetch, run.source))
         ended = loop_.run(run.strategy.feed(steps, run.step.schedule))
         if ended is Ended.REGROUP:
             run.checkpoints.close()  # an async save in flight is part of the run
-            raise Regroup(handed_over(run), "the group changes: a member leaves or a joiner waits")
+            raise generation.regroup(run)
         if ended is Ended.STOP:  # asked to stop: keep the work done so far, then leave
             stop(run)
         run.close()
@@ -240,14 +183,6 @@ def announce(run: Run, sinks: MetricsSinks, recovery: dict | None, profile_line:
         sinks.print(f"restart {recovery['restart']}: no checkpoint yet, starting from step 0")
     if profile_line:
         sinks.print(profile_line)
-
-
-def handed_over(run: Run):
-    """Collective over the old group at a planned change: the state this rank goes on from. Every member gives
-    its residuals to the merge while the group still holds them all; where replicas differ, rank 0 hands its
-    replica to the others, even when rank 0 is the member that leaves (training/live.py, one_replica)."""
-    held = pooled(run.comm, run.state, snapshot(run), gives=True, device=run.env.device)
-    return one_replica(run.comm, held, run.env.device) if run.state.replicas_differ else held
 
 
 def batches(run: Run):

@@ -1,31 +1,19 @@
-"""What a live elastic run (`--nnodes MIN:MAX`) adds to a rank's run: its state held in memory across
-a change of the group, and the exception that ends one generation of the group.
-
-When a member dies, the survivors' collective fails, or sooner a layer of their step does once a
-connection of the group has closed (dist.ConnectionWatch); when one leaves or a joiner waits, the step's
-flags say so and every rank stops at the same step boundary. Either way the rank's state at its last
-completed step (sampler.step: the optimizer has applied exactly that many updates; a peer's failure
-surfaces only in a collective or a layer of the forward/backward, and neither runs between the update
-and the step count) is captured as a Snapshot, not copied (its tensors are the live ones), and raised
-in Regroup out of the training code, so that nothing holds the broken process group any more and
-destroying it closes its connections (which is what unblocks a survivor still waiting on a peer that
-has already given up: gloo does not notice otherwise until its timeout). The worker then forms the
-next generation and runs the same training again from the Snapshot: built without initialising,
-restored in memory, or healed from a peer's Snapshot over the new group (comm/transfer.py).
+"""A rank's state held in memory across a change of the group: a Snapshot, taken at a step boundary
+(capture) and put back (restore), with what the group does with them at a change: the lowest rank holding
+the newest step sends its Snapshot to the ranks that hold an older one or none (heal, one_replica), and
+every rank's own tensors are merged for the new world (pooled). A Snapshot holds the live tensors, not a
+copy (copied() makes one): the generation that took it has ended, and its state goes on from there.
 """
 
 from __future__ import annotations
 
-import contextlib
 import copy
-from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
 from shoal.checkpoint.tensors import apply_tensor_state, tensor_state
-from shoal.comm.transfer import DTYPES, broadcast_state
-from shoal.dist import ConnectionWatch, open_sockets
+from shoal.live.transfer import DTYPES, broadcast_state
 
 
 @dataclass
@@ -37,54 +25,6 @@ class Snapshot:
     step: int
     tensors: dict[str, torch.Tensor]
     meta: dict
-
-
-@dataclass
-class Live:
-    """A rank's part in a live run, handed to run_training."""
-
-    held: Snapshot | None  # the state to go on from (None: fresh, or from a checkpoint)
-    regroup_wanted: Callable[[], bool]  # this rank asks the group to change at the step's end
-    events: list[dict] = field(default_factory=list)  # the changes of the group so far, for the summary
-    record: object = None  # the loop's Record, kept across generations (training/loop.py)
-    started: float = 0.0  # perf_counter when this process began training
-    opened: set = field(default_factory=set)  # the sockets open before this generation (dist.open_sockets)
-    # replicas that differ between synchronisations: a copy of the state at the last step where they were
-    # one model, to go back to when a peer fails mid-round (its round's work cannot be recovered)
-    round: Snapshot | None = None
-
-    @contextlib.contextmanager
-    def watching(self, phase):
-        """Within it, a connection this generation opened that closes ends the step at its next layer
-        (`phase`'s hooks raise dist.PeerLost): the survivors of a peer that died mid-step stop computing
-        a step that can no longer complete, rather than finish its forward and backward first."""
-        watch = ConnectionWatch(open_sockets() - self.opened)
-        phase.check = watch.check
-        try:
-            yield
-        finally:
-            watch.close()
-            phase.check = lambda: None
-
-
-class Regroup(Exception):  # noqa: N818 - not an error: the group changes
-    """The current generation of the group ends; `snapshot` is the state this rank goes on from (its last
-    step's; a round's start where replicas differ; None: from the newest checkpoint, or the start)."""
-
-    def __init__(self, snapshot: Snapshot | None, why: str):
-        super().__init__(why)
-        self.snapshot, self.why = snapshot, why
-
-
-def peer_failed(e: BaseException) -> bool:
-    """A collective failed because a peer went away (its connection closed or reset, or gloo timed out
-    waiting for it), as opposed to this rank's own error."""
-    import torch.distributed as dist
-
-    text = str(e)
-    return isinstance(e, dist.DistError) or isinstance(e, RuntimeError) and any(s in text for s in (
-        "Connection closed by peer", "Connection reset by peer", "Broken pipe", "Timed out waiting",
-        "gloo/transport", "connectFullMesh"))
 
 
 def capture(state, step: int, config_toml: str, data_spec: dict, rank: int, world: int) -> Snapshot:
@@ -161,7 +101,7 @@ def heal(comm, held: Snapshot | None, device: torch.device, from_one: bool = Fal
     from rank 0's (unless every rank holds one replica already: one_replica()); a rank that held the same
     step keeps its own rank tensors and RNG streams. (None, None): no rank holds any, as when every member
     was lost: the run resumes from its newest checkpoint. `device`: the rank's, where what it hands the group
-    is made (NCCL takes nothing else); a state received stays there (comm/transfer.py)."""
+    is made (NCCL takes nothing else); a state received stays there (transfer.py)."""
     mine = torch.tensor([held.step if held is not None else -1, int(held is not None and held.meta.get("one", False))],
                         dtype=torch.int64, device=device)
     every = comm.all_gather_flat(mine, label="world, heal: the step each rank holds").view(-1, 2).tolist()

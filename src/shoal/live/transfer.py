@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 
 import torch
-import torch.distributed as dist
 
 from shoal.comm.collectives import Comm
 
@@ -26,10 +25,10 @@ def broadcast_state(comm: Comm, src: int, tensors: dict[str, torch.Tensor] | Non
     header = json.dumps({"meta": meta, "tensors": [[k, str(v.dtype), list(v.shape), v.device.type == "cpu"]
                                                    for k, v in tensors.items()]}).encode() if mine else b""
     size = torch.tensor([len(header)], dtype=torch.int64, device=device)
-    _broadcast(comm, size, src, "heal, header size")
+    comm.broadcast(size, src, "heal, header size")
     raw = (torch.frombuffer(bytearray(header), dtype=torch.uint8).to(device) if mine
            else torch.empty(int(size.item()), dtype=torch.uint8, device=device))
-    _broadcast(comm, raw, src, "heal, header")
+    comm.broadcast(raw, src, "heal, header")
     got = json.loads(header if mine else bytes(raw.cpu().numpy()).decode())
     specs = [(k, DTYPES[d], torch.Size(s), host) for k, d, s, host in got["tensors"]]
     out: dict[str, torch.Tensor] = {}
@@ -39,7 +38,7 @@ def broadcast_state(comm: Comm, src: int, tensors: dict[str, torch.Tensor] | Non
             flat = torch.cat([tensors[k].detach().reshape(-1).to(device) for k, _ in names])
         else:
             flat = torch.empty(sum(s.numel() for _, s in names), dtype=dtype, device=device)
-        _broadcast(comm, flat, src, f"heal, {dtype} state")
+        comm.broadcast(flat, src, f"heal, {dtype} state")
         if host and not mine:
             flat = flat.cpu()
         offset = 0
@@ -48,7 +47,3 @@ def broadcast_state(comm: Comm, src: int, tensors: dict[str, torch.Tensor] | Non
             offset += s.numel()
     return out, got["meta"]
 
-
-def _broadcast(comm: Comm, t: torch.Tensor, src: int, label: str) -> None:
-    with comm.record("broadcast", label, [t]):
-        dist.broadcast(t, src=src, group=comm.group)

@@ -21,8 +21,8 @@ from datetime import timedelta
 import torch.distributed as dist
 from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, start_processes
 
-from shoal import membership
 from shoal.launch.restart import EndpointUnreachable, route_workers, split_endpoint
+from shoal.live import membership
 
 POLL_S = 0.05  # how soon a worker's end is seen (and its peers stop waiting on it)
 STACKS_S = 1.0  # a worker being ended: how long it has to print its stacks before SIGKILL

@@ -270,7 +270,7 @@ class Member:
                 gen = self._read(key, number)
                 if gen.number > self.current():
                     self.store.set(PREFIX + "gen", str(gen.number))
-                for m in gen.evicted:  # its launcher ends it (launch/live.py): it must not linger, stalled
+                for m in gen.evicted:  # its launcher ends it (node.py): it must not linger, stalled
                     mark_gone(self.store, m, EVICTED, failed=False)
                 return gen if self.id in gen.members else None
             if is_done(self.store) or give_up():
