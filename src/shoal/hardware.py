@@ -73,7 +73,7 @@ class HardwareProfile(BaseModel):
     fresh_memory_s_per_byte: float | None = None  # CPU, ZeRO 2/3's mmap threshold: faulting in new pages
     heap_fixed_bytes: float | None = None  # CPU: a worker's resident set grows by this fixed amount in training
     heap_ratio: float | None = None  # ... and by this many bytes per byte of tensors the planner counts
-    parallel_overheads: dict[str, float] = {}  # DTensor per operator, FSDP2 per call and parameter (probe.py)
+    parallel_overheads: dict[str, float] = {}  # DTensor per operator, FSDP2 per call and parameter (probe/wrappers.py)
     op_rates: dict[str, list[tuple[float, float]]] = {}  # per aten operator without FLOPs: [[bytes, bytes/s]]
     op_flop_rates: dict[str, list[tuple[float, float]]] = {}  # per aten operator with FLOPs: [[FLOPs, FLOP/s]]
     # per strategy (dp, zero1..3, tp, pp): [a, b] of measured step = a x predicted + b, the reference GPT

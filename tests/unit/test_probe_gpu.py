@@ -26,6 +26,7 @@ from shoal.plan.probe import (
     step_fields,
     store_barrier,
 )
+from shoal.plan.probe import collectives as probe_collectives
 from shoal.plan.profiles import calibration_time, measured_parts
 from shoal.plan.reference import CPU_REFERENCE, GPU_REFERENCE, GPU_SIZING, matmul_calls, sizing
 
@@ -129,14 +130,14 @@ def test_the_context_is_read_before_any_collective_and_nccl_is_what_the_collecti
         else:  # a pair's communicator: not the group's
             gpu.allocate(64 * MIB, outside=70 * MIB)
         return {op: [(4096.0, 1e-5)] for op in ops}
-    monkeypatch.setattr(probe, "collective_curves", curves)
+    monkeypatch.setattr(probe_collectives, "collective_curves", curves)
     got = gpu_collectives(None, cuda, (4096,), 1, lambda: None)
     assert calls == [COLLECTIVES[:3], ("send_recv",)]
     assert got["context_bytes"] == 530 * MIB and got["nccl_bytes"] == 300 * MIB
     assert set(got["collectives"]) == set(COLLECTIVES)
     # a device whose used bytes fall (another process let go) counts no negative NCCL bytes
     reads = iter([900 * MIB, 400 * MIB])
-    monkeypatch.setattr(probe, "collective_curves", lambda *a, **k: {})
+    monkeypatch.setattr(probe_collectives, "collective_curves", lambda *a, **k: {})
     assert gpu_collectives(None, cuda, (4096,), 1, lambda: None, outside=lambda d: next(reads))["nccl_bytes"] == 0
 
 

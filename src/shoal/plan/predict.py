@@ -154,7 +154,7 @@ def predict_memory(shape: ModelShape, params: list, cost: MicroBatchCost, layout
     tensors = sum(v for k, v in mem.items() if k != "data")
     if gpu and not grads_kept(layout, n_micro):  # the step's first backward starts without gradients
         tensors -= int(mem["grads"] * (1.0 - cost.grads_at_peak))
-    if cpu and profile.heap_ratio:  # the heap keeps freed pieces: resident memory grows by more (probe.py)
+    if cpu and profile.heap_ratio:  # the heap keeps freed pieces: resident memory grows by more (plan/probe/steps.py)
         tensors = (profile.heap_fixed_bytes or 0) + profile.heap_ratio * tensors
     mem["peak"] = int(base + data_bytes + tensors)
     if gpu:

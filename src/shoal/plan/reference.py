@@ -1,5 +1,5 @@
 """How much `shoal probe` measures, by device: the sizes of its matmul curve, its copy, and the reference GPT
-whose training steps it times operator by operator (plan/probe.py) and which it trains in each strategy to
+whose training steps it times operator by operator (plan/probe/steps.py) and which it trains in each strategy to
 calibrate the planner (plan/calibrate.py).
 
 On a CPU the reference is small (2 blocks of 128-512, 4 sequences of 128 byte tokens) and the matmuls 128^3 to
