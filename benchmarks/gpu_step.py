@@ -33,9 +33,9 @@ MFU: 6N + 12 L T d FLOPs per token (N the matmul weights: every parameter but th
 embedding once, as nanoGPT's estimate_mfu and shoal's profile count them), against the card's data-sheet dense
 bf16 peak (shoal.hardware's preset for the card; none for a card without one) and against a bf16 8192^3 matmul
 measured at the start of the run (best of 5). Host syncs per step, over the 10 steps after the warm-up of an eager
-run at the first micro-batch: torch's sync debug mode ("warn": .item(), .tolist(), copies to the host, stream
-syncs) plus every torch.cuda.synchronize; in the plain loop's own process after its timed steps, in shoal's through
-benchmarks/gpu_step_syncs/sitecustomize.py in a short run of its own (counting slows a step: never timed). Peak
+run at the first micro-batch, as shoal's metrics.host_syncs counts them (on CUDA torch's sync debug mode, "warn":
+.item(), .tolist(), copies to the host, stream syncs; on the CPU the reads of one value), on both sides: in the
+plain loop's own process after its timed steps, in shoal's in a short run of its own (counting is never timed). Peak
 memory: CUDA's peak allocated bytes (shoal: summary.json's peak_memory_bytes).
 
     python benchmarks/gpu_step.py [--quick] [--micro 16,64] [--pairs 3] [--trace] [--tuned] [--fp8 | --fp8-only]
@@ -172,7 +172,7 @@ def shoal_run(b: Bench, name: str, config: Path, sets: list[str], warmup: int, s
     summary = json.loads((run_dir / "summary.json").read_text())
     return {"step_s": (stamps[steps] - stamps[warmup]) / (steps - warmup), "steps_timed": steps - warmup,
             "stamps": stamps, "peak_bytes": summary.get("peak_memory_bytes"), "own_median_s":
-            summary.get("median_step_time_s"), "losses": {m["step"]: m["loss"] for m in records}}
+            summary.get("median_step_time_s"), "losses": {m["step"]: m["loss"] for m in records}, "summary": summary}
 
 
 class Clocks:
@@ -282,21 +282,17 @@ def traces(b: Bench, mb: int) -> dict:
 
 
 def shoal_syncs(b: Bench, mb: int) -> dict:
-    """Host syncs per step inside `shoal train` (eager, micro-batch `mb`), over the log interval after the warm-up:
-    a run of warm-up + one interval with the counting hook on its PYTHONPATH."""
-    folder = b.out / "syncs"
-    shutil.rmtree(folder, ignore_errors=True)
-    folder.mkdir(parents=True)
+    """Host syncs per step inside `shoal train` (eager, micro-batch `mb`): shoal's own count (metrics.host_syncs, the
+    median over the steps after the first) in a run of warm-up + one interval of its own (counting is never timed)."""
     steps = b.warmup + b.interval
     config = b.config("syncs", b.shape, steps + b.interval, b.warmup, b.interval)
-    hook = str(HERE / "gpu_step_syncs")
-    env = {"PYTHONPATH": os.pathsep.join([hook, b.env["PYTHONPATH"]]), "GPU_STEP_SYNC_LOG": str(folder / "sync")}
-    got = shoal_run(b, f"shoal-syncs-mb{mb}", config, [f"train.micro_batch_size={mb}",
-                    f"train.global_batch_size={mb}"], b.warmup, steps, env=env)
+    got = shoal_run(b, f"shoal-syncs-mb{mb}", config, [f"train.micro_batch_size={mb}", f"train.global_batch_size={mb}",
+                                                      "metrics.host_syncs=true"], b.warmup, steps)
     if "oom" in got:
         raise Failed(f"out of memory: {got['oom']}")
-    return report.count_syncs(sorted(folder.glob("sync.*")), got["stamps"][b.warmup], got["stamps"][steps],
-                              b.interval)
+    summary = got["summary"]
+    return {"steps": summary["steps"], "per_step": summary["host_syncs_per_step"],
+            "sites": {k: v / summary["steps"] for k, v in summary["host_sync_sites"].items()}}
 
 
 FP8_MICRO, FP8_STEPS, FP8_WARMUP, FP8_INTERVAL = 8, 50, 10, 5

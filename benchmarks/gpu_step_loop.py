@@ -8,9 +8,9 @@ logged steps; with --compile, torch.compile of the model and its loss together (
 loss). Its model is the very one `shoal train` trains: built by shoal's own builder
 (shoal.models.registry.build_model) from the same config file, seeded with train.seed on the device, as shoal
 builds it. Timed as gpu_step.py times shoal: the wall time from the end of logged step W (the warm-up: compilation,
-the allocator, first touches) to the end of logged step W + N, each after a torch.cuda.synchronize, over N. Then,
-on CUDA, one more log interval counts the host syncs (torch.cuda.set_sync_debug_mode("warn"), and every call of
-torch.cuda.synchronize).
+the allocator, first touches) to the end of logged step W + N, each after a torch.cuda.synchronize, over N. Then one
+more log interval counts the host syncs with shoal's own counter (shoal.metrics.host_syncs, what metrics.host_syncs
+counts in `shoal train`).
 
 `prepare`: the device (name, compute capability, memory, driver, torch), a bf16 matmul timed (best of several),
 the card's data-sheet peak (shoal.hardware.gpu_preset_for), whether this shoal takes precision.dtype = "fp8" and the
@@ -33,18 +33,15 @@ import resource
 import subprocess
 import sys
 import time
-import warnings
-from collections import Counter
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 
 from shoal.config import load_config
+from shoal.metrics.host_syncs import HostSyncs
 from shoal.models.registry import build_model
 from shoal.models.spec import DataSpec
-
-SYNC_TEXT = "called a synchronizing CUDA operation"  # torch's warning under set_sync_debug_mode("warn")
 
 
 def get_lr(it: int, lr: float, warmup: int, decay_steps: int, min_ratio: float) -> float:
@@ -53,40 +50,6 @@ def get_lr(it: int, lr: float, warmup: int, decay_steps: int, min_ratio: float) 
         return lr * (it + 1) / warmup
     progress = min((it - warmup) / max(decay_steps - warmup - 1, 1), 1.0)
     return lr * (min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress)))
-
-
-class SyncCount:
-    """Host syncs while active: the implicit ones torch's sync debug mode reports (.item(), .cpu(), a copy to the
-    host, a stream's synchronize) and explicit torch.cuda.synchronize calls, which that mode does not report."""
-
-    def __init__(self):
-        self.sites: Counter = Counter()
-        self.explicit = 0
-
-    def __enter__(self):
-        self._caught = warnings.catch_warnings(record=True)
-        self.records = self._caught.__enter__()
-        warnings.simplefilter("always")
-        self._sync = torch.cuda.synchronize
-
-        def synchronize(device=None):
-            self.explicit += 1
-            frame = sys._getframe(1)
-            self.sites[f"torch.cuda.synchronize at {frame.f_code.co_filename}:{frame.f_lineno}"] += 1
-            return self._sync(device)
-
-        torch.cuda.synchronize = synchronize
-        torch.cuda.set_sync_debug_mode("warn")
-        return self
-
-    def __exit__(self, *exc):
-        torch.cuda.set_sync_debug_mode("default")
-        torch.cuda.synchronize = self._sync
-        self._caught.__exit__(*exc)
-        implicit = [w for w in self.records if str(w.message).startswith(SYNC_TEXT)]
-        self.sites.update(f"{w.filename}:{w.lineno}" for w in implicit)
-        self.implicit = len(implicit)
-        return False
 
 
 class Traced:
@@ -197,13 +160,17 @@ def train(args) -> dict:
            "losses": losses, "matmul_params": n_matmul,
            "flops_per_token": 6 * n_matmul + 12 * m.n_layer * m.seq_len * m.d_model,
            "bundle_flops_per_token": bundle.flops_per_sample / m.seq_len if bundle.flops_per_sample else None}
-    if cuda and args.sync_steps:
-        with SyncCount() as count:
+    if args.sync_steps:  # counted as shoal counts its own (metrics.host_syncs), after the timed steps
+        at = [total]
+        syncs = HostSyncs(torch.device(device), lambda: at[0]).open()
+        try:
             for it in range(total, total + args.sync_steps):
+                at[0] = it + 1
                 x, y = step(it, x, y)
-        out["syncs"] = {"steps": args.sync_steps, "implicit": count.implicit, "synchronize": count.explicit,
-                        "per_step": (count.implicit + count.explicit) / args.sync_steps,
-                        "sites": dict(count.sites.most_common(5))}
+        finally:
+            syncs.close()
+        out["syncs"] = {"steps": args.sync_steps, "per_step": sum(syncs.per_step.values()) / args.sync_steps,
+                        "sites": dict(syncs.sites.most_common(5))}
     return out
 
 

@@ -1,5 +1,5 @@
 """benchmarks/gpu_step.py's figures: a run's row (step time, tokens/s, MFU against the data sheet and the measured
-matmul, host syncs, peak memory), the count of the sync hook's lines, the table, the ratios against the targets,
+matmul, host syncs, peak memory), the table, the ratios against the targets,
 the fp8 section's lines, gpu_step.json and the RESULT line. Standard library only."""
 
 from __future__ import annotations
@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 import os
 import statistics
-from collections import Counter
 from pathlib import Path
 
 TARGET_RATIO = 1.00  # shoal / plain loop, eager and compiled: at least as fast as the loop a user writes
@@ -169,23 +168,6 @@ def loss_lines(loss: dict) -> None:
               f"{size(r['peak_above_inputs_bytes']):>9}  {r['loss_rel_error']:.1e}")
 
 
-def count_syncs(files: list[Path], start: float, end: float, steps: int) -> dict:
-    """The hook's lines (`time kind site`) stamped after logged step W ended and before step W + steps ended."""
-    kinds, sites, installed, cuda_inits = Counter(), Counter(), 0, 0
-    for path in files:
-        for line in path.read_text().splitlines():
-            stamp, kind, site = line.split(" ", 2)
-            installed += kind == "installed"
-            cuda_inits += kind == "cuda-init"
-            if kind in ("installed", "cuda-init") or not start < float(stamp) <= end:
-                continue
-            kinds[kind] += 1
-            sites[f"{kind} at {short(site)}"] += 1
-    total = sum(kinds.values())
-    return {"steps": steps, "per_step": total / steps, "kinds": dict(kinds), "processes": installed,
-            "cuda_inits": cuda_inits, "sites": {k: v / steps for k, v in sites.most_common(6)}}
-
-
 def short(site: str) -> str:
     """A file:line inside shoal or torch, from the package on (site-packages/torch/x.py:3 -> torch/x.py:3)."""
     for package in ("/shoal/", "/torch/", "/benchmarks/"):
@@ -304,7 +286,7 @@ def summary(b, rows: list[dict], syncs: dict, fp8: dict, seconds: float, tuned: 
               f"matmul_tflops={f['matmul_flops'] / 1e12:.2f}",
               *(f"loss_fused_vs_loop={v['shoal fused']['ms'] / v['loop F.cross_entropy']['ms']:.3f}"
                 for v in [f.get("loss", {}).get("sides")] if v),
-              f"syncs_shoal={syncs['per_step']:.1f}" if "per_step" in syncs and f["cuda"] else "syncs_shoal=-",
+              f"syncs_shoal={syncs['per_step']:.1f}" if "per_step" in syncs else "syncs_shoal=-",
               f"syncs_plain={plain_syncs['syncs']:.1f}" if plain_syncs else "syncs_plain=-",
               f"fp8={fp8['status'].replace(' ', '-')}",
               *(f"fp8_speedup={fp8['speedup']:.3f}" for _ in [1] if "speedup" in fp8),
@@ -314,20 +296,14 @@ def summary(b, rows: list[dict], syncs: dict, fp8: dict, seconds: float, tuned: 
 
 
 def sync_line(plain: dict | None, syncs: dict, cuda: bool) -> str:
-    if not cuda:
-        got = (f"the counting hook ran in {syncs['processes']} process(es) of shoal's run" if "processes" in syncs
-               else f"shoal's counting run failed: {syncs.get('error')}")
-        return f"not measured without CUDA (torch's sync debug mode is CUDA's); {got}"
-    said = []
+    said = [] if cuda else ["on the CPU, the reads of one value a GPU would wait for"]
     if plain:
         d = plain["sync_detail"]
-        said.append(f"plain loop {plain['syncs']:.1f} ({plain['mode']} mb{plain['mb']}: {d['implicit']} implicit, "
-                    f"{d['synchronize']} torch.cuda.synchronize in {d['steps']} steps)")
+        sites = "; ".join(f"{k} {v}" for k, v in d["sites"].items())
+        said.append(f"plain loop {plain['syncs']:.1f} ({plain['mode']} mb{plain['mb']}, {d['steps']} steps: {sites})")
     if "per_step" in syncs:
         sites = "; ".join(f"{k} {v:.1f}" for k, v in syncs["sites"].items())
-        kinds = ", ".join(f"{v} {k}" for k, v in syncs["kinds"].items()) or "none"
-        said.append(f"shoal {syncs['per_step']:.1f} ({kinds} in {syncs['steps']} steps, CUDA initialised "
-                    f"in {syncs['cuda_inits']} of the {syncs['processes']} counted processes; per step: {sites})")
+        said.append(f"shoal {syncs['per_step']:.1f} (median of {syncs['steps']} steps; per step: {sites})")
     elif syncs:
         said.append(f"shoal: not measured ({syncs.get('error')})")
     return "; ".join(said)

@@ -175,6 +175,11 @@ class MetricsConfig(Section):
     straggler_ratio: float = Field(1.2, gt=1)
     """A rank whose compute time since the last logged step is at least this many times the median of
     the other ranks' is named a straggler."""
+    host_syncs: bool = False
+    """Count, step by step, the times the training thread made the host wait for the device (a GPU's
+    synchronizing operations as torch's sync debug mode reports them; on the CPU, the reads of a value a GPU
+    would wait for): each step's metrics get `host_syncs`, summary.json the median per step after the first
+    (docs/observability.md). For looking, not timing: on the CPU it slows every operator."""
     trace_steps: list[int] = []
     """[first, last]: write a torch.profiler trace of these steps (1-based, inclusive) to
     run_dir/traces, one file per rank (TensorBoard's profiler plugin or ui.perfetto.dev open it)."""

@@ -31,6 +31,7 @@ from shoal.data.sampler import GlobalBatchSampler
 from shoal.dist import DistEnv
 from shoal.errors import TrainingError
 from shoal.layout import Layout
+from shoal.metrics.host_syncs import HostSyncs
 from shoal.metrics.profile import Profiler
 from shoal.metrics.sinks import MetricsSinks
 from shoal.metrics.trace import StepTrace
@@ -130,6 +131,8 @@ def trainer(run: Run, *, items_name: str, profiler: Callable[[], tuple[Profiler,
         watch.profile, line = profiler()
     if cfg.metrics.trace_steps:
         watch.trace = StepTrace(cfg.metrics.trace_steps, where.traces, run.env.rank, run.env.device)
+    if cfg.metrics.host_syncs:
+        watch.syncs = HostSyncs(run.env.device, lambda: watch.phase.step).open()
     run.trainer = Trainer(train=cfg.train, metrics=cfg.metrics, step=run.step, sampler=run.sampler, source=run.source,
                           items_name=items_name, hooks=hooks(run), watch=watch, sinks=sinks, validates=validates)
     return line

@@ -18,6 +18,7 @@ from shoal.comm.collectives import Comm
 from shoal.comm.phase import Phase
 from shoal.config import MetricsConfig, TrainConfig
 from shoal.data.sampler import GlobalBatchSampler
+from shoal.metrics.host_syncs import HostSyncs
 from shoal.metrics.memory import STATE_KINDS
 from shoal.metrics.profile import Profiler
 from shoal.metrics.sinks import MetricsSinks
@@ -58,6 +59,7 @@ class Watch:
     phase: Phase = field(default_factory=Phase)
     profile: Profiler | None = None  # metrics.profile: the step profile (metrics/profile.py)
     trace: StepTrace | None = None  # metrics.trace_steps
+    syncs: HostSyncs | None = None  # metrics.host_syncs: the host's waits for the device, per step
 
 
 @dataclass
@@ -139,6 +141,8 @@ class Trainer:
             feed.close()
             if watch.trace:
                 watch.trace.close()
+            if watch.syncs:
+                watch.syncs.close()
         return Ended.END
 
     def begin_step(self) -> StepTimer:
@@ -238,10 +242,11 @@ class Trainer:
 
     def step_metrics(self, done: int, lr: float, out: StepResult, timer: StepTimer) -> dict:
         """What metrics.jsonl records of step `done` (memory and validation aside)."""
-        profile, phases = self.watch.profile, timer.phases
+        profile, phases, syncs = self.watch.profile, timer.phases, self.watch.syncs
         total = sum(phases.values())  # timer.total, added up once
         return {"step": done, "time": time.time(), "loss": out.loss, "lr": lr, "grad_norm": out.grad_norm,
                 f"{self.items_name}_per_s": out.items / total, "step_time_s": total, **phases,
+                **({"host_syncs": syncs.take(done)} if syncs else {}),  # metrics.host_syncs
                 # bytes this rank sent to keep the replicas in sync: this step, and since this attempt started
                 "comm_bytes": out.comm_bytes, "comm_bytes_total": self.comm.sync_bytes, **self.hooks.step_metrics(),
                 **(profile.step(phases, timer.exposed, total, self.share_of_batch(done)) if profile else {})}

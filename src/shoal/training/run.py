@@ -117,6 +117,8 @@ class Run:
         trainer.flush(None)
         if trainer.watch.trace:
             trainer.watch.trace.close()
+        if trainer.watch.syncs:
+            trainer.watch.syncs.close()
         self.strategy.finish()  # no step or save follows
         self.checkpoints.close()
         trainer.sinks.close()
@@ -132,6 +134,8 @@ class Run:
                             recovery=recovery, run=self.dir, is_main=self.is_main,
                             bad_steps=self.step.bad_steps.state_dict(), start_step=start_step)
         summary.update(checkpoints=self.checkpoints.stats, **trainer.collector.summary())
+        if trainer.watch.syncs:  # metrics.host_syncs: where the host waited, most first
+            summary["host_sync_sites"] = dict(trainer.watch.syncs.sites.most_common(8))
         if self.bundle.built_whole:  # its build could not be recorded: every rank built the whole model
             summary["model_built_whole"] = self.bundle.built_whole
         if trainer.watch.profile:

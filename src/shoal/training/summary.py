@@ -57,6 +57,7 @@ def summarize(record, items: str, *, model_name: str, n_params: int, dims: Paral
         f"mean_{items}_per_s": statistics.fmean(speeds) if speeds else None,
         "median_step_time_s": statistics.median(m["step_time_s"] for m in h) if h else None,
         "peak_memory_bytes": max((m.get("peak_memory_bytes", 0) for m in h), default=0),
+        **host_syncs(h),
         # bytes rank 0 sent to keep the dp replicas in sync (gradients or parameter averages), per step
         "comm_bytes": statistics.fmean(m["comm_bytes"] for m in h) if h else None,
         "total_time_s": total_s,
@@ -67,6 +68,15 @@ def summarize(record, items: str, *, model_name: str, n_params: int, dims: Paral
         "memory_per_rank": record.memory_per_rank,
         **{f"initial_{k}": v for k, v in record.initial_val.items()},
     }
+
+
+def host_syncs(history: list[dict]) -> dict:
+    """metrics.host_syncs: the median per step after the first (which compiles, or infers a pipeline's
+    shapes) and the first step's own; nothing when not counted."""
+    counts = [m["host_syncs"] for m in history if "host_syncs" in m]
+    if not counts:
+        return {}
+    return {"host_syncs_per_step": statistics.median(counts[1:] or counts), "host_syncs_first_step": counts[0]}
 
 
 def recovery_breakdown(recovery: dict, first_step_at: float) -> dict:
