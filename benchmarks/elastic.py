@@ -62,7 +62,7 @@ sys.path.insert(0, str(ROOT / "src"))
 
 from shoal.launch.supervisor import descendants  # noqa: E402
 from shoal.testbed import hosts  # noqa: E402
-from shoal.testbed.run import free_port  # noqa: E402
+from shoal.testbed.nodes import free_port  # noqa: E402
 from shoal.testbed.system import netns_exec  # noqa: E402
 
 CONFIG = ROOT / "configs" / "gpt-tiny.toml"

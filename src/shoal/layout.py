@@ -206,7 +206,7 @@ def _check_precision(cfg: Config, device: str) -> None:
 
 def check_cuda_graphs(cfg: Config, device: str) -> None:
     """CUDA graphs (train.compile's reduce-overhead and max-autotune modes) for workers on `device` ("cpu" or
-    "cuda"); what else they need of the layout is checked with the config (config/run.py)."""
+    "cuda"); what else they need of the layout is checked with the config (config/root.py)."""
     if cfg.train.cuda_graphs and device != "cuda":
         raise UserError(f'train.compile = "{cfg.train.compile}" captures CUDA graphs, but the workers train on the '
                         f'CPU (CUDA is not available, or parallel.device = "cpu"); use train.compile = true')

@@ -55,9 +55,9 @@ def _quiet(fn, default):
 def run_rank(cfg: Config, job: Job, run_dir: Path, env, comm: Comm, resume: str = "auto",
              phase: Phase | None = None) -> dict:
     """This rank's part of the job: training, or, under sync.mode = "parameter-server", serving or
-    training as the parameter server's ranks do (ps/run.py). Returns the run's summary."""
+    training as the parameter server's ranks do (ps/rank.py). Returns the run's summary."""
     if job.layout.servers:
-        from shoal.ps.run import run_job  # heavy imports come here, after set_num_threads
+        from shoal.ps.rank import run_job  # heavy imports come here, after set_num_threads
 
         return run_job(cfg, job.layout, job.source, run_dir, env, comm, resume=resume, phase=phase)
     from shoal.training.train import run_training

@@ -281,11 +281,11 @@ def test_run_places_nodes_in_their_cgroups_and_passes_sigterm_on(cluster, tmp_pa
 
 @pytest.mark.timeout(60)
 def test_a_failed_node_stops_the_others(cluster, monkeypatch, capsys):
-    from shoal.testbed import run
+    from shoal.testbed import nodes
 
-    monkeypatch.setattr(run, "FAIL_GRACE_S", 1.0)
+    monkeypatch.setattr(nodes, "FAIL_GRACE_S", 1.0)
     start = time.monotonic()
-    code = run.run(["sh", "-c", 'if [ "$SHOAL_NODE_RANK" = 1 ]; then exit 4; fi; exec sleep 60'])
+    code = nodes.run(["sh", "-c", 'if [ "$SHOAL_NODE_RANK" = 1 ]; then exit 4; fi; exec sleep 60'])
     assert code == 4  # the failure's code, not the stopped node's
     assert time.monotonic() - start < 20
     assert "h1 failed (exit code 4) 1 s ago; stopping h0" in capsys.readouterr().err

@@ -116,7 +116,7 @@ def cluster(args: argparse.Namespace) -> int:
         print(hosts.status_text(hosts.load()))
         return 0
     if args.action == "run":
-        from shoal.testbed.run import run
+        from shoal.testbed.nodes import run
 
         command = args.cmd[1:] if args.cmd[:1] == ["--"] else args.cmd
         return run(command, resume_command=resume_command(args.argv))

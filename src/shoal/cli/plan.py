@@ -57,7 +57,7 @@ def probe(args: argparse.Namespace) -> int:
         probing.worker(args.out, sizes, args.repeats, args.nnodes_measured, args.spot)
         return 0
     if args.cluster:
-        from shoal.testbed.run import run
+        from shoal.testbed.nodes import run
 
         return run(["shoal", *[a for a in args.argv if a != "--cluster"]])
     from shoal.plan.calibrate import OtherCpu

@@ -92,7 +92,7 @@ def run_on_ray(args: argparse.Namespace) -> int:
 
 def run_on_cluster(args: argparse.Namespace) -> int:
     """`shoal run ... --cluster`: the same command, as one node per host of the cluster that is up."""
-    from shoal.testbed.run import run as run_on_hosts
+    from shoal.testbed.nodes import run as run_on_hosts
 
     if args.nnodes is not None or args.node_rank is not None or args.rdzv_endpoint:
         raise UserError("--cluster sets --nnodes, --node-rank and --rdzv-endpoint for each host; leave them out")

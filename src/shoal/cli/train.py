@@ -179,7 +179,7 @@ def start(args: argparse.Namespace, cfg, job, run_dir: Path, nodes: tuple[int, i
 
 def train_on_cluster(args: argparse.Namespace) -> int:
     """`shoal train ... --cluster`: the same command, as one node per host of the cluster that is up."""
-    from shoal.testbed.run import run
+    from shoal.testbed.nodes import run
 
     if args.nnodes is not None or args.node_rank is not None or args.rdzv_endpoint:
         raise UserError("--cluster sets --nnodes, --node-rank and --rdzv-endpoint for each host; leave them out")

@@ -10,7 +10,7 @@ GPUs (bf16 would be emulated, fp16 needs a loss scaler: set it yourself)."""
 from __future__ import annotations
 
 from shoal import hardware
-from shoal.config.run import Config
+from shoal.config.root import Config
 
 BF16_CAPABILITY = (8, 0)  # Ampere and newer
 

@@ -21,7 +21,7 @@ from pydantic import BaseModel, ValidationError
 
 from shoal.config.auto import resolve_auto
 from shoal.config.base import tomllib
-from shoal.config.run import SECTIONS, Config
+from shoal.config.root import SECTIONS, Config
 from shoal.errors import UserError
 from shoal.models.registry import model_config_class
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 from pydantic import BaseModel
 
 from shoal.config.load import MOVED
-from shoal.config.run import SECTIONS
+from shoal.config.root import SECTIONS
 
 
 def config_reference() -> str:

@@ -28,7 +28,7 @@ import signal
 # when the first one is made (~0.5 s of CPU a worker here), and the built-in GPT by its builder: in the server,
 # a 2-worker run of one step took 6.35 s of CPU in all instead of 6.84 (medians of 5)
 PRELOAD = ("torch", "torch.distributed", "torch._dynamo", "shoal.models.gpt", "shoal.worker",
-           "shoal.training.train", "shoal.ps.run")
+           "shoal.training.train", "shoal.ps.rank")
 # what the agent hands each worker itself: the server need not have started with it
 HANDED = frozenset({"OMP_NUM_THREADS"})
 

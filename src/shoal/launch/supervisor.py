@@ -2,7 +2,7 @@
 one job, signals reach all of them, and the worst exit code wins.
 
 Used for the asynchronous parameter server's roles (ps/roles.py: the servers' job and one job per
-worker), for the hosts of the one-machine testbed (testbed/run.py: a node agent per host) and for the
+worker), for the hosts of the one-machine testbed (testbed/nodes.py: a node agent per host) and for the
 nodes of a Ray cluster (launch/ray_nodes.py: a node agent per Ray node, started by an actor there). Each
 child is, or runs, a torch elastic agent, which restarts its own workers (`--max-restarts`), so
 restarts stay with the engine; what this adds is the job of several agents:

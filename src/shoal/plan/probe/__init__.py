@@ -2,7 +2,7 @@
 (hardware.py) that `shoal plan` and MFU read.
 
 One worker per process of the group, started through shoal's own launcher (launch/restart.py; `--cluster`:
-one node per host of the one-machine cluster, testbed/run.py). Each worker measures
+one node per host of the one-machine cluster, testbed/nodes.py). Each worker measures
   - matmul FLOP/s per dtype over square sizes (the curve, and its best as the peak),
   - memory bandwidth (a large copy: bytes read + written per second),
   - reference training steps of the built-in GPT (reference_steps): each operator timed by operator

@@ -161,7 +161,7 @@ def calibrate_profile(out: str, nproc: int, busy_measuring: float | None = None,
 
 def launch_probe(argv: list[str], nproc: int) -> int:
     """The probe's workers through shoal's launcher: this node alone, or (on a host of the one-machine
-    cluster, testbed/run.py) one node of the cluster's job, as `shoal train` runs there."""
+    cluster, testbed/nodes.py) one node of the cluster's job, as `shoal train` runs there."""
     import os
 
     from shoal.launch.restart import launch
