@@ -13,7 +13,6 @@ hyperparameters), and refuses the keys it cannot honour (session.py: refuse_unho
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Callable
 from pathlib import Path
 
@@ -23,14 +22,9 @@ from shoal import signals
 from shoal.checkpoint.manager import CheckpointManager
 from shoal.checkpoint.resume import newest_valid
 from shoal.checkpoint.train_state import TrainState
-from shoal.comm.collectives import Comm
-from shoal.comm.phase import Phase
-from shoal.config import Config
 from shoal.data.loader import prefetch_depth
 from shoal.data.sampler import GlobalBatchSampler
-from shoal.dist import DistEnv
 from shoal.errors import TrainingError
-from shoal.layout import Layout
 from shoal.metrics.host_syncs import HostSyncs
 from shoal.metrics.profile import Profiler
 from shoal.metrics.sinks import MetricsSinks
@@ -40,28 +34,12 @@ from shoal.parallel.balance import ComputeClock, ThroughputBalance
 from shoal.parallel.parallelized import Parallelized
 from shoal.parallel.precision import Precision, one_kind_per_group
 from shoal.parallel.zero import local_optimizer
-from shoal.rundir import Heartbeat, RunDir
+from shoal.rundir import Heartbeat
 from shoal.training.bad_steps import BadStepPolicy
 from shoal.training.loop import Hooks, Trainer, Watch
 from shoal.training.optim import Schedule
-from shoal.training.run import Run
+from shoal.training.run import Run, Start
 from shoal.training.step import Controls, Stepper
-from shoal.training.strategy import Strategy
-
-
-@dataclasses.dataclass(frozen=True)
-class Start:
-    """Where a rank's run starts from, and what it was given: the config, the layout, the data source
-    (data/sources.py; a Session's: the user's), the run dir, the process group, the strategy."""
-
-    cfg: Config
-    layout: Layout
-    source: object
-    run: RunDir
-    env: DistEnv
-    comm: Comm
-    phase: Phase
-    strategy: Strategy
 
 
 def assemble(start: Start, bundle: ModelBundle, optimizer: Callable[[Parallelized], torch.optim.Optimizer], *,
@@ -70,7 +48,7 @@ def assemble(start: Start, bundle: ModelBundle, optimizer: Callable[[Parallelize
     """Collective: `bundle`'s model laid out, `optimizer(par)` over it, and every part of the run around
     them. `num_train`: the samples the sampler draws from; `sample`: one pipeline micro-batch to time the
     layers with; `regroup_wanted`: a live elastic run's (live/generation.py)."""
-    cfg, env, run, strategy = start.cfg, start.env, start.run, start.strategy
+    cfg, env, run, strategy = start.cfg, start.env, start.dir, start.strategy
     par = strategy.parallelize(bundle, sample)
     # the layer a hang report names is where a collective inside the model waits: one process has none to wait
     # in (and no live peer to check on), and its hooks cost a tiny model's forward 0.1 ms of 0.8; a compiled
@@ -101,8 +79,7 @@ def assemble(start: Start, bundle: ModelBundle, optimizer: Callable[[Parallelize
     if env.rank == 0:
         run.path.mkdir(parents=True, exist_ok=True)
         run.config.write_text(cfg.to_toml(), encoding="utf-8")
-    return Run(cfg=cfg, layout=start.layout, source=start.source, dir=run, env=env, comm=start.comm,
-               strategy=strategy, bundle=bundle, n_params=n_params, step=step, sampler=sampler, state=state,
+    return Run(start=start, bundle=bundle, n_params=n_params, step=step, sampler=sampler, state=state,
                resume_path=resume_path, checkpoints=checkpoints)
 
 

@@ -29,6 +29,7 @@ from shoal.checkpoint.resume import check_compatible
 from shoal.checkpoint.train_state import TrainState, read_train_state
 from shoal.comm.collectives import Comm
 from shoal.comm.model_waits import time_model_waits
+from shoal.comm.phase import Phase
 from shoal.config import Config
 from shoal.data.sampler import GlobalBatchSampler
 from shoal.dist import DistEnv
@@ -43,15 +44,25 @@ from shoal.training.strategy import Strategy
 from shoal.training.summary import failure_info, summarize
 
 
-@dataclass(kw_only=True)
-class Run:
+@dataclass(frozen=True)
+class Start:
+    """Where a rank's run starts from, and what it was given: the config, the layout, the data source
+    (data/sources.py; a Session's: the user's, of which nothing is known), the run dir, the process group,
+    the hang report's phase, the strategy. A Session's runs (its models) share one."""
+
     cfg: Config
     layout: Layout
-    source: object  # data/sources.py (a Session's: the user's data, of which nothing is known)
+    source: object
     dir: RunDir
     env: DistEnv
     comm: Comm
+    phase: Phase
     strategy: Strategy
+
+
+@dataclass(kw_only=True)
+class Run:
+    start: Start
     bundle: ModelBundle
     n_params: int
     step: Stepper  # the laid-out model, its optimizer, schedule and number format
@@ -61,6 +72,15 @@ class Run:
     checkpoints: CheckpointManager
     trainer: Trainer | None = None  # the loop over these parts (assemble.trainer); a Session's second model has none
     started: float = field(default_factory=time.perf_counter)
+
+    # what the run was given, by the names its code reads (each the Start's)
+    cfg = property(lambda self: self.start.cfg)
+    layout = property(lambda self: self.start.layout)
+    source = property(lambda self: self.start.source)
+    dir = property(lambda self: self.start.dir)
+    env = property(lambda self: self.start.env)
+    comm = property(lambda self: self.start.comm)
+    strategy = property(lambda self: self.start.strategy)
 
     @property
     def is_main(self) -> bool:

@@ -49,12 +49,12 @@ from shoal.models.spec import ModelBundle, count_parameters
 from shoal.parallel.data import set_grad_sync
 from shoal.parallel.fit import check_model_fits
 from shoal.rundir import RunDir, default_run_dir, write_json
-from shoal.training.assemble import Start, assemble, trainer
+from shoal.training.assemble import assemble, trainer
 from shoal.training.build import freeze
 from shoal.training.flags import host_tensor
 from shoal.training.loop import Trainer, Watch, begin_step
 from shoal.training.report import StepReport
-from shoal.training.run import Run
+from shoal.training.run import Run, Start
 from shoal.training.session_config import refuse_conflicts, refuse_unhonoured, session_config
 from shoal.training.session_data import Loader, UserData
 from shoal.training.session_model import (
@@ -85,7 +85,7 @@ class Session:
         where = Path(run_dir) if run_dir is not None else default_run_dir(path, cfg)
         run = RunDir(Path(self.comm.agree("run_dir", lambda: str(where))))
         strategy = Strategy(cfg, self.layout, self.env.device, self.env.rank, self.comm)
-        self.start = Start(cfg=cfg, layout=self.layout, source=UserData(), run=run, env=self.env, comm=self.comm,
+        self.start = Start(cfg=cfg, layout=self.layout, source=UserData(), dir=run, env=self.env, comm=self.comm,
                            phase=Phase(), strategy=strategy)
         # one per prepared model; the first one's loop, checkpoints and summary are the Session's
         self.runs: list[Run] = []
@@ -123,7 +123,7 @@ class Session:
 
     @property
     def run(self) -> RunDir:
-        return self.start.run
+        return self.start.dir
 
     @property
     def steps_done(self) -> int:

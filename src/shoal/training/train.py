@@ -32,14 +32,14 @@ from shoal.models.meta import on_meta
 from shoal.models.registry import build_model
 from shoal.models.spec import count_parameters
 from shoal.rundir import RunDir, read_json
-from shoal.training.assemble import Start, assemble, trainer
+from shoal.training.assemble import assemble, trainer
 from shoal.training.build import build_deferred, freeze, plain_model
 from shoal.training.collector import Collector
 from shoal.training.feed import Steps
 from shoal.training.generation import Generation
 from shoal.training.loop import Ended
 from shoal.training.optim import optimizer_groups
-from shoal.training.run import Run
+from shoal.training.run import Run, Start
 from shoal.training.strategy import Strategy
 from shoal.training.summary import fresh_start
 
@@ -99,7 +99,7 @@ def build(cfg: Config, layout: Layout, source, run_dir: RunDir, env: DistEnv, co
         optimizer_class, groups, hyper = optimizer_groups(par.model.parameters(), cfg.train)
         return par.build_optimizer(groups, optimizer_class, **hyper)
 
-    start = Start(cfg=cfg, layout=layout, source=source, run=run_dir, env=env, comm=comm, phase=phase,
+    start = Start(cfg=cfg, layout=layout, source=source, dir=run_dir, env=env, comm=comm, phase=phase,
                   strategy=strategy)
     run = assemble(start, bundle, optimizer, n_params=count_parameters(bundle.model),
                    num_train=source.num_train or 1,  # a stream's (data/stream.py): its sampler only counts steps
