@@ -1,5 +1,5 @@
 """The commands the docs show, run exactly as written (every ```sh block of the README, docs/ and
-benchmarks/README.md; tests/unit/test_docs.py checks that every other block is marked as an
+benchmarks/*.md; tests/unit/test_docs.py checks that every other block is marked as an
 illustration or is a file's contents). Each page runs in a scratch directory of its own that holds the
 repository's configs/ and tests/ and this interpreter's virtual environment as .venv, so `runs/...`
 land there and a page's later blocks see what its earlier ones made.

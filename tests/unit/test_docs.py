@@ -22,7 +22,7 @@ def test_every_config_key_is_documented():
             assert field.description, f"[{name}] {key} has no docstring"
 
 
-DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md")), ROOT / "benchmarks" / "README.md"]
+DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md")), *sorted((ROOT / "benchmarks").glob("*.md"))]
 FILE_CONTENTS = {"toml", "python", "yaml"}  # a file's text, shown; not run
 
 

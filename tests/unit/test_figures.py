@@ -1,5 +1,5 @@
 """A GPU figure quoted in README.md, docs/ or configs/ has one source, and the quote must say what the source
-says: measured figures come from benchmarks/README.md (the run's table and its RESULT line, beside the
+says: measured figures come from the result pages in benchmarks/ (the run's table and its RESULT line, beside the
 command that made them) or from the planner's tables in docs/planner.md; predicted ones from the plan itself
 (tests/unit/test_llama3_8b.py recomputes configs/llama3-8b.toml's). Changing a source without its quotes,
 or a quote without its source, fails here. Text is compared with its line breaks folded to spaces."""
@@ -33,7 +33,7 @@ def result(block: str, key: str) -> str:
     return re.search(rf"RESULT [^`]*?\b{key}=(\S+)", block).group(1)
 
 
-H200 = section("benchmarks/README.md", "## One H200")
+H200 = section("benchmarks/gpu.md", "## One H200")
 
 
 def step_row(who: str, mode: str) -> str:
@@ -51,7 +51,7 @@ QUOTES = [
     ("docs/gpus.md", "on an H200 the preset is +1.4% eager and +6.0% compiled",
      "docs/planner.md", "against the plain loop the preset is +1.4% eager and +6.0% compiled"),
     ("docs/gpus.md", "It trained 1.10-1.25x slower than a hand-written loop of the same model",
-     "benchmarks/README.md", "shoal's step was 1.10-1.25x the plain loop's, eager or compiled"),
+     "benchmarks/gpu.md", "shoal's step was 1.10-1.25x the plain loop's, eager or compiled"),
     ("docs/planner.md", "process held 1.29 GiB outside the allocator, context included",
      "docs/planner.md", "the process held 1.29 GiB outside the allocator at world 1"),
 ]
@@ -104,15 +104,16 @@ FIGURE = re.compile(r"(~|about |within |under |at most |below |above |over |up t
 
 
 def test_a_figure_beside_a_link_to_its_measurement_is_that_measurement():
-    """The docs cite a measurement by linking benchmarks/README.md's section (its command, machine and date
+    """The docs cite a measurement by linking a section of a result page in benchmarks/ (its command, machine and date
     beside it): every figure in a paragraph (or list item) that links a section must be in that section, as
     written or as a rounding of one of its numbers (a range: each end). A doc's copy that drifts from its
     source fails here (it found slow-links.md's 0.26-0.28x, where the runs say 0.26 and 0.27)."""
-    bench = sections("benchmarks/README.md")
+    bench = {(page.name, anchor): body for page in sorted((ROOT / "benchmarks").glob("*.md"))
+             for anchor, body in sections(str(page.relative_to(ROOT))).items()}
     wrong = []
     for page in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]:
         for para in re.split(r"\n\s*\n|\n(?=\s*- )", page.read_text()):
-            anchors = re.findall(r"benchmarks/README\.md#([\w-]+)", para)
+            anchors = re.findall(r"benchmarks/(\w+\.md)#([\w-]+)", para)
             if not anchors:
                 continue
             source = " ".join(bench[a] for a in anchors)
@@ -125,5 +126,6 @@ def test_a_figure_beside_a_link_to_its_measurement_is_that_measurement():
 
             for hedge, figure, unit in FIGURE.findall(" ".join(para.split())):
                 if not (hedge or figure in source or all(quoted(end) for end in figure.split("-"))):
-                    wrong.append(f"{page.relative_to(ROOT)}: {figure} {unit} is not in {', '.join(anchors)}")
+                    where = ", ".join(f"{name}#{anchor}" for name, anchor in anchors)
+                    wrong.append(f"{page.relative_to(ROOT)}: {figure} {unit} is not in {where}")
     assert not wrong, "\n".join(wrong)
