@@ -66,11 +66,13 @@ def run_rank(cfg: Config, job: Job, run_dir: Path, env, comm: Comm, resume: str 
 
 
 
-def forked(config_path: str | None, sets: list[str], run_dir: str | None, resume: str) -> int:
+def forked(config_path: str | None, sets: list[str], run_dir: str | None, resume: str, env: dict[str, str]) -> int:
     """The entry of a worker forked by `shoal train`: what `python -m shoal train CONFIG --set ...` does in
-    a worker (the config is checked in the launcher first, so a UserError here is rare: one line, exit 2).
-    Success returns (multiprocessing reads the return value, then ends the process with os._exit itself);
-    a failure ends the process with its code."""
+    a worker (the config is checked in the launcher first, so a UserError here is rare: one line, exit 2),
+    with `env` (what the launch hands it beyond its server's environment: launch/restart.py's Forked) set
+    first. Success returns (multiprocessing reads the return value, then ends the process with os._exit
+    itself); a failure ends the process with its code."""
+    os.environ.update(env)
     try:
         cfg = load_config(config_path, sets)
     except UserError as e:

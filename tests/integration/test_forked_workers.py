@@ -1,9 +1,12 @@
 """`shoal train`'s workers, forked from the server the command starts as it begins ([Note: early fork server]
 in launch/forkserver.py), see the environment the launcher gives them: with ZeRO 3 on CPU the launcher adds
-LD_PRELOAD of tcmalloc after that server started, so the workers must come from a server started again."""
+LD_PRELOAD of tcmalloc after that server started, so the workers must come from a server started again; on a
+node of several, the interface gloo binds is learnt after it started, and is handed to each worker instead."""
 
 import json
 import os
+import socket
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
@@ -34,3 +37,25 @@ def test_forked_workers_get_what_the_launcher_adds_after_their_server_started(tm
     assert not any(w["tcmalloc"] for w in plain), plain
     # the command that continues the run, set before the server started, reaches the workers either way
     assert all(w["resume_command"].startswith("shoal train ") for w in sharded + plain), sharded + plain
+
+
+@pytest.mark.slow  # two launchers
+def test_a_node_of_several_forks_from_its_early_server_and_hands_its_workers_the_interface(tmp_path):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    out = tmp_path / "probe"
+    out.mkdir()
+
+    def node(rank: int):
+        args = [a for a in RUN if a not in ("--nproc", "2")]
+        return run_cli(["train", *args, "--nproc", "1", "--nnodes", "2", "--node-rank", rank, "--rdzv-endpoint",
+                        f"127.0.0.1:{port}", "--run-dir", tmp_path / f"node{rank}"], timeout=180,
+                       env={"SHOAL_TEST_PROBE_DIR": str(out)})
+
+    with ThreadPoolExecutor(2) as pool:
+        for r in pool.map(node, [0, 1]):
+            assert r.returncode == 0, r.stdout + r.stderr
+    workers = [json.loads((out / f"rank{rank}.json").read_text()) for rank in range(2)]
+    # the loopback route's interface reached each worker, though the server it was forked from started without it
+    assert all(w["gloo_socket_ifname"] == "lo" and not w["server_has_ifname"] for w in workers), workers

@@ -70,12 +70,12 @@ def train_from_here(args: argparse.Namespace) -> int:
 
 def forks_on_this_node(args: argparse.Namespace) -> bool:
     """Whether, as far as the flags and the environment tell before the config is read, this command will fork
-    its workers here on one node: the `shoal` command itself (not a Python caller of it, whose process's fork
-    server is its own business), not a worker (torchrun's and shoal's have LOCAL_RANK), nor Ray's or the
-    cluster's nodes, nor a node of several. A guess the config proves wrong costs a server started for
-    nothing, stopped when the command ends."""
+    its workers here: the `shoal` command itself (not a Python caller of it, whose process's fork server is its
+    own business), not a worker (torchrun's and shoal's have LOCAL_RANK), nor Ray's or the cluster's nodes, nor
+    a node of a live run (--nnodes MIN:MAX: its node launcher starts fresh interpreters). A guess the config
+    proves wrong costs a server started for nothing, stopped when the command ends."""
     return (getattr(args, "command_line", False) and "LOCAL_RANK" not in os.environ and not args.fresh_workers
-            and args.ray is None and not args.cluster and args.nnodes in (None, "1"))
+            and args.ray is None and not args.cluster and ":" not in (args.nnodes or ""))
 
 
 def node_flags(args: argparse.Namespace, every_gpu: bool = False) -> tuple[int, int]:

@@ -7,11 +7,14 @@ everything the launcher does first (its config, its own torch import, the job's 
 after the other: a one-step 2-worker run took 5.8 s where torchrun's took 4.3. Started as the command
 begins, the server imports on one core while the launcher works on the other.
 
-A forked worker sees the environment its server started with, and what torch elastic's agent hands each
-worker (its rank variables and OMP_NUM_THREADS). So the launch forks from the early server only where the
-launcher's environment is still the one the server started with; where the launcher changed it since
-(LD_PRELOAD of tcmalloc for ZeRO 2/3 on CPU, GLOO_SOCKET_IFNAME on a node of several), the server is stopped,
-and torch elastic starts one with the environment as it is, as it did before. The server never outlives the
+A forked worker sees the environment its server started with, and what torch elastic's agent hands each worker
+(its rank variables and OMP_NUM_THREADS). So the launch forks from the early server only where the launcher's
+environment is still the one the server started with; where the launcher changed it since (LD_PRELOAD of
+tcmalloc for ZeRO 2/3 on CPU, which must be there when a process starts), the server is stopped, and torch
+elastic starts one with the environment as it is, as it did before. What the launch learns for its workers
+after the server started, GLOO_SOCKET_IFNAME on a node of several, is handed to each forked worker with its
+arguments instead (launch/restart.py's Forked), so a node of a fixed-size job of several forks from its early
+server too: its workers import while its launcher waits at the rendezvous. The server never outlives the
 command: it is stopped when the command ends, whether or not the command forked from it.
 
 Nothing here imports torch: that is the point.

@@ -41,7 +41,7 @@ import socket
 import struct
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, MutableMapping
 from dataclasses import dataclass
 
 from torch.distributed.elastic.multiprocessing.api import SignalException
@@ -52,14 +52,14 @@ from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 from shoal.errors import UserError
 
 RDZV_TIMEOUT_S = 600  # torch elastic's default join timeout
-# set by `shoal train` (and the testbed's `run`) for the workers: the command that continues this run,
-# which a worker names when it stops on a signal (worker.py, resume_hint)
 
 
 @dataclass(frozen=True)
 class Forked:
-    """Workers as `entry(*args)` forked from a server process that has imported `preload` once
-    ([Note: forked workers]); `entry` must be importable by name and return normally on success."""
+    """Workers as `entry(*args, env)` forked from a server process that has imported `preload` once
+    ([Note: forked workers]); `entry` must be importable by name, put `env` (variables the launch hands each
+    worker beyond what its server started with: [Note: node address]) into its environment first, and
+    return normally on success."""
 
     entry: Callable
     args: tuple
@@ -76,13 +76,17 @@ def launch(worker: list[str] | Forked, nproc: int, nnodes: tuple[int, int] = (1,
     if threads:
         os.environ["OMP_NUM_THREADS"] = str(threads)  # inherited by the workers before torch starts
     endpoint = rdzv_endpoint or "127.0.0.1:0"
-    local_addr = "127.0.0.1"
+    local_addr, handed = "127.0.0.1", {}
     if nnodes[1] > 1:  # [Note: node address]
         try:
-            local_addr = route_workers(endpoint, node_rank, rdzv_timeout)
+            # a forked worker's environment is its server's, started before the route was known: it is handed
+            local_addr = route_workers(endpoint, node_rank, rdzv_timeout,
+                                       handed if isinstance(worker, Forked) else os.environ)
         except EndpointUnreachable as e:
             print(f"shoal: {e}", file=sys.stderr)
             return 1
+    if isinstance(worker, Forked):
+        worker = Forked(worker.entry, (*worker.args, handed), worker.preload)
     config = LaunchConfig(
         min_nodes=nnodes[0], max_nodes=nnodes[1], nproc_per_node=nproc,
         run_id=f"shoal-{endpoint}", role="shoal",
@@ -195,13 +199,14 @@ def node_address(endpoint: str, node_rank: int, timeout: float) -> str:
         time.sleep(min(0.5, left))
 
 
-def route_workers(endpoint: str, node_rank: int, timeout: float) -> str:
+def route_workers(endpoint: str, node_rank: int, timeout: float, env: MutableMapping[str, str] = os.environ) -> str:
     """This node's address on the route to `endpoint` (node_address), with gloo told to bind the interface
-    holding it unless GLOO_SOCKET_IFNAME says otherwise (inherited by the workers: [Note: node address])."""
+    holding it unless GLOO_SOCKET_IFNAME says otherwise: in `env`, the workers' (by default this process's
+    environment, which they inherit: [Note: node address])."""
     addr = node_address(endpoint, node_rank, timeout)
     ifname = interface_of(addr)
     if ifname and "GLOO_SOCKET_IFNAME" not in os.environ:
-        os.environ["GLOO_SOCKET_IFNAME"] = ifname
+        env["GLOO_SOCKET_IFNAME"] = ifname
     return addr
 
 
