@@ -11,7 +11,7 @@ also builds the reusable state-dict views, and is reported beside it);
   - peer: torch.save of the same model + AdamW state_dict from one process, for scale.
 Medians over --repeats runs.
 
-    python benchmarks/checkpoint_cost.py [--repeats 3] [--sizes default,100m]
+    python -m benchmarks.checkpoint_cost [--repeats 3] [--sizes default,100m]
 
 Last line: RESULT <size>_blocking_s=... <size>_async_stall_ratio=... <size>_restore_s=... <size>_recovery_s=...
 """

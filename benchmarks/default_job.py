@@ -9,7 +9,7 @@ budget is at least shoal's training time), sizing its schedule from the time of 
 Both models are then evaluated by the same function on the same validation windows (the ones shoal
 validates on: train.val_batches x global batch). Medians over --repeats.
 
-    .venv/bin/python benchmarks/default_job.py [--repeats 3]
+    .venv/bin/python -m benchmarks.default_job [--repeats 3]
 
 Target (the default job's): validation loss <= 1.90 nats/byte in ~2 minutes of training. Last line:
     RESULT default_val_loss=<shoal's> plain_torch_val_loss=<the peer's> seconds=<shoal's run time>

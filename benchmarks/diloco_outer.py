@@ -7,7 +7,7 @@ the first validation step at or below the target (the uncompressed every-step ru
 80% of the budget) and the final validation loss. Variants: local SGD and DiLoCo at H = 8 over outer
 learning rate, Nesterov momentum and a warm-up of every-step synchronisation.
 
-    python benchmarks/diloco_outer.py [--steps 200] [--variants name,...]
+    python -m benchmarks.diloco_outer [--steps 200] [--variants name,...]
 
 Last line:
     RESULT paper_reaches=<step or never> best_variant=<name> best_steps=<step> best_final=<loss>
@@ -23,9 +23,9 @@ import sys
 import tempfile
 from pathlib import Path
 
+from benchmarks.slow_links import MODEL, TRAIN, VAL_EVERY  # the benchmark's own model and batch
+
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "benchmarks"))
-from slow_links import MODEL, TRAIN, VAL_EVERY  # noqa: E402  (the benchmark's own model and batch)
 
 D8 = ['sync.mode="diloco"', "sync.every=8"]
 VARIANTS = {

@@ -8,7 +8,7 @@ Per run, the wall time per step: over each interval of 10 steps after a warmup (
 does between steps included: shoal's metrics, memory accounting and hooks at their default interval,
 as in the plain loop), the median interval; across rounds, the median of those.
 
-    python benchmarks/dp_overhead.py [--rounds 3] [--steps 60]
+    python -m benchmarks.dp_overhead [--rounds 3] [--steps 60]
 
 Prints the median step-time ratio shoal/DDP (target <= 1.03) and the scaling efficiency
 throughput(2 x 1 thread) / (2 x throughput(1 x 1 thread)) of shoal (target >= 0.9) and of plain DDP

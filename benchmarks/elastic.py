@@ -33,7 +33,7 @@ replacement joins (the same gap at the join), and a joiner's time from its node'
 step it takes part in. For the restart modes: per failure, the time until the run is back at the step it
 had reached when the worker died, and a restarted job's time from start to its first step.
 
-    sudo python benchmarks/elastic.py [--minutes 5] [--every 30] [--replace-after 10] [--seed 0]
+    sudo python -m benchmarks.elastic [--minutes 5] [--every 30] [--replace-after 10] [--seed 0]
                                       [--modes live,restart-30s,restart-default]
 
 Last line:

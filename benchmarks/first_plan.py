@@ -10,7 +10,7 @@ under pp so that each rank has two micro-batches), are trained for --steps steps
 --nproc 2`, in --repeats rounds (the layouts in turn in each round, so that the machine's drift
 spreads over all of them); a layout's time is the median over the rounds of each run's median step.
 
-    python benchmarks/first_plan.py [--steps 30] [--repeats 3]
+    python -m benchmarks.first_plan [--steps 30] [--repeats 3]
 
 Target (issue 28): the plan in ~20 s with a step time for every valid layout, and its top layout within
 10% of the fastest layout measured. Last line:
@@ -30,7 +30,7 @@ import tempfile
 import time
 from pathlib import Path
 
-import planner_accuracy  # benchmarks/, beside this script
+from benchmarks import planner_accuracy
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIG = ROOT / "configs/gpt-tiny.toml"

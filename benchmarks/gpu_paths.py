@@ -59,7 +59,7 @@ no network: put their wheels in .whl/ (ignored by git; brought along with the ch
     bash benchmarks/gpu_paths.sh [ARGS]     (installs .whl/ into /tmp/site, puts src/ on PYTHONPATH, runs this;
                                              the logs go to $OUT/gpu_paths_logs, which comes back)
 Where shoal is installed:
-    python benchmarks/gpu_paths.py [--only NAME[,NAME]] [--list] [--out DIR] [--logs DIR]
+    python -m benchmarks.gpu_paths [--only NAME[,NAME]] [--list] [--out DIR] [--logs DIR]
 Sized for about 6 minutes on one H100 (about 30 process starts, compile's first step, the probe) before the
 parameter server's and live-heal's paths (about 12 more process starts and live-heal's wait for its replacement:
 not yet timed on a GPU); on 2 CPU cores the CPU paths take 4-13 minutes, most of it the probe and the plan's
@@ -80,27 +80,24 @@ import tempfile
 import time
 from pathlib import Path
 
-import gpu_paths_commands as commands  # benchmarks/, beside this script
-import gpu_paths_ranks as ranks
-from gpu_paths_tools import (
+from benchmarks import gpu_paths_commands as commands
+from benchmarks import gpu_paths_ranks as ranks
+from benchmarks.gpu_paths_tools import (
     ACCUM,
-    HERE,
     INIT_SCALE,
     OVERFLOW_STEP,
-    ROOT,
     STEPS,
     Ctx,
-    Failed,
     check_close,
     check_learning,
     fp32_run,
     layout_line,
     mib,
     newest_train_state,
-    python_json,
     step_records,
     train,
 )
+from benchmarks.harness import HERE, ROOT, Failed, python_json
 
 
 def p_train_fp32(ctx: Ctx) -> str:

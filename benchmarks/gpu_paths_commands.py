@@ -8,19 +8,8 @@ import json
 import math
 import re
 
-from gpu_paths_tools import (
-    ROOT,
-    STEPS,
-    Ctx,
-    Failed,
-    check_close,
-    fp32_run,
-    last_line,
-    layout_line,
-    mib,
-    step_records,
-    train,
-)
+from benchmarks.gpu_paths_tools import STEPS, Ctx, check_close, fp32_run, layout_line, mib, step_records, train
+from benchmarks.harness import ROOT, Failed, last_line
 
 FIXTURES = ROOT / "tests" / "fixtures"
 TUTORIAL = FIXTURES / "pytorch_examples" / "multigpu_torchrun.py"  # PyTorch's DDP tutorial, unchanged

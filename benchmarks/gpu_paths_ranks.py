@@ -15,20 +15,9 @@ import subprocess
 import sys
 import time
 
-from gpu_paths_commands import FIXTURES, PARITY_RTOL, PARITY_STEPS
-from gpu_paths_tools import (
-    Ctx,
-    Failed,
-    check_close,
-    descendants,
-    fp32_run,
-    kill_tree,
-    last_line,
-    layout_line,
-    mib,
-    step_records,
-    train,
-)
+from benchmarks.gpu_paths_commands import FIXTURES, PARITY_RTOL, PARITY_STEPS
+from benchmarks.gpu_paths_tools import Ctx, check_close, fp32_run, layout_line, mib, step_records, train
+from benchmarks.harness import Failed, descendants, kill_tree, last_line
 
 SHARED = ["parallel.backend=gloo", f"train.steps={PARITY_STEPS}"]
 SERVED = [*SHARED, 'sync.mode="parameter-server"']  # one worker and one server on two processes

@@ -18,7 +18,7 @@ shoal.hardware.gpu_preset_for, h100 for a card without one) and `shoal plan CONF
 peak, and whatever rows it adds) is read as printed, whatever its name. Per profile and quantity: the median
 and the worst relative error over the runs.
 
-    python benchmarks/gpu_planner.py [--runs mb8,mb16] [--steps 30] [--out DIR]
+    python -m benchmarks.gpu_planner [--runs mb8,mb16] [--steps 30] [--out DIR]
     bash benchmarks/gpu_planner.sh [ARGS]     (a GPU machine whose python3 has torch: the wheels it lacks in .whl/)
 
 Sized for ~5 minutes on one H100 (the spot measurement, six trainings of 30 steps with one torch.compile, twelve
@@ -43,35 +43,27 @@ import tempfile
 import time
 from pathlib import Path
 
-import gpu_planner_report as report  # benchmarks/, beside this script
-from gpu_paths_tools import ROOT, Failed, run
-from gpu_step_report import tail
+from benchmarks import gpu_planner_report as report
+from benchmarks import harness
+from benchmarks.gpu_step_report import tail
+from benchmarks.harness import ROOT, Failed, run
 
 GPT2 = {"n_layer": 12, "n_head": 12, "d_model": 768, "seq_len": 1024, "vocab_size": 50304}
 TINY = {"n_layer": 2, "n_head": 2, "d_model": 64, "seq_len": 64, "vocab_size": 512}
-CPU_COMPILE = ">=0:aot_eager"  # as benchmarks/gpu_step.py: inductor's C++ compile takes ~45 s a run on 2 CPU cores
 # (suffix, --set values, CUDA only) of each run beyond its micro-batch: the smaller micro-batch plain, the larger
 # plain and with each of these
 VARIANTS = [("ckpt", ["precision.activation_checkpointing=true"], False), ("compile", ["train.compile=true"], False),
             ("chunks", ["model.loss_chunks=8"], False), ("fp16", ["precision.dtype=fp16"], True)]
 
 
-class Bench:
-    """The invocation: where things go, the model, the runs, the subprocesses' environment."""
+class Bench(harness.Bench):
+    """The invocation: the model, the runs, the device's facts."""
 
     def __init__(self, args, out: Path, logs: Path, facts: dict):
-        self.args, self.out, self.logs, self.facts = args, out, logs, facts
-        self.shape = TINY if args.quick else GPT2
-        path = os.pathsep.join(p for p in [str(ROOT / "src"), os.environ.get("PYTHONPATH")] if p)
         # the plan's profile cache, emptied: the first plan measures this machine on the spot, the checks find it
-        self.env = {**os.environ, "PYTHONPATH": path, "PYTHONUNBUFFERED": "1", "XDG_CACHE_HOME": str(out / "cache")}
-        if not facts["cuda"]:
-            self.env["TORCH_COMPILE_OVERRIDE_BACKENDS"] = CPU_COMPILE
-        self.count = 0
-
-    def log(self, name: str) -> Path:
-        self.count += 1
-        return self.logs / f"{self.count:02d}-{name}.log"
+        super().__init__(out, logs, facts["cuda"], extra={"XDG_CACHE_HOME": str(out / "cache")})
+        self.args, self.facts = args, facts
+        self.shape = TINY if args.quick else GPT2
 
     def shoal(self, name: str, args: list, timeout: float, expect: int | None = 0):
         return run([sys.executable, "-m", "shoal", *args], cwd=self.out, env=self.env, timeout=timeout,

@@ -22,4 +22,4 @@ export PYTHONPATH="$site:$PWD/src${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 out=/tmp/$name
 logs=$out/logs
 if [ -n "${OUT:-}" ]; then logs=$OUT/${name}_logs; fi
-exec python3 "benchmarks/$name.py" --out "$out" --logs "$logs" "$@"
+exec python3 -m "benchmarks.$name" --out "$out" --logs "$logs" "$@"

@@ -38,7 +38,7 @@ run at the first micro-batch, as shoal's metrics.host_syncs counts them (on CUDA
 plain loop's own process after its timed steps, in shoal's in a short run of its own (counting is never timed). Peak
 memory: CUDA's peak allocated bytes (shoal: summary.json's peak_memory_bytes).
 
-    python benchmarks/gpu_step.py [--quick] [--micro 16,64] [--pairs 3] [--trace] [--tuned] [--fp8 | --fp8-only]
+    python -m benchmarks.gpu_step [--quick] [--micro 16,64] [--pairs 3] [--trace] [--tuned] [--fp8 | --fp8-only]
                                   [--out DIR]
     bash benchmarks/gpu_step.sh [ARGS]     (a GPU machine whose python3 has torch: the wheels it lacks in .whl/)
 
@@ -62,7 +62,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import shutil
 import statistics
 import subprocess
@@ -71,38 +70,30 @@ import tempfile
 import time
 from pathlib import Path
 
-import gpu_step_report as report  # benchmarks/, beside this script
-from gpu_paths_tools import HERE, ROOT, Failed, gpt_on_tokens, read_jsonl, run
+from benchmarks import gpu_step_report as report
+from benchmarks import harness
+from benchmarks.harness import HERE, Failed, gpt_on_tokens, read_jsonl, run
 
 GPT2 = {"n_layer": 12, "n_head": 12, "d_model": 768, "seq_len": 1024, "vocab_size": 50304}
 TINY = {"n_layer": 2, "n_head": 2, "d_model": 64, "seq_len": 64, "vocab_size": 512}
 FP8_GPT = {"n_layer": 18, "n_head": 16, "d_model": 2048, "seq_len": 1024, "vocab_size": 50304}  # ~1.0B
 # Without CUDA, torch.compile goes through dynamo and AOTAutograd only, on both sides: inductor's C++ compile of even
 # the tiny GPT takes ~45 s a run on 2 CPU cores with its cache cold, and the CPU run only shows that the code runs
-CPU_COMPILE = ">=0:aot_eager"  # TORCH_COMPILE_OVERRIDE_BACKENDS: every compiled graph (torch 2.13 and newer)
 DATA_VOCAB = {50304: 50257, 512: 500}  # token ids drawn below this (GPT-2's vocabulary, padded to 50304)
 # --tuned: what docs/gpus.md tells a GPU user to set for speed (CUDA graphs; the loss without whole logits)
 TUNED = ["train.compile=reduce-overhead", "model.loss_chunks=8"]
 
 
-class Bench:
-    """The invocation: where things go, the shape, the step counts, the subprocesses' environment."""
+class Bench(harness.Bench):
+    """The invocation: the shape, the step counts, the token file, the device's facts."""
 
     def __init__(self, args, out: Path, logs: Path):
-        self.out, self.logs, self.args = out, logs, args
+        super().__init__(out, logs, args.cuda)
+        self.args = args
         self.shape = TINY if args.quick else GPT2
         self.warmup, self.timed, self.interval = args.warmup, args.timed, args.log_interval
-        path = os.pathsep.join(p for p in [str(ROOT / "src"), os.environ.get("PYTHONPATH")] if p)
-        self.env = {**os.environ, "PYTHONPATH": path, "PYTHONUNBUFFERED": "1"}
-        if not args.cuda:  # see CPU_COMPILE
-            self.env["TORCH_COMPILE_OVERRIDE_BACKENDS"] = CPU_COMPILE
         self.tokens = out / "tokens.bin"
-        self.count = 0
         self.facts: dict = {}
-
-    def log(self, name: str) -> Path:
-        self.count += 1
-        return self.logs / f"{self.count:02d}-{name}.log"
 
     def config(self, name: str, shape: dict, steps: int, warmup: int, interval: int) -> Path:
         return gpt_on_tokens(self.out / "configs" / f"{name}.toml", shape, self.tokens, steps=steps, warmup=warmup,

@@ -17,8 +17,8 @@ the card's data-sheet peak (shoal.hardware.gpu_preset_for), whether this shoal t
 tuned runs' settings, whether torchao imports; writes the token file both runs read (uniform random token ids, a
 fixed seed).
 
-    python benchmarks/gpu_step_loop.py train CONFIG --micro 16 [--compile] [--warmup 10] [--timed 30]
-    python benchmarks/gpu_step_loop.py prepare --tokens FILE --count N --vocab V --matmul 8192
+    python -m benchmarks.gpu_step_loop train CONFIG --micro 16 [--compile] [--warmup 10] [--timed 30]
+    python -m benchmarks.gpu_step_loop prepare --tokens FILE --count N --vocab V --matmul 8192
 
 Each prints one JSON line, its last; an out-of-memory `train` prints {"oom": ...} and exits 3.
 """

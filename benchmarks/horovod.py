@@ -9,7 +9,7 @@ Runs, alternated in rounds so machine noise hits both alike:
 Per run, the wall time per step over intervals of 10 steps after a warmup (everything between steps
 counts); across rounds, the median.
 
-    python benchmarks/horovod.py [--rounds 3] [--steps 60]
+    python -m benchmarks.horovod [--rounds 3] [--steps 60]
 
 Prints the median step-time ratio Horovod-on-shoal / shoal dp (target <= 1.05). Last line:
     RESULT ratio=<horovod/shoal> horovod_ms=<median step> shoal_ms=<median step>
@@ -28,7 +28,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from dp_overhead import INTERVAL, SEQ_LEN, WARMUP, per_step, shoal_run
+from benchmarks.dp_overhead import INTERVAL, SEQ_LEN, WARMUP, per_step, shoal_run
 
 ROOT = Path(__file__).resolve().parents[1]
 

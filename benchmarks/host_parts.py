@@ -10,7 +10,7 @@ on a step of 3 ms); sampling changes nothing in the sampled process (py-spy read
 spread over the step's many small functions, so a part's figure moves by about a unit of the loop's step from one
 repeat to the next (the backward holds ~1,700 samples of 12 s at 400 Hz): the median of the repeats is printed.
 
-    python benchmarks/host_parts.py [--repeats 3] [--seconds 12] [--rate 400]
+    python -m benchmarks.host_parts [--repeats 3] [--seconds 12] [--rate 400]
 
 Needs py-spy (`pip install py-spy`) and leave to read another process's memory (root, or ptrace_scope 0).
 Last line: RESULT shoal_step=<shoal's step, % of the loop's> <part>=<shoal's part minus the loop's, % of the loop's
@@ -31,8 +31,9 @@ from collections import Counter
 from pathlib import Path
 
 import numpy as np
-from gpu_paths_tools import HERE, ROOT, descendants, kill_tree, read_jsonl  # benchmarks/, beside this script
-from host_step import INTERVAL, MICRO, config
+
+from benchmarks.harness import HERE, ROOT, descendants, kill_tree, read_jsonl
+from benchmarks.host_step import INTERVAL, MICRO, config
 
 # (part, frames that put a sample in it): the first part whose frames one of the sample's frames names
 PARTS = [

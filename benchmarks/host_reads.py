@@ -3,12 +3,12 @@
 On a GPU each such read (`.item()`, `float(t)`, `bool(t)`, `.tolist()`, `.cpu()`, `.numpy()`) makes the
 host wait until the device has computed the value, and the device then idles until the host queues
 more work. On a CPU nothing waits, but the same code makes the same calls, so counting them here (the
-counter of tests/host_reads.py) tells how a step behaves on a GPU. One `shoal train` of the tiny GPT
+counter of benchmarks/read_counter.py) tells how a step behaves on a GPU. One `shoal train` of the tiny GPT
 (2 x 32, 6 steps, global batch 8 in 4 micro-batches, log interval past the run but for its last step,
 no checkpoints), in this process; the step report's one late read is not counted (it waits for a copy,
 not for the step).
 
-    python benchmarks/host_reads.py [--set key=value ...]
+    python -m benchmarks.host_reads [--set key=value ...]
 
 Prints the reads of each step and where the first ones come from. Last line:
     RESULT unlogged_max=<reads on the worst step that is not logged> logged=<reads on the last step>
@@ -20,7 +20,6 @@ import argparse
 import contextlib
 import io
 import os
-import sys
 import tempfile
 from pathlib import Path
 
@@ -36,12 +35,11 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--set", action="append", default=[], help="a config override, as shoal train takes it")
     args = parser.parse_args()
-    sys.path.insert(0, str(ROOT / "tests"))
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=os.environ.get("MASTER_PORT", "29517"), RANK="0",
                       WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1")
     import torch
-    from host_reads import HostReads
 
+    from benchmarks.read_counter import HostReads, as_on_a_gpu
     from shoal import dist as shoal_dist
     from shoal.comm.collectives import Comm
     from shoal.comm.phase import Phase
@@ -54,7 +52,7 @@ def main() -> None:
     cfg = load_config(None, [*BASE, *args.set])
     job = check_job(cfg, [1], cuda=False, quiet=True)
     phase = Phase()
-    with HostReads(phase) as reads, late_read_allowed(reads), tempfile.TemporaryDirectory() as tmp:
+    with HostReads(phase) as reads, as_on_a_gpu(reads), tempfile.TemporaryDirectory() as tmp:
         with contextlib.redirect_stdout(io.StringIO()):
             run_rank(cfg, job, Path(tmp) / "run", env, Comm(env.store, env.rank, env.world_size), "never", phase=phase)
     for step in range(1, STEPS + 1):
@@ -63,27 +61,6 @@ def main() -> None:
               + (f"; first: {', '.join(where[:4])}" if where else ""))
     unlogged = max(reads.per_step.get(s, 0) for s in range(1, STEPS))
     print(f"RESULT unlogged_max={unlogged} logged={reads.per_step.get(STEPS, 0)}")
-
-
-@contextlib.contextmanager
-def late_read_allowed(reads):
-    """The step report's read (training/report.py) outside the count, where there is one."""
-    try:
-        from shoal.training.report import StepReport
-    except ImportError:  # a shoal from before the report: every read counts
-        yield
-        return
-    read = StepReport.read
-
-    def allowed(report):
-        with reads.allowed():
-            return read(report)
-
-    StepReport.read = allowed
-    try:
-        yield
-    finally:
-        StepReport.read = read
 
 
 if __name__ == "__main__":

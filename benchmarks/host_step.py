@@ -18,7 +18,7 @@ beside it (`mean_ratio`). The two run alternately, pair after pair, the order sw
 that a drift of the machine's speed hits both alike; the ratio is taken within each pair, and the median and range
 of those ratios are reported.
 
-    python benchmarks/host_step.py [--pairs 7] [--warmup 50] [--timed 400] [--set key=value ...]
+    python -m benchmarks.host_step [--pairs 7] [--warmup 50] [--timed 400] [--set key=value ...]
 
 Target (issue 58): shoal / loop <= 1.05. Run it on a quiet machine (nothing else on the cores). Last line:
     RESULT host_ratio=<median> ratio_min=... ratio_max=... mean_ratio=<median of the means' ratios>
@@ -39,7 +39,8 @@ import time
 from pathlib import Path
 
 import numpy as np
-from gpu_paths_tools import HERE, ROOT, gpt_on_tokens, read_jsonl, run  # benchmarks/, beside this script
+
+from benchmarks.harness import HERE, ROOT, gpt_on_tokens, read_jsonl, run
 
 GC: list[tuple] = []  # each shoal run's full garbage collection before the heap's freeze and after (summary.json)
 SHAPE = {"n_layer": 2, "n_head": 2, "d_model": 32, "seq_len": 32, "vocab_size": 512}

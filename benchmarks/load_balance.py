@@ -20,7 +20,7 @@ communication is overhead the ideal does not pay: the gradient all-reduce with a
 (~4 ms for this model's 1.8 MB on the cluster, `shoal probe --cluster`) and the wait for rank 1 when
 its quota runs out mid-step (the cgroup gives it 2.5 ms of every 5).
 
-    python benchmarks/load_balance.py [--slow cpu|inject] [--steps 60]
+    python -m benchmarks.load_balance [--slow cpu|inject] [--steps 60]
 
 Last line:
     RESULT balanced_vs_ideal=<balanced step time / ideal> uniform_vs_ideal=<uniform step time / ideal>

@@ -9,7 +9,7 @@ Per rank: the bytes of parameters, gradients and optimizer state it holds (its s
 byte once; DeepSpeed's fp32 master partitions count as optimizer state), its peak RSS; max over
 ranks. Step time: median over the steps after the first. Runs alternate; medians over --repeats.
 
-    python benchmarks/memory_sharding.py [--repeats 1] [--steps 5]
+    python -m benchmarks.memory_sharding [--repeats 1] [--steps 5]
 
 DeepSpeed: `.venv/bin/pip install deepspeed torch==2.13.0` (runs with DS_ACCELERATOR=cpu, gloo;
 this script sets it). Without it the DeepSpeed rows say why and the ratios against it are nan.

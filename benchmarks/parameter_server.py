@@ -19,7 +19,7 @@ all-reduce's, and so is ZeRO 2's (the same math, FSDP2 adding in another order):
 alone causes. Then NCF (2,000 users, 1,000 items, SGD) on the synchronous server, with embedding
 tables sent dense and by rows: bytes per step both ways.
 
-    sudo python benchmarks/parameter_server.py [--steps 150]
+    sudo python -m benchmarks.parameter_server [--steps 150]
 
 Last line:
     RESULT async_vs_allreduce_time_straggler=<best async time to target / all-reduce's, with the straggler>

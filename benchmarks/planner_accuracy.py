@@ -9,7 +9,7 @@ run dir given to `shoal plan --check`'s comparison (plan/check.py): predicted ag
 step time, per-rank model state (params + grads + optimizer, the largest rank) and peak memory. The
 "formulas" columns are the same profile's prediction without the calibration.
 
-    python benchmarks/planner_accuracy.py [--steps 12] [--max-size 16MiB] [--hog-during-probe]
+    python -m benchmarks.planner_accuracy [--steps 12] [--max-size 16MiB] [--hog-during-probe]
 
 --hog-during-probe runs two busy loops (one per core of the 2-core machine it was written on) beside the
 probe and stops them before the layouts are trained: the probe then either refuses to calibrate (it

@@ -3,7 +3,7 @@ off, alternated in rounds so machine noise hits both alike; per run the wall tim
 over intervals of 10 logged steps after a warm-up, everything between steps included), per setting
 the median over rounds.
 
-    python benchmarks/profile_overhead.py [--rounds 3] [--steps 60]
+    python -m benchmarks.profile_overhead [--rounds 3] [--steps 60]
 
 Target: the profile costs < 2% of step time. Last line:
     RESULT profile_overhead=<(on - off) / off>

@@ -24,7 +24,7 @@ LEAVE-ONE-OUT: each row is predicted with the median of the factors the other ro
 The factor each row implies, f = (compute + bubble at peak) / (reported time - communication), is
 printed too.
 
-    python benchmarks/published_runs.py [--rows NAME,NAME,...]
+    python -m benchmarks.published_runs [--rows NAME,NAME,...]
 
 Last line:
     RESULT published_median_err=<x> published_worst_err=<y> published_rank_median=<z> top5=<k>/<n>

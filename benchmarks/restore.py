@@ -9,7 +9,7 @@ The default GPT (configs/gpt-tiny.toml) with its AdamW after one step, restored 
     apply_tensor_state now tries first.
 Alternated, one thread, on an otherwise quiet machine.
 
-    python benchmarks/restore.py [--repeats 30]
+    python -m benchmarks.restore [--repeats 30]
 
 Last line:
     RESULT dcp_ms=<median> copy_ms=<median> ratio=<dcp/copy>

@@ -12,7 +12,7 @@ acceptance run). Two runs, one after the other:
     process's VmHWM after its start and after its step (no data set, no metrics, no checkpoint).
 Both workers run on tcmalloc when it is installed, as shoal's ZeRO 3 workers do.
 
-    python benchmarks/sharded_start.py
+    python -m benchmarks.sharded_start
 
 Target (issue 49): shoal's peak RSS per worker < 0.75x the model's fp32 bytes. Last line:
     RESULT start_vs_model=<shoal start / model bytes> peak_vs_model=<shoal peak / model bytes>

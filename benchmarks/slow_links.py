@@ -21,7 +21,7 @@ read from the bridge port's counter), final validation loss after the budget, an
 into compute (the median step of a periodic mode that sent nothing: forward, backward, optimizer) and
 communication (the rest: exposed transfer time and compression arithmetic).
 
-    sudo python benchmarks/slow_links.py [--steps 200] [--rate 100mbit] [--modes none,diloco-8,...]
+    sudo python -m benchmarks.slow_links [--steps 200] [--rate 100mbit] [--modes none,diloco-8,...]
 
 Last line:
     RESULT best_vs_allreduce_time=<best mode's time to target / uncompressed's> best_mode=<name>

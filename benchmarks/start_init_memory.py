@@ -9,7 +9,7 @@ torch 2.13's trunc_normal_ draws by rejection: with bounds its draws reach (torc
 deviations) it holds temporaries of several times the tensor while it fills it, in one process as in the
 replay, which runs the function itself.
 
-    .venv/bin/python benchmarks/start_init_memory.py
+    .venv/bin/python -m benchmarks.start_init_memory
 
 Last line: RESULT <init>_eager_mib=... <init>_start_mib=... for each init (MiB of peak growth).
 """

@@ -14,7 +14,7 @@ The default GPT, 1 thread per worker, no validation, TensorBoard or checkpoint. 
 and the CPU time of the whole machine while it ran (from /proc/stat: every process of the tree,
 including those a forkserver reaps, which no rusage of the caller sees), so run it on a quiet machine.
 
-    python benchmarks/startup.py [--rounds 5]
+    python -m benchmarks.startup [--rounds 5]
 
 Last line:
     RESULT ratio=<shoal/torchrun wall> cpu_ratio=<shoal/torchrun CPU> fresh_ratio=<fresh/forked wall>

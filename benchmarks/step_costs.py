@@ -15,7 +15,7 @@ step, in alternating order:
 - building the step's micro-batches from the corpus in the training thread: what data.prefetch's
   thread takes off the step.
 
-    python benchmarks/step_costs.py [--steps 100]
+    python -m benchmarks.step_costs [--steps 100]
 
 Per piece the median over steps (rank 0's; the tracker and the hook: of the difference between the
 variant's forward and backward and the plain one's in the same round). Target: all of it together

@@ -2,7 +2,7 @@
 training forwards sleep model.sample_delay_s per sample (the slowed rank alternates between runs);
 a run counts as correct when every logged step names that rank and no other, and the summary names it.
 
-    python benchmarks/straggler.py [--runs 10] [--delay 0.002]
+    python -m benchmarks.straggler [--runs 10] [--delay 0.002]
 
 Last line:
     RESULT straggler_named=<correct>/<runs>

@@ -1,5 +1,5 @@
 """A step that is not logged never makes the host wait for the device: on every layout, the host reads
-no tensor value during such a step but the one late read of the step before's report (tests/host_reads.py
+no tensor value during such a step but the one late read of the step before's report (benchmarks/read_counter.py
 counts them, as a GPU would feel them), and a run whose steps are read late trains exactly the run whose
 steps are all read at once."""
 
@@ -32,33 +32,19 @@ def counted_run(env, overrides: list[str], run_dir: str) -> dict[int, list[str]]
     import contextlib
     import io
 
-    from host_reads import HostReads
+    from benchmarks.read_counter import HostReads, as_on_a_gpu
 
     from shoal.comm.collectives import Comm
     from shoal.comm.phase import Phase
     from shoal.config import load_config
     from shoal.preflight import check_job
-    from shoal.training.report import StepReport
-    from shoal.training.step import Stepper
     from shoal.worker import run_rank
 
     cfg = load_config(None, overrides)
     job = check_job(cfg, [env.world_size], cuda=False, quiet=True)
     phase = Phase()
-    read, post_init = StepReport.read, Stepper.__post_init__
-    with HostReads(phase) as reads, contextlib.redirect_stdout(io.StringIO()):
-        def allowed_read(report):
-            with reads.allowed():
-                return read(report)
-
-        def as_on_a_gpu(stepper):  # the device decides (on the CPU the host reads the step's values: free there)
-            stepper.host_decides = False
-            post_init(stepper)
-        StepReport.read, Stepper.__post_init__ = allowed_read, as_on_a_gpu
-        try:
-            run_rank(cfg, job, Path(run_dir), env, Comm(env.store, env.rank, env.world_size), "never", phase=phase)
-        finally:
-            StepReport.read, Stepper.__post_init__ = read, post_init
+    with HostReads(phase) as reads, as_on_a_gpu(reads), contextlib.redirect_stdout(io.StringIO()):
+        run_rank(cfg, job, Path(run_dir), env, Comm(env.store, env.rank, env.world_size), "never", phase=phase)
     return dict(reads.where)
 
 

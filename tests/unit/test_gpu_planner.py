@@ -11,15 +11,10 @@ from pathlib import Path
 
 import pytest
 
+from benchmarks import gpu_planner
+from benchmarks import gpu_planner_report as report
+
 ROOT = Path(__file__).resolve().parents[2]
-# imported with benchmarks/ on the path for their sibling imports, then taken off it: left there, its
-# horovod.py and host_reads.py would stand in for the real horovod and tests/host_reads.py in later tests
-sys.path.insert(0, str(ROOT / "benchmarks"))
-try:
-    import gpu_planner
-    import gpu_planner_report as report
-finally:
-    sys.path.remove(str(ROOT / "benchmarks"))
 
 # as `shoal plan --check` prints them (cli/plan.py), a row it may add included
 CHECK = """profile: preset h100 (NVIDIA H100 SXM (data sheet); network nvlink4-ndr400)
@@ -79,8 +74,8 @@ def test_a_gpu_trains_fp16_beside_the_variants_of_its_larger_micro_batch_and_a_c
 
 @pytest.mark.slow  # the script's CPU mode on one run: the plan's measurement, a training, two checks (~30 s)
 def test_the_script_plans_trains_and_checks_on_the_cpu(tmp_path):
-    r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "gpu_planner.py"), "--runs", "mb2", "--steps", "4",
-                        "--out", str(tmp_path)], capture_output=True, text=True, timeout=400)
+    r = subprocess.run([sys.executable, "-m", "benchmarks.gpu_planner", "--runs", "mb2", "--steps", "4",
+                        "--out", str(tmp_path)], capture_output=True, text=True, timeout=400, cwd=ROOT)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     lines = r.stdout.splitlines()
     assert "no CUDA GPU: ran on CPU with a tiny model" in r.stdout

@@ -79,14 +79,11 @@ def launch(worker: list[str] | Forked, nproc: int, nnodes: tuple[int, int] = (1,
     local_addr, handed = "127.0.0.1", {}
     if nnodes[1] > 1:  # [Note: node address]
         try:
-            # a forked worker's environment is its server's, started before the route was known: it is handed
             local_addr = route_workers(endpoint, node_rank, rdzv_timeout,
                                        handed if isinstance(worker, Forked) else os.environ)
         except EndpointUnreachable as e:
             print(f"shoal: {e}", file=sys.stderr)
             return 1
-    if isinstance(worker, Forked):
-        worker = Forked(worker.entry, (*worker.args, handed), worker.preload)
     config = LaunchConfig(
         min_nodes=nnodes[0], max_nodes=nnodes[1], nproc_per_node=nproc,
         run_id=f"shoal-{endpoint}", role="shoal",
@@ -96,7 +93,7 @@ def launch(worker: list[str] | Forked, nproc: int, nnodes: tuple[int, int] = (1,
         max_restarts=max_restarts, monitor_interval=0.1,
         start_method="forkserver" if isinstance(worker, Forked) else "spawn",
     )
-    entrypoint, args = _entrypoint(worker)
+    entrypoint, args = _entrypoint(worker, handed)
     try:
         elastic_launch(config, entrypoint=entrypoint)(*args)
     except ChildFailedError as e:
@@ -111,9 +108,10 @@ def launch(worker: list[str] | Forked, nproc: int, nnodes: tuple[int, int] = (1,
     return 0
 
 
-def _entrypoint(worker: list[str] | Forked) -> tuple:
+def _entrypoint(worker: list[str] | Forked, handed: dict[str, str]) -> tuple:
     """What torch elastic starts, and its arguments: the interpreter, or a Forked entry (its server told
-    what to preload)."""
+    what to preload), handed what the launch learnt for its workers after their server may have started
+    (a forked worker's environment is its server's)."""
     if not isinstance(worker, Forked):
         return sys.executable, worker
     import torch.multiprocessing
@@ -125,7 +123,7 @@ def _entrypoint(worker: list[str] | Forked) -> tuple:
     # a failed forked worker is logged with torch's own traceback of the join (not the worker's, which the
     # worker printed itself): the line is kept, as for a worker started as a binary, the traceback not
     logging.getLogger("torch.distributed.elastic.multiprocessing.api").addFilter(_without_traceback)
-    return worker.entry, worker.args
+    return worker.entry, (*worker.args, handed)
 
 
 def _without_traceback(record: logging.LogRecord) -> bool:

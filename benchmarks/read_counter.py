@@ -90,7 +90,32 @@ class HostReads(TorchDispatchMode):
 def caller() -> str:
     """The innermost frame of shoal (else of anything but this file and torch's Python-side wrappers) that
     read: where to look when a test fails."""
-    frames = [f for f in traceback.extract_stack()[:-3] if not f.filename.endswith("host_reads.py")]
+    frames = [f for f in traceback.extract_stack()[:-3] if not f.filename.endswith("read_counter.py")]
     ours = [f for f in frames if "/shoal/" in f.filename]
     f = (ours or frames)[-1]
     return f"{f.filename.rsplit('/', 2)[-2]}/{f.filename.rsplit('/', 1)[-1]}:{f.lineno}"
+
+
+@contextlib.contextmanager
+def as_on_a_gpu(reads: HostReads):
+    """The reads a GPU's step makes: the step report's one late read (training/report.py) outside the count,
+    and the bad-step verdict decided on the device (on the CPU the host decides it, where that waits for
+    nothing: Stepper.host_decides)."""
+    from shoal.training.report import StepReport
+    from shoal.training.step import Stepper
+
+    read, post_init = StepReport.read, Stepper.__post_init__
+
+    def allowed_read(report):
+        with reads.allowed():
+            return read(report)
+
+    def on_the_device(stepper):
+        stepper.host_decides = False
+        post_init(stepper)
+
+    StepReport.read, Stepper.__post_init__ = allowed_read, on_the_device
+    try:
+        yield
+    finally:
+        StepReport.read, Stepper.__post_init__ = read, post_init
