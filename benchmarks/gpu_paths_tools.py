@@ -11,41 +11,13 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from benchmarks.harness import Failed, python_json, read_jsonl, run
+from benchmarks.harness import HERE, Failed, python_json, read_jsonl, run, tomllib
 
-STEPS, ACCUM = 24, 4  # a global batch of 32 in micro-batches of 8, on one process
+SMALL_GPT = (HERE / "configs" / "small_gpt.toml").read_text()  # its comments say what it is
+STEPS = tomllib.loads(SMALL_GPT)["train"]["steps"]
+ACCUM = 4  # its global batch of 32 in micro-batches of 8, on one process
 OVERFLOW_STEP = 5
 INIT_SCALE = 2.0 ** 16  # torch.amp.GradScaler's initial scale; it halves at an overflow, grows after 2000 steps
-# warmup 0 and min_lr_ratio 1: a constant learning rate, so that a run asked for more steps continues exactly the
-# run that a longer one would have been (the schedule does not depend on train.steps)
-SMALL_GPT = f"""[model]
-name = "gpt"
-n_layer = 2
-n_head = 4
-d_model = 128
-seq_len = 128
-
-[data]
-source = "stdlib-text"
-max_bytes = 2000000
-
-[train]
-steps = {STEPS}
-global_batch_size = 32
-micro_batch_size = 8
-lr = 1e-3
-warmup_steps = 0
-min_lr_ratio = 1.0
-val_batches = 2
-
-[precision]
-dtype = "fp32"  # the reference the other paths are held to ("auto" would be bf16 on the GPU)
-
-[metrics]
-log_interval = 1
-tensorboard = false
-progress = false
-"""
 
 
 def step_records(run_dir: Path) -> list[dict]:

@@ -46,7 +46,7 @@ from pathlib import Path
 from benchmarks import gpu_planner_report as report
 from benchmarks import harness
 from benchmarks.gpu_step_report import tail
-from benchmarks.harness import ROOT, Failed, run
+from benchmarks.harness import ROOT, Failed, run, write_config
 
 GPT2 = {"n_layer": 12, "n_head": 12, "d_model": 768, "seq_len": 1024, "vocab_size": 50304}
 TINY = {"n_layer": 2, "n_head": 2, "d_model": 64, "seq_len": 64, "vocab_size": 512}
@@ -70,36 +70,12 @@ class Bench(harness.Bench):
                    log=self.log(name), expect=expect)
 
     def config(self) -> Path:
-        small = self.args.micro[0]
-        text = "[model]\nname = \"gpt\"\n" + "".join(f"{k} = {v}\n" for k, v in self.shape.items()) + f"""
-[data]
-source = "stdlib-text"
-max_bytes = 2000000
-
-[train]
-steps = {self.args.steps}
-micro_batch_size = {small}
-global_batch_size = {small}
-lr = 6e-4
-warmup_steps = {self.args.steps // 3}
-val_interval = 0
-val_batches = 1
-
-[precision]
-dtype = "bf16"
-
-[checkpoint]
-enabled = false
-final_weights = false
-
-[metrics]
-log_interval = {self.args.log_interval}
-tensorboard = false
-progress = false
-"""
-        path = self.out / "gpt.toml"
-        path.write_text(text)
-        return path
+        """configs/gpt_planner.toml with this invocation's model, steps and first micro-batch."""
+        small, steps = self.args.micro[0], self.args.steps
+        return write_config("gpt_planner", self.out / "gpt.toml", {
+            "model": self.shape, "metrics": {"log_interval": self.args.log_interval},
+            "train": {"steps": steps, "micro_batch_size": small, "global_batch_size": small,
+                      "warmup_steps": steps // 3}})
 
 
 def runs(micro: list[int], cuda: bool) -> dict[str, list[str]]:

@@ -1,7 +1,8 @@
 """What the benchmark scripts share: a command in a subprocess with a timeout (its whole process tree killed when it
 runs over), its output kept in a numbered log file (Bench: a script's invocation, its output folder and the
-environment its subprocesses get); a GPT config over a token file; metrics.jsonl read back. Standard library
-only: the GPU scripts must run on a machine whose python3 has torch and shoal's dependencies and nothing else."""
+environment its subprocesses get); a config read from benchmarks/configs/ with what a run changes merged in;
+metrics.jsonl read back. The standard library and tomli-w (shoal's own dependency) only: the GPU scripts must run
+on a machine whose python3 has torch and shoal's dependencies and nothing else."""
 
 from __future__ import annotations
 
@@ -13,6 +14,13 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
+
+import tomli_w
+
+try:
+    import tomllib
+except ModuleNotFoundError:  # Python 3.10
+    import tomli as tomllib
 
 ROOT = Path(__file__).resolve().parents[1]
 HERE = Path(__file__).resolve().parent
@@ -39,35 +47,24 @@ class Bench:
         return self.logs / f"{self.count:02d}-{name}.log"
 
 
-def gpt_on_tokens(path: Path, shape: dict, tokens: Path, *, steps: int, warmup: int, interval: int, dtype: str,
-                  train: dict | None = None, more: str = "") -> Path:
-    """A config file at `path`: shoal's GPT of `shape` on a token file (uint16), constant settings for a timed
-    run (no checkpoints, no TensorBoard, no progress bar, validation only at the end), and `train`'s keys added
-    to [train], `more` (TOML sections) after."""
-    keys = {"steps": steps, "lr": 6e-4, "warmup_steps": warmup, "val_interval": 0, "val_batches": 1, **(train or {})}
-    text = "[model]\nname = \"gpt\"\n" + "".join(f"{k} = {v}\n" for k, v in shape.items()) + f"""
-[data]
-source = "tokens"
-path = "{tokens}"
-token_dtype = "uint16"
-
-[train]
-""" + "".join(f"{k} = {v}\n" for k, v in keys.items()) + f"""
-[precision]
-dtype = "{dtype}"
-
-[checkpoint]
-enabled = false
-final_weights = false
-
-[metrics]
-log_interval = {interval}
-tensorboard = false
-progress = false
-""" + more
+def write_config(base: str, path: Path, overrides: dict) -> Path:
+    """benchmarks/configs/`base`.toml with `overrides` ({section: {key: value}}) merged into it, written at `path`."""
+    cfg = tomllib.loads((HERE / "configs" / f"{base}.toml").read_text())
+    for section, keys in overrides.items():
+        cfg.setdefault(section, {}).update(keys)
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(text)
+    path.write_text(tomli_w.dumps(cfg))
     return path
+
+
+def gpt_on_tokens(path: Path, shape: dict, tokens: Path, *, steps: int, warmup: int, interval: int, dtype: str,
+                  train: dict | None = None, sections: dict | None = None) -> Path:
+    """configs/gpt_on_tokens.toml at `path` for a timed run: shoal's GPT of `shape` on the token file `tokens`,
+    `train`'s keys added to [train], `sections` ({section: {key: value}}) merged in."""
+    return write_config("gpt_on_tokens", path, {
+        "model": shape, "data": {"path": str(tokens)},
+        "train": {"steps": steps, "warmup_steps": warmup, **(train or {})}, "precision": {"dtype": dtype},
+        "metrics": {"log_interval": interval}, **(sections or {})})
 
 
 class Failed(Exception):

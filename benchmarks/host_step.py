@@ -51,7 +51,7 @@ def config(out: Path, tokens: Path, steps: int) -> Path:
     # warm-up of the learning rate as shoal's default (100 steps), on both sides alike
     return gpt_on_tokens(out / "host_step.toml", SHAPE, tokens, steps=steps, warmup=100, interval=INTERVAL,
                          dtype="fp32", train={"micro_batch_size": MICRO, "global_batch_size": MICRO},
-                         more="\n[parallel]\nthreads_per_worker = 1\n")
+                         sections={"parallel": {"threads_per_worker": 1}})
 
 
 def loop_run(cfg: Path, out: Path, env: dict, warmup: int, timed: int, log: Path, sets: list[str]) -> tuple:
