@@ -5,7 +5,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: run test test-fast test-torch install clean
+.PHONY: run test test-fast test-gpu test-torch install clean
 
 # Python caches compiled modules in __pycache__/ unless PYTHONDONTWRITEBYTECODE is set, as some
 # environments do; then every process compiles what it imports again: a one-step two-worker `shoal
@@ -42,6 +42,11 @@ test: $(STAMP)
 test-fast: $(STAMP)
 	$(VENV)/bin/lint-imports
 	$(PY) -m pytest tests -m "not slow"
+
+# the GPU tier (tests/gpu/), on a GPU machine, with the python3 there that has a CUDA torch, pytest and shoal's
+# dependencies (not .venv's CPU torch); everywhere else its tests are skipped, each with its reason
+test-gpu:
+	PYTHONPATH=src$${PYTHONPATH:+:$$PYTHONPATH} $(PYTHON) -m pytest tests/gpu -v -p no:cacheprovider
 
 # the fast tier on another torch release (make test-torch TORCH=2.14.1), in a virtualenv of its own: the
 # oldest supported release runs in CI beside the pinned one. PyPI's CUDA builds run on a CPU too (2.11:

@@ -250,6 +250,18 @@ def cpu_name() -> str:
         return "unknown"
 
 
+def context(out: Path, logs: Path) -> tuple[Ctx, dict]:
+    """The paths' context in `out` (their run dirs) and `logs` (emptied), and the facts of the interpreter they run
+    in (torch, CUDA, the device). The paths' interpreters import this checkout's shoal; profiles go to a cache of
+    this invocation's own."""
+    out.mkdir(parents=True, exist_ok=True)
+    path = os.pathsep.join(p for p in [str(ROOT / "src"), os.environ.get("PYTHONPATH")] if p)
+    env = {**os.environ, "PYTHONPATH": path, "PYTHONUNBUFFERED": "1", "XDG_CACHE_HOME": str(out / "cache")}
+    shutil.rmtree(logs, ignore_errors=True)
+    seen = facts(env, out, logs)
+    return Ctx(out, seen["cuda"], "cuda" if seen["cuda"] else "cpu", seen["bytes"], env, logs), seen
+
+
 def run_path(ctx: Ctx, name: str) -> tuple[str, str]:
     needs, fn = PATHS[name]
     if needs and not ctx.cuda:
@@ -281,20 +293,14 @@ def main() -> int:
         ap.error(f"unknown path(s) {', '.join(unknown)}; --list names them")
     started = time.monotonic()
     out = Path(args.out).resolve() if args.out else Path(tempfile.mkdtemp(prefix="shoal-gpu-paths-"))
-    out.mkdir(parents=True, exist_ok=True)
-    # the paths' interpreters import this checkout's shoal; profiles go to a cache of this invocation's own
-    path = os.pathsep.join(p for p in [str(ROOT / "src"), os.environ.get("PYTHONPATH")] if p)
-    env = {**os.environ, "PYTHONPATH": path, "PYTHONUNBUFFERED": "1", "XDG_CACHE_HOME": str(out / "cache")}
     logs = Path(args.logs).resolve() if args.logs else out / "logs"
-    shutil.rmtree(logs, ignore_errors=True)
     try:
-        seen = facts(env, out, logs)
+        ctx, seen = context(out, logs)
     except Failed as e:  # torch or shoal does not import: no path can run
         print(f"FAIL  setup  {e} (logs in {logs})")
         print(f'RESULT ok=0 failed=1 skipped=0 seconds={time.monotonic() - started:.0f} device="?" torch=?')
         return 1
     device = seen["name"] if seen["cuda"] else f"CPU ({cpu_name()})"
-    ctx = Ctx(out, seen["cuda"], "cuda" if seen["cuda"] else "cpu", seen["bytes"], env, logs)
     print(f"gpu_paths: {len(chosen)} path(s) on {device}, torch {seen['torch']}; run dirs in {out}, logs in {logs}",
           flush=True)
     counts = {"ok": 0, "FAIL": 0, "skip": 0}
