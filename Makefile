@@ -44,9 +44,10 @@ test-fast: $(STAMP)
 	$(PY) -m pytest tests -m "not slow"
 
 # the GPU tier (tests/gpu/), on a GPU machine, with the python3 there that has a CUDA torch, pytest and shoal's
-# dependencies (not .venv's CPU torch); everywhere else its tests are skipped, each with its reason
+# dependencies (not .venv's CPU torch); on a machine without one each test is skipped with its reason. The other
+# targets leave the tier out (tests/conftest.py): there it could only be skipped
 test-gpu:
-	PYTHONPATH=src$${PYTHONPATH:+:$$PYTHONPATH} $(PYTHON) -m pytest tests/gpu -v -p no:cacheprovider
+	SHOAL_GPU_TIER=1 PYTHONPATH=src$${PYTHONPATH:+:$$PYTHONPATH} $(PYTHON) -m pytest tests/gpu -v -p no:cacheprovider
 
 # the fast tier on another torch release (make test-torch TORCH=2.14.1), in a virtualenv of its own: the
 # oldest supported release runs in CI beside the pinned one. PyPI's CUDA builds run on a CPU too (2.11:

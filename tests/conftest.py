@@ -23,6 +23,9 @@ from shoal.launch.supervisor import descendants
 
 ROOT = Path(__file__).resolve().parents[1]
 FIXTURES = Path(__file__).parent / "fixtures"
+# the GPU tier (tests/gpu/) is collected by `make test-gpu` alone: everywhere else (make test, CI) every one of
+# its tests would only be skipped for want of a GPU
+collect_ignore = [] if os.environ.get("SHOAL_GPU_TIER") else ["gpu"]
 
 
 @dataclass
