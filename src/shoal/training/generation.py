@@ -34,7 +34,7 @@ class Generation:
         return False
 
     def restore(self, run) -> None:
-        raise NotImplementedError("a fixed group holds no state in memory: it restores from a checkpoint")
+        """Nothing to put back: a fixed group holds no state in memory (it restores from a checkpoint)."""
 
     def begin(self, run, trainer) -> None:
         pass
@@ -43,7 +43,8 @@ class Generation:
         return contextlib.nullcontext()
 
     def regroup(self, run) -> BaseException:
-        raise NotImplementedError("a fixed group never changes: regroup_wanted is None")
+        # unreachable by design: with regroup_wanted None the step's flags never ask for a change
+        raise RuntimeError("the ranks agreed to change a fixed group: its regroup_wanted is None, so no step asks")
 
     def lost(self, run, error: BaseException) -> BaseException | None:
         return None
