@@ -118,9 +118,12 @@ def p_session(ctx: Ctx) -> str:
         raise Failed(f"the rerun did not start from step 4's checkpoint: {last_line(again.out)}")
     losses = {m["step"]: m["loss"] for m in step_records(whole)}
     redone = step_records(cut)
-    steps = [m["step"] for m in redone]  # step 5 twice: before the kill, and again
-    if steps != [1, 2, 3, 4, 5, 5, 6, 7, 8] or any(m["loss"] != losses[m["step"]] for m in redone):
-        raise Failed(f"steps and losses of the killed run differ from the uninterrupted one: {redone[:2]}...")
+    # step 5 is written before the kill only when its report was read by then (a step may be read a step late):
+    # every step once, or step 5 twice, each with the uninterrupted run's loss
+    steps = [m["step"] for m in redone]
+    if steps not in ([1, 2, 3, 4, 5, 6, 7, 8], [1, 2, 3, 4, 5, 5, 6, 7, 8]) or any(
+            m["loss"] != losses[m["step"]] for m in redone):
+        raise Failed(f"steps {steps} and losses of the killed run differ from the uninterrupted one: {redone[:2]}...")
     same = ctx.python("session", (
         "import json, torch; from safetensors.torch import load_file; "
         f"a, b = load_file({str(whole / 'model.safetensors')!r}), load_file({str(cut / 'model.safetensors')!r}); "
