@@ -16,6 +16,9 @@ for 24 steps, fp32 unless said:
   train-fp8            precision.dtype = fp8 (float8 matmuls: compute capability 8.9 or newer): within 2e-2 of fp32
   train-checkpointing  precision.activation_checkpointing = true: within 1e-5 of fp32 (the same kernels, run twice),
                        a lower CUDA peak than fp32's
+  host-syncs           metrics.host_syncs = true, metrics.log_interval = 8 (torch's sync debug mode): the logged steps'
+                       metrics and summary.json carry the count, the median step (one not logged) syncs none; losses
+                       within 1e-6 of fp32's
   cuda-memory          train-fp32's metrics.jsonl and summary.json carry CUDA's peak allocated bytes: at least the
                        model state (parameters, gradients, AdamW moments), below the GPU's memory
   start-memory         train-fp32's summary.json: its start (the model built on the meta device, the seeded init
@@ -175,6 +178,21 @@ def p_train_checkpointing(ctx: Ctx) -> str:
     return f"{check_learning(run.losses, STEPS)}; {close}; CUDA peak {mib(peak)} (without: {mib(ref_peak)})"
 
 
+def p_host_syncs(ctx: Ctx) -> str:
+    run = train(ctx, "host-syncs", ctx.folder("host-syncs") / "run",
+                [f"parallel.device={ctx.dev}", "metrics.host_syncs=true", "metrics.log_interval=8"])
+    logged = {m["step"]: m.get("host_syncs") for m in step_records(run.dir)}
+    median, sites = run.summary.get("host_syncs_per_step"), run.summary.get("host_sync_sites")
+    if None in logged.values() or median is None:
+        raise Failed(f"metrics.host_syncs = true, yet the logged steps' metrics ({logged}) or summary.json "
+                     f"(host_syncs_per_step {median}) lack the count")
+    if median != 0:  # 20 of the 23 steps after the first are not logged: the median is theirs
+        raise Failed(f"the median step synced with the host {median} times, expected none; where: {sites}")
+    close = check_close(run.losses, fp32_run(ctx).losses, run.losses.keys(), 1e-6, "fp32 uncounted")
+    return (f"median step 0 syncs (first step {run.summary['host_syncs_first_step']}, logged steps {logged}); "
+            f"where: {sites}; {close}")
+
+
 def p_cuda_memory(ctx: Ctx) -> str:
     run = fp32_run(ctx)
     steps = [m for m in step_records(run.dir) if "peak_memory_bytes" in m]
@@ -211,6 +229,7 @@ PATHS = {
     "train-compile": ("torch.compile of a GPU run", p_train_compile),
     "train-fp8": ("float8 matmuls (compute capability 8.9 or newer)", p_train_fp8),
     "train-checkpointing": ("activation checkpointing on a GPU (the CUDA peak)", p_train_checkpointing),
+    "host-syncs": ("torch's sync debug mode (a CPU step reads its loss by design)", p_host_syncs),
     "cuda-memory": ("CUDA's peak memory", p_cuda_memory),
     "start-memory": ("CUDA's allocated memory", p_start_memory),
     "probe": (None, commands.p_probe),

@@ -1,7 +1,7 @@
-"""The GPU tier: every path of benchmarks/gpu_paths.py that needs CUDA (its PATHS table: name, what it needs, its
-check), one test each, and the fp32 reference run's losses against the baseline recorded for the card. On a GPU
-machine: `make test-gpu`; on one without, each is skipped with its reason, and `make test` leaves the tier out
-(tests/conftest.py). The paths that run on a CPU as well run in `benchmarks/gpu_paths.py` itself.
+"""The GPU tier: every path of benchmarks/gpu_paths.py (its PATHS table: name, what it needs CUDA for, its check)
+run on the GPU, one test each, and the fp32 reference run's losses against the baseline recorded for the card. On a
+GPU machine: `make test-gpu`; on one without, each is skipped with its reason, and `make test` leaves the tier out
+(tests/conftest.py). The paths that can run on a CPU as well run there in `benchmarks/gpu_paths.py` itself.
 
 A baseline is the reference run's loss at every step on one card (tests/gpu/baselines/<card>.json), written by
 `SHOAL_GPU_BASELINE=write make test-gpu` on that card; a later run on the same card must stay within
@@ -37,8 +37,8 @@ def ctx(tmp_path_factory):
     return made
 
 
-@pytest.mark.parametrize("name", [name for name, (needs, _) in gpu_paths.PATHS.items() if needs])
-def test_a_cuda_path(ctx, name):
+@pytest.mark.parametrize("name", list(gpu_paths.PATHS))
+def test_a_path_on_the_gpu(ctx, name):
     status, detail = gpu_paths.run_path(ctx, name)
     assert status == "ok", f"{name}: {detail} (logs in {ctx.logs})"
 
