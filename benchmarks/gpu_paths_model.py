@@ -33,15 +33,17 @@ def build(cfg, spec):
     forward = model.forward
     at, trace = getattr(cfg, "overflow_call", 0), getattr(cfg, "trace_file", "")
 
-    def overflowing_forward(idx):
-        if not model.training:  # validation: neither counted nor traced
-            return forward(idx)
-        calls[0] += 1
-        if trace:
-            with open(trace, "a") as f:
-                f.write(f"{calls[0]} {model.tok_emb.weight.detach().double().sum().item()!r}\n")
-        logits = forward(idx)
-        return Overflow.apply(logits) if calls[0] == at else logits
+    def overflowing_forward(idx, *rest):  # the target, when the loss is taken inside the forward
+        if model.training:  # validation: neither counted nor traced
+            calls[0] += 1
+            if trace:
+                with open(trace, "a") as f:
+                    f.write(f"{calls[0]} {model.tok_emb.weight.detach().double().sum().item()!r}\n")
+        return forward(idx, *rest)
 
+    def overflow(module, args, logits):  # on the head's output: the loss may be taken inside the forward
+        return Overflow.apply(logits) if model.training and calls[0] == at else logits
+
+    model.head.register_forward_hook(overflow)
     model.forward = overflowing_forward
     return bundle

@@ -52,6 +52,7 @@ def test_the_reference_run_keeps_to_the_card_s_baseline(ctx):
     losses = fp32_run(ctx).losses
     path = card_file()
     if os.environ.get("SHOAL_GPU_BASELINE") == "write":
+        path.parent.mkdir(exist_ok=True)
         path.write_text(json.dumps({"card": torch.cuda.get_device_name(0), "torch": torch.__version__,
                                     "losses": {str(k): v for k, v in sorted(losses.items())}}, indent=1) + "\n")
     if not path.exists():

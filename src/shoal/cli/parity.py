@@ -15,7 +15,7 @@ def add_parser(sub) -> None:
     p.add_argument("config_b")
     p.add_argument("--steps", type=int, default=20, help="steps to compare (default 20)")
     p.add_argument("--rtol", type=float, help="largest relative difference accepted (default: 1e-5 for fp32, "
-                                              "2e-2 when either config computes in bf16, 1e-2 for fp16)")
+                                              "2e-2 when either config computes in bf16, 1e-2 for fp16, 5e-2 for fp8)")
     p.add_argument("--nproc", metavar="A,B", help='processes for each config (default: dp x tp x pp; needed when '
                                                   'parallel.dp = "auto")')
     add_set(p, "override a config value in both configs (repeatable)")
