@@ -40,11 +40,29 @@ def rebuilt(optimizer: torch.optim.Optimizer, groups: list[dict], par) -> torch.
 
 
 def autocast_forward(forward: Callable, precision: Precision) -> Callable:
+    """The prepared model's forward under autocast, its bf16 or fp16 outputs handed back in fp32, as Accelerate's
+    prepare() does: the user's loss runs outside autocast, where a low-precision output against an fp32 target
+    fails (mse_loss's backward on CUDA: "Found dtype Float but expected BFloat16") or loses precision."""
     def run(*args, **kwargs):
         with precision.autocast():
-            return forward(*args, **kwargs)
+            return in_fp32(forward(*args, **kwargs))
 
     return run
+
+
+def in_fp32(out):
+    """`out` (a tensor, or tuples, lists and dicts of them, as Hugging Face's ModelOutput) with every bf16 or fp16
+    tensor cast to fp32; a dict is updated in place (a ModelOutput keeps its attributes in step)."""
+    if isinstance(out, torch.Tensor):
+        return out.float() if out.dtype in (torch.bfloat16, torch.float16) else out
+    if isinstance(out, dict):
+        for key, value in out.items():
+            out[key] = in_fp32(value)
+        return out
+    if isinstance(out, (tuple, list)):
+        cast = [in_fp32(v) for v in out]
+        return type(out)(*cast) if hasattr(out, "_fields") else type(out)(cast)  # a namedtuple takes fields
+    return out
 
 
 def tensor_parallel_of(model: torch.nn.Module, plan: Mapping[str, object] | None):
