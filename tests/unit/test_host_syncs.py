@@ -2,6 +2,7 @@
 nothing left behind once closed; on a GPU through torch's sync debug mode warnings (here a fake CUDA: the
 mode's setter and the warnings it would raise)."""
 
+import sys
 import threading
 import warnings
 
@@ -78,6 +79,20 @@ def test_a_gpu_counts_torch_s_sync_warnings_of_the_training_thread_and_shows_the
     assert cuda.mode == 0
     warnings.warn(f"{SYNC_WARNING} (after close)", UserWarning, stacklevel=1)
     assert syncs.take(3) == 0 and shown[-1] == f"{SYNC_WARNING} (after close)"
+
+
+def test_a_sync_warned_inside_torch_is_charged_to_the_code_outside_it(monkeypatch):
+    FakeCuda(monkeypatch)
+    inside = {}  # a function whose file is in torch, as a collective's wrapper is: the warning names its line
+    exec(compile("import warnings\ndef op(message):\n    warnings.warn(message, UserWarning, stacklevel=1)\n",
+                 "/site-packages/torch/distributed/fake.py", "exec"), inside)
+    syncs = HostSyncs(torch.device("cuda"), lambda: 1).open()
+    try:
+        line = sys._getframe().f_lineno + 1
+        inside["op"](f"{SYNC_WARNING} (a collective)")
+    finally:
+        syncs.close()
+    assert len(syncs.sites) == 1 and next(iter(syncs.sites)).endswith(f"{HERE}:{line}")
 
 
 @pytest.mark.parametrize("device", ["cpu", "cuda"])

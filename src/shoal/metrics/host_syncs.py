@@ -65,7 +65,7 @@ class HostSyncs:
 
         def showwarning(message, category, filename, lineno, file=None, line=None):
             if str(message).startswith(SYNC_WARNING) and threading.get_ident() == self._thread:
-                self.count(f"{short(filename)}:{lineno}")
+                self.count(warned_at(filename, lineno))
             else:
                 shown(message, category, filename, lineno, file, line)
 
@@ -102,7 +102,19 @@ class _ValueReads(TorchDispatchMode):
 
 def caller() -> str:
     """The innermost frame outside torch (and this file) on the stack: the code that read."""
-    frame = sys._getframe(2)
+    return outside_torch(sys._getframe(2))
+
+
+def warned_at(filename: str, lineno: int) -> str:
+    """Where a sync warning's code was: torch names the innermost Python frame, often torch's own (a collective's
+    wrapper, a compiled kernel's launcher), so the stack is walked out from that frame as caller() does."""
+    frame = sys._getframe(1)
+    while frame is not None and not (frame.f_code.co_filename == filename and frame.f_lineno == lineno):
+        frame = frame.f_back
+    return outside_torch(frame) if frame is not None else f"{short(filename)}:{lineno}"
+
+
+def outside_torch(frame) -> str:
     while frame.f_back is not None and ("/torch/" in frame.f_code.co_filename
                                         or frame.f_code.co_filename == __file__):
         frame = frame.f_back
