@@ -45,9 +45,12 @@ test-fast: $(STAMP)
 
 # the GPU tier (tests/gpu/), on a GPU machine, with the python3 there that has a CUDA torch, pytest and shoal's
 # dependencies (not .venv's CPU torch); on a machine without one each test is skipped with its reason. The other
-# targets leave the tier out (tests/conftest.py): there it could only be skipped
+# targets leave the tier out (tests/conftest.py): there it could only be skipped. Four pytest workers share the GPU
+# (each trains the fp32 reference once; how long it took: benchmarks/gpu.md, "The GPU tier");
+# -rP prints what each path measured
 test-gpu:
-	SHOAL_GPU_TIER=1 PYTHONPATH=src$${PYTHONPATH:+:$$PYTHONPATH} $(PYTHON) -m pytest tests/gpu -v -p no:cacheprovider
+	SHOAL_GPU_TIER=1 PYTHONPATH=src$${PYTHONPATH:+:$$PYTHONPATH} $(PYTHON) -m pytest tests/gpu -v -rP -n 4 --dist load \
+		-p no:cacheprovider
 
 # the fast tier on another torch release (make test-torch TORCH=2.14.1), in a virtualenv of its own: the
 # oldest supported release runs in CI beside the pinned one. PyPI's CUDA builds run on a CPU too (2.11:

@@ -41,6 +41,7 @@ def ctx(tmp_path_factory):
 def test_a_path_on_the_gpu(ctx, name):
     status, detail = gpu_paths.run_path(ctx, name)
     assert status == "ok", f"{name}: {detail} (logs in {ctx.logs})"
+    print(f"{name}: {detail}")  # what the path measured: `make test-gpu` shows it (-rP)
 
 
 def card_file() -> Path:
