@@ -5,7 +5,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: run test test-fast test-gpu test-torch install clean
+.PHONY: run test test-fast test-gpu test-benchmarks test-torch install clean
 
 # Python caches compiled modules in __pycache__/ unless PYTHONDONTWRITEBYTECODE is set, as some
 # environments do; then every process compiles what it imports again: a one-step two-worker `shoal
@@ -35,8 +35,13 @@ run: $(STAMP)
 # and whole files left one worker waiting on the other: 69-80 s against 64-68 s)
 test: $(STAMP)
 	$(VENV)/bin/lint-imports
-	$(PY) -m pytest tests -n 2 --dist loadfile -m "not serial"
+	$(PY) -m pytest tests -n 2 --dist loadfile -m "not serial and not benchmark"
 	$(PY) -m pytest tests -n 2 --dist load -m serial
+
+# every benchmark in its reduced form (tests/integration/test_benchmarks.py): CI runs it after make test, so that a
+# change of shoal cannot leave a benchmark broken; two at a time, one by one
+test-benchmarks: $(STAMP)
+	$(PY) -m pytest tests/integration/test_benchmarks.py -n 2 --dist load -m benchmark
 
 # the everyday tier: the unit tests and the in-process multi-rank harness, no CLI runs (tests/conftest.py)
 test-fast: $(STAMP)

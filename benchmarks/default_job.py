@@ -9,7 +9,7 @@ budget is at least shoal's training time), sizing its schedule from the time of 
 Both models are then evaluated by the same function on the same validation windows (the ones shoal
 validates on: train.val_batches x global batch). Medians over --repeats.
 
-    .venv/bin/python -m benchmarks.default_job [--repeats 3]
+    .venv/bin/python -m benchmarks.default_job [--repeats 3] [--steps N]
 
 Target (the default job's): validation loss <= 1.90 nats/byte in ~2 minutes of training. Last line:
     RESULT default_val_loss=<shoal's> plain_torch_val_loss=<the peer's> seconds=<shoal's run time>
@@ -39,10 +39,11 @@ ROOT = Path(__file__).resolve().parents[1]
 CONFIG = ROOT / "configs/gpt-tiny.toml"
 
 
-def shoal_run(tmp: Path) -> tuple[Path, float]:
+def shoal_run(tmp: Path, steps: int | None) -> tuple[Path, float]:
     run_dir = tmp / f"shoal-{len(list(tmp.iterdir()))}"
+    fewer = ["--set", f"train.steps={steps}"] if steps else []
     subprocess.run([sys.executable, "-m", "shoal", "train", str(CONFIG), "--nproc", "2", "--run-dir", str(run_dir),
-                    "--set", "metrics.progress=false", "--set", "metrics.tensorboard=false"],
+                    "--set", "metrics.progress=false", "--set", "metrics.tensorboard=false", *fewer],
                    check=True, cwd=ROOT, stdout=subprocess.DEVNULL)
     return run_dir / "model.safetensors", json.loads((run_dir / "summary.json").read_text())["total_time_s"]
 
@@ -104,13 +105,14 @@ def plain_run(cfg, source, seconds: float) -> float:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--repeats", type=int, default=1)
+    ap.add_argument("--steps", type=int, help="train.steps of shoal's run (default: the config's; fewer for a try)")
     args = ap.parse_args()
     cfg = load_config(CONFIG)
     source = build_source(cfg.data, cfg.model.seq_len)
     rows = []
     with tempfile.TemporaryDirectory() as d:
         for _ in range(args.repeats):
-            weights, seconds = shoal_run(Path(d))
+            weights, seconds = shoal_run(Path(d), args.steps)
             model = build(cfg)
             load_model(model, str(weights))  # strict; knows the head is tied to the embedding
             ours = val_loss(model, source, cfg)

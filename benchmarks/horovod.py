@@ -35,8 +35,8 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def horovod_run(steps: int, micro: int) -> float:
     """Wall time per step of the Horovod loop under `shoal run --horovod -np 2`, over the same intervals."""
-    cmd = [sys.executable, "-m", "shoal", "run", "--horovod", "-np", "2", str(Path(__file__).resolve()), "--worker",
-           "--steps", str(steps), "--micro", str(micro)]
+    cmd = [sys.executable, "-m", "shoal", "run", "--horovod", "-np", "2", "-m", "benchmarks.horovod", "--worker",
+           "--steps", str(steps), "--micro", str(micro)]  # as a module: it imports its siblings from the package
     out = subprocess.run(cmd, check=True, cwd=ROOT, capture_output=True, text=True).stdout
     times = json.loads(out.strip().splitlines()[-1])["step_times"]
     ends = list(itertools.accumulate(times))  # ends[k - 1]: when step k ended

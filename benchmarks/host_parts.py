@@ -83,7 +83,7 @@ def busiest(pids: list[int]) -> int:
     return max(pids, key=lambda pid: cpu_ticks(pid) - before[pid])
 
 
-def repeat(cfg: Path, out: Path, env: dict, seconds: float, rate: int, spy: str, index: int) -> dict[str, float]:
+def repeat(cfg: Path, out: Path, env: dict, seconds: int, rate: int, spy: str, index: int) -> dict[str, float]:
     """One repeat: both sides started, sampled over the same seconds, stopped; each part in % of the loop's step."""
     run_dir = out / f"run{index}"
     logs = out / "logs"
@@ -120,11 +120,13 @@ def repeat(cfg: Path, out: Path, env: dict, seconds: float, rate: int, spy: str,
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--repeats", type=int, default=3, help="repeats, each a fresh pair of runs (default 3)")
-    ap.add_argument("--seconds", type=float, default=12, help="seconds sampled per repeat (default 12)")
+    ap.add_argument("--seconds", type=int, default=12,
+                    help="seconds sampled per repeat (default 12; py-spy takes whole seconds)")
     ap.add_argument("--rate", type=int, default=400, help="samples per second (default 400)")
     ap.add_argument("--out", help="folder for the config, runs, samples and logs (default: temporary)")
     args = ap.parse_args()
-    spy = shutil.which("py-spy")
+    beside = Path(sys.executable).with_name("py-spy")  # the virtualenv's, which PATH need not hold
+    spy = str(beside) if beside.exists() else shutil.which("py-spy")
     if spy is None:
         print("host_parts.py: py-spy is not installed; run: .venv/bin/pip install py-spy", file=sys.stderr)
         return 2

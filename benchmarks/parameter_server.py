@@ -19,7 +19,7 @@ all-reduce's, and so is ZeRO 2's (the same math, FSDP2 adding in another order):
 alone causes. Then NCF (2,000 users, 1,000 items, SGD) on the synchronous server, with embedding
 tables sent dense and by rows: bytes per step both ways.
 
-    sudo python -m benchmarks.parameter_server [--steps 150]
+    sudo python -m benchmarks.parameter_server [--steps 150] [--quick]
 
 Last line:
     RESULT async_vs_allreduce_time_straggler=<best async time to target / all-reduce's, with the straggler>
@@ -122,14 +122,18 @@ def time_to(run: dict, target: float) -> float | None:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=150, help="global batches of data per run (default 150)")
+    ap.add_argument("--quick", action="store_true", help="no straggler pass and no ps-async-64: every kind of run "
+                                                         "once (a try of the script; the comparison needs them)")
     args = ap.parse_args()
     runs: dict[tuple[str, bool], dict] = {}
     try:
         with tempfile.TemporaryDirectory(prefix="shoal-ps-") as tmp:
             base = [*GPT, *TRAIN, f"train.steps={args.steps}"]
             delay = 0.0
-            for straggler in (False, True):
+            for straggler in (False,) if args.quick else (False, True):
                 for mode, extra in MODES.items():
+                    if args.quick and mode == "ps-async-64":
+                        continue
                     cluster(WORKERS + (1 if mode != "all-reduce" else 0))
                     slow = [f"model.slow_rank={STRAGGLER}", f"model.delay_s={delay}"] if straggler else []
                     t0 = time.perf_counter()

@@ -10,6 +10,7 @@ step time, per-rank model state (params + grads + optimizer, the largest rank) a
 "formulas" columns are the same profile's prediction without the calibration.
 
     python -m benchmarks.planner_accuracy [--steps 12] [--max-size 16MiB] [--hog-during-probe]
+                                          [--layouts dp2,tp2,...] [--no-calibrate]
 
 --hog-during-probe runs two busy loops (one per core of the 2-core machine it was written on) beside the
 probe and stops them before the layouts are trained: the probe then either refuses to calibrate (it
@@ -66,7 +67,7 @@ def train(name: str, extra: list[str], steps: int, tmp: Path) -> Path:
     return run_dir
 
 
-def probe(path: Path, max_size: str, hog: bool) -> dict:
+def probe(path: Path, max_size: str, hog: bool, calibrate: bool = True) -> dict:
     """`shoal probe --nproc 2` into `path` (`hog`: two busy loops beside it, stopped, by their PIDs, when
     it ends; each bounded by `timeout` in case this script dies first); the profile's record of its
     calibration checks."""
@@ -76,7 +77,7 @@ def probe(path: Path, max_size: str, hog: bool) -> dict:
             for _ in range(2 if hog else 0)]
     try:
         subprocess.run([sys.executable, "-m", "shoal", "probe", "--nproc", "2", "--out", str(path),
-                        "--max-size", max_size], check=True, cwd=ROOT)
+                        "--max-size", max_size, *([] if calibrate else ["--no-calibrate"])], check=True, cwd=ROOT)
     finally:
         for h in hogs:
             h.terminate()  # timeout passes the signal on to its busy loop
@@ -90,20 +91,25 @@ def main() -> None:
     ap.add_argument("--max-size", default="16MiB", help="largest collective message the probe measures")
     ap.add_argument("--hog-during-probe", action="store_true", help="two busy loops beside the probe, stopped "
                                                                        "before the layouts are trained")
+    ap.add_argument("--layouts", default=",".join(LAYOUTS),
+                    help="comma-separated (default: all): " + ", ".join(LAYOUTS))
+    ap.add_argument("--no-calibrate", action="store_true", help="probe without calibrating (a try of the script: "
+                                                                "its errors are then the formulas')")
     args = ap.parse_args()
+    layouts = {name: LAYOUTS[name] for name in args.layouts.split(",")}
     from shoal.hardware import load_profile
     from shoal.plan.calibrate import OtherCpu
     from shoal.plan.check import check_run
 
     tmp = Path(tempfile.mkdtemp(prefix="shoal-planner-"))
     profile_path = tmp / "profile.json"
-    checks = probe(profile_path, args.max_size, args.hog_during_probe)
+    checks = probe(profile_path, args.max_size, args.hog_during_probe, not args.no_calibrate)
     busy = max((v for v in checks.get("busy", {}).values() if v is not None), default=float("nan"))
     refused = checks.get("refused") is not None
     if refused:  # what the refusal says to do: probe again, on the machine now quiet
         print(f"the probe refused to calibrate (other processes' share of the CPU time {busy:.2f}); probing again "
               f"with the busy loops stopped", flush=True)
-        checks = probe(profile_path, args.max_size, False)
+        checks = probe(profile_path, args.max_size, False, not args.no_calibrate)
     profile = load_profile(profile_path)
     formulas = profile.model_copy(update={"calibration": {}})  # the same profile without its calibration
     time_errs, mem_errs, formula_errs = [], [], []
@@ -111,7 +117,7 @@ def main() -> None:
           f"{'state pred':>11s} {'state meas':>11s} {'err':>7s} {'peak pred':>10s} {'peak meas':>10s} {'err':>7s} "
           f"{'busy':>5s}")
     layouts_busy = []  # other processes' share of the CPU time while each layout trained: its steps are not
-    for name, extra in LAYOUTS.items():  # this machine's own where it is high, whatever the probe did
+    for name, extra in layouts.items():  # this machine's own where it is high, whatever the probe did
         others = OtherCpu()
         run_dir = train(name, extra, args.steps, tmp)
         layouts_busy.append(others.share() or 0.0)

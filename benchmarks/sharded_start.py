@@ -12,7 +12,7 @@ acceptance run). Two runs, one after the other:
     process's VmHWM after its start and after its step (no data set, no metrics, no checkpoint).
 Both workers run on tcmalloc when it is installed, as shoal's ZeRO 3 workers do.
 
-    python -m benchmarks.sharded_start
+    python -m benchmarks.sharded_start [--n-layer 16] [--d-model 2048]
 
 Target (issue 49): shoal's peak RSS per worker < 0.75x the model's fp32 bytes. Last line:
     RESULT start_vs_model=<shoal start / model bytes> peak_vs_model=<shoal peak / model bytes>
@@ -21,6 +21,7 @@ Target (issue 49): shoal's peak RSS per worker < 0.75x the model's fp32 bytes. L
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import subprocess
@@ -34,8 +35,8 @@ NPROC = 4
 GIB = 2**30
 
 
-def shoal_run(run_dir: Path) -> tuple[int, int, int]:
-    sets = [f"model.{k}={v}" for k, v in SIZE.items()] + [
+def shoal_run(run_dir: Path, size: dict) -> tuple[int, int, int]:
+    sets = [f"model.{k}={v}" for k, v in size.items()] + [
         "parallel.zero=3", "train.optimizer=\"sgd\"", "train.momentum=0", "train.steps=1", "train.global_batch_size=4",
         "train.micro_batch_size=1", "checkpoint.final_weights=false", "checkpoint.interval=0", "train.val_interval=0"]
     cmd = [str(ROOT / ".venv/bin/shoal"), "train", str(ROOT / "configs/gpt-tiny.toml"), "--nproc", str(NPROC),
@@ -45,7 +46,7 @@ def shoal_run(run_dir: Path) -> tuple[int, int, int]:
     return summary["start_memory_bytes"], summary["peak_memory_bytes"], summary["parameters"] * 4
 
 
-def by_hand_worker(rank: int, port: int, out: str) -> None:
+def by_hand_worker(rank: int, port: int, out: str, size: dict) -> None:
     """One rank of the hand-written loop."""
     import torch
     import torch.distributed as dist
@@ -59,7 +60,7 @@ def by_hand_worker(rank: int, port: int, out: str) -> None:
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=NPROC)
     mesh = init_device_mesh("cpu", (NPROC,))
     mark = memory_mark(torch.device("cpu"))  # as shoal measures its start (summary.json's start_memory_bytes)
-    cfg = GPTConfig(**SIZE)
+    cfg = GPTConfig(**size)
     with torch.device("meta"):
         model = GPT(cfg, 256)
     blocks = list(model.blocks)
@@ -72,7 +73,7 @@ def by_hand_worker(rank: int, port: int, out: str) -> None:
         model.apply(GPT._init)  # the GPT's own init, on each rank's shards (DTensor ops act locally)
     start = memory_since(torch.device("cpu"), mark)
     optimizer = torch.optim.SGD(model.parameters(), lr=1e-4)
-    tokens = torch.randint(0, 256, (1, SIZE["seq_len"] + 1), generator=torch.Generator().manual_seed(rank))
+    tokens = torch.randint(0, 256, (1, size["seq_len"] + 1), generator=torch.Generator().manual_seed(rank))
     model(tokens[:, :-1], tokens[:, 1:]).backward()
     optimizer.step()
     peak = status_bytes("VmHWM")
@@ -83,7 +84,7 @@ def by_hand_worker(rank: int, port: int, out: str) -> None:
     dist.destroy_process_group()
 
 
-def by_hand(workdir: Path) -> tuple[int, int]:
+def by_hand(workdir: Path, size: dict) -> tuple[int, int]:
     import socket
 
     with socket.socket() as s:
@@ -94,7 +95,8 @@ def by_hand(workdir: Path) -> tuple[int, int]:
     tcmalloc = "/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4"
     if Path(tcmalloc).exists():
         env["LD_PRELOAD"] = tcmalloc
-    procs = [subprocess.Popen([sys.executable, __file__, "--by-hand-rank", str(r), str(port), str(out)], env=env)
+    procs = [subprocess.Popen([sys.executable, __file__, "--by-hand-rank", str(r), str(port), str(out),
+                               json.dumps(size)], env=env)
              for r in range(NPROC)]
     for p in procs:
         if p.wait() != 0:
@@ -104,9 +106,15 @@ def by_hand(workdir: Path) -> tuple[int, int]:
 
 
 def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--n-layer", type=int, default=SIZE["n_layer"],
+                    help=f"the GPT's layers (default {SIZE['n_layer']})")
+    ap.add_argument("--d-model", type=int, default=SIZE["d_model"], help=f"its width (default {SIZE['d_model']})")
+    args = ap.parse_args()
+    size = {**SIZE, "n_layer": args.n_layer, "d_model": args.d_model}
     with tempfile.TemporaryDirectory() as tmp:
-        shoal_start, shoal_peak, model_bytes = shoal_run(Path(tmp) / "run")
-        hand_start, hand_peak = by_hand(Path(tmp))
+        shoal_start, shoal_peak, model_bytes = shoal_run(Path(tmp) / "run", size)
+        hand_start, hand_peak = by_hand(Path(tmp), size)
     print(f"model: {model_bytes / GIB:.2f} GiB in fp32, {NPROC} ranks, ZeRO 3")
     print(f"{'':10} {'start GiB':>10} {'peak GiB':>10} {'peak / model':>13}")
     for name, start, peak in (("shoal", shoal_start, shoal_peak), ("by hand", hand_start, hand_peak)):
@@ -117,6 +125,6 @@ def main() -> None:
 
 if __name__ == "__main__":
     if len(sys.argv) > 1 and sys.argv[1] == "--by-hand-rank":
-        by_hand_worker(int(sys.argv[2]), int(sys.argv[3]), sys.argv[4])
+        by_hand_worker(int(sys.argv[2]), int(sys.argv[3]), sys.argv[4], json.loads(sys.argv[5]))
     else:
         main()

@@ -9,13 +9,14 @@ torch 2.13's trunc_normal_ draws by rejection: with bounds its draws reach (torc
 deviations) it holds temporaries of several times the tensor while it fills it, in one process as in the
 replay, which runs the function itself.
 
-    .venv/bin/python -m benchmarks.start_init_memory
+    .venv/bin/python -m benchmarks.start_init_memory [--side 8192]
 
 Last line: RESULT <init>_eager_mib=... <init>_start_mib=... for each init (MiB of peak growth).
 """
 
 from __future__ import annotations
 
+import argparse
 import subprocess
 import sys
 
@@ -29,12 +30,12 @@ import resource, sys
 import torch
 from torch import nn
 torch.set_num_threads(1)
-how, init = sys.argv[1], sys.argv[2]
+how, init, side = sys.argv[1], sys.argv[2], int(sys.argv[3])
 
 class One(nn.Module):
     def __init__(self):
         super().__init__()
-        self.w = nn.Parameter(torch.empty(8192, 8192))
+        self.w = nn.Parameter(torch.empty(side, side))
         w = self.w
         exec(init)
 
@@ -56,16 +57,20 @@ print((peak() - before) / 2**20)
 """
 
 
-def growth(how: str, init: str) -> float:
-    out = subprocess.run([sys.executable, "-c", CHILD, how, init], check=True, capture_output=True, text=True)
+def growth(how: str, init: str, side: int) -> float:
+    out = subprocess.run([sys.executable, "-c", CHILD, how, init, str(side)], check=True, capture_output=True,
+                         text=True)
     return float(out.stdout.strip().splitlines()[-1])
 
 
 def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--side", type=int, default=8192, help="the parameter is side x side (default 8192: 256 MiB)")
+    side = ap.parse_args().side
     result = []
     print(f"{'init':<22}{'eager MiB':>12}{'start MiB':>12}")
     for name, init in INITS.items():
-        eager, start = growth("eager", init), growth("start", init)
+        eager, start = growth("eager", init, side), growth("start", init, side)
         print(f"{name:<22}{eager:>12.0f}{start:>12.0f}")
         result += [f"{name}_eager_mib={eager:.0f}", f"{name}_start_mib={start:.0f}"]
     print("RESULT " + " ".join(result))

@@ -293,8 +293,9 @@ def test_a_failed_node_stops_the_others(cluster, monkeypatch, capsys):
 
 @pytest.mark.timeout(60)
 def test_a_node_that_cannot_reach_the_endpoint_says_so_in_one_line(cluster, tmp_path):
-    """Node 1 in its namespace, node 0's endpoint an address nobody has: one line within the timeout."""
-    start = time.monotonic()
+    """Node 1 in its namespace, node 0's endpoint an address nobody has: one line within the timeout. The 60 s
+    limit is what bounds the wait (the rendezvous' own default is 900 s); a bound on the wall time besides it
+    failed under load (33 s against 30 with four pytest workers on two cores), where the start alone is slow."""
     r = run_cli(["train", "--nproc", 1, "--nnodes", 2, "--node-rank", 1, "--rdzv-endpoint", "10.200.0.99:29511",
                  "--rdzv-timeout", 3, "--run-dir", tmp_path / "run", *TINY_GPT],
                 timeout=60, launcher=["ip", "netns", "exec", "shoal-h1", sys.executable, "-m", "shoal"])
@@ -303,7 +304,6 @@ def test_a_node_that_cannot_reach_the_endpoint_says_so_in_one_line(cluster, tmp_
     assert lines == [lines[0]] and lines[0].startswith(
         "shoal: node 1 cannot reach the rendezvous endpoint 10.200.0.99:29511 within 3 s ("), r.stderr
     assert "check that node 0 is running" in lines[0]
-    assert time.monotonic() - start < 30
 
 
 @pytest.mark.timeout(180)
