@@ -1,8 +1,8 @@
 """What the benchmark scripts share: a command in a subprocess with a timeout (its whole process tree killed when it
 runs over), its output kept in a numbered log file (Bench: a script's invocation, its output folder and the
 environment its subprocesses get); a config read from benchmarks/configs/ with what a run changes merged in;
-metrics.jsonl read back. The standard library and tomli-w (shoal's own dependency) only: the GPU scripts must run
-on a machine whose python3 has torch and shoal's dependencies and nothing else."""
+metrics.jsonl read back. The standard library, tomli-w (shoal's own dependency) and shoal's process tree walk only:
+the GPU scripts must run on a machine whose python3 has torch and shoal's dependencies and nothing else."""
 
 from __future__ import annotations
 
@@ -16,6 +16,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import tomli_w
+
+from shoal.launch.supervisor import descendants  # the standard library only, as this file
 
 try:
     import tomllib
@@ -90,24 +92,6 @@ def one_line(text: str, limit: int = 300) -> str:
 def last_line(text: str) -> str:
     lines = [ln for ln in text.strip().splitlines() if ln.strip()]
     return lines[-1] if lines else "(no output)"
-
-
-def descendants(pid: int) -> list[int]:
-    """Every process below `pid` (from /proc), so that a command run over its time leaves nothing behind: torch
-    elastic's workers and shoal's forked ones are children of children."""
-    children: dict[int, list[int]] = {}
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            ppid = int(stat.read_text().rsplit(")", 1)[1].split()[1])
-        except (OSError, IndexError, ValueError):
-            continue
-        children.setdefault(ppid, []).append(int(stat.parent.name))
-    found, todo = [], [pid]
-    while todo:
-        for child in children.get(todo.pop(), []):
-            found.append(child)
-            todo.append(child)
-    return found
 
 
 def kill_tree(pid: int) -> None:
