@@ -38,8 +38,8 @@ test: $(STAMP)
 	$(PY) -m pytest tests -n 2 --dist loadfile -m "not serial and not benchmark"
 	$(PY) -m pytest tests -n 2 --dist load -m serial
 
-# every benchmark in its reduced form (tests/integration/test_benchmarks.py): CI runs it after make test, so that a
-# change of shoal cannot leave a benchmark broken; two at a time, one by one
+# every benchmark in its reduced form (tests/integration/test_benchmarks.py), so that a change of shoal cannot leave
+# a benchmark broken; two at a time, one by one. Meant for CI after make test, once the suite leaves it room
 test-benchmarks: $(STAMP)
 	$(PY) -m pytest tests/integration/test_benchmarks.py -n 2 --dist load -m benchmark
 

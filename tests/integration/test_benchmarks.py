@@ -64,7 +64,7 @@ def test_every_benchmark_has_a_reduced_form():
 
 
 @pytest.mark.slow
-@pytest.mark.benchmark  # make test-benchmarks, which CI runs after make test
+@pytest.mark.benchmark  # make test-benchmarks (make test leaves these out)
 @pytest.mark.parametrize("name", sorted(REDUCED))
 def test_a_benchmark_runs_in_its_reduced_form(name, tmp_path):
     args, cannot, timeout = REDUCED[name]
