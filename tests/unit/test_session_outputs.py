@@ -32,10 +32,12 @@ def test_every_low_precision_tensor_comes_back_in_fp32_and_the_rest_as_it_was():
     assert in_fp32(double) is double
 
 
-def test_a_dict_output_is_updated_in_place_so_its_attributes_follow():
+def test_a_dict_output_comes_back_as_its_own_type_with_its_attributes_in_step_and_the_original_untouched():
     out = Outputs()
     out["logits"] = torch.ones(3, dtype=torch.bfloat16)
-    assert in_fp32(out) is out and out.logits.dtype == out["logits"].dtype == torch.float32
+    got = in_fp32(out)
+    assert type(got) is Outputs and got.logits.dtype == got["logits"].dtype == torch.float32
+    assert out.logits.dtype == out["logits"].dtype == torch.bfloat16
 
 
 def test_the_forward_computes_in_bf16_and_hands_back_fp32_with_its_gradient():

@@ -3,6 +3,7 @@ prepared loader moves them, and what the Run reads of a user's data source (User
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable, Iterator
 
 import torch
@@ -47,16 +48,25 @@ def on_device(batch, device: torch.device):
     """A collated batch's tensors on the device the model trains on (in tuples, lists and dicts, as
     default_collate makes them), the rest as it is: Accelerate's prepared loader does the same. Bound for a
     GPU, each is pinned first, so that the copy does not wait for the device's queue."""
-    if isinstance(batch, torch.Tensor):
-        return (pinned(batch) if device.type == "cuda" else batch).to(device, non_blocking=True)
-    if isinstance(batch, dict):
-        return {k: on_device(v, device) for k, v in batch.items()}
-    if isinstance(batch, (list, tuple)):
-        moved = [on_device(v, device) for v in batch]
-        return type(batch)(*moved) if hasattr(batch, "_fields") else type(batch)(moved)
-    return batch
+    return map_tensors(batch, lambda t: (pinned(t) if device.type == "cuda" else t).to(device, non_blocking=True))
 
 
+def map_tensors(value, fn: Callable[[torch.Tensor], torch.Tensor]):
+    """`value` with `fn` applied to every tensor in it (in tuples, namedtuples, lists and dicts), the rest as it
+    is. A dict comes back as a shallow copy of its own type with its items set one by one: Hugging Face's
+    ModelOutput, a dict whose items are also attributes, keeps them in step, and the caller's dict is left as
+    it was."""
+    if isinstance(value, torch.Tensor):
+        return fn(value)
+    if isinstance(value, dict):
+        mapped = copy.copy(value)
+        for key, item in value.items():
+            mapped[key] = map_tensors(item, fn)
+        return mapped
+    if isinstance(value, (list, tuple)):
+        mapped = [map_tensors(item, fn) for item in value]
+        return type(value)(*mapped) if hasattr(value, "_fields") else type(value)(mapped)  # a namedtuple's fields
+    return value
 
 
 class UserData:

@@ -12,6 +12,7 @@ import torch
 from shoal.checkpoint.tensors import original_name
 from shoal.errors import UserError
 from shoal.parallel.precision import Precision
+from shoal.training.session_data import map_tensors
 
 
 def named_groups(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> list[dict]:
@@ -52,17 +53,8 @@ def autocast_forward(forward: Callable, precision: Precision) -> Callable:
 
 def in_fp32(out):
     """`out` (a tensor, or tuples, lists and dicts of them, as Hugging Face's ModelOutput) with every bf16 or fp16
-    tensor cast to fp32; a dict is updated in place (a ModelOutput keeps its attributes in step)."""
-    if isinstance(out, torch.Tensor):
-        return out.float() if out.dtype in (torch.bfloat16, torch.float16) else out
-    if isinstance(out, dict):
-        for key, value in out.items():
-            out[key] = in_fp32(value)
-        return out
-    if isinstance(out, (tuple, list)):
-        cast = [in_fp32(v) for v in out]
-        return type(out)(*cast) if hasattr(out, "_fields") else type(out)(cast)  # a namedtuple takes fields
-    return out
+    tensor cast to fp32."""
+    return map_tensors(out, lambda t: t.float() if t.dtype in (torch.bfloat16, torch.float16) else t)
 
 
 def tensor_parallel_of(model: torch.nn.Module, plan: Mapping[str, object] | None):
