@@ -10,7 +10,9 @@ under pp so that each rank has two micro-batches), are trained for --steps steps
 --nproc 2`, in --repeats rounds (the layouts in turn in each round, so that the machine's drift
 spreads over all of them); a layout's time is the median over the rounds of each run's median step.
 
-    python -m benchmarks.first_plan [--steps 30] [--repeats 3]
+    python -m benchmarks.first_plan [--steps 30] [--repeats 3] [--layouts dp2,tp2,...]
+
+(--layouts: the layouts the plan's top is measured against, default all of them.)
 
 Target (issue 28): the plan in ~20 s with a step time for every valid layout, and its top layout within
 10% of the fastest layout measured. Last line:
@@ -72,11 +74,13 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--layouts", default=",".join(LAYOUTS),
+                    help="comma-separated (default: all): " + ", ".join(LAYOUTS))
     args = ap.parse_args()
     tmp = Path(tempfile.mkdtemp(prefix="shoal-first-plan-"))
     seconds, timed, valid, top, best = first_plan(tmp)
     print(f"plan: {seconds:.1f} s, {timed} of {valid} valid layouts with a step time, top {top}", flush=True)
-    runs = {TOP: (best, []), **{name: (str(CONFIG), extra) for name, extra in LAYOUTS.items()}}
+    runs = {TOP: (best, []), **{name: (str(CONFIG), LAYOUTS[name]) for name in args.layouts.split(",")}}
     times: dict[str, list[float]] = {name: [] for name in runs}
     for r in range(args.repeats):
         for name, (config, extra) in runs.items():

@@ -9,7 +9,9 @@ Per rank: the bytes of parameters, gradients and optimizer state it holds (its s
 byte once; DeepSpeed's fp32 master partitions count as optimizer state), its peak RSS; max over
 ranks. Step time: median over the steps after the first. Runs alternate; medians over --repeats.
 
-    python -m benchmarks.memory_sharding [--repeats 1] [--steps 5]
+    python -m benchmarks.memory_sharding [--repeats 1] [--steps 5] [--n-layer 14]
+
+(--n-layer: fewer layers than the 14 for a try of the script; the targets are for the ~100M model.)
 
 DeepSpeed: `.venv/bin/pip install deepspeed torch==2.13.0` (runs with DS_ACCELERATOR=cpu, gloo;
 this script sets it). Without it the DeepSpeed rows say why and the ratios against it are nan.
@@ -35,7 +37,9 @@ import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-MODEL = ["model.n_layer=14", "model.d_model=768", "model.n_head=12", "model.seq_len=128"]
+def model(n_layer: int = 14) -> list[str]:
+    return [f"model.n_layer={n_layer}", "model.d_model=768", "model.n_head=12", "model.seq_len=128"]
+
 KINDS = ("params", "grads", "optimizer")
 COLUMNS = (*KINDS, "total", "peak", "time")
 
@@ -52,10 +56,10 @@ def sets(*keys: str) -> list[str]:
     return [a for k in keys for a in ("--set", k)]
 
 
-def shoal_run(zero: int, steps: int, tmp: Path) -> dict[str, float]:
+def shoal_run(zero: int, steps: int, tmp: Path, n_layer: int) -> dict[str, float]:
     run_dir = tmp / f"shoal-zero{zero}-{len(list(tmp.iterdir()))}"
     cmd = [sys.executable, "-m", "shoal", "train", str(ROOT / "configs/gpt-tiny.toml"), "--nproc", "2",
-           "--run-dir", str(run_dir), *sets(*MODEL, "train.global_batch_size=2", "train.micro_batch_size=1",
+           "--run-dir", str(run_dir), *sets(*model(n_layer), "train.global_batch_size=2", "train.micro_batch_size=1",
            f"train.steps={steps}", "metrics.log_interval=1", "checkpoint.enabled=false",
            "checkpoint.final_weights=false", "metrics.tensorboard=false", "train.val_interval=0",
            "train.val_batches=1", "parallel.threads_per_worker=1", f"parallel.zero={zero}")]
@@ -69,11 +73,12 @@ class Unavailable(Exception):
     """DeepSpeed cannot run here; the message says why."""
 
 
-def deepspeed_run(stage: int, steps: int) -> dict[str, float]:
+def deepspeed_run(stage: int, steps: int, n_layer: int) -> dict[str, float]:
     if importlib.util.find_spec("deepspeed") is None:
         raise Unavailable("deepspeed is not installed (pip install deepspeed torch==2.13.0)")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-           str(ROOT / "benchmarks/deepspeed_worker.py"), "--stage", str(stage), "--steps", str(steps), *sets(*MODEL)]
+           str(ROOT / "benchmarks/deepspeed_worker.py"), "--stage", str(stage), "--steps", str(steps),
+           *sets(*model(n_layer))]
     p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env={**os.environ, "DS_ACCELERATOR": "cpu"})
     lines = p.stdout.strip().splitlines()
     if p.returncode != 0 or not lines or not lines[-1].startswith("{"):
@@ -93,6 +98,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--repeats", type=int, default=1)
     ap.add_argument("--steps", type=int, default=5)
+    ap.add_argument("--n-layer", type=int, default=14, help="the GPT's layers (default 14: ~100M parameters)")
     args = ap.parse_args()
     if args.steps < 2:
         ap.error("--steps must be at least 2 (the optimizer state exists from the first step on)")
@@ -108,10 +114,10 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as d:
         for _ in range(args.repeats):
             for stage in range(4):  # alternate, so machine noise hits both alike
-                record(f"shoal zero{stage}", shoal_run(stage, args.steps, Path(d)))
+                record(f"shoal zero{stage}", shoal_run(stage, args.steps, Path(d), args.n_layer))
                 if stage and not unavailable:
                     try:
-                        record(f"deepspeed zero{stage}", deepspeed_run(stage, args.steps))
+                        record(f"deepspeed zero{stage}", deepspeed_run(stage, args.steps, args.n_layer))
                     except Unavailable as e:
                         unavailable = str(e)
                         print(f"deepspeed unavailable: {e}", flush=True)

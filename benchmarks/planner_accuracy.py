@@ -10,7 +10,10 @@ step time, per-rank model state (params + grads + optimizer, the largest rank) a
 "formulas" columns are the same profile's prediction without the calibration.
 
     python -m benchmarks.planner_accuracy [--steps 12] [--max-size 16MiB] [--hog-during-probe]
-                                          [--layouts dp2,tp2,...] [--no-calibrate]
+                                          [--layouts dp2,tp2,...] [--no-calibrate] [--spot]
+
+--spot measures the machine as `shoal plan` does when it has no profile (~15 s for 2 processes here against
+~55 s for the probe without its calibration): a try of the script, whose errors are then the spot profile's.
 
 --hog-during-probe runs two busy loops (one per core of the 2-core machine it was written on) beside the
 probe and stops them before the layouts are trained: the probe then either refuses to calibrate (it
@@ -67,7 +70,7 @@ def train(name: str, extra: list[str], steps: int, tmp: Path) -> Path:
     return run_dir
 
 
-def probe(path: Path, max_size: str, hog: bool, calibrate: bool = True) -> dict:
+def probe(path: Path, max_size: str, hog: bool, calibrate: bool = True, spot: bool = False) -> dict:
     """`shoal probe --nproc 2` into `path` (`hog`: two busy loops beside it, stopped, by their PIDs, when
     it ends; each bounded by `timeout` in case this script dies first); the profile's record of its
     calibration checks."""
@@ -77,7 +80,8 @@ def probe(path: Path, max_size: str, hog: bool, calibrate: bool = True) -> dict:
             for _ in range(2 if hog else 0)]
     try:
         subprocess.run([sys.executable, "-m", "shoal", "probe", "--nproc", "2", "--out", str(path),
-                        "--max-size", max_size, *([] if calibrate else ["--no-calibrate"])], check=True, cwd=ROOT)
+                        "--max-size", max_size, *([] if calibrate else ["--no-calibrate"]),
+                        *(["--spot"] if spot else [])], check=True, cwd=ROOT)
     finally:
         for h in hogs:
             h.terminate()  # timeout passes the signal on to its busy loop
@@ -95,6 +99,8 @@ def main() -> None:
                     help="comma-separated (default: all): " + ", ".join(LAYOUTS))
     ap.add_argument("--no-calibrate", action="store_true", help="probe without calibrating (a try of the script: "
                                                                 "its errors are then the formulas')")
+    ap.add_argument("--spot", action="store_true", help="measure the machine as shoal plan does on the spot "
+                                                        "instead of shoal probe (a try of the script)")
     args = ap.parse_args()
     layouts = {name: LAYOUTS[name] for name in args.layouts.split(",")}
     from shoal.hardware import load_profile
@@ -103,13 +109,13 @@ def main() -> None:
 
     tmp = Path(tempfile.mkdtemp(prefix="shoal-planner-"))
     profile_path = tmp / "profile.json"
-    checks = probe(profile_path, args.max_size, args.hog_during_probe, not args.no_calibrate)
+    checks = probe(profile_path, args.max_size, args.hog_during_probe, not args.no_calibrate, args.spot)
     busy = max((v for v in checks.get("busy", {}).values() if v is not None), default=float("nan"))
     refused = checks.get("refused") is not None
     if refused:  # what the refusal says to do: probe again, on the machine now quiet
         print(f"the probe refused to calibrate (other processes' share of the CPU time {busy:.2f}); probing again "
               f"with the busy loops stopped", flush=True)
-        checks = probe(profile_path, args.max_size, False, not args.no_calibrate)
+        checks = probe(profile_path, args.max_size, False, not args.no_calibrate, args.spot)
     profile = load_profile(profile_path)
     formulas = profile.model_copy(update={"calibration": {}})  # the same profile without its calibration
     time_errs, mem_errs, formula_errs = [], [], []
