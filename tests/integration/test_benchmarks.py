@@ -87,8 +87,9 @@ def test_a_benchmark_runs_in_its_reduced_form(name, tmp_path):
     if cannot == ROOT_ONLY and os.geteuid() != 0:
         pytest.skip(f"benchmarks/{name}.py {ROOT_ONLY}")
     with one_at_a_time() if cannot == ROOT_ONLY else contextlib.nullcontext():
+        # a cache of its own: `shoal probe` keeps what it measured in the user's cache, where `shoal plan` reads it
         r = run_cli(["-m", f"benchmarks.{name}", *args], timeout=timeout, cwd=ROOT,
-                    env={"TMPDIR": str(tmp_path)}, launcher=[sys.executable])
+                    env={"TMPDIR": str(tmp_path), "XDG_CACHE_HOME": str(tmp_path / "cache")}, launcher=[sys.executable])
     lines = [ln for ln in r.stdout.splitlines() if ln.strip()]
     assert r.returncode == 0 and lines and lines[-1].startswith("RESULT "), (
         f"python -m benchmarks.{name} {' '.join(args)}: exit {r.returncode}\n{r.output[-3000:]}")
