@@ -21,9 +21,7 @@ from pathlib import Path
 import pytest
 
 from conftest import ROOT, Result, read_metrics, run_cli
-
-sys.path.insert(0, str(ROOT / "tests" / "unit"))
-from test_docs import DOCS, code_blocks  # noqa: E402
+from doc_pages import DOCS, code_blocks
 
 # a page's block that repeats one of the README's (docs/planner.md's `shoal plan`) runs in the tour
 TOUR = {body for _, info, body in code_blocks(ROOT / "README.md") if info == "sh"}

@@ -2,6 +2,7 @@
 
 from pathlib import Path
 
+from doc_pages import DOCS, code_blocks
 from shoal.config import SECTIONS, config_reference
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -22,22 +23,7 @@ def test_every_config_key_is_documented():
             assert field.description, f"[{name}] {key} has no docstring"
 
 
-DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md")), *sorted((ROOT / "benchmarks").glob("*.md"))]
 FILE_CONTENTS = {"toml", "python", "yaml"}  # a file's text, shown; not run
-
-
-def code_blocks(path: Path) -> list[tuple[int, str, str]]:
-    """(line, info string, body) of every fenced block in a Markdown file."""
-    out, lines, i = [], path.read_text().splitlines(), 0
-    while i < len(lines):
-        if lines[i].startswith("```"):
-            start, info = i + 1, lines[i][3:].strip()
-            i += 1
-            while not lines[i].startswith("```"):
-                i += 1
-            out.append((start, info, "\n".join(lines[start:i])))
-        i += 1
-    return out
 
 
 def test_every_code_block_is_run_or_marked_as_an_illustration():

@@ -34,7 +34,7 @@ def shown_commands() -> list[tuple[str, str, str | None]]:
     """(where, command, the refusal shown under it or None) of each `shoal train|launch` line not run as
     written: in an illustration block of the README or docs/, or in a comment of configs/ (a line ending in a
     backslash continues)."""
-    from test_docs import code_blocks
+    from doc_pages import code_blocks
 
     found = []
 
