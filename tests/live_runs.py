@@ -130,12 +130,14 @@ def release(gate: Path) -> None:
 def leave_while_held(node: subprocess.Popen, gate: Path) -> None:
     """Ask `node` to stop (SIGTERM) while the workers wait at the gate until the request is old enough to
     count (LEAVE_GRACE_S): the others would otherwise finish a short or fast run before the node leaves."""
+    asked = len(list(gate.parent.glob(f"{gate.name}.stop.*")))
     gate.touch()
     node.send_signal(signal.SIGTERM)
-    # the request's age counts from when the worker took it (the node passes the signal on): with 0.5 s to spare,
-    # four pytest workers on two cores delayed that enough that the held step's flags found it younger than the
-    # grace, and the node left a round late
-    time.sleep(LEAVE_GRACE_S + 2.5)
+    # the request's age counts from when the worker took it, which the node passes the signal on to: timed from
+    # the send instead, four pytest workers on two cores delayed the worker's handler enough that the held step's
+    # flags found the request younger than the grace, and the node left a round late
+    stop_reached(gate, asked + 1)
+    time.sleep(LEAVE_GRACE_S + 0.5)
     release(gate)
 
 
