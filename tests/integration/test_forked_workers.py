@@ -1,7 +1,8 @@
 """`shoal train`'s workers, forked from the server the command starts as it begins ([Note: early fork server]
-in launch/forkserver.py), see the environment the launcher gives them: with ZeRO 3 on CPU the launcher adds
-LD_PRELOAD of tcmalloc after that server started, so the workers must come from a server started again; on a
-node of several, the interface gloo binds is learnt after it started, and is handed to each worker instead."""
+in launch/forkserver.py), see the environment the launcher gives them: with ZeRO 3 on CPU, LD_PRELOAD of tcmalloc,
+which the server must start with (the command reads the config's zero before it starts the server: cli/train.py's
+early_worker_env); on a node of several, the interface gloo binds is learnt after it started, and is handed to each
+worker instead."""
 
 import json
 import os
@@ -35,6 +36,10 @@ def test_forked_workers_get_what_the_launcher_adds_after_their_server_started(tm
     assert all(w["tcmalloc"] and TCMALLOC in w["ld_preload"] for w in sharded), sharded
     plain = probed(tmp_path, 0)
     assert not any(w["tcmalloc"] for w in plain), plain
+    if "OMP_NUM_THREADS" not in os.environ:  # else every server has it
+        # both forked from the server started as the command began, ZeRO 3's too (not from a second one, started
+        # once the launch had set the workers' threads in its environment: 5.2 s for ZeRO 3's run against 3.3)
+        assert not any(w["server_has_threads"] for w in sharded + plain), sharded + plain
     # the command that continues the run, set before the server started, reaches the workers either way
     assert all(w["resume_command"].startswith("shoal train ") for w in sharded + plain), sharded + plain
 

@@ -40,6 +40,14 @@ def load_config(path: str | Path | None = None, overrides: list[str] = (), store
     """Read a TOML file (or defaults), apply `section.key=value` overrides, validate, freeze. `stored`: the
     file is one shoal wrote (a run dir's config.toml): keys that moved are moved, not refused. `resolve`: the
     values left to the machine chosen (auto.py; False: kept "auto", for the caller to say what it chose)."""
+    raw, overridden = read_raw(path, overrides)
+    return validate_config(raw, str(path) if path else "defaults", overridden, stored=stored, resolve=resolve)
+
+
+def read_raw(path: str | Path | None = None, overrides: list[str] = ()) -> tuple[dict[str, Any], set[str]]:
+    """The TOML file (or nothing) with the overrides applied, not validated, and the keys they set. Imports
+    neither pydantic's models nor torch (validating does: ~1 s): what `shoal train` reads before its workers'
+    server starts (cli/train.py's early_worker_env)."""
     origin = str(path) if path else "defaults"
     raw: dict[str, Any] = {}
     if path is not None:
@@ -67,7 +75,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] = (), store
                                 f"{outer} itself")
         table[path[-1]] = value
         overridden.update(".".join([section, *path[:i]]) for i in range(1, len(path) + 1))
-    return validate_config(raw, origin, overridden, stored=stored, resolve=resolve)
+    return raw, overridden
 
 
 def validate_config(raw: dict[str, Any], origin: str = "config", overridden: set[str] = frozenset(),

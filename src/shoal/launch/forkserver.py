@@ -9,9 +9,11 @@ begins, the server imports on one core while the launcher works on the other.
 
 A forked worker sees the environment its server started with, and what torch elastic's agent hands each worker
 (its rank variables and OMP_NUM_THREADS). So the launch forks from the early server only where the launcher's
-environment is still the one the server started with; where the launcher changed it since (LD_PRELOAD of
-tcmalloc for ZeRO 2/3 on CPU, which must be there when a process starts), the server is stopped, and torch
-elastic starts one with the environment as it is, as it did before. What the launch learns for its workers
+environment is still the one the server started with; where the launcher changed it since, the server is
+stopped, and torch elastic starts one with the environment as it is. So what the launch will add for its workers
+is added before the server starts where it can be known then (LD_PRELOAD of tcmalloc for ZeRO 2/3 on CPU, which
+must be there when a process starts: cli/train.py's early_worker_env), and what the launcher's own checks set
+alike in each worker is not compared (SET_ALIKE). What the launch learns for its workers
 after the server started, GLOO_SOCKET_IFNAME on a node of several, is handed to each forked worker with its
 arguments instead (launch/restart.py's Forked), so a node of a fixed-size job of several forks from its early
 server too: its workers import while its launcher waits at the rendezvous. The server never outlives the
@@ -34,6 +36,12 @@ PRELOAD = ("torch", "torch.distributed", "torch._dynamo", "shoal.models.gpt", "s
            "shoal.training.train", "shoal.ps.rank")
 # what the agent hands each worker itself: the server need not have started with it
 HANDED = frozenset({"OMP_NUM_THREADS"})
+# what the launcher's own checks set, where each worker sets it alike before anything reads it: KERAS_BACKEND's
+# default, as shoal imports a user's module (models/registry.py import_user_callable), and torch's inductor cache
+# directory, its default written into the environment when the launcher's torch first asks for it. Compared,
+# they stopped the early server in every run of a user's model (and ZeRO 2/3's on CPU): the workers came from a
+# second server, started once the launch began, and the first one's imports (~2.3 s of a core) were wasted
+SET_ALIKE = frozenset({"KERAS_BACKEND", "TORCHINDUCTOR_CACHE_DIR"})
 
 _started_with: dict[str, str] | None = None  # the environment the early server started with (None: none started)
 
@@ -74,5 +82,5 @@ def stop() -> None:
 
 
 def _differs(before: dict[str, str], now: dict[str, str]) -> bool:
-    keys = (before.keys() | now.keys()) - HANDED
+    keys = (before.keys() | now.keys()) - HANDED - {k for k in SET_ALIKE if k not in before}
     return any(before.get(k) != now.get(k) for k in keys)
