@@ -171,6 +171,14 @@ def count_tokens(batch: Batch) -> torch.Tensor:
 
 
 def build(cfg: GPTConfig, spec: DataSpec) -> ModelBundle:
+    model = GPT(cfg, padded_vocab(cfg, spec))
+    return ModelBundle(model, lm_loss, count_tokens, block_types=(Block,), items_name="tokens",
+                       tensor_parallel=tensor_parallel, pipeline=pipeline_layers, flops_per_sample=flops(model, cfg),
+                       tp_split=tp_split, loss_in_forward=True)
+
+
+def padded_vocab(cfg: GPTConfig, spec: DataSpec) -> int:
+    """The output classes: model.vocab_size or the data's, padded up to model.vocab_multiple."""
     vocab = cfg.vocab_size or spec.vocab_size
     if vocab is None:
         raise UserError("model.vocab_size is not set and the data source has no fixed vocabulary; set it")
@@ -179,11 +187,7 @@ def build(cfg: GPTConfig, spec: DataSpec) -> ModelBundle:
             f"model.vocab_size ({vocab}) is smaller than the data's vocabulary ({spec.vocab_size}); "
             f"raise it or leave it unset"
         )
-    vocab = -(-vocab // cfg.vocab_multiple) * cfg.vocab_multiple
-    model = GPT(cfg, vocab)
-    return ModelBundle(model, lm_loss, count_tokens, block_types=(Block,), items_name="tokens",
-                       tensor_parallel=tensor_parallel, pipeline=pipeline_layers, flops_per_sample=flops(model, cfg),
-                       tp_split=tp_split, loss_in_forward=True)
+    return -(-vocab // cfg.vocab_multiple) * cfg.vocab_multiple
 
 
 # gpt_parallel.py imports DTensor's parallel styles (~0.5 s): only a run that splits the model pays for it

@@ -28,15 +28,16 @@ class UserModelConfig(ModelSection):
 
 
 def _builtins() -> dict[str, tuple[type[ModelSection], Callable[..., ModelBundle]]]:
-    from shoal.models import gpt, hf, ncf, resnet
+    from shoal.models import gpt, hf, moe, ncf, resnet
 
-    return {"gpt": (gpt.GPTConfig, gpt.build), "resnet": (resnet.ResNetConfig, resnet.build),
+    return {"gpt": (gpt.GPTConfig, gpt.build), "moe": (moe.MoEConfig, moe.build),
+            "resnet": (resnet.ResNetConfig, resnet.build),
             "ncf": (ncf.NCFConfig, ncf.build), "hf": (hf.HFConfig, hf.build)}
 
 
 # shoal's own models, whose builds always record on the meta device (tests/unit/test_deferred.py); "hf" builds
 # whatever class a config names
-RECORDED = frozenset({"gpt", "resnet", "ncf"})
+RECORDED = frozenset({"gpt", "moe", "resnet", "ncf"})
 
 
 def builtin_model_configs() -> dict[str, type[ModelSection]]:

@@ -1,0 +1,310 @@
+"""Mixture of experts: shoal's decoder (models/gpt.py) whose MLPs are mixtures of E experts, each token routed to
+its top k (token choice), as DeepSeek-V3, Qwen3-MoE and Mixtral train.
+
+A layer (MoE) is a router, the experts and optional shared experts (a SwiGLU MLP every token passes, DeepSeek's
+"shared experts"); the first `dense_layers` blocks keep the dense MLP, as DeepSeek-V3's first three do.
+
+- Routing: the router's logits (a linear map without bias) give scores, softmax over the experts (Mixtral, Qwen)
+  or a sigmoid per expert (DeepSeek-V3); each token takes the k experts of highest score (plus the balancing
+  bias, below), weighted by their scores, normalised to sum to 1 unless `normalize_top_k` is off.
+- Experts: SwiGLU MLPs (gate, up, down), their weights stacked (E, in, out). The tokens are sorted by expert and
+  each matrix product runs as one grouped GEMM over the experts (torch._grouped_mm, with offsets) where the device
+  and shapes allow it, otherwise as one batched product over the experts' tokens padded to the largest count
+  (equal within fp32 rounding: tests/unit/test_moe.py). Dropless by default: every token reaches its k experts.
+  With `capacity_factor`, an expert takes at most floor(factor x T x k / E) of a sequence's T tokens' choices,
+  in token order; the rest of that token's choice is dropped (its residual stream passes).
+- Balance: Switch/GShard's auxiliary loss, E x sum_i f_i P_i (f_i: the share of the choices expert i received,
+  P_i: its mean routing probability), or DeepSeek-V3's loss-free balancing: a bias per expert, added to the
+  scores only to choose, moved after each optimizer step by `bias_rate` towards the experts that received fewer
+  than their share of the step's tokens (counted over the data-parallel ranks: every replica moves alike).
+  Optional router z-loss (ST-MoE): the squared log-sum-exp of each token's logits.
+
+Both losses are taken per sequence and summed over them, as the language-modelling loss is summed over tokens
+([Note: loss contract] in models/spec.py: each sequence's term is weighted by its T tokens, so after the division
+by the global batch's tokens the coefficient multiplies the mean over sequences): a sum over sequences is the
+same however the global batch is split into ranks and micro-batches, so every layout can equal one process.
+They are added to the training loss in the model's forward; validation reports the language-modelling loss alone.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import ClassVar, Literal
+
+import torch
+import torch.nn.functional as F
+from pydantic import Field, model_validator
+from torch import nn
+
+from shoal.errors import UserError
+from shoal.models import gpt
+from shoal.models.spec import DataSpec, ModelBundle
+
+
+class MoEConfig(gpt.GPTConfig):
+    """shoal's decoder (the gpt keys) with mixture-of-experts MLPs."""
+
+    data_kinds: ClassVar = ("tokens",)
+    name: Literal["moe"] = "moe"
+    experts: int = Field(8, ge=1)
+    """Routed experts per MoE layer."""
+    top_k: int = Field(2, ge=1)
+    """Experts each token is routed to."""
+    expert_hidden: int | None = Field(None, ge=1)
+    """Hidden width of each expert's SwiGLU MLP; default 4 x d_model / top_k (a token's active expert width as
+    a dense MLP's)."""
+    shared_experts: int = Field(0, ge=0)
+    """Experts every token passes (one SwiGLU MLP of shared_experts x expert_hidden), beside the routed ones."""
+    dense_layers: int = Field(0, ge=0)
+    """The first this many blocks keep a dense MLP (DeepSeek-V3: 3)."""
+    score: Literal["softmax", "sigmoid"] = "softmax"
+    """Routing scores: softmax over the experts (Mixtral, Qwen) or a sigmoid per expert (DeepSeek-V3)."""
+    normalize_top_k: bool = True
+    """Scale each token's k weights to sum to 1."""
+    capacity_factor: float | None = Field(None, gt=0)
+    """None: dropless. Else an expert takes at most floor(capacity_factor x seq_len x top_k / experts) of a
+    sequence's choices, in token order; the choices over it are dropped."""
+    balance: Literal["aux_loss", "bias", "none"] = "aux_loss"
+    """Load balancing: the auxiliary loss (Switch, GShard), DeepSeek-V3's loss-free bias, or none."""
+    aux_loss_coef: float = Field(0.01, ge=0)
+    """The auxiliary loss's coefficient (balance = "aux_loss")."""
+    bias_rate: float = Field(1e-3, ge=0)
+    """How far each expert's bias moves per step (balance = "bias")."""
+    z_loss_coef: float = Field(0.0, ge=0)
+    """The router z-loss's coefficient (0: off; ST-MoE uses 1e-3)."""
+    grouped_mm: bool | Literal["auto"] = "auto"
+    """The experts' products as one grouped GEMM: "auto" where the device and shapes allow it; false: the batched
+    product everywhere (the same result within fp32 rounding)."""
+
+    @model_validator(mode="after")
+    def _routable(self) -> MoEConfig:
+        if self.top_k > self.experts:
+            raise ValueError(f"model.top_k ({self.top_k}) is above model.experts ({self.experts}): each token picks "
+                             f"top_k different experts; lower top_k or raise experts")
+        if self.dense_layers >= self.n_layer:
+            raise ValueError(f"model.dense_layers ({self.dense_layers}) leaves none of model.n_layer "
+                             f"({self.n_layer}) blocks with experts; lower dense_layers or use model.name = \"gpt\"")
+        if self.capacity_factor is not None and self.capacity() == 0:
+            need = self.experts / (self.seq_len * self.top_k)
+            raise ValueError(f"model.capacity_factor = {self.capacity_factor} gives each expert 0 of a sequence's "
+                             f"{self.seq_len} x {self.top_k} choices: every token would be dropped; raise it to at "
+                             f"least {need:.3g} (or leave it unset: dropless)")
+        return self
+
+    def capacity(self) -> int | None:
+        """Choices an expert takes of one sequence's (None: dropless)."""
+        if self.capacity_factor is None:
+            return None
+        return int(self.capacity_factor * self.seq_len * self.top_k / self.experts)
+
+    def hidden(self) -> int:
+        return self.expert_hidden or max(1, 4 * self.d_model // self.top_k)
+
+
+def grouped_mm_fits(x: torch.Tensor, w: torch.Tensor) -> bool:
+    """Whether torch._grouped_mm takes x (M, K) @ w (E, K, N) here: a CPU in fp32 or bf16, or a GPU of compute
+    capability 9.0 or newer in bf16; rows of 16-byte multiples (its kernels' alignment)."""
+    if not hasattr(torch, "_grouped_mm") or x.dtype != w.dtype:
+        return False
+    if x.device.type == "cpu":
+        ok = x.dtype in (torch.float32, torch.bfloat16)
+    elif x.device.type == "cuda":
+        ok = x.dtype == torch.bfloat16 and torch.cuda.get_device_capability(x.device) >= (9, 0)
+    else:
+        ok = False
+    return ok and all(n * x.element_size() % 16 == 0 for n in (w.shape[1], w.shape[2]))
+
+
+def expert_matmul(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor, counts: torch.Tensor,
+                  grouped: bool) -> torch.Tensor:
+    """Rows of `x` sorted by expert (expert e's are rows offsets[e-1]:offsets[e]) times their expert's matrix
+    w[e] (E, K, N): one grouped GEMM, or one batched product over the rows padded per expert to the largest
+    count (which reads that count on the host)."""
+    if grouped:
+        return torch._grouped_mm(x, w, offs=offsets)
+    experts, most = w.shape[0], int(counts.max()) if x.shape[0] else 0
+    starts = offsets - counts
+    slot = torch.arange(x.shape[0], device=x.device) - torch.repeat_interleave(starts, counts, output_size=x.shape[0])
+    which = torch.repeat_interleave(torch.arange(experts, device=x.device), counts, output_size=x.shape[0])
+    padded = x.new_zeros(experts, most, x.shape[1]).index_put((which, slot), x)
+    return torch.bmm(padded, w)[which, slot]
+
+
+class Experts(nn.Module):
+    """E SwiGLU MLPs, their weights stacked: gate and up (E, d_model, hidden), down (E, hidden, d_model)."""
+
+    def __init__(self, experts: int, d_model: int, hidden: int, grouped: bool | str):
+        super().__init__()
+        self.w_gate = nn.Parameter(torch.empty(experts, d_model, hidden))
+        self.w_up = nn.Parameter(torch.empty(experts, d_model, hidden))
+        self.w_down = nn.Parameter(torch.empty(experts, hidden, d_model))
+        self.grouped = grouped
+
+    def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        """`x`: rows sorted by expert, `counts` (E,) rows per expert."""
+        offsets = torch.cumsum(counts, 0).to(torch.int32)
+        kind = x.device.type
+        if torch.is_autocast_enabled(kind):  # as autocast runs a linear layer: in its dtype (it leaves these alone)
+            x = x.to(torch.get_autocast_dtype(kind))
+        gate, up, down = (w.to(x.dtype) for w in (self.w_gate, self.w_up, self.w_down))
+        grouped = self.grouped is True or (self.grouped == "auto" and grouped_mm_fits(x, gate)
+                                           and grouped_mm_fits(x, down.transpose(1, 2)))
+        h = F.silu(expert_matmul(x, gate, offsets, counts, grouped)) * expert_matmul(x, up, offsets, counts, grouped)
+        return expert_matmul(h, down, offsets, counts, grouped)
+
+
+class SwiGLU(nn.Module):
+    def __init__(self, d_model: int, hidden: int):
+        super().__init__()
+        self.gate = nn.Linear(d_model, hidden, bias=False)
+        self.up = nn.Linear(d_model, hidden, bias=False)
+        self.down = nn.Linear(hidden, d_model, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down(F.silu(self.gate(x)) * self.up(x))
+
+
+class MoE(nn.Module):
+    """A mixture-of-experts MLP (the module doc). After a training forward: `aux` (its balance and z-losses,
+    summed over sequences, or None) and `counts` (E,): the choices each expert received, summed over the
+    forwards since the last optimizer step (what the loss-free bias moves by, and what metrics report)."""
+
+    def __init__(self, cfg: MoEConfig):
+        super().__init__()
+        self.k, self.score, self.normalize = cfg.top_k, cfg.score, cfg.normalize_top_k
+        self.balance, self.aux_coef, self.z_coef, self.rate = cfg.balance, cfg.aux_loss_coef, cfg.z_loss_coef, \
+            cfg.bias_rate
+        self.cap = cfg.capacity()
+        self.router = nn.Linear(cfg.d_model, cfg.experts, bias=False)
+        self.experts = Experts(cfg.experts, cfg.d_model, cfg.hidden(), cfg.grouped_mm)
+        self.shared = SwiGLU(cfg.d_model, cfg.shared_experts * cfg.hidden()) if cfg.shared_experts else None
+        self.register_buffer("expert_bias", torch.zeros(cfg.experts))  # balance = "bias": saved with the model
+        self.register_buffer("counts", torch.zeros(cfg.experts), persistent=False)
+        self.aux: torch.Tensor | None = None
+
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x (B, T, C) -> (logits (B, T, E) fp32, scores (B, T, E), chosen (B, T, k), their weights (B, T, k))."""
+        logits = self.router(x).float()
+        scores = logits.softmax(-1) if self.score == "softmax" else logits.sigmoid()
+        biased = scores + self.expert_bias if self.balance == "bias" else scores
+        chosen = biased.topk(self.k, dim=-1, sorted=False).indices
+        weights = scores.gather(-1, chosen)
+        if self.normalize and self.k > 1:
+            weights = weights / weights.sum(-1, keepdim=True)
+        return logits, scores, chosen, weights
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        B, T, C = x.shape
+        logits, scores, chosen, weights = self.route(x)
+        experts = scores.shape[-1]
+        if self.training:
+            per_seq = torch.zeros(B, experts, device=x.device).scatter_add_(
+                1, chosen.reshape(B, -1), torch.ones(B, T * self.k, device=x.device))  # (B, E): choices received
+            self.counts += per_seq.sum(0)
+            self.aux = self._losses(logits, scores, per_seq)
+        flat = chosen.reshape(-1)  # (B T k): token b t's choices at (b T + t) k + j
+        kept = torch.ones_like(flat, dtype=torch.bool) if self.cap is None else self._within_capacity(chosen)
+        order = torch.argsort(torch.where(kept, flat, experts), stable=True)[:int(kept.sum()) if self.cap else None]
+        counts = torch.bincount(flat[order], minlength=experts)
+        rows = x.reshape(B * T, C)[order // self.k]
+        out = self.experts(rows, counts) * weights.reshape(-1)[order, None].to(x.dtype)
+        mixed = x.new_zeros(B * T * self.k, C).index_copy(0, order, out).view(B, T, self.k, C).sum(2)
+        return mixed + self.shared(x) if self.shared is not None else mixed
+
+    def _within_capacity(self, chosen: torch.Tensor) -> torch.Tensor:
+        """(B T k,) whether each choice is within its expert's capacity in its sequence (earlier tokens first)."""
+        B, T, k = chosen.shape
+        experts = self.router.out_features
+        key = (torch.arange(B, device=chosen.device)[:, None, None] * experts + chosen).reshape(-1)
+        order = torch.argsort(key, stable=True)
+        first = torch.searchsorted(key[order], key[order], right=False)  # each group's first place in sorted order
+        rank = torch.empty_like(order).index_copy_(0, order, torch.arange(key.numel(), device=key.device) - first)
+        return rank < self.cap
+
+    def _losses(self, logits: torch.Tensor, scores: torch.Tensor, per_seq: torch.Tensor) -> torch.Tensor | None:
+        """The balance and z-losses, per sequence, each weighted by its T tokens and summed (the module doc)."""
+        _, T, E = scores.shape
+        total = None
+        if self.balance == "aux_loss" and self.aux_coef:
+            share = per_seq / (T * self.k)  # (B, E): f_i
+            probs = (scores / scores.sum(-1, keepdim=True)).mean(1)  # (B, E): P_i
+            total = self.aux_coef * E * T * (share * probs).sum()
+        if self.z_coef:
+            z = self.z_coef * logits.logsumexp(-1).square().sum()
+            total = z if total is None else total + z
+        return total
+
+    @torch.no_grad()
+    def move_bias(self) -> None:
+        """DeepSeek-V3's update: each expert's bias up by `rate` if it received fewer than the mean, down if more
+        (its counts already summed over the data-parallel ranks); the counts start again."""
+        if self.balance == "bias":
+            self.expert_bias += self.rate * torch.sign(self.counts.mean() - self.counts)
+        self.counts.zero_()
+
+
+class MoEGPT(gpt.GPT):
+    """gpt.GPT whose blocks from `dense_layers` on have an MoE in place of the MLP; its training loss adds the
+    layers' balance and z-losses."""
+
+    def __init__(self, cfg: MoEConfig, vocab_size: int):
+        super().__init__(cfg, vocab_size)
+        for block in list(self.blocks)[cfg.dense_layers:]:
+            block.mlp = MoE(cfg)
+        for name, p in self.named_parameters():
+            if name.endswith(("experts.w_gate", "experts.w_up", "shared.gate.weight", "shared.up.weight",
+                              "router.weight")):
+                nn.init.normal_(p, mean=0.0, std=0.02)
+            elif name.endswith(("experts.w_down", "shared.down.weight")):
+                nn.init.normal_(p, mean=0.0, std=0.02 / math.sqrt(2 * cfg.n_layer))
+
+    def moe_layers(self) -> list[MoE]:
+        return [m for m in self.modules() if isinstance(m, MoE)]
+
+    def forward(self, idx: torch.Tensor, target: torch.Tensor | None = None) -> torch.Tensor:
+        out = super().forward(idx, target)
+        if target is not None and self.training:
+            for layer in self.moe_layers():
+                if layer.aux is not None:
+                    out = out + layer.aux.to(out.dtype)
+                layer.aux = None
+        return out
+
+
+def move_biases(model: nn.Module, group=None) -> None:
+    """After an optimizer step: every MoE layer's counts summed over `group` (the data-parallel ranks, whose
+    replicas must move alike; None: this process alone), then its bias moved (MoE.move_bias)."""
+    layers = [m for m in model.modules() if isinstance(m, MoE)]
+    if not layers:
+        return
+    if group is not None:
+        import torch.distributed as dist
+
+        counts = torch.stack([m.counts for m in layers])
+        dist.all_reduce(counts, group=group)
+        for m, c in zip(layers, counts, strict=True):
+            m.counts.copy_(c)
+    for m in layers:
+        m.move_bias()
+
+
+def flops(model: MoEGPT, cfg: MoEConfig) -> float:
+    """Training FLOPs of one sequence (gpt.flops), counting of each MoE layer's experts the top_k a token uses."""
+    total = gpt.flops(model, cfg)
+    per_expert = 3 * cfg.d_model * cfg.hidden()
+    idle = (cfg.experts - cfg.top_k) * per_expert * (cfg.n_layer - cfg.dense_layers)
+    return total - 6.0 * idle * cfg.seq_len
+
+
+def build(cfg: MoEConfig, spec: DataSpec) -> ModelBundle:
+    model = MoEGPT(cfg, gpt.padded_vocab(cfg, spec))
+    return ModelBundle(model, gpt.lm_loss, gpt.count_tokens, block_types=(gpt.Block,), items_name="tokens",
+                       tensor_parallel=_not_yet("parallel.tp"), pipeline=_not_yet("parallel.pp"),
+                       flops_per_sample=flops(model, cfg), loss_in_forward=True)
+
+
+def _not_yet(key: str):
+    def refuse(*_args, **_kwargs):
+        raise UserError(f"{key} > 1 with model.name = \"moe\": a mixture of experts is not yet split that way; "
+                        f"set {key} = 1 (data parallelism and ZeRO 1-3 train it)")
+    return refuse
