@@ -36,6 +36,11 @@ VERSION = torch.__version__  # the one place shoal reads it: `shoal env`, profil
 TORCH = release(VERSION)
 
 
+# torch._grouped_mm (a mixture of experts' products in one call: models/moe.py): private, so taken where torch has
+# it (2.13 on CPU: fp32 and bf16, rows of 16-byte multiples) and the batched product where it has not
+GROUPED_MM = getattr(torch, "_grouped_mm", None)
+
+
 def unsupported(version: str | None = None) -> str | None:
     """Why this torch (or `version`) cannot run shoal, in one line with the fix; None when it can."""
     version = VERSION if version is None else version

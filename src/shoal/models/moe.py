@@ -29,6 +29,7 @@ They are added to the training loss in the model's forward; validation reports t
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import ClassVar, Literal
 
 import torch
@@ -36,6 +37,7 @@ import torch.nn.functional as F
 from pydantic import Field, model_validator
 from torch import nn
 
+from shoal.compat import GROUPED_MM
 from shoal.errors import UserError
 from shoal.models import gpt
 from shoal.models.spec import DataSpec, ModelBundle
@@ -104,7 +106,7 @@ class MoEConfig(gpt.GPTConfig):
 def grouped_mm_fits(x: torch.Tensor, w: torch.Tensor) -> bool:
     """Whether torch._grouped_mm takes x (M, K) @ w (E, K, N) here: a CPU in fp32 or bf16, or a GPU of compute
     capability 9.0 or newer in bf16; rows of 16-byte multiples (its kernels' alignment)."""
-    if not hasattr(torch, "_grouped_mm") or x.dtype != w.dtype:
+    if GROUPED_MM is None or x.dtype != w.dtype:
         return False
     if x.device.type == "cpu":
         ok = x.dtype in (torch.float32, torch.bfloat16)
@@ -121,7 +123,7 @@ def expert_matmul(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor, count
     w[e] (E, K, N): one grouped GEMM, or one batched product over the rows padded per expert to the largest
     count (which reads that count on the host)."""
     if grouped:
-        return torch._grouped_mm(x, w, offs=offsets)
+        return GROUPED_MM(x, w, offs=offsets)
     experts, most = w.shape[0], int(counts.max()) if x.shape[0] else 0
     starts = offsets - counts
     slot = torch.arange(x.shape[0], device=x.device) - torch.repeat_interleave(starts, counts, output_size=x.shape[0])
@@ -167,7 +169,7 @@ class SwiGLU(nn.Module):
 class MoE(nn.Module):
     """A mixture-of-experts MLP (the module doc). After a training forward: `aux` (its balance and z-losses,
     summed over sequences, or None) and `counts` (E,): the choices each expert received, summed over the
-    forwards since the last optimizer step (what the loss-free bias moves by, and what metrics report)."""
+    training forwards since the last optimizer step (what the loss-free bias moves by), or None before any."""
 
     def __init__(self, cfg: MoEConfig):
         super().__init__()
@@ -179,7 +181,8 @@ class MoE(nn.Module):
         self.experts = Experts(cfg.experts, cfg.d_model, cfg.hidden(), cfg.grouped_mm)
         self.shared = SwiGLU(cfg.d_model, cfg.shared_experts * cfg.hidden()) if cfg.shared_experts else None
         self.register_buffer("expert_bias", torch.zeros(cfg.experts))  # balance = "bias": saved with the model
-        self.register_buffer("counts", torch.zeros(cfg.experts), persistent=False)
+        # not a buffer: DDP broadcasts rank 0's buffers before each forward, which would replace every rank's counts
+        self.counts: torch.Tensor | None = None
         self.aux: torch.Tensor | None = None
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -200,7 +203,7 @@ class MoE(nn.Module):
         if self.training:
             per_seq = torch.zeros(B, experts, device=x.device).scatter_add_(
                 1, chosen.reshape(B, -1), torch.ones(B, T * self.k, device=x.device))  # (B, E): choices received
-            self.counts += per_seq.sum(0)
+            self.counts = per_seq.sum(0) + (0 if self.counts is None else self.counts)
             self.aux = self._losses(logits, scores, per_seq)
         flat = chosen.reshape(-1)  # (B T k): token b t's choices at (b T + t) k + j
         kept = torch.ones_like(flat, dtype=torch.bool) if self.cap is None else self._within_capacity(chosen)
@@ -238,9 +241,9 @@ class MoE(nn.Module):
     def move_bias(self) -> None:
         """DeepSeek-V3's update: each expert's bias up by `rate` if it received fewer than the mean, down if more
         (its counts already summed over the data-parallel ranks); the counts start again."""
-        if self.balance == "bias":
+        if self.balance == "bias" and self.counts is not None:
             self.expert_bias += self.rate * torch.sign(self.counts.mean() - self.counts)
-        self.counts.zero_()
+        self.counts = None
 
 
 class MoEGPT(gpt.GPT):
@@ -271,21 +274,24 @@ class MoEGPT(gpt.GPT):
         return out
 
 
-def move_biases(model: nn.Module, group=None) -> None:
-    """After an optimizer step: every MoE layer's counts summed over `group` (the data-parallel ranks, whose
-    replicas must move alike; None: this process alone), then its bias moved (MoE.move_bias)."""
+def bias_balance(model: nn.Module, all_reduce: Callable[[torch.Tensor], object] | None = None):
+    """The optimizer's step post-hook of a model with MoE layers (None without): after each update every layer's
+    counts summed in place by `all_reduce` (over the data-parallel ranks, whose replicas must move alike; None:
+    this process alone), then its bias moved (MoE.move_bias)."""
     layers = [m for m in model.modules() if isinstance(m, MoE)]
     if not layers:
-        return
-    if group is not None:
-        import torch.distributed as dist
+        return None
 
-        counts = torch.stack([m.counts for m in layers])
-        dist.all_reduce(counts, group=group)
-        for m, c in zip(layers, counts, strict=True):
-            m.counts.copy_(c)
-    for m in layers:
-        m.move_bias()
+    @torch.no_grad()
+    def after_step(*_) -> None:
+        if all_reduce is not None:  # every rank stepped (a layer without counts took no training forward here)
+            counts = torch.stack([torch.zeros_like(m.expert_bias) if m.counts is None else m.counts for m in layers])
+            all_reduce(counts)
+            for m, c in zip(layers, counts, strict=True):
+                m.counts = c
+        for m in layers:
+            m.move_bias()
+    return after_step
 
 
 def flops(model: MoEGPT, cfg: MoEConfig) -> float:

@@ -29,6 +29,7 @@ from shoal.metrics.host_syncs import HostSyncs
 from shoal.metrics.profile import Profiler
 from shoal.metrics.sinks import MetricsSinks
 from shoal.metrics.trace import StepTrace
+from shoal.models.moe import bias_balance
 from shoal.models.spec import ModelBundle
 from shoal.parallel.balance import ComputeClock, ThroughputBalance
 from shoal.parallel.parallelized import Parallelized
@@ -58,6 +59,7 @@ def assemble(start: Start, bundle: ModelBundle, optimizer: Callable[[Parallelize
     torch.manual_seed(cfg.train.seed + 1 + env.rank)  # dropout etc. differ per rank, reproducibly
     opt = optimizer(par)
     one_kind_per_group(local_optimizer(opt))
+    balance_experts(start, par, opt)
     precision = Precision(cfg.precision.dtype, env.device)
     checkpoints = CheckpointManager(run.checkpoints, strategy.checkpointing(cfg.checkpoint), start.comm,
                                     before_write=strategy.before_save)
@@ -81,6 +83,15 @@ def assemble(start: Start, bundle: ModelBundle, optimizer: Callable[[Parallelize
         run.config.write_text(cfg.to_toml(), encoding="utf-8")
     return Run(start=start, bundle=bundle, n_params=n_params, step=step, sampler=sampler, state=state,
                resume_path=resume_path, checkpoints=checkpoints)
+
+
+def balance_experts(start: Start, par: Parallelized, opt: torch.optim.Optimizer) -> None:
+    """A mixture of experts' loss-free balance (models/moe.py): each layer's bias moved after each update, by the
+    step's counts summed over the dp ranks."""
+    hook = bias_balance(par.model, (lambda t: start.comm.all_reduce(t, group=par.dp_group, label="dp"))
+                        if par.dp > 1 else None)
+    if hook:
+        opt.register_step_post_hook(hook)
 
 
 def balance(start: Start, par: Parallelized) -> ThroughputBalance | None:

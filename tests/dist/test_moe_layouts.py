@@ -1,0 +1,50 @@
+"""The mixture-of-experts decoder (models/moe.py) trains the same model on two data-parallel ranks, plain or
+under ZeRO 2/3 (the experts replicated over dp), as in one process with the same seed and global batch: fp32,
+dropless, every step's loss within 1e-5 relative and the final weights within 1e-5, with the auxiliary
+balance loss (a sum over sequences: any split of the batch gives it) and with the loss-free bias (moved by
+the step's counts summed over the dp ranks, so that every replica moves alike)."""
+
+import pytest
+import torch
+
+from conftest import read_metrics, read_weights
+from harness import train as train_on_ranks
+
+STEPS = 5
+BASE = ['model.name="moe"', "model.n_layer=2", "model.d_model=32", "model.n_head=2", "model.seq_len=32",
+        "model.experts=4", "model.top_k=2", "model.shared_experts=1", "model.dense_layers=1", "model.z_loss_coef=1e-3",
+        "data.max_bytes=200000", "train.val_batches=2", "metrics.tensorboard=false", "metrics.progress=false",
+        f"train.steps={STEPS}", "train.warmup_steps=1", "train.lr=3e-3", "train.global_batch_size=8",
+        "train.micro_batch_size=2", "train.val_interval=0", "metrics.log_interval=1", "checkpoint.enabled=false"]
+BALANCES = {"aux": ['model.balance="aux_loss"'], "bias": ['model.balance="bias"', "model.bias_rate=0.05"]}
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory, ranks):
+    cache = {}
+
+    def run(balance: str, nproc: int, zero: int):
+        key = (balance, nproc, zero)
+        if key not in cache:
+            run_dir = tmp_path_factory.mktemp(f"{balance}-{nproc}-{zero}") / "run"
+            ranks(nproc).run(train_on_ranks, [*BASE, *BALANCES[balance], f"parallel.zero={zero}"], str(run_dir))
+            cache[key] = run_dir
+        return cache[key]
+    return run
+
+
+@pytest.mark.parametrize("balance", ["aux", "bias"])
+@pytest.mark.parametrize("zero", [0, 2, 3])
+def test_an_moe_on_two_ranks_trains_as_one_process(trained, balance, zero):
+    ref, run = trained(balance, 1, 0), trained(balance, 2, zero)
+    ours = {m["step"]: m["loss"] for m in read_metrics(run)}
+    theirs = {m["step"]: m["loss"] for m in read_metrics(ref)}
+    assert sorted(ours) == sorted(theirs) == list(range(1, STEPS + 1))
+    torch.testing.assert_close(torch.tensor([ours[s] for s in theirs]), torch.tensor(list(theirs.values())),
+                               rtol=1e-5, atol=0)
+    w, ref_w = read_weights(run), read_weights(ref)
+    assert w.keys() == ref_w.keys() and any("expert_bias" in k for k in w)
+    for k in ref_w:
+        torch.testing.assert_close(w[k], ref_w[k], rtol=0, atol=1e-5, msg=lambda m, k=k: f"{k}: {m}")
+    if balance == "bias":  # it moved, alike on both runs
+        assert any(ref_w[k].abs().sum() > 0 for k in ref_w if "expert_bias" in k)

@@ -1,0 +1,227 @@
+"""The mixture-of-experts decoder (models/moe.py) in one process: routing, the grouped GEMM against the batched
+product, dropless and capacity dispatch against a token-by-token reference, the balance and z-losses per sequence,
+the loss-free bias, and the config's refusals."""
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from shoal.config import load_config
+from shoal.errors import UserError
+from shoal.models import moe
+from shoal.models.spec import DataSpec
+
+SPEC = DataSpec("tokens", vocab_size=256)
+
+
+def config(**keys) -> moe.MoEConfig:
+    base = {"n_layer": 2, "d_model": 32, "n_head": 2, "seq_len": 16, "experts": 4, "top_k": 2}
+    return moe.MoEConfig(**{**base, **keys})
+
+
+def layer(seed: int = 0, **keys) -> moe.MoE:
+    torch.manual_seed(seed)
+    m = moe.MoE(config(**keys))
+    for p in m.parameters():
+        torch.nn.init.normal_(p, std=0.3)
+    return m
+
+
+def reference(m: moe.MoE, x: torch.Tensor, kept: torch.Tensor | None = None) -> torch.Tensor:
+    """Each token through its chosen experts one by one (kept: (B, T, k) which choices count)."""
+    _, _, chosen, weights = m.route(x)
+    out = torch.zeros_like(x)
+    e = m.experts
+    for b, t, j in torch.cartesian_prod(*(torch.arange(n) for n in chosen.shape)).tolist():
+        if kept is not None and not kept[b, t, j]:
+            continue
+        i = chosen[b, t, j]
+        h = F.silu(x[b, t] @ e.w_gate[i]) * (x[b, t] @ e.w_up[i])
+        out[b, t] += weights[b, t, j] * (h @ e.w_down[i])
+    return out + (m.shared(x) if m.shared is not None else 0)
+
+
+@pytest.mark.parametrize("score", ["softmax", "sigmoid"])
+@pytest.mark.parametrize("shared", [0, 1])
+def test_dropless_dispatch_equals_each_token_through_its_experts(score, shared):
+    m = layer(score=score, shared_experts=shared).train()
+    x = torch.randn(3, 16, 32)
+    torch.testing.assert_close(m(x), reference(m, x), rtol=1e-5, atol=1e-5)
+
+
+def test_the_grouped_gemm_and_the_batched_product_agree_in_values_and_gradients():
+    x = torch.randn(40, 32)
+    counts = torch.tensor([10, 0, 25, 5])  # an expert without tokens among them
+    offsets = torch.cumsum(counts, 0).to(torch.int32)
+    w = torch.randn(4, 32, 16)
+    assert moe.grouped_mm_fits(x, w)
+    outs, grads = [], []
+    for grouped in (True, False):
+        xi, wi = x.clone().requires_grad_(), w.clone().requires_grad_()
+        y = moe.expert_matmul(xi, wi, offsets, counts, grouped)
+        y.backward(torch.ones_like(y) + torch.arange(16.0))
+        outs.append(y.detach())
+        grads.append((xi.grad, wi.grad))
+    torch.testing.assert_close(outs[0], outs[1], rtol=1e-6, atol=1e-5)
+    for a, b in zip(*grads, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-4)
+    ref = torch.cat([x[0:10] @ w[0], x[10:35] @ w[2], x[35:40] @ w[3]])
+    torch.testing.assert_close(outs[0], ref, rtol=1e-6, atol=1e-5)
+
+
+def test_a_whole_layer_trains_alike_grouped_or_batched():
+    x = torch.randn(2, 16, 32)
+    results = []
+    for grouped in (True, False):
+        m = layer(grouped_mm=grouped).train()
+        y = m(x)
+        (y.square().sum() + m.aux).backward()
+        results.append((y.detach(), [p.grad for p in m.parameters()]))
+    torch.testing.assert_close(results[0][0], results[1][0], rtol=1e-5, atol=1e-5)
+    for a, b in zip(results[0][1], results[1][1], strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-4)
+
+
+def test_a_capacity_keeps_each_sequences_first_choices_of_an_expert_and_drops_the_rest():
+    cfg = config(capacity_factor=0.5)
+    cap = cfg.capacity()
+    assert cap == int(0.5 * 16 * 2 / 4) == 4
+    m = layer(capacity_factor=0.5).train()
+    x = torch.randn(2, 16, 32)
+    _, _, chosen, _ = m.route(x)
+    kept = m._within_capacity(chosen).view(chosen.shape)
+    for b in range(2):
+        for e in range(4):
+            picks = [(t, j) for t in range(16) for j in range(2) if chosen[b, t, j] == e]
+            want = [i < cap for i in range(len(picks))]  # token order
+            assert [bool(kept[b, t, j]) for t, j in picks] == want
+    assert not kept.all()  # 64 choices, 32 places: some are dropped
+    torch.testing.assert_close(m(x), reference(m, x, kept), rtol=1e-5, atol=1e-5)
+
+
+def test_the_balance_loss_is_switchs_per_sequence_and_sums_over_any_split_of_the_batch():
+    m = layer(aux_loss_coef=0.01).train()
+    x = torch.randn(4, 16, 32)
+    m(x)
+    whole = m.aux
+    _, scores, chosen, _ = m.route(x)
+    want = 0.0
+    for b in range(4):
+        f = torch.bincount(chosen[b].reshape(-1), minlength=4).float() / (16 * 2)
+        p = scores[b].mean(0)
+        want += 0.01 * 4 * (f * p).sum() * 16  # each sequence weighted by its 16 tokens
+    torch.testing.assert_close(whole, want, rtol=1e-5, atol=1e-6)
+    parts = 0.0
+    for half in (x[:1], x[1:]):  # as two ranks, or two micro-batches, would take it
+        m(half)
+        parts = parts + m.aux
+    torch.testing.assert_close(parts, whole, rtol=1e-5, atol=1e-6)
+
+
+def test_the_z_loss_is_the_squared_log_sum_exp_of_each_tokens_router_logits():
+    m = layer(z_loss_coef=1e-3, balance="none").train()
+    x = torch.randn(2, 16, 32)
+    m(x)
+    logits = m.router(x).float()
+    torch.testing.assert_close(m.aux, 1e-3 * logits.logsumexp(-1).square().sum(), rtol=1e-5, atol=1e-6)
+    m = layer(balance="none").train()
+    m(x)
+    assert m.aux is None
+
+
+def test_the_loss_free_bias_moves_towards_the_experts_that_received_fewer_and_steers_the_choice():
+    m = layer(balance="bias", bias_rate=0.1).train()
+    x = torch.randn(4, 16, 32)
+    m(x)
+    m(x)
+    counts = m.counts.clone()
+    assert counts.sum() == 2 * 4 * 16 * 2
+    assert m.aux is None  # no auxiliary loss with the bias
+    m.move_bias()
+    assert m.counts is None
+    torch.testing.assert_close(m.expert_bias, 0.1 * torch.sign(counts.mean() - counts))
+    # the bias chooses; the weights stay the scores'
+    m.expert_bias.copy_(torch.tensor([10.0, 10.0, 0.0, 0.0]))
+    _, scores, chosen, weights = m.route(x)
+    assert set(chosen.unique().tolist()) == {0, 1}
+    torch.testing.assert_close(weights, scores.gather(-1, chosen) / scores.gather(-1, chosen).sum(-1, keepdim=True))
+
+
+def test_the_step_hook_moves_every_layers_bias_once_per_update():
+    torch.manual_seed(0)
+    model = moe.MoEGPT(config(balance="bias", dense_layers=1, n_layer=3), 256)
+    layers = model.moe_layers()
+    assert len(layers) == 2 and isinstance(model.blocks[0].mlp, moe.gpt.MLP)  # the first block dense
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    opt.register_step_post_hook(moe.bias_balance(model))
+    idx = torch.randint(0, 256, (2, 16))
+    model(idx, idx).backward()
+    opt.step()
+    assert all(m.counts is None and m.expert_bias.abs().sum() > 0 for m in layers)
+    assert moe.bias_balance(moe.gpt.GPT(config(), 256)) is None  # a model without experts: no hook
+
+
+def test_the_model_adds_its_layers_losses_in_training_and_reports_the_language_loss_in_evaluation():
+    torch.manual_seed(0)
+    model = moe.build(config(z_loss_coef=1e-3), SPEC).model.train()
+    idx = torch.randint(0, 256, (2, 16))
+    trained = model(idx, idx)
+    assert all(m.aux is None for m in model.moe_layers())  # taken into the loss
+    language = moe.gpt.GPT.forward(model, idx, idx)  # the same forward without adding them
+    aux = sum(m.aux for m in model.moe_layers())
+    assert aux > 0
+    torch.testing.assert_close(trained, language + aux, rtol=1e-6, atol=1e-5)
+    model.eval()
+    torch.testing.assert_close(model(idx, idx), language, rtol=1e-6, atol=1e-5)
+
+
+def test_flops_count_the_active_experts():
+    cfg = config(experts=8, top_k=2, n_layer=3, dense_layers=1)
+    bundle = moe.build(cfg, SPEC)
+    dense = moe.gpt.build(moe.gpt.GPTConfig(n_layer=3, d_model=32, n_head=2, seq_len=16), SPEC)
+    per_expert = 3 * 32 * cfg.hidden()
+    params = sum(p.numel() for p in bundle.model.parameters())
+    active = params - 2 * (8 - 2) * per_expert  # two MoE layers, six idle experts each
+    want = 6 * (active - 16 * 32) * 16 + 12 * 3 * 16 * 32 * 16
+    assert bundle.flops_per_sample == pytest.approx(want)
+    assert dense.flops_per_sample != bundle.flops_per_sample
+
+
+@pytest.mark.parametrize(("sets", "says"), [
+    (["model.top_k=3", "model.experts=2"], "model.top_k (3) is above model.experts (2)"),
+    (["model.dense_layers=4", "model.n_layer=4"], "model.dense_layers (4) leaves none of model.n_layer (4)"),
+    (["model.capacity_factor=0.01"], "model.capacity_factor = 0.01 gives each expert 0 of a sequence's"),
+])
+def test_bad_routing_is_refused_in_one_line_naming_the_key(sets, says):
+    with pytest.raises(UserError) as e:
+        load_config(None, ['model.name="moe"', *sets])
+    assert says in str(e.value) and "\n" not in str(e.value), str(e.value)
+
+
+def test_tensor_and_pipeline_splits_are_refused_until_they_are_built():
+    bundle = moe.build(config(), SPEC)
+    for split, key in ((bundle.tensor_parallel, "parallel.tp"), (bundle.pipeline, "parallel.pp")):
+        with pytest.raises(UserError, match=f"{key} > 1 with model.name = \"moe\""):
+            split(bundle.model, 2)
+
+
+def test_a_small_moe_learns_stdlib_text():
+    from shoal.data.sources import build_source
+
+    cfg = load_config(None, ['model.name="moe"', "model.n_layer=2", "model.d_model=64", "model.n_head=2",
+                             "model.seq_len=64", "model.experts=4", "data.max_bytes=200000"])
+    source = build_source(cfg.data, cfg.model.seq_len, 0)
+    torch.manual_seed(0)
+    model = moe.build(cfg.model, source.spec).model.train()
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    losses = []
+    for step in range(40):
+        batch = source.train_batch(torch.arange(step * 8, step * 8 + 8))
+        loss = model(batch["input"], batch["target"]) / batch["target"].numel()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    assert losses[0] > math.log(256) - 0.3 and sum(losses[-5:]) / 5 < losses[0] - 1.5, losses
