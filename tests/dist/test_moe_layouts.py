@@ -48,3 +48,9 @@ def test_an_moe_on_two_ranks_trains_as_one_process(trained, balance, zero):
         torch.testing.assert_close(w[k], ref_w[k], rtol=0, atol=1e-5, msg=lambda m, k=k: f"{k}: {m}")
     if balance == "bias":  # it moved, alike on both runs
         assert any(ref_w[k].abs().sum() > 0 for k in ref_w if "expert_bias" in k)
+    # every logged step: per MoE layer (one: the first block is dense), the choices each expert received over
+    # the global batch (8 sequences x 32 tokens x top 2) and their imbalance, summed over the ranks
+    for m in read_metrics(run):
+        [tokens], [imbalance] = m["expert_tokens"], m["expert_imbalance"]
+        assert len(tokens) == 4 and sum(tokens) == 8 * 32 * 2, m
+        assert imbalance == round(max(tokens) / (sum(tokens) / 4), 4), m

@@ -183,6 +183,7 @@ class MoE(nn.Module):
         self.register_buffer("expert_bias", torch.zeros(cfg.experts))  # balance = "bias": saved with the model
         # not a buffer: DDP broadcasts rank 0's buffers before each forward, which would replace every rank's counts
         self.counts: torch.Tensor | None = None
+        self.stepped: dict[int, torch.Tensor] = {}  # the counts of the last two steps, by step (metrics read them)
         self.aux: torch.Tensor | None = None
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -238,11 +239,15 @@ class MoE(nn.Module):
         return total
 
     @torch.no_grad()
-    def move_bias(self) -> None:
-        """DeepSeek-V3's update: each expert's bias up by `rate` if it received fewer than the mean, down if more
-        (its counts already summed over the data-parallel ranks); the counts start again."""
-        if self.balance == "bias" and self.counts is not None:
+    def move_bias(self, step: int = 0) -> None:
+        """After the update of step `step`: DeepSeek-V3's bias update, each expert's bias up by `rate` if it
+        received fewer than the mean, down if more (its counts already summed over the data-parallel ranks);
+        the counts kept as that step's, and started again."""
+        if self.counts is None:
+            return
+        if self.balance == "bias":
             self.expert_bias += self.rate * torch.sign(self.counts.mean() - self.counts)
+        self.stepped = {k: v for k, v in self.stepped.items() if k >= step - 1} | {step: self.counts}
         self.counts = None
 
 
@@ -274,10 +279,11 @@ class MoEGPT(gpt.GPT):
         return out
 
 
-def bias_balance(model: nn.Module, all_reduce: Callable[[torch.Tensor], object] | None = None):
+def bias_balance(model: nn.Module, all_reduce: Callable[[torch.Tensor], object] | None = None,
+                 step: Callable[[], int] = lambda: 0):
     """The optimizer's step post-hook of a model with MoE layers (None without): after each update every layer's
     counts summed in place by `all_reduce` (over the data-parallel ranks, whose replicas must move alike; None:
-    this process alone), then its bias moved (MoE.move_bias)."""
+    this process alone), then its bias moved and the counts kept as those of step `step()` (MoE.move_bias)."""
     layers = [m for m in model.modules() if isinstance(m, MoE)]
     if not layers:
         return None
@@ -289,9 +295,23 @@ def bias_balance(model: nn.Module, all_reduce: Callable[[torch.Tensor], object] 
             all_reduce(counts)
             for m, c in zip(layers, counts, strict=True):
                 m.counts = c
+        done = step()
         for m in layers:
-            m.move_bias()
+            m.move_bias(done)
     return after_step
+
+
+def expert_figures(model: nn.Module, step: int) -> dict:
+    """What metrics.jsonl records of step `step` (1-based) of a model with MoE layers ({} without, or before its
+    counts): per layer, the choices each expert received over the global batch, and the imbalance (the most any
+    expert received over the mean). Reads them from the device: for logged steps only."""
+    counts = [m.stepped.get(step) for m in model.modules() if isinstance(m, MoE)]
+    if not counts or any(c is None for c in counts):
+        return {}
+    per_layer = torch.stack(counts).tolist()
+    return {"expert_tokens": [[int(n) for n in layer] for layer in per_layer],
+            "expert_imbalance": [round(max(layer) / (sum(layer) / len(layer)), 4) if sum(layer) else None
+                                 for layer in per_layer]}
 
 
 def flops(model: MoEGPT, cfg: MoEConfig) -> float:

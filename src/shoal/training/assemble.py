@@ -59,7 +59,6 @@ def assemble(start: Start, bundle: ModelBundle, optimizer: Callable[[Parallelize
     torch.manual_seed(cfg.train.seed + 1 + env.rank)  # dropout etc. differ per rank, reproducibly
     opt = optimizer(par)
     one_kind_per_group(local_optimizer(opt))
-    balance_experts(start, par, opt)
     precision = Precision(cfg.precision.dtype, env.device)
     checkpoints = CheckpointManager(run.checkpoints, strategy.checkpointing(cfg.checkpoint), start.comm,
                                     before_write=strategy.before_save)
@@ -71,6 +70,7 @@ def assemble(start: Start, bundle: ModelBundle, optimizer: Callable[[Parallelize
                    comm=start.comm, device=env.device, count_fn=bundle.count_fn, grad_clip=cfg.train.grad_clip,
                    phase=start.phase, controls=controls, balance=balance(start, par))
     sampler = GlobalBatchSampler(num_train, cfg.train.global_batch_size, cfg.train.seed)
+    balance_experts(start, par, opt, lambda: sampler.step + 1)  # the loop counts a step once its update is done
     stateful = {"sampler": sampler, "scheduler": step.schedule, "scaler": precision, "bad_steps": step.bad_steps,
                 "sync": par.sync, **({"balance": step.balance} if step.balance else {})}
     if getattr(start.source, "streamed", False):  # data.streaming: this dp rank's place in the stream
@@ -85,11 +85,11 @@ def assemble(start: Start, bundle: ModelBundle, optimizer: Callable[[Parallelize
                resume_path=resume_path, checkpoints=checkpoints)
 
 
-def balance_experts(start: Start, par: Parallelized, opt: torch.optim.Optimizer) -> None:
-    """A mixture of experts' loss-free balance (models/moe.py): each layer's bias moved after each update, by the
-    step's counts summed over the dp ranks."""
+def balance_experts(start: Start, par: Parallelized, opt: torch.optim.Optimizer, step: Callable[[], int]) -> None:
+    """A mixture of experts' counts (models/moe.py) summed over the dp ranks after each update, as step `step()`'s:
+    they move each layer's loss-free bias, and metrics.jsonl reports them."""
     hook = bias_balance(par.model, (lambda t: start.comm.all_reduce(t, group=par.dp_group, label="dp"))
-                        if par.dp > 1 else None)
+                        if par.dp > 1 else None, step)
     if hook:
         opt.register_step_post_hook(hook)
 
