@@ -90,11 +90,13 @@ class Comm:
         pending = Pending(all_gather_single(out, t, group=group, async_op=True), rec, self.log, out)
         return pending if async_op else pending.wait()
 
-    def all_to_all(self, out: torch.Tensor, t: torch.Tensor, group=None, label: str = "world") -> torch.Tensor:
-        """Chunk j of `t` (split evenly) to rank j; chunk r of `out` from rank r."""
+    def all_to_all(self, out: torch.Tensor, t: torch.Tensor, group=None, label: str = "world",
+                   out_splits: list[int] | None = None, in_splits: list[int] | None = None) -> torch.Tensor:
+        """Chunk j of `t` to rank j; chunk r of `out` from rank r: even chunks, or rows by the splits (uneven:
+        each rank's sizes, what it sends and what it receives, agreed beforehand)."""
         rec = self.log.enter("all_to_all", label, [t])
-        return Pending(dist.all_to_all_single(out, t, group=self._g(group), async_op=True), rec, self.log,
-                       out).wait()
+        return Pending(dist.all_to_all_single(out, t, out_splits, in_splits, group=self._g(group), async_op=True),
+                       rec, self.log, out).wait()
 
     def reduce_scatter(self, out: torch.Tensor, t: torch.Tensor, group=None, label: str = "world",
                        op=dist.ReduceOp.SUM) -> torch.Tensor:

@@ -122,7 +122,7 @@ def expert_matmul(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor, count
     """Rows of `x` sorted by expert (expert e's are rows offsets[e-1]:offsets[e]) times their expert's matrix
     w[e] (E, K, N): one grouped GEMM, or one batched product over the rows padded per expert to the largest
     count (which reads that count on the host)."""
-    if grouped:
+    if grouped and x.shape[0]:  # no rows (an expert-parallel rank sent none): the batched path's empty product
         return GROUPED_MM(x, w, offs=offsets)
     experts, most = w.shape[0], int(counts.max()) if x.shape[0] else 0
     starts = offsets - counts
@@ -180,6 +180,9 @@ class MoE(nn.Module):
         self.router = nn.Linear(cfg.d_model, cfg.experts, bias=False)
         self.experts = Experts(cfg.experts, cfg.d_model, cfg.hidden(), cfg.grouped_mm)
         self.shared = SwiGLU(cfg.d_model, cfg.shared_experts * cfg.hidden()) if cfg.shared_experts else None
+        # (rows sorted by expert, rows per expert) -> the experts' outputs on the experts' ranks (parallel/experts.py
+        # ExpertParallel, not a module); None: here, by `experts`
+        self.dispatch = None
         self.register_buffer("expert_bias", torch.zeros(cfg.experts))  # balance = "bias": saved with the model
         # not a buffer: DDP broadcasts rank 0's buffers before each forward, which would replace every rank's counts
         self.counts: torch.Tensor | None = None
@@ -211,7 +214,7 @@ class MoE(nn.Module):
         order = torch.argsort(torch.where(kept, flat, experts), stable=True)[:int(kept.sum()) if self.cap else None]
         counts = torch.bincount(flat[order], minlength=experts)
         rows = x.reshape(B * T, C)[order // self.k]
-        out = self.experts(rows, counts) * weights.reshape(-1)[order, None].to(x.dtype)
+        out = (self.dispatch or self.experts)(rows, counts) * weights.reshape(-1)[order, None].to(x.dtype)
         mixed = x.new_zeros(B * T * self.k, C).index_copy(0, order, out).view(B, T, self.k, C).sum(2)
         return mixed + self.shared(x) if self.shared is not None else mixed
 
