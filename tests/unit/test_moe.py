@@ -225,3 +225,22 @@ def test_a_small_moe_learns_stdlib_text():
         opt.step()
         losses.append(loss.item())
     assert losses[0] > math.log(256) - 0.3 and sum(losses[-5:]) / 5 < losses[0] - 1.5, losses
+
+
+def test_the_planner_traces_an_moe_as_if_its_choices_spread_evenly_and_plans_only_what_trains():
+    from shoal.plan.planner import Model, plan
+
+    cfg = load_config(None, ['model.name="moe"', "model.n_layer=2", "model.d_model=64", "model.n_head=2",
+                             "model.seq_len=64", "model.experts=8", "model.top_k=2", "model.capacity_factor=1.0",
+                             "data.max_bytes=200000"])
+    model = Model.build(cfg)
+    for micro in (1, 2, 4, 8):  # the fourth from the first three (cost.affine)
+        for dtype in (None, torch.bfloat16):
+            forward = model.cost(micro, dtype).forward_flops  # the active experts' products, as gpt.flops counts
+            assert forward == pytest.approx(model.bundle.flops_per_sample * micro / 3, rel=0.01), (micro, dtype)
+    assert all(m.counts is None for m in model.bundle.model.moe_layers())  # the trace counted nothing
+    planned = plan(cfg, 2, None, None)
+    valid = {p.candidate.layout.dims.dp for p in planned if p.ok}
+    assert valid == {2}, [p.candidate for p in planned if p.ok]
+    split = [p.reason for p in planned if not p.ok and "not yet split" in (p.reason or "")]
+    assert split and all('with model.name = "moe"' in r for r in split)

@@ -117,14 +117,23 @@ def grouped_mm_fits(x: torch.Tensor, w: torch.Tensor) -> bool:
     return ok and all(n * x.element_size() % 16 == 0 for n in (w.shape[1], w.shape[2]))
 
 
+def shape_only(x: torch.Tensor) -> bool:
+    """A tensor without values: the planner's trace (meta, or fake under FakeTensorMode: plan/cost.py)."""
+    from torch._subclasses.fake_tensor import is_fake
+
+    return x.is_meta or is_fake(x)
+
+
 def expert_matmul(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor, counts: torch.Tensor,
                   grouped: bool) -> torch.Tensor:
     """Rows of `x` sorted by expert (expert e's are rows offsets[e-1]:offsets[e]) times their expert's matrix
     w[e] (E, K, N): one grouped GEMM, or one batched product over the rows padded per expert to the largest
-    count (which reads that count on the host)."""
+    count (which reads that count on the host; in the planner's trace, where there are no counts to read, the
+    rows as if spread evenly)."""
     if grouped and x.shape[0]:  # no rows (an expert-parallel rank sent none): the batched path's empty product
         return GROUPED_MM(x, w, offs=offsets)
-    experts, most = w.shape[0], int(counts.max()) if x.shape[0] else 0
+    experts = w.shape[0]
+    most = -(-x.shape[0] // experts) if shape_only(x) else int(counts.max()) if x.shape[0] else 0
     starts = offsets - counts
     slot = torch.arange(x.shape[0], device=x.device) - torch.repeat_interleave(starts, counts, output_size=x.shape[0])
     which = torch.repeat_interleave(torch.arange(experts, device=x.device), counts, output_size=x.shape[0])
@@ -146,11 +155,12 @@ class Experts(nn.Module):
         """`x`: rows sorted by expert, `counts` (E,) rows per expert."""
         offsets = torch.cumsum(counts, 0).to(torch.int32)
         kind = x.device.type
-        if torch.is_autocast_enabled(kind):  # as autocast runs a linear layer: in its dtype (it leaves these alone)
+        # under autocast, in its dtype, as it runs a linear layer (it leaves these products alone)
+        if torch.amp.is_autocast_available(kind) and torch.is_autocast_enabled(kind):
             x = x.to(torch.get_autocast_dtype(kind))
         gate, up, down = (w.to(x.dtype) for w in (self.w_gate, self.w_up, self.w_down))
-        grouped = self.grouped is True or (self.grouped == "auto" and grouped_mm_fits(x, gate)
-                                           and grouped_mm_fits(x, down.transpose(1, 2)))
+        grouped = not shape_only(x) and (self.grouped is True or (
+            self.grouped == "auto" and grouped_mm_fits(x, gate) and grouped_mm_fits(x, down.transpose(1, 2))))
         h = F.silu(expert_matmul(x, gate, offsets, counts, grouped)) * expert_matmul(x, up, offsets, counts, grouped)
         return expert_matmul(h, down, offsets, counts, grouped)
 
@@ -204,15 +214,20 @@ class MoE(nn.Module):
         B, T, C = x.shape
         logits, scores, chosen, weights = self.route(x)
         experts = scores.shape[-1]
+        # the planner's trace has no values to route by: every choice kept, spread evenly over the experts, and
+        # nothing counted
+        planned = shape_only(x)
         if self.training:
             per_seq = torch.zeros(B, experts, device=x.device).scatter_add_(
                 1, chosen.reshape(B, -1), torch.ones(B, T * self.k, device=x.device))  # (B, E): choices received
-            self.counts = per_seq.sum(0) + (0 if self.counts is None else self.counts)
+            if not planned:
+                self.counts = per_seq.sum(0) + (0 if self.counts is None else self.counts)
             self.aux = self._losses(logits, scores, per_seq)
         flat = chosen.reshape(-1)  # (B T k): token b t's choices at (b T + t) k + j
-        kept = torch.ones_like(flat, dtype=torch.bool) if self.cap is None else self._within_capacity(chosen)
-        order = torch.argsort(torch.where(kept, flat, experts), stable=True)[:int(kept.sum()) if self.cap else None]
-        counts = torch.bincount(flat[order], minlength=experts)
+        capped = self.cap is not None and not planned
+        kept = self._within_capacity(chosen) if capped else torch.ones_like(flat, dtype=torch.bool)
+        order = torch.argsort(torch.where(kept, flat, experts), stable=True)[:int(kept.sum()) if capped else None]
+        counts = spread(order.numel(), experts, x.device) if planned else torch.bincount(flat[order], minlength=experts)
         rows = x.reshape(B * T, C)[order // self.k]
         out = (self.dispatch or self.experts)(rows, counts) * weights.reshape(-1)[order, None].to(x.dtype)
         mixed = x.new_zeros(B * T * self.k, C).index_copy(0, order, out).view(B, T, self.k, C).sum(2)
@@ -252,6 +267,11 @@ class MoE(nn.Module):
             self.expert_bias += self.rate * torch.sign(self.counts.mean() - self.counts)
         self.stepped = {k: v for k, v in self.stepped.items() if k >= step - 1} | {step: self.counts}
         self.counts = None
+
+
+def spread(n: int, experts: int, device) -> torch.Tensor:
+    """`n` rows over `experts` as evenly as they go (the first n % experts get one more)."""
+    return torch.full((experts,), n // experts, device=device) + (torch.arange(experts, device=device) < n % experts)
 
 
 class MoEGPT(gpt.GPT):
