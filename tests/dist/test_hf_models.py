@@ -1,5 +1,6 @@
 """Hugging Face models (model.name = "hf") train like the built-ins: tiny configs written here (a
-Llama- and a GPT-2-architecture model, 2 layers) in dp 2, ZeRO 3 and (Llama, from its own
+Llama- and a GPT-2-architecture model and a Qwen2-MoE mixture of experts with its router's balance loss, 2
+layers) in dp 2, ZeRO 3 and (Llama, from its own
 base_model_tp_plan) tp 2 against one process with the same seed and global batch (fp32: losses and
 final weights within 1e-5). Then fine-tuning: `shoal export --format hf` loads with from_pretrained
 and gives shoal's logits; model.init_from starts a run at the exporting run's final validation loss;
@@ -33,7 +34,12 @@ LLAMA = 'model.config={model_type="llama", hidden_size=32, intermediate_size=64,
         'num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64}'
 GPT2 = 'model.config={model_type="gpt2", n_embd=32, n_layer=2, n_head=2, n_positions=64, resid_pdrop=0.0, ' \
        'embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0}'
-ARCH = {"llama": LLAMA, "gpt2": GPT2}
+# a mixture of experts as transformers ships it, its router's balance loss asked for (output_router_logits)
+QWEN_MOE = 'model.config={model_type="qwen2_moe", hidden_size=32, intermediate_size=64, moe_intermediate_size=32, ' \
+           'shared_expert_intermediate_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, ' \
+           'num_experts=4, num_experts_per_tok=2, max_position_embeddings=64, output_router_logits=true, ' \
+           'router_aux_loss_coef=0.01}'
+ARCH = {"llama": LLAMA, "gpt2": GPT2, "qwen2_moe": QWEN_MOE}
 LAYOUTS = {"dp1": (1, []), "dp2": (2, []), "dp2-zero3": (2, ["parallel.zero=3"]), "tp2": (2, ["parallel.tp=2"]),
            "dp2-zero2-ac": (2, ["parallel.zero=2", "precision.activation_checkpointing=true"])}
 LORA = ["model.lora={r=4, alpha=8.0, target_modules=['q_proj', 'v_proj']}"]
@@ -67,7 +73,8 @@ def assert_same(run_dir, ref_dir, keys=None):
 
 @pytest.mark.parametrize("arch,layout", [("llama", "dp2"), ("llama", "dp2-zero3"), ("llama", "tp2"),
                                          ("llama", "dp2-zero2-ac"),
-                                         ("gpt2", "dp2"), ("gpt2", "dp2-zero3")])
+                                         ("gpt2", "dp2"), ("gpt2", "dp2-zero3"),
+                                         ("qwen2_moe", "dp2"), ("qwen2_moe", "dp2-zero3")])
 def test_hf_layouts_match_single_process(trained, arch, layout):
     ref = trained(arch, "dp1")
     losses = [m["loss"] for m in read_metrics(ref)]

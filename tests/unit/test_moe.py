@@ -244,3 +244,26 @@ def test_the_planner_traces_an_moe_as_if_its_choices_spread_evenly_and_plans_onl
     assert valid == {2}, [p.candidate for p in planned if p.ok]
     split = [p.reason for p in planned if not p.ok and "not yet split" in (p.reason or "")]
     assert split and all('with model.name = "moe"' in r for r in split)
+
+
+def test_a_hugging_face_mixture_of_experts_trains_with_its_routers_balance_loss_as_transformers_adds_it():
+    pytest.importorskip("transformers")
+    from shoal.models.hf import causal_lm_loss
+    from shoal.models.registry import build_model
+
+    config = ('model.config={model_type="qwen2_moe", hidden_size=32, intermediate_size=64, moe_intermediate_size=32, '
+              'num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, num_experts=4, num_experts_per_tok=2, '
+              'max_position_embeddings=64, output_router_logits=true, router_aux_loss_coef=0.01}')
+    cfg = load_config(None, ['model.name="hf"', "model.seq_len=16", config])
+    torch.manual_seed(0)
+    model = build_model(cfg.model, SPEC).model.train()
+    idx = torch.randint(0, 256, (2, 16))
+    target = idx.clone()
+    target[0, :4] = -1  # not counted
+    batch = {"input": idx, "target": target}
+    out = model(input_ids=idx, labels=None, use_cache=False)
+    ce = F.cross_entropy(out.logits.flatten(0, 1), target.flatten(), ignore_index=-1, reduction="sum")
+    assert out.aux_loss > 0
+    torch.testing.assert_close(causal_lm_loss(model, batch), ce + 0.01 * out.aux_loss * 28, rtol=1e-5, atol=1e-5)
+    model.eval()
+    torch.testing.assert_close(causal_lm_loss(model, batch), ce, rtol=1e-5, atol=1e-5)

@@ -170,10 +170,26 @@ def _nothing_packed(position_ids: torch.Tensor) -> None:
 
 
 def causal_lm_loss(model: nn.Module, batch: Batch) -> torch.Tensor:
+    """The next-token loss summed over the counted tokens; in training, with a mixture of experts' router balance
+    loss where its config asks transformers for it (output_router_logits: Mixtral, Qwen-MoE, ...), weighted by
+    router_aux_loss_coef as transformers adds it to its own loss, and by the micro-batch's counted tokens: the
+    loss contract's sum ([Note: loss contract] in spec.py), so that after the division by the global batch's
+    tokens it is transformers' mean over the micro-batches (each the same set of sequences on any layout)."""
     with unpacked_rows():
-        logits = model(input_ids=batch["input"], use_cache=False).logits  # (B, T, vocab)
-    return F.cross_entropy(logits.flatten(0, 1).float(), batch["target"].flatten(), ignore_index=-1,
+        out = model(input_ids=batch["input"], use_cache=False)
+    loss = F.cross_entropy(out.logits.flatten(0, 1).float(), batch["target"].flatten(), ignore_index=-1,
                            reduction="sum")
+    aux = getattr(out, "aux_loss", None)
+    if aux is not None and model.training:
+        loss = loss + _config(model).router_aux_loss_coef * aux.float() * count_tokens(batch)
+    return loss
+
+
+def _config(model: nn.Module):
+    """The transformers config of `model`, or of the model a wrapper holds (DDP's `module`)."""
+    while not hasattr(model, "config"):
+        model = model.module
+    return model.config
 
 
 def count_tokens(batch: Batch) -> torch.Tensor:
