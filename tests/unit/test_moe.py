@@ -267,3 +267,15 @@ def test_a_hugging_face_mixture_of_experts_trains_with_its_routers_balance_loss_
     torch.testing.assert_close(causal_lm_loss(model, batch), ce + 0.01 * out.aux_loss * 28, rtol=1e-5, atol=1e-5)
     model.eval()
     torch.testing.assert_close(causal_lm_loss(model, batch), ce, rtol=1e-5, atol=1e-5)
+
+
+def test_a_forward_run_again_by_activation_checkpointing_is_not_counted_twice():
+    from torch.utils.checkpoint import checkpoint
+
+    m = layer(z_loss_coef=1e-3).train()
+    x = torch.randn(2, 16, 32, requires_grad=True)
+    y = checkpoint(m, x, use_reentrant=False)
+    first = m.aux
+    y.sum().backward()
+    assert m.counts.sum() == 2 * 16 * 2  # once, not again in the backward
+    assert m.aux is first  # the losses taken by the first forward, not replaced by the one run again

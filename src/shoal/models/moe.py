@@ -220,9 +220,13 @@ class MoE(nn.Module):
         if self.training:
             per_seq = torch.zeros(B, experts, device=x.device).scatter_add_(
                 1, chosen.reshape(B, -1), torch.ones(B, T * self.k, device=x.device))  # (B, E): choices received
-            if not planned:
-                self.counts = per_seq.sum(0) + (0 if self.counts is None else self.counts)
-            self.aux = self._losses(logits, scores, per_seq)
+            aux = self._losses(logits, scores, per_seq)  # as the first time, where checkpointing runs it again
+            # activation checkpointing runs the forward again inside the backward (the autograd engine's task id is
+            # -1 outside one): its choices were counted, and its losses taken into the loss, the first time
+            if torch._C._current_graph_task_id() == -1:
+                self.aux = aux
+                if not planned:
+                    self.counts = per_seq.sum(0) + (0 if self.counts is None else self.counts)
         flat = chosen.reshape(-1)  # (B T k): token b t's choices at (b T + t) k + j
         capped = self.cap is not None and not planned
         kept = self._within_capacity(chosen) if capped else torch.ones_like(flat, dtype=torch.bool)
