@@ -23,20 +23,24 @@ BALANCES = {"aux": ['model.balance="aux_loss"'], "bias": ['model.balance="bias"'
 def trained(tmp_path_factory, ranks):
     cache = {}
 
-    def run(balance: str, nproc: int, zero: int):
-        key = (balance, nproc, zero)
+    def run(balance: str, nproc: int, zero: int, checkpointing: bool = False):
+        key = (balance, nproc, zero, checkpointing)
         if key not in cache:
             run_dir = tmp_path_factory.mktemp(f"{balance}-{nproc}-{zero}") / "run"
-            ranks(nproc).run(train_on_ranks, [*BASE, *BALANCES[balance], f"parallel.zero={zero}"], str(run_dir))
+            ranks(nproc).run(train_on_ranks, [*BASE, *BALANCES[balance], f"parallel.zero={zero}",
+                                              f"precision.activation_checkpointing={str(checkpointing).lower()}"],
+                             str(run_dir))
             cache[key] = run_dir
         return cache[key]
     return run
 
 
 @pytest.mark.parametrize("balance", ["aux", "bias"])
-@pytest.mark.parametrize("zero", [0, 2, 3])
-def test_an_moe_on_two_ranks_trains_as_one_process(trained, balance, zero):
-    ref, run = trained(balance, 1, 0), trained(balance, 2, zero)
+@pytest.mark.parametrize(("zero", "checkpointing"), [(0, False), (2, False), (3, False), (3, True)])
+def test_an_moe_on_two_ranks_trains_as_one_process(trained, balance, zero, checkpointing):
+    """With activation checkpointing, each block's forward runs again in the backward: its choices are counted and
+    its losses taken once."""
+    ref, run = trained(balance, 1, 0), trained(balance, 2, zero, checkpointing)
     ours = {m["step"]: m["loss"] for m in read_metrics(run)}
     theirs = {m["step"]: m["loss"] for m in read_metrics(ref)}
     assert sorted(ours) == sorted(theirs) == list(range(1, STEPS + 1))
