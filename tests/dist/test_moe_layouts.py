@@ -4,6 +4,8 @@ dropless, every step's loss within 1e-5 relative and the final weights within 1e
 balance loss (a sum over sequences: any split of the batch gives it) and with the loss-free bias (moved by
 the step's counts summed over the dp ranks, so that every replica moves alike)."""
 
+import json
+
 import pytest
 import torch
 
@@ -52,6 +54,8 @@ def test_an_moe_on_two_ranks_trains_as_one_process(trained, balance, zero, check
         torch.testing.assert_close(w[k], ref_w[k], rtol=0, atol=1e-5, msg=lambda m, k=k: f"{k}: {m}")
     if balance == "bias":  # it moved, alike on both runs
         assert any(ref_w[k].abs().sum() > 0 for k in ref_w if "expert_bias" in k)
+    summary = json.loads((run / "summary.json").read_text())  # d 32, hidden 4 x 32 / 2 = 64: 3 x 32 x 64 an expert
+    assert summary["active_parameters"] == summary["parameters"] - (4 - 2) * 3 * 32 * 64
     # every logged step: per MoE layer (one: the first block is dense), the choices each expert received over
     # the global batch (8 sequences x 32 tokens x top 2) and their imbalance, summed over the ranks
     for m in read_metrics(run):

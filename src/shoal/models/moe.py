@@ -341,19 +341,22 @@ def expert_figures(model: nn.Module, step: int) -> dict:
                                  for layer in per_layer]}
 
 
+def idle_params(cfg: MoEConfig) -> int:
+    """The expert weights a token does not pass through: of each MoE layer's experts, all but top_k."""
+    return (cfg.experts - cfg.top_k) * 3 * cfg.d_model * cfg.hidden() * (cfg.n_layer - cfg.dense_layers)
+
+
 def flops(model: MoEGPT, cfg: MoEConfig) -> float:
     """Training FLOPs of one sequence (gpt.flops), counting of each MoE layer's experts the top_k a token uses."""
-    total = gpt.flops(model, cfg)
-    per_expert = 3 * cfg.d_model * cfg.hidden()
-    idle = (cfg.experts - cfg.top_k) * per_expert * (cfg.n_layer - cfg.dense_layers)
-    return total - 6.0 * idle * cfg.seq_len
+    return gpt.flops(model, cfg) - 6.0 * idle_params(cfg) * cfg.seq_len
 
 
 def build(cfg: MoEConfig, spec: DataSpec) -> ModelBundle:
     model = MoEGPT(cfg, gpt.padded_vocab(cfg, spec))
     return ModelBundle(model, gpt.lm_loss, gpt.count_tokens, block_types=(gpt.Block,), items_name="tokens",
                        tensor_parallel=_not_yet("parallel.tp"), pipeline=_not_yet("parallel.pp"),
-                       flops_per_sample=flops(model, cfg), loss_in_forward=True)
+                       flops_per_sample=flops(model, cfg), loss_in_forward=True,
+                       active_params=sum(p.numel() for p in model.parameters()) - idle_params(cfg))
 
 
 def _not_yet(key: str):

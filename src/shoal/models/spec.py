@@ -122,6 +122,9 @@ class ModelBundle:
     # loss_fn only calls the model, which takes its loss in its own forward (shoal's GPT): the compiled model
     # compiles the loss, and train.compile leaves loss_fn as it is (parallel/apply.py with_compiled_loss)
     loss_in_forward: bool = False
+    # the parameters one token (or sample) passes through, where fewer than all: a mixture of experts' (the dense
+    # part and top_k of each layer's experts); None: all of them
+    active_params: int | None = None
 
 
 class ModelSection(BaseModel):

@@ -154,6 +154,8 @@ class Run:
                             recovery=recovery, run=self.dir, is_main=self.is_main,
                             bad_steps=self.step.bad_steps.state_dict(), start_step=start_step)
         summary.update(checkpoints=self.checkpoints.stats, **trainer.collector.summary())
+        if self.bundle.active_params is not None:  # a mixture of experts: what one token passes through
+            summary["active_parameters"] = self.bundle.active_params
         if trainer.watch.syncs:  # metrics.host_syncs: where the host waited, most first
             summary["host_sync_sites"] = dict(trainer.watch.syncs.sites.most_common(8))
         if self.bundle.built_whole:  # its build could not be recorded: every rank built the whole model
