@@ -100,6 +100,8 @@ def resolve_layout(cfg: Config, world_size: int, cuda: bool) -> Layout:
     backend = choose_backend(p.backend, device)
     micro = micro_batch(t.global_batch_size, t.micro_batch_size, dims.dp)
     _check_sharding(cfg, dims, device, world_size)
+    if p.ep > 1:
+        _check_experts(cfg, dims)
     _check_precision(cfg, device)
     check_cuda_graphs(cfg, device)
     per_rank = t.global_batch_size // dims.dp
@@ -173,6 +175,24 @@ def _check_sharding(cfg: Config, dims: ParallelDims, device: str, world_size: in
     if p.offload and device != "cuda":
         raise UserError("parallel.offload = true moves sharded state from GPU to CPU memory; this run trains on "
                         "the CPU already: set parallel.offload = false")
+
+
+def _check_experts(cfg: Config, dims: ParallelDims) -> None:
+    """parallel.ep: a mixture of experts whose experts and dp ranks it divides, on the layouts built for it."""
+    ep, m = cfg.parallel.ep, cfg.model
+    if getattr(m, "experts", None) is None:
+        raise UserError(f"parallel.ep = {ep} splits a mixture of experts' experts, but model.name = \"{m.name}\" has "
+                        f"none; set parallel.ep = 1, or model.name = \"moe\"")
+    if m.experts % ep:
+        raise UserError(f"parallel.ep ({ep}) must divide model.experts ({m.experts}); set parallel.ep to a divisor of "
+                        f"{m.experts}")
+    if dims.dp % ep:
+        raise UserError(f"parallel.ep ({ep}) must divide the data-parallel ranks (dp {dims.dp}); set parallel.ep to a "
+                        f"divisor of {dims.dp} or start a multiple of {ep} processes")
+    if cfg.parallel.zero or dims.dp_replicate > 1 or cfg.sync.mode != "every-step":
+        raise UserError(f"parallel.ep = {ep} is built with data parallelism synchronised every step (parallel.zero = "
+                        f"0), not yet with parallel.zero = {cfg.parallel.zero}, parallel.dp_replicate = "
+                        f"{dims.dp_replicate} or sync.mode = \"{cfg.sync.mode}\"; set parallel.zero = 0")
 
 
 def _check_hsdp(cfg: Config, dims: ParallelDims) -> None:

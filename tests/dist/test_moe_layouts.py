@@ -1,8 +1,10 @@
 """The mixture-of-experts decoder (models/moe.py) trains the same model on two data-parallel ranks, plain or
-under ZeRO 2/3 (the experts replicated over dp), as in one process with the same seed and global batch: fp32,
+under ZeRO 2/3 (the experts replicated over dp), and with expert parallelism (parallel.ep: the experts split over
+ep ranks, tokens sent by all-to-all) on 2 and 4 ranks, as in one process with the same seed and global batch: fp32,
 dropless, every step's loss within 1e-5 relative and the final weights within 1e-5, with the auxiliary
 balance loss (a sum over sequences: any split of the batch gives it) and with the loss-free bias (moved by
-the step's counts summed over the dp ranks, so that every replica moves alike)."""
+the step's counts summed over the dp ranks, so that every replica moves alike). Checkpoints reshard between ep
+sizes and to and from no ep on the same loss curve."""
 
 import json
 
@@ -13,11 +15,13 @@ from conftest import read_metrics, read_weights
 from harness import train as train_on_ranks
 
 STEPS = 5
+SAVED = 3  # the resharding test resumes here
 BASE = ['model.name="moe"', "model.n_layer=2", "model.d_model=32", "model.n_head=2", "model.seq_len=32",
         "model.experts=4", "model.top_k=2", "model.shared_experts=1", "model.dense_layers=1", "model.z_loss_coef=1e-3",
         "data.max_bytes=200000", "train.val_batches=2", "metrics.tensorboard=false", "metrics.progress=false",
         f"train.steps={STEPS}", "train.warmup_steps=1", "train.lr=3e-3", "train.global_batch_size=8",
-        "train.micro_batch_size=2", "train.val_interval=0", "metrics.log_interval=1", "checkpoint.enabled=false"]
+        "train.micro_batch_size=2", "train.val_interval=0", "metrics.log_interval=1", f"checkpoint.interval={SAVED}",
+        "checkpoint.keep=2"]
 BALANCES = {"aux": ['model.balance="aux_loss"'], "bias": ['model.balance="bias"', "model.bias_rate=0.05"]}
 
 
@@ -25,11 +29,11 @@ BALANCES = {"aux": ['model.balance="aux_loss"'], "bias": ['model.balance="bias"'
 def trained(tmp_path_factory, ranks):
     cache = {}
 
-    def run(balance: str, nproc: int, zero: int, checkpointing: bool = False):
-        key = (balance, nproc, zero, checkpointing)
+    def run(balance: str, nproc: int, zero: int, checkpointing: bool = False, ep: int = 1):
+        key = (balance, nproc, zero, checkpointing, ep)
         if key not in cache:
             run_dir = tmp_path_factory.mktemp(f"{balance}-{nproc}-{zero}") / "run"
-            ranks(nproc).run(train_on_ranks, [*BASE, *BALANCES[balance], f"parallel.zero={zero}",
+            ranks(nproc).run(train_on_ranks, [*BASE, *BALANCES[balance], f"parallel.zero={zero}", f"parallel.ep={ep}",
                                               f"precision.activation_checkpointing={str(checkpointing).lower()}"],
                              str(run_dir))
             cache[key] = run_dir
@@ -62,3 +66,39 @@ def test_an_moe_on_two_ranks_trains_as_one_process(trained, balance, zero, check
         [tokens], [imbalance] = m["expert_tokens"], m["expert_imbalance"]
         assert len(tokens) == 4 and sum(tokens) == 8 * 32 * 2, m
         assert imbalance == round(max(tokens) / (sum(tokens) / 4), 4), m
+
+
+@pytest.mark.parametrize(("nproc", "ep"), [(2, 2), (4, 2), (4, 4)])
+def test_expert_parallelism_trains_as_one_process(trained, nproc, ep):
+    """parallel.ep: each layer's 4 experts split over ep ranks, tokens sent to them by all-to-all; the experts'
+    gradients summed over the ranks that hold the same ones."""
+    ref, run = trained("aux", 1, 0), trained("aux", nproc, 0, ep=ep)
+    ours = {m["step"]: m["loss"] for m in read_metrics(run)}
+    theirs = {m["step"]: m["loss"] for m in read_metrics(ref)}
+    torch.testing.assert_close(torch.tensor([ours[s] for s in theirs]), torch.tensor(list(theirs.values())),
+                               rtol=1e-5, atol=0)
+    w, ref_w = read_weights(run), read_weights(ref)
+    assert w.keys() == ref_w.keys()
+    for k in ref_w:
+        torch.testing.assert_close(w[k], ref_w[k], rtol=0, atol=1e-5, msg=lambda m, k=k: f"{k}: {m}")
+    assert all(sum(m["expert_tokens"][0]) == 8 * 32 * 2 for m in read_metrics(run))  # the global batch's choices
+
+
+@pytest.mark.parametrize(("before", "after"), [((4, 4), (2, 2)), ((2, 2), (2, 1)), ((2, 1), (4, 2))],
+                         ids=["ep4-to-ep2", "ep2-to-none", "none-to-ep2"])
+def test_a_checkpoint_reshards_between_expert_layouts(tmp_path, ranks, trained, before, after):
+    """The experts' weights are saved whole (DTensors sharded on the ep ranks): a run resumes from another ep
+    size's checkpoint, or from one without ep, on the same loss curve."""
+    first = trained("aux", before[0], 0, ep=before[1])
+    second = tmp_path / "second"
+    [(_, out), *_] = ranks(after[0]).run(train_on_ranks, [*BASE, *BALANCES["aux"], f"parallel.ep={after[1]}"],
+                                          str(second), str(first / "checkpoints" / f"step_{SAVED:08d}"))
+    assert f"(step {SAVED})" in out
+    ours = {m["step"]: m["loss"] for m in read_metrics(second)}
+    ref = {m["step"]: m["loss"] for m in read_metrics(trained("aux", 1, 0))}
+    assert sorted(ours) == list(range(SAVED + 1, STEPS + 1))
+    torch.testing.assert_close(torch.tensor([ours[s] for s in ours]), torch.tensor([ref[s] for s in ours]),
+                               rtol=1e-5, atol=0)
+    ref_w = read_weights(trained("aux", 1, 0))
+    for k, w in read_weights(second).items():
+        torch.testing.assert_close(w, ref_w[k], rtol=0, atol=1e-5, msg=lambda m, k=k: f"{k}: {m}")

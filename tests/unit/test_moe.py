@@ -279,3 +279,17 @@ def test_a_forward_run_again_by_activation_checkpointing_is_not_counted_twice():
     y.sum().backward()
     assert m.counts.sum() == 2 * 16 * 2  # once, not again in the backward
     assert m.aux is first  # the losses taken by the first forward, not replaced by the one run again
+
+
+@pytest.mark.parametrize(("sets", "world", "says"), [
+    (["parallel.ep=2"], 2, 'parallel.ep = 2 splits a mixture of experts\' experts, but model.name = "gpt" has none'),
+    (['model.name="moe"', "model.experts=6", "parallel.ep=4"], 4, "parallel.ep (4) must divide model.experts (6)"),
+    (['model.name="moe"', "parallel.ep=4"], 2, "parallel.ep (4) must divide the data-parallel ranks (dp 2)"),
+    (['model.name="moe"', "parallel.ep=2", "parallel.zero=3"], 2, "not yet with parallel.zero = 3"),
+])
+def test_bad_expert_parallelism_is_refused_in_one_line_before_any_worker_starts(sets, world, says):
+    from shoal.layout import resolve_layout
+
+    with pytest.raises(UserError) as e:
+        resolve_layout(load_config(None, sets), world, cuda=False)
+    assert says in str(e.value) and "\n" not in str(e.value), str(e.value)

@@ -158,7 +158,9 @@ class Experts(nn.Module):
         # under autocast, in its dtype, as it runs a linear layer (it leaves these products alone)
         if torch.amp.is_autocast_available(kind) and torch.is_autocast_enabled(kind):
             x = x.to(torch.get_autocast_dtype(kind))
-        gate, up, down = (w.to(x.dtype) for w in (self.w_gate, self.w_up, self.w_down))
+        # under expert parallelism the weights are DTensors (parallel/experts.py): this rank's experts, their local part
+        gate, up, down = (getattr(w, "to_local", lambda w=w: w)().to(x.dtype) for w in (self.w_gate, self.w_up,
+                                                                                           self.w_down))
         grouped = not shape_only(x) and (self.grouped is True or (
             self.grouped == "auto" and grouped_mm_fits(x, gate) and grouped_mm_fits(x, down.transpose(1, 2))))
         h = F.silu(expert_matmul(x, gate, offsets, counts, grouped)) * expert_matmul(x, up, offsets, counts, grouped)

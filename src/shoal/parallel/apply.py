@@ -31,6 +31,7 @@ from shoal.config.training import CUDA_GRAPH_MODES, compile_mode
 from shoal.layout import Layout
 from shoal.models.spec import LossFn, ModelBundle
 from shoal.parallel.data import replicate_ddp, replicate_dtensor
+from shoal.parallel.experts import expert_parallel
 from shoal.parallel.float8 import WeightScales, float8_training
 from shoal.parallel.local_sgd import PeriodicSync
 from shoal.parallel.materialize import Materializer
@@ -93,10 +94,8 @@ def parallelize(bundle: ModelBundle, layout: Layout, *, parallel: ParallelConfig
     model = bundle.model if bundle.deferred is not None else bundle.model.to(device)
     model = float8_training(model, precision, device, dims.tp, layout.zero)  # before any wrapper (float8.py)
     mesh = dims.device_mesh(device.type)  # collective; the model's wrappers keep what they use of it
-    loss_context = contextlib.nullcontext
-    if dims.tp > 1:
-        loss_context = bundle.tensor_parallel(model, dims.tp, mesh["tp"],
-                                              sequence_parallel=parallel.sequence_parallel) or loss_context
+    loss_context = (bundle.tensor_parallel(model, dims.tp, mesh["tp"], sequence_parallel=parallel.sequence_parallel)
+                    or contextlib.nullcontext) if dims.tp > 1 else contextlib.nullcontext
     coords = dims.coords(rank)
     dp_group = mesh["dp"].get_group() if dims.world_size > dims.dp else None
     inner_mesh, outer_group = replica_meshes(layout, mesh, dp_group, device.type)
@@ -108,7 +107,8 @@ def parallelize(bundle: ModelBundle, layout: Layout, *, parallel: ParallelConfig
                     filled_later=bundle.uninitialised, fill=real.fill)
 
     common = {"comm": comm, "sync": sync, "device": device, "dp_rank": coords["dp"], "dp": dims.dp,
-              "dp_group": dp_group, "zero_group": inner_group, "loss_context": loss_context, "zero": layout.zero}
+              "dp_group": dp_group, "zero_group": inner_group, "loss_context": loss_context, "zero": layout.zero,
+              **expert_parallel(model, parallel.ep, dims.dp, comm, device)}  # before the wrappers
     if dims.pp == 1:
         module = wrapped(model)
         real.fill(model)

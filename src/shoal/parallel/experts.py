@@ -16,10 +16,13 @@ from __future__ import annotations
 
 import torch
 from torch import nn
+from torch.nn.parallel import DistributedDataParallel
 
 from shoal.comm.collectives import Comm
 from shoal.comm.exchange import exchange
 from shoal.models.moe import Experts, MoE
+
+WEIGHTS = ("w_gate", "w_up", "w_down")
 
 
 class ExpertParallel:
@@ -66,6 +69,53 @@ def split_experts(layer: MoE, comm: Comm, group, ep: int, ep_rank: int, label: s
     if n % ep:
         raise ValueError(f"ep {ep} does not divide the layer's {n} experts")
     local = slice(ep_rank * (n // ep), (ep_rank + 1) * (n // ep))
-    for name in ("w_gate", "w_up", "w_down"):
+    for name in WEIGHTS:
         setattr(e, name, nn.Parameter(getattr(e, name).detach()[local].clone()))
     layer.dispatch = ExpertParallel(e, n, comm, group, ep, label)
+
+
+class ExpertLayout:
+    """parallel.ep over the data-parallel ranks (the whole world: an MoE model has no tp or pp): a mesh of
+    (dp / ep) x ep, each row of ep ranks splitting every layer's experts (their weights DTensors sharded on the
+    row's "ep" dimension, which DCP saves and reshards as any DTensor), the columns ("edp") holding the same
+    experts. DDP leaves the experts' weights alone; their gradients, each holding the contributions of every token
+    of its row that chose them, are summed over the column and divided by dp after the step's backward: DDP's
+    mean over the dp ranks."""
+
+    def __init__(self, model: nn.Module, ep: int, dp: int, comm: Comm, device: torch.device):
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.tensor import Shard, distribute_tensor
+
+        self.mesh = init_device_mesh(device.type, (dp // ep, ep), mesh_dim_names=("edp", "ep"))
+        self.comm, self.dp = comm, dp
+        self.names: list[str] = []
+        for name, layer in model.named_modules():
+            if not isinstance(layer, MoE):
+                continue
+            e = layer.experts
+            for w in WEIGHTS:
+                setattr(e, w, nn.Parameter(distribute_tensor(getattr(e, w).detach(), self.mesh["ep"], [Shard(0)])))
+                self.names.append(f"{name}.experts.{w}" if name else f"experts.{w}")
+            layer.dispatch = ExpertParallel(e, e.w_gate.shape[0], comm, self.mesh["ep"].get_group(), ep)
+        self.params = [p for n, p in model.named_parameters() if n in self.names]
+
+    def sync_grads(self) -> None:
+        """The experts' gradients summed over the ranks holding the same experts, then divided by dp."""
+        group = self.mesh["edp"].get_group() if self.mesh["edp"].size() > 1 else None
+        for p in self.params:
+            if p.grad is None:
+                continue
+            local = p.grad.to_local()
+            if group is not None:
+                self.comm.all_reduce(local, group=group, label="edp")
+            local.div_(self.dp)
+
+
+def expert_parallel(model: nn.Module, ep: int, dp: int, comm: Comm, device: torch.device) -> dict:
+    """Collective: parallel.ep applied to `model` before its wrappers (ExpertLayout; DDP told to leave the experts'
+    weights alone); what the Parallelized takes of it ({} where ep is 1)."""
+    if ep == 1:
+        return {}
+    experts = ExpertLayout(model, ep, dp, comm, device)
+    DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(model, experts.names)
+    return {"expert_sync": experts.sync_grads}

@@ -31,7 +31,8 @@ Totals = dict[str, tuple[torch.Tensor, torch.Tensor]]
 class Parallelized:
     def __init__(self, model: torch.nn.Module, module: torch.nn.Module, bundle: ModelBundle, *, comm: Comm,
                  sync: StepSync, device: torch.device, dp_rank: int, dp: int, dp_group, loss_context,
-                 owns_loss: bool, sharded: bool, zero: int, zero_group=None, scales: Callable[[], None] | None = None):
+                 owns_loss: bool, sharded: bool, zero: int, zero_group=None, scales: Callable[[], None] | None = None,
+                 expert_sync: Callable[[], None] | None = None):
         self.model = model  # unwrapped, the whole model's names: optimizer, checkpoints, memory accounting
         self.module = module  # what forward runs on (DDP, FSDP2, compiled, or the model itself)
         self.loss_fn, self.eval_fn = bundle.loss_fn, bundle.eval_fn
@@ -43,6 +44,7 @@ class Parallelized:
         self.owns_loss = owns_loss
         self.sharded, self.zero = sharded, zero  # parameters sharded over dp: every rank runs every forward
         self.scales = scales  # collective: the float8 scales of the weights FSDP2 gathers in float8 (float8.py)
+        self.expert_sync = expert_sync  # collective: parallel.ep's experts' gradients (parallel/experts.py)
         self._grad_groups: GradGroups | None = None
         # no context around a micro-batch: no gradient sync to hold back, no tensor-parallel loss (the two
         # context managers cost ~15 us of host time a micro-batch on a small model's step here)
@@ -82,6 +84,8 @@ class Parallelized:
         return loss
 
     def after_backward(self) -> None:
+        if self.expert_sync is not None:
+            self.expert_sync()
         self.sync.after_backward()
 
     def after_step(self, step: int) -> None:
