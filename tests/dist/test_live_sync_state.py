@@ -143,7 +143,9 @@ def test_diloco_survivors_redo_the_round_and_equal_a_resume_from_its_start(tmp_p
     momentum) carried. That equals a resume from a checkpoint at the round's start on the new world size,
     from the same replica. Rank 0's worker is the one killed: the survivors cannot go on from its replica,
     as a resume from disk would (rank 0's file), but from rank 1's."""
-    kill_at = random.Random().randrange(10, 30)
+    # $KILL_AT pins it to replay a failure (at 11 once, under make test's load, the survivors regrouped at 12, not
+    # 9: not reproduced alone or beside two busy loops since)
+    kill_at = int(os.environ.get("KILL_AT", random.Random().randrange(10, 30)))
     start, lost = a_worker_killed(tmp_path / "live", tmp_path / "gate", DILOCO, kill_at, rank=0)
     assert start == kill_at - kill_at % 3 and lost == 0, (start, lost)  # the start of the round the kill fell in
     resumed_from_disk(ranks, DILOCO, start, tmp_path / "ref", replica=1, also=tmp_path / "plain")
