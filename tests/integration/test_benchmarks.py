@@ -38,6 +38,7 @@ REDUCED: dict[str, tuple[list[str], str | None, float]] = {
     "host_step": (["--pairs", "3", "--warmup", "10", "--timed", "100"], None, 240),
     "load_balance": (["--slow", "inject", "--steps", "12"], None, 240),
     "memory_sharding": (["--steps", "2", "--n-layer", "2"], None, 240),
+    "moe_experts": (["--rounds", "1", "--steps", "6"], None, 240),
     "parameter_server": (["--steps", "13", "--quick"], ROOT_ONLY, 300),
     "planner_accuracy": (["--steps", "3", "--max-size", "1MiB", "--no-calibrate", "--spot", "--layouts", "dp2,pp2-1f1b"],
                          None, 240),
