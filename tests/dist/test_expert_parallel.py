@@ -54,9 +54,12 @@ def split_against_whole(env, keys: dict, rows: int) -> dict:
 
 @pytest.mark.parametrize(("world", "keys", "rows"), [
     (2, {"experts": 4, "top_k": 2}, 3),
-    (2, {"experts": 4, "top_k": 2, "score": "sigmoid", "shared_experts": 1, "z_loss_coef": 1e-3}, 2),
-    (2, {"experts": 4, "top_k": 1, "capacity_factor": 1.0}, 3),  # some choices dropped before they travel
-    (4, {"experts": 8, "top_k": 3, "grouped_mm": False}, 1),  # the batched product; a rank of one sequence
+    pytest.param(2, {"experts": 4, "top_k": 2, "score": "sigmoid", "shared_experts": 1, "z_loss_coef": 1e-3}, 2,
+                 marks=pytest.mark.slow),
+    pytest.param(2, {"experts": 4, "top_k": 1, "capacity_factor": 1.0}, 3,  # choices dropped before they travel
+                 marks=pytest.mark.slow),
+    pytest.param(4, {"experts": 8, "top_k": 3, "grouped_mm": False}, 1,  # the batched product; one sequence a rank
+                 marks=pytest.mark.slow),
 ], ids=["ep2", "ep2-sigmoid-shared", "ep2-capacity", "ep4-batched"])
 def test_split_experts_give_every_token_and_expert_what_the_whole_layer_gives(ranks, world, keys, rows):
     results = ranks(world).run(split_against_whole, keys, rows)

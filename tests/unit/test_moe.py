@@ -246,6 +246,7 @@ def test_the_planner_traces_an_moe_as_if_its_choices_spread_evenly_and_plans_onl
     assert split and all('with model.name = "moe"' in r for r in split)
 
 
+@pytest.mark.slow  # imports transformers
 def test_a_hugging_face_mixture_of_experts_trains_with_its_routers_balance_loss_as_transformers_adds_it():
     pytest.importorskip("transformers")
     from shoal.models.hf import causal_lm_loss
