@@ -16,7 +16,7 @@ def split_against_whole(env, keys: dict, rows: int) -> dict:
 
     from shoal.comm.collectives import Comm
     from shoal.models import moe
-    from shoal.parallel.experts import split_experts
+    from shoal.parallel.experts import ExpertLayout
 
     torch.manual_seed(0)
     cfg = moe.MoEConfig(**{"n_layer": 2, "d_model": 32, "n_head": 2, "seq_len": 16, **keys})
@@ -25,7 +25,7 @@ def split_against_whole(env, keys: dict, rows: int) -> dict:
         torch.nn.init.normal_(p, std=0.3)
     split = copy.deepcopy(whole)
     comm = Comm(env.store, env.rank, env.world_size)
-    split_experts(split, comm, None, env.world_size, env.rank)
+    ExpertLayout(split, env.world_size, env.world_size, comm, torch.device("cpu"))  # one ep group of every rank
     g = torch.Generator().manual_seed(1)
     batches = [torch.randn(rows, 16, 32, generator=g) for _ in range(env.world_size)]
     weights = [torch.randn(rows, 16, 32, generator=g) for _ in range(env.world_size)]
@@ -38,13 +38,14 @@ def split_against_whole(env, keys: dict, rows: int) -> dict:
     out = split(batches[env.rank])
     ((out * weights[env.rank]).sum() + (split.aux if split.aux is not None else 0)).backward()
 
-    local = slice(env.rank * split.experts.w_gate.shape[0], (env.rank + 1) * split.experts.w_gate.shape[0])
+    n = split.experts.w_gate.to_local().shape[0]  # this rank's experts
+    local = slice(env.rank * n, (env.rank + 1) * n)
     def rel(ours, theirs) -> float:
         return ((ours - theirs).abs().max() / theirs.abs().max()).item()
 
     diffs = {"out": rel(out, ref_out[env.rank])}
     for name in ("w_gate", "w_up", "w_down"):
-        diffs[name] = rel(getattr(split.experts, name).grad, getattr(whole.experts, name).grad[local])
+        diffs[name] = rel(getattr(split.experts, name).grad.to_local(), getattr(whole.experts, name).grad[local])
     router = split.router.weight.grad.clone()  # each rank's share: summed over the ranks, as dp's all-reduce does
     comm.all_reduce(router)
     diffs["router"] = rel(router, whole.router.weight.grad)

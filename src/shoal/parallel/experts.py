@@ -61,19 +61,6 @@ def by_expert(sizes: torch.Tensor) -> torch.Tensor:
     return torch.repeat_interleave(block_starts, block_sizes, output_size=total) + offset
 
 
-def split_experts(layer: MoE, comm: Comm, group, ep: int, ep_rank: int, label: str = "ep") -> None:
-    """`layer` keeps only this rank's E / ep experts (a slice of its weights, made its parameters) and runs them
-    by ExpertParallel."""
-    e = layer.experts
-    n = e.w_gate.shape[0]
-    if n % ep:
-        raise ValueError(f"ep {ep} does not divide the layer's {n} experts")
-    local = slice(ep_rank * (n // ep), (ep_rank + 1) * (n // ep))
-    for name in WEIGHTS:
-        setattr(e, name, nn.Parameter(getattr(e, name).detach()[local].clone()))
-    layer.dispatch = ExpertParallel(e, n, comm, group, ep, label)
-
-
 class ExpertLayout:
     """parallel.ep over the data-parallel ranks (the whole world: an MoE model has no tp or pp): a mesh of
     (dp / ep) x ep, each row of ep ranks splitting every layer's experts (their weights DTensors sharded on the
