@@ -31,7 +31,7 @@ from shoal import signals
 from shoal.comm.collectives import Comm
 from shoal.config import PSConfig
 from shoal.ps.checkpoints import ServerCheckpoints
-from shoal.ps.links import COMPLETE, SERVER, Link, registered, slot_of
+from shoal.ps.links import COMPLETE, SERVER, Link, leave_in_turn, registered, slot_of
 from shoal.ps.messages import Account, Kind, Push, Reply
 from shoal.ps.shards import Shard
 
@@ -125,6 +125,7 @@ class AsyncServer:
         self.people = saver.state.people  # who joined and left, and why
         self.dealer = Dealer(self.total, saver.saved, saver) if index == 0 else None
         self.finals_sent = 0
+        self.said_complete = False  # server 0's word that the run is complete, once read (servers 1 and up)
 
     def serve(self) -> dict:
         """Until the run is complete and every worker left; returns what this server did."""
@@ -155,6 +156,8 @@ class AsyncServer:
                 s.wait()
         finally:
             self.stop.set()
+        listener.join(timeout=1.0)  # its next read of the store is at most 0.05 s away, unless a link is forming
+        leave_in_turn(self.store, self.index, self.ps.servers, self.timeout_s, stopped=signals.requested)
         applied = int(self.hist.sum().item())
         return {"applied": applied,
                 "staleness_max": max((s for s, c in enumerate(self.hist.tolist()) if c), default=0),
@@ -265,7 +268,9 @@ class AsyncServer:
     def complete(self) -> bool:
         if self.index == 0:
             return len(self.applied) == self.total
-        return self.store.check([COMPLETE])
+        # once said, for good: the store is read only until then
+        self.said_complete = self.said_complete or self.store.check([COMPLETE])
+        return self.said_complete
 
     def release(self) -> None:
         """Reply to every held worker that may go on: not too far ahead, and (server 0) with a unit to deal."""

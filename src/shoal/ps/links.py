@@ -14,6 +14,7 @@ collective log for the hang report.
 from __future__ import annotations
 
 import datetime
+import time
 
 import torch
 from torch.distributed import PrefixStore, ProcessGroupGloo
@@ -22,6 +23,7 @@ from shoal.comm.collectives import Comm, Pending
 
 PREFIX = "shoal-ps"
 COMPLETE = f"{PREFIX}/complete"  # set by server 0 once every unit is applied
+SERVED = f"{PREFIX}/served"  # how many servers other than server 0 have ended their loop
 SERVER, WORKER = 0, 1  # ranks within a link
 # where a link's messages are made, on a GPU run too: a link is a gloo group, and gloo's send and recv hand the
 # transport a tensor's address as host memory (ProcessGroupGloo has a CUDA path for its collectives, none for
@@ -67,3 +69,17 @@ def registered(store) -> int:
 
 def slot_of(store, worker: int) -> int:
     return int(store.get(f"{PREFIX}/worker/{worker}").decode())
+
+
+def leave_in_turn(store, server: int, servers: int, timeout_s: float, stopped=lambda: False) -> None:
+    """A server at its end. Server 0 hosts the store the roles meet in (roles.py), and the store ends with
+    its process, so it leaves last: a server still finishing would fail reading the store (seen once under
+    load: server 1's check of `complete` failed with "connection closed" as server 0 ended). The others
+    say they are done and go; server 0 waits for them, at most `timeout_s`, or until `stopped()` (its
+    agent stopping it)."""
+    if server:
+        store.add(SERVED, 1)
+        return
+    deadline = time.monotonic() + timeout_s
+    while store.add(SERVED, 0) < servers - 1 and time.monotonic() < deadline and not stopped():
+        time.sleep(0.05)
