@@ -74,13 +74,15 @@ def _serve(rank: int, world_size: int, port: int, conn, stack_file: str) -> None
         except BaseException:  # noqa: BLE001 - reported to the test with the traceback
             reply = ("error", traceback.format_exc())
         finally:
-            # What the call made (a model, its meshes, DDP's reducer) holds its process groups in reference cycles:
-            # left to Python's collector, an earlier call's gloo group was destroyed in the middle of a later call,
-            # at a different moment on each rank (its sockets closed during a later call in 1 call of 3 here),
-            # where gloo's threads have crashed a rank (SIGABRT, and a fault in pt_gloo_runloop, seen in CI).
-            # Collected here, every group ends at the call's end, on every rank alike (0 of 167 calls).
-            gc.collect()
+            # What the call made (a model, its meshes, DDP's reducer) holds its process groups in reference cycles,
+            # and DTensor's caches hold its meshes until shoal's shutdown empties them: left to Python's collector,
+            # an earlier call's gloo group was destroyed in the middle of a later call, at a different moment on
+            # each rank (its sockets closed during a later call in 1 call of 3 here), where gloo's threads have
+            # crashed a rank (SIGABRT, and a fault in pt_gloo_runloop, seen in CI; once, at the final gather of a
+            # ZeRO 3 run that followed other DTensor runs). Released and collected here, every group ends at the
+            # call's end, on every rank alike (0 of 167 calls).
             shoal_dist.shutdown()
+            gc.collect()
         conn.send(reply)
 
 

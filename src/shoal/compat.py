@@ -115,6 +115,27 @@ def scaler_scale(scaler: torch.amp.GradScaler) -> torch.Tensor:
     return scaler._scale
 
 
+def release_dtensor_caches() -> None:
+    """Empty DTensor's caches of what ran: their keys and plans hold DTensorSpecs and device meshes, and
+    so the process groups of every mesh a run used, past its end. In a process that runs again (Session,
+    the tests' persistent ranks), such a group was then freed at an unforeseeable moment of a later run,
+    when a cache evicted it (the tensor-meta cache keeps 128), at a different moment on each rank: its
+    sockets closed under gloo's threads, which have aborted a rank (SIGABRT). Cleared when a run's groups
+    are destroyed, they end there on every rank alike. The sharding propagator's cache is per thread:
+    this clears the calling thread's (the one a run computes in)."""
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor import _collective_utils, _redistribute
+
+    propagator = DTensor._op_dispatcher.sharding_propagator
+    for cache in (propagator.propagate_op_sharding, getattr(propagator, "_propagate_tensor_meta_cached", None),
+                  getattr(_redistribute, "_gen_transform_infos", None),
+                  getattr(_collective_utils.MeshTopoInfo, "build_from_mesh", None)):
+        if hasattr(cache, "cache_clear"):  # each a functools cache where the release has it
+            cache.cache_clear()
+    getattr(_redistribute, "clear_redistribute_planner_cache", lambda: None)()
+    getattr(torch._C, "_clear_DTensor_sharding_propagator_cache", lambda: None)()  # the C++ dispatch's (2.13)
+
+
 # --- what a GPU holds, asked without making a CUDA context ---------------------------------------------
 
 
@@ -171,3 +192,4 @@ def visible_gpus() -> list[tuple[str, int, tuple[int, int]]] | None:
     finally:
         nvml.nvmlShutdown()
     return out
+

@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 
 from shoal.comm import flight
+from shoal.compat import release_dtensor_caches
 from shoal.config import Config
 
 
@@ -97,7 +98,10 @@ def join(backend: str, timeout_s: float, store, status_store, rank: int, world_s
 
 
 def shutdown() -> None:
+    """The run's process groups destroyed, and DTensor's caches, which hold its meshes (and so its groups)
+    past it, emptied: in a process that runs again, each group ends here, on every rank alike."""
     if dist.is_initialized():
+        release_dtensor_caches()
         dist.destroy_process_group()
 
 

@@ -75,3 +75,32 @@ def test_no_other_module_looks_at_torchs_version():
                     and isinstance(node.args[0], ast.Name) and node.args[0].id in ("torch", "dist"):
                 offenders.append(f"{path.relative_to(SRC)}:{node.lineno} hasattr({node.args[0].id}, ...)")
     assert not offenders, offenders
+
+
+def test_a_runs_meshes_end_with_its_groups():
+    """DTensor's caches keep the meshes (and their process groups) of what ran; shoal's shutdown empties them,
+    so that in a process that runs again each group ends with its run, not when a later run's cache evicts it."""
+    import gc
+    import weakref
+
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    from shoal import dist as shoal_dist
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+
+    def run() -> weakref.ref:
+        mesh = init_device_mesh("cpu", (1,))
+        x = distribute_tensor(torch.ones(4, 4), mesh, [Shard(0)])
+        ((x * 2).redistribute(mesh, [Replicate()]) + 1).full_tensor()
+        return weakref.ref(mesh)
+
+    mesh = run()
+    gc.collect()
+    assert mesh() is not None, "nothing caches the mesh any more: this test shows nothing"
+    shoal_dist.shutdown()
+    gc.collect()
+    assert mesh() is None
