@@ -130,6 +130,7 @@ def a_worker_killed(run_dir, gate, run: list[str], kill_at: int, rank: int | Non
     finally:
         end_all(nodes)
     assert [p.returncode for p in nodes] == [137 if i == victim else 0 for i in range(3)], "\n".join(outs)
+    print("\n".join(outs))  # shown if the test fails
     logged = membership(run_dir)
     assert [m["world"] for m in logged] == [2], logged
     (lost,) = changes(run_dir)[0]["left_ranks"]

@@ -24,7 +24,9 @@ of every node on any failure. A live run therefore keeps its own membership, on 
   every member of g is in it, leaving, gone, or still (or, alive but absent for `evict_s` seconds,
   evicted and named), there are at least `min_world`, and (the first generation) `max_world` came or
   no one arrived for LAST_CALL_S; where the scheduler says how many nodes it started (a Slurm step over
-  a node range), that many workers came or no one arrived for START_CALL_S. Members of g come first,
+  a node range), that many workers came or no one arrived for START_CALL_S; and the first generation
+  also waits, up to START_CALL_S, for a worker whose launcher has drawn its id (it is importing torch,
+  not missing). Members of g come first,
   in their old order, then joiners by id.
   A candidate left out (a late joiner, more than `max_world`) tries the next generation.
 """
@@ -262,7 +264,8 @@ class Member:
             now = time.monotonic()
             if len(roster) != count:
                 count, last_arrival = len(roster), now
-            members, evicted = self._complete(previous, roster, seen, now, started, last_arrival)
+            starting = self._starting(roster) if previous is None else 0
+            members, evicted = self._complete(previous, roster, seen, now, started, last_arrival, starting)
             if members is not None:
                 admitted = int(self.store.add(PREFIX + "join_requests", 0))
                 text = json.dumps({"members": members, "admitted": admitted, "evicted": evicted})
@@ -306,8 +309,9 @@ class Member:
         return Generation(number, tuple(got["members"]), got["admitted"], tuple(got["evicted"]))
 
     def _complete(self, previous: Generation | None, roster: list[int], seen: dict, now: float, started: float,
-                  last_arrival: float) -> tuple[list[int] | None, list[int]]:
-        """The closed member list if the roster is complete (else None), and who was evicted."""
+                  last_arrival: float, starting: int = 0) -> tuple[list[int] | None, list[int]]:
+        """The closed member list if the roster is complete (else None), and who was evicted. `starting`: (the
+        first generation) workers whose launcher has drawn their id but which have not arrived yet."""
         evicted = []
         if previous is not None:
             for m in previous.members:
@@ -322,9 +326,22 @@ class Member:
             wanted, wait = (self.start_world, START_CALL_S) if self.start_world else (self.max_world, LAST_CALL_S)
             if len(roster) < wanted and now - last_arrival < wait:
                 return None, []
+            # a worker whose launcher is up is still starting (importing torch): it is waited for as a
+            # scheduler's node is. Under load a node's worker once came after the last call, and the run began
+            # without it: it joined at step 3, and a test holding the run at a step counted from the start held
+            # it at another
+            if starting and len(roster) < self.max_world and now - last_arrival < START_CALL_S:
+                return None, []
         old = [m for m in (previous.members if previous else ()) if m in roster]
         new = sorted(m for m in roster if m not in old)
         return (old + new)[:self.max_world], evicted
+
+    def _starting(self, roster: list[int]) -> int:
+        """Workers whose launcher drew their id (draw_id, before it starts them) that are neither in `roster`
+        nor marked gone (a worker that ended before it arrived is: node.py)."""
+        drawn = int(self.store.add(PREFIX + "next_id", 0))
+        return sum(1 for m in range(1, drawn + 1)
+                   if m not in roster and not self.store.check([f"{PREFIX}gone/{m}"]))
 
     def _gone(self, member: int, seen: dict, now: float) -> bool:
         """Left cleanly, marked gone by its launcher, or its beat has not moved for STALE_S."""
