@@ -123,8 +123,7 @@ def release_dtensor_caches() -> None:
     sockets closed under gloo's threads, which have aborted a rank (SIGABRT). Cleared when a run's groups
     are destroyed, they end there on every rank alike. The sharding propagator's cache is per thread:
     this clears the calling thread's (the one a run computes in)."""
-    from torch.distributed.tensor import DTensor
-    from torch.distributed.tensor import _collective_utils, _redistribute
+    from torch.distributed.tensor import DTensor, _collective_utils, _redistribute
 
     propagator = DTensor._op_dispatcher.sharding_propagator
     for cache in (propagator.propagate_op_sharding, getattr(propagator, "_propagate_tensor_meta_cached", None),

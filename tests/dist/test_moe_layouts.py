@@ -75,11 +75,13 @@ def test_an_moe_on_two_ranks_trains_as_one_process(trained, balance, zero, check
         assert imbalance == round(max(tokens) / (sum(tokens) / 4), 4), m
 
 
-@pytest.mark.parametrize(("nproc", "ep"), [(2, 2), *slow((4, 2), (4, 4))])
-def test_expert_parallelism_trains_as_one_process(trained, nproc, ep):
+@pytest.mark.parametrize(("nproc", "ep", "zero"), [(2, 2, 0), *slow((4, 2, 0), (4, 4, 0), (2, 2, 3), (4, 2, 2),
+                                                                    (4, 2, 3))])
+def test_expert_parallelism_trains_as_one_process(trained, nproc, ep, zero):
     """parallel.ep: each layer's 4 experts split over ep ranks, tokens sent to them by all-to-all; the experts'
-    gradients summed over the ranks that hold the same ones."""
-    ref, run = trained("aux", 1, 0), trained("aux", nproc, 0, ep=ep)
+    gradients summed over the ranks that hold the same ones (by FSDP2 under ZeRO 2/3: the experts then also
+    sharded over those ranks, the rest of the model over every dp rank)."""
+    ref, run = trained("aux", 1, 0), trained("aux", nproc, zero, ep=ep)
     ours = {m["step"]: m["loss"] for m in read_metrics(run)}
     theirs = {m["step"]: m["loss"] for m in read_metrics(ref)}
     torch.testing.assert_close(torch.tensor([ours[s] for s in theirs]), torch.tensor(list(theirs.values())),
@@ -91,14 +93,18 @@ def test_expert_parallelism_trains_as_one_process(trained, nproc, ep):
     assert all(sum(m["expert_tokens"][0]) == 8 * 32 * 2 for m in read_metrics(run))  # the global batch's choices
 
 
-@pytest.mark.parametrize(("before", "after"), [((2, 2), (2, 1)), *slow(((4, 4), (2, 2)), ((2, 1), (4, 2)))],
-                         ids=["ep2-to-none", "ep4-to-ep2", "none-to-ep2"])
+@pytest.mark.parametrize(("before", "after"), [((2, 2, 0), (2, 1, 0)),
+                                               *slow(((4, 4, 0), (2, 2, 0)), ((2, 1, 0), (4, 2, 0)),
+                                                     ((4, 2, 3), (2, 1, 0)), ((2, 2, 0), (4, 2, 2)))],
+                         ids=["ep2-to-none", "ep4-to-ep2", "none-to-ep2", "ep2-zero3-to-none", "ep2-to-ep2-zero2"])
 def test_a_checkpoint_reshards_between_expert_layouts(tmp_path, ranks, trained, before, after):
-    """The experts' weights are saved whole (DTensors sharded on the ep ranks): a run resumes from another ep
-    size's checkpoint, or from one without ep, on the same loss curve."""
-    first = trained("aux", before[0], 0, ep=before[1])
+    """The experts' weights are saved whole (DTensors sharded on the ep ranks, and under ZeRO 2/3 over the ranks
+    that hold the same experts too): a run resumes from another layout's checkpoint on the same loss curve.
+    (nproc, ep, zero) before and after."""
+    first = trained("aux", before[0], before[2], ep=before[1])
     second = tmp_path / "second"
-    [(_, out), *_] = ranks(after[0]).run(train_on_ranks, [*BASE, *BALANCES["aux"], f"parallel.ep={after[1]}"],
+    [(_, out), *_] = ranks(after[0]).run(train_on_ranks, [*BASE, *BALANCES["aux"], f"parallel.ep={after[1]}",
+                                                          f"parallel.zero={after[2]}"],
                                           str(second), str(first / "checkpoints" / f"step_{SAVED:08d}"))
     assert f"(step {SAVED})" in out
     ours = {m["step"]: m["loss"] for m in read_metrics(second)}

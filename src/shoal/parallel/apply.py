@@ -100,15 +100,16 @@ def parallelize(bundle: ModelBundle, layout: Layout, *, parallel: ParallelConfig
     dp_group = mesh["dp"].get_group() if dims.world_size > dims.dp else None
     inner_mesh, outer_group = replica_meshes(layout, mesh, dp_group, device.type)
     inner_group = wrapper_group(inner_mesh, dims.world_size, dp_group)
+    experts, expert_units = expert_parallel(model, parallel.ep, dims.dp, comm, device, layout.zero)  # before wrappers
 
     def wrapped(m: torch.nn.Module) -> torch.nn.Module:
         return wrap(m, bundle.block_types, dims, dp_mesh=inner_mesh, dp_group=inner_group, zero=layout.zero,
                     parallel=parallel, precision=precision, compile=compile, device=device, sync=sync, comm=comm,
-                    filled_later=bundle.uninitialised, fill=real.fill)
+                    filled_later=bundle.uninitialised, fill=real.fill, units=expert_units)
 
     common = {"comm": comm, "sync": sync, "device": device, "dp_rank": coords["dp"], "dp": dims.dp,
               "dp_group": dp_group, "zero_group": inner_group, "loss_context": loss_context, "zero": layout.zero,
-              **expert_parallel(model, parallel.ep, dims.dp, comm, device)}  # before the wrappers
+              **experts}
     if dims.pp == 1:
         module = wrapped(model)
         real.fill(model)
@@ -185,11 +186,12 @@ def layer_times(layers, sample: dict, loss_context, device: torch.device, comm: 
 
 def wrap(model: torch.nn.Module, block_types: tuple[type, ...], dims: ParallelDims, *, dp_mesh, dp_group, zero: int,
          parallel: ParallelConfig, precision: PrecisionConfig, compile: bool | str, device: torch.device,
-         sync: StepSync, comm: Comm, filled_later: bool = False, fill=None) -> torch.nn.Module:
+         sync: StepSync, comm: Comm, filled_later: bool = False, fill=None, units=()) -> torch.nn.Module:
     """Activation checkpointing, compile, then ZeRO / data parallelism over `dp_mesh` (None: no
     wrapper; `dp_group`: its group, None for the default group) around one model (or stage).
     `filled_later`: the weights are loaded after this (a checkpoint, a live peer): not broadcast now.
-    `fill(module)`: makes a meta model real, called here where the wrapper needs real tensors (DDP)."""
+    `fill(module)`: makes a meta model real, called here where the wrapper needs real tensors (DDP).
+    `units`: ZeRO 2/3's units over meshes of their own (zero.py shard_parameters)."""
     if precision.activation_checkpointing:
         apply_activation_checkpointing(model, check_fn=lambda m: isinstance(m, block_types))
     if compile:
@@ -198,7 +200,7 @@ def wrap(model: torch.nn.Module, block_types: tuple[type, ...], dims: ParallelDi
         return model
     if zero >= 2:
         model = shard_parameters(model, block_types, dp_mesh, zero, sharded_mixed_precision(precision),
-                                 parallel.offload)
+                                 parallel.offload, units)
     elif dims.tp > 1 or dims.pp > 1:
         # DDP holds no DTensors, and it decides at forward time whether a backward all-reduces, which a
         # pipeline schedule's interleaved forwards and backwards break

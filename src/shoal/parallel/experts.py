@@ -76,10 +76,12 @@ class ExpertLayout:
         self.mesh = init_device_mesh(device.type, (dp // ep, ep), mesh_dim_names=("edp", "ep"))
         self.comm, self.dp = comm, dp
         self.names: list[str] = []
+        self.layers: list[Experts] = []
         for name, layer in model.named_modules():
             if not isinstance(layer, MoE):
                 continue
             e = layer.experts
+            self.layers.append(e)
             for w in WEIGHTS:
                 setattr(e, w, nn.Parameter(distribute_tensor(getattr(e, w).detach(), self.mesh["ep"], [Shard(0)])))
                 self.names.append(f"{name}.experts.{w}" if name else f"experts.{w}")
@@ -98,11 +100,22 @@ class ExpertLayout:
             local.div_(self.dp)
 
 
-def expert_parallel(model: nn.Module, ep: int, dp: int, comm: Comm, device: torch.device) -> dict:
-    """Collective: parallel.ep applied to `model` before its wrappers (ExpertLayout; DDP told to leave the experts'
-    weights alone); what the Parallelized takes of it ({} where ep is 1)."""
+    def units(self) -> list[tuple[nn.Module, object, int]]:
+        """ZeRO 2/3's units for the experts (zero.py shard_parameters): each layer's Experts sharded over "edp",
+        the ranks that hold the same experts (torchtitan's choice), their gradients reduce-scattered there and
+        divided by dp rather than by edp's size: DDP's mean over every dp rank, as sync_grads gives."""
+        return [(e, self.mesh["edp"], self.dp) for e in self.layers]
+
+
+def expert_parallel(model: nn.Module, ep: int, dp: int, comm: Comm, device: torch.device,
+                    zero: int) -> tuple[dict, list]:
+    """Collective: parallel.ep applied to `model` before its wrappers (ExpertLayout); what the Parallelized takes
+    of it ({} where ep is 1, or where ZeRO 2/3's FSDP2 reduces the experts' gradients itself) and the units ZeRO
+    2/3 shards the experts as. Under DDP, DDP is told to leave the experts' weights alone."""
     if ep == 1:
-        return {}
+        return {}, []
     experts = ExpertLayout(model, ep, dp, comm, device)
+    if zero >= 2:
+        return {}, experts.units()
     DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(model, experts.names)
-    return {"expert_sync": experts.sync_grads}
+    return {"expert_sync": experts.sync_grads}, []

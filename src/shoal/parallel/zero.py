@@ -22,11 +22,22 @@ from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionP
 
 
 def shard_parameters(model: torch.nn.Module, block_types: tuple[type, ...], dp_mesh, zero: int,
-                     mp_policy: MixedPrecisionPolicy, offload: bool) -> FSDPModule:
-    """ZeRO 2 or 3: FSDP2 `fully_shard` per block, then the root."""
-    kwargs = {"mesh": dp_mesh, "mp_policy": mp_policy}
+                     mp_policy: MixedPrecisionPolicy, offload: bool, units=()) -> FSDPModule:
+    """ZeRO 2 or 3: FSDP2 `fully_shard` per block, then the root. `units`: (module, mesh, divide factor) sharded
+    first, over a mesh of their own (parallel.ep's experts, over the ranks that hold the same ones): a block
+    that holds one leaves its parameters to it."""
+    kwargs = {"mp_policy": mp_policy}
     if offload:
         kwargs["offload_policy"] = CPUOffloadPolicy()
+    inner = []
+    for module, mesh, divide in units:
+        inner.append(fully_shard(module, mesh=mesh, reshard_after_forward=zero == 3, **kwargs))
+        inner[-1].set_gradient_divide_factor(divide)
+        # a factor other than the group's size is a PREMUL_SUM, which gloo lacks: a sum, then the division. Not
+        # on a group of one, which FSDP2 divides by the factor twice when told so (torch 2.13: measured)
+        if mesh.device_type == "cpu" and mesh.size() > 1:
+            inner[-1].set_force_sum_reduction_for_comms(True)
+    kwargs["mesh"] = dp_mesh
     blocks = [m for m in model.modules() if block_types and isinstance(m, block_types)]
     for i, block in enumerate(blocks):
         fully_shard(block, reshard_after_forward=zero == 3 and i < len(blocks) - 1, **kwargs)
@@ -37,7 +48,7 @@ def shard_parameters(model: torch.nn.Module, block_types: tuple[type, ...], dp_m
         # at dp 2 on 2 cores: ZeRO 3's peak RSS 1,208-1,230 MiB with it and 1,175-1,178 without, steps
         # 1,528 ms and 1,489-1,555. Each module names only itself to prefetch, which is in already: FSDP2
         # then skips its own choice.
-        for m in [root, *blocks]:
+        for m in [root, *blocks, *inner]:
             m.set_modules_to_backward_prefetch([m])
     return root
 
