@@ -4,7 +4,7 @@ others waited for.
 A step's time is split into parts that add up to it (step_time_s):
   time_data_wait_s     waiting for the prefetcher
   time_compute_s       forward and backward, less the waits below
-  time_exposed_<axis>_s  waiting on the network, per mesh axis (dp, tp, pp, world): only what was not
+  time_exposed_<axis>_s  waiting on the network, per mesh axis (dp, tp, pp, ep, world): only what was not
                        hidden under compute ([Note: exposed communication] in comm/log.py)
   time_bubble_s        a pipeline's idle share: the schedule's bubble fraction of forward/backward
   time_optimizer_s     clipping, the optimizer step and zero_grad, less their waits
@@ -32,7 +32,7 @@ import torch
 from shoal.config import MetricsConfig
 from shoal.hardware import gpu_preset_for, profile_or_preset
 
-AXES = ("dp", "tp", "pp", "world")
+AXES = ("dp", "tp", "pp", "ep", "world")
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
