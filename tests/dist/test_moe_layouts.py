@@ -67,6 +67,8 @@ def test_an_moe_on_two_ranks_trains_as_one_process(trained, balance, zero, check
         assert any(ref_w[k].abs().sum() > 0 for k in ref_w if "expert_bias" in k)
     summary = json.loads((run / "summary.json").read_text())  # d 32, hidden 4 x 32 / 2 = 64: 3 x 32 x 64 an expert
     assert summary["active_parameters"] == summary["parameters"] - (4 - 2) * 3 * 32 * 64
+    [imbalance] = summary["profile"]["median_expert_imbalance"]  # one MoE layer, over the logged steps
+    assert 1.0 <= imbalance <= 2.0
     # every logged step: per MoE layer (one: the first block is dense), the choices each expert received over
     # the global batch (8 sequences x 32 tokens x top 2) and their imbalance, summed over the ranks
     for m in read_metrics(run):

@@ -296,3 +296,22 @@ def test_bad_expert_parallelism_is_refused_in_one_line_before_any_worker_starts(
     with pytest.raises(UserError) as e:
         resolve_layout(load_config(None, sets), world, cuda=False)
     assert says in str(e.value) and "\n" not in str(e.value), str(e.value)
+
+
+def test_the_balance_is_in_the_profile_and_the_report():
+    """summary.json's profile keeps each MoE layer's median imbalance over the logged steps (the first, which
+    warms up, left out); `shoal report` draws each layer's imbalance over the steps, and no figure for a run
+    without experts."""
+    pytest.importorskip("matplotlib")
+    from shoal.metrics.profile import summarize_profile
+    from shoal.report.data import Run
+    from shoal.report.figures import experts
+
+    rows = [{"step": s, "time_compute_s": 0.1, "expert_imbalance": [i, 2 * i]}
+            for s, i in ((1, 9.0), (2, 1.2), (3, 1.4), (4, 1.3))]
+    assert summarize_profile(rows)["median_expert_imbalance"] == [1.3, 2.6]
+    assert "median_expert_imbalance" not in summarize_profile([{"step": 1, "time_compute_s": 0.1}])
+    moe = Run(name="moe", path=None, rows=rows)
+    fig = experts([moe])
+    assert [line.get_label() for line in fig.axes[0].get_lines()][:2] == ["moe, MoE layer 0", "moe, MoE layer 1"]
+    assert experts([Run(name="gpt", path=None, rows=[{"step": 1, "loss": 3.0}])]) is None

@@ -196,10 +196,15 @@ def name_straggler(compute_per_rank: list[float], ratio: float) -> tuple[int, fl
 
 def summarize_profile(history: list[dict]) -> dict:
     """summary.json's profile: the median of each part of the step (the first step, which warms up,
-    left out when there are more), the median MFU, and the ranks named stragglers."""
+    left out when there are more), the median MFU, a mixture of experts' median imbalance per MoE layer (the
+    most any expert received over the mean, on the logged steps), and the ranks named stragglers."""
     steps = history[1:] or history
     keys = sorted({k for m in steps for k in m if k.startswith("time_") or k in ("flops_per_s", "mfu")})
     out = {f"median_{k}": statistics.median(m[k] for m in steps if k in m) for k in keys}
+    layers = [m["expert_imbalance"] for m in steps if m.get("expert_imbalance")]
+    if layers:
+        out["median_expert_imbalance"] = [round(statistics.median(x for x in layer if x is not None), 4)
+                                          if any(x is not None for x in layer) else None for layer in zip(*layers)]
     named: dict[int, dict] = {}
     for m in history:
         if "straggler_rank" in m:

@@ -283,6 +283,31 @@ def timeline(runs: list[Run]):
     return fig
 
 
+def experts(runs: list[Run]):
+    """A mixture of experts' balance: per MoE layer, the most any expert received over the mean on each logged
+    step (1.0: even), one line per run and layer."""
+    colours = run_colours(runs)
+    shown = [run for run in runs if any(r.get("expert_imbalance") for r in run.rows)]
+    if not shown:
+        return None
+    fig, ax = _figure()
+    ax = ax[0][0]
+    styles = ("-", "--", ":", "-.")
+    for run in shown:
+        rows = [r for r in run.rows if r.get("expert_imbalance")]
+        for layer in range(max(len(r["expert_imbalance"]) for r in rows)):
+            pts = [(r["step"], r["expert_imbalance"][layer]) for r in rows
+                   if layer < len(r["expert_imbalance"]) and is_number(r["expert_imbalance"][layer])]
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], color=colours[run.name], marker=".",
+                    linestyle=styles[layer % len(styles)], label=f"{run.name}, MoE layer {layer}")
+    ax.axhline(1.0, color="0.5", linewidth=0.8)
+    ax.set(xlabel="step", ylabel="max / mean tokens per expert", title="Expert balance")
+    _integer_steps(ax.xaxis)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize="small", loc="upper left", bbox_to_anchor=(1.0, 1.0))
+    return fig
+
+
 # (name, title, what it shows): the page's order
 FIGURES = (
     ("loss", "Loss", loss),
@@ -291,5 +316,6 @@ FIGURES = (
     ("memory", "Memory per rank", memory),
     ("comm", "Bytes sent", comm),
     ("per_rank", "Per rank (stragglers)", per_rank),
+    ("experts", "Expert balance", experts),
     ("timeline", "Checkpoints and recoveries", timeline),
 )
