@@ -203,8 +203,8 @@ def summarize_profile(history: list[dict]) -> dict:
     out = {f"median_{k}": statistics.median(m[k] for m in steps if k in m) for k in keys}
     layers = [m["expert_imbalance"] for m in steps if m.get("expert_imbalance")]
     if layers:
-        out["median_expert_imbalance"] = [round(statistics.median(x for x in layer if x is not None), 4)
-                                          if any(x is not None for x in layer) else None for layer in zip(*layers)]
+        per_layer = [[x for x in layer if x is not None] for layer in zip(*layers, strict=False)]
+        out["median_expert_imbalance"] = [round(statistics.median(xs), 4) if xs else None for xs in per_layer]
     named: dict[int, dict] = {}
     for m in history:
         if "straggler_rank" in m:
