@@ -14,6 +14,8 @@ contributions of every rank's tokens that chose it; its replicas on other ep gro
 
 from __future__ import annotations
 
+import logging
+
 import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
@@ -74,6 +76,7 @@ class ExpertLayout:
         from torch.distributed.tensor import Shard, distribute_tensor
 
         self.mesh = init_device_mesh(device.type, (dp // ep, ep), mesh_dim_names=("edp", "ep"))
+        logging.getLogger("torch.distributed.tensor._redistribute").addFilter(_two_step_hint)
         self.comm, self.dp = comm, dp
         self.names: list[str] = []
         self.layers: list[Experts] = []
@@ -105,6 +108,13 @@ class ExpertLayout:
         the ranks that hold the same experts (torchtitan's choice), their gradients reduce-scattered there and
         divided by dp rather than by edp's size: DDP's mean over every dp rank, as sync_grads gives."""
         return [(e, self.mesh["edp"], self.dp) for e in self.layers]
+
+
+def _two_step_hint(record: logging.LogRecord) -> bool:
+    """Leave out DTensor's warning that a redistribution over the (edp, ep) mesh takes one collective per axis
+    (the gradient norm's reduction, the final weights' gather under ZeRO 2/3): a hint about shoal's layout, which
+    a user cannot act on, printed by every rank."""
+    return "sequential" not in str(record.msg)
 
 
 def expert_parallel(model: nn.Module, ep: int, dp: int, comm: Comm, device: torch.device,
