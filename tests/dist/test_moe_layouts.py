@@ -117,3 +117,19 @@ def test_a_checkpoint_reshards_between_expert_layouts(tmp_path, ranks, trained, 
     ref_w = read_weights(trained("aux", 1, 0))
     for k, w in read_weights(second).items():
         torch.testing.assert_close(w, ref_w[k], rtol=0, atol=1e-5, msg=lambda m, k=k: f"{k}: {m}")
+
+
+@pytest.mark.parametrize(("nproc", "ep", "zero"), [(2, 2, 0), *slow((4, 2, 3))])
+def test_an_expert_parallel_checkpoint_exports_whole(trained, tmp_path, nproc, ep, zero):
+    """`shoal export` of a checkpoint whose experts were split over ep ranks (and sharded by ZeRO 3 over the ranks
+    holding the same ones): one safetensors file of whole tensors, equal to the weights the run wrote at its end."""
+    from safetensors.torch import load_file
+
+    from shoal.checkpoint.export import export_weights
+
+    run = trained("aux", nproc, zero, ep=ep)
+    export_weights(run, tmp_path / "model.safetensors")
+    exported, final = load_file(str(tmp_path / "model.safetensors")), read_weights(run)
+    assert exported.keys() == final.keys() and exported["blocks.1.mlp.experts.w_gate"].shape == (4, 32, 64)
+    for k in final:
+        assert torch.equal(exported[k], final[k]), k
