@@ -40,6 +40,9 @@ class ExpertParallel:
         """`rows`: this rank's choices sorted by expert, `counts` (E,) per expert; returns the experts' outputs
         for them, in the same order."""
         ep, local = self.ep, self.local
+        kind = rows.device.type  # under autocast the experts compute in its dtype: the rows travel in it (half
+        if torch.amp.is_autocast_available(kind) and torch.is_autocast_enabled(kind):  # the bytes of fp32's),
+            rows = rows.to(torch.get_autocast_dtype(kind))  # the same values Experts would cast on arrival
         received = torch.empty_like(counts)
         self.comm.all_to_all(received, counts, self.group, self.label)  # (source, my expert) counts
         sizes = received.view(ep, local)
