@@ -71,6 +71,10 @@ def test_plan_on_h100_puts_the_config_first_and_the_quoted_figures_are_its():
     for q in quoted:
         assert q in text, q
         assert q in docs, q
+    ep = {e: next(p for p in ranked if p.candidate.label() == f"dp8 tp1 pp1 ep{e} zero3 mb1") for e in (2, 4, 8)}
+    assert f"the plan puts it at {figures(ep[8])[0]}" in text
+    assert (f"ep 2, 4 and 8 under ZeRO 3 after plain ZeRO 3 ({figures(ep[2])[0][:-3]}, {figures(ep[4])[0][:-3]} and "
+            f"{figures(ep[8])[0]} against {figures(own)[0][:-3]})") in docs
 
 
 @pytest.mark.slow  # a CLI run on 2 workers

@@ -40,6 +40,9 @@ def add_parsers(sub) -> None:
                     "InfiniBand NDR), nvlink4-roce400, nvlink4-eth100, nvlink3-hdr200 (A100 HGX on HDR), "
                     "nvlink3-efa400, nvlink3-opa400; see docs/planner.md")
     add_set(pl)
+    pl.add_argument("--expert-imbalance", type=float, default=1.0, metavar="X",
+                    help="a mixture of experts under parallel.ep: the most tokens a rank's experts take over the "
+                         "mean (summary.json's profile.median_expert_imbalance of a run; default 1.0, balanced)")
     pl.add_argument("--top", type=int, default=15, help="valid layouts shown (default 15)")
     pl.add_argument("--apply", metavar="OUT.toml", help="write the best layout into a copy of the config")
     pl.add_argument("--check", metavar="RUN_DIR", help="compare a finished run with the prediction for its layout")
@@ -87,6 +90,9 @@ def plan(args: argparse.Namespace) -> int:
                         "(a probe's profile has its own measured curves)")
     if args.nproc < 1 or args.nnodes < 1:
         raise UserError("--nproc and --nnodes must be >= 1")
+    if args.expert_imbalance < 1.0:
+        raise UserError(f"--expert-imbalance {args.expert_imbalance:g}: the most any experts take over the mean is at "
+                        f"least 1 (1.0: balanced)")
     memory = planner.parse_bytes(args.memory, "--memory") if args.memory else None
     cfg = None if args.check else load_config(args.config, args.set)  # a bad config is said before measuring
     profile, line, missing = _profile(args)
@@ -102,7 +108,7 @@ def plan(args: argparse.Namespace) -> int:
             print("a Session's run: its forward and loss are the script's own, which the planner does not trace; "
                   "model state is predicted, step time and peak are not (?)")
         return 0
-    planned = planner.plan(cfg, args.nproc * args.nnodes, profile, memory)
+    planned = planner.plan(cfg, args.nproc * args.nnodes, profile, memory, imbalance=args.expert_imbalance)
     report.render(planned, args.top, missing=missing)
     if args.apply:
         best = report.apply(args.config, planned, args.apply)

@@ -66,6 +66,23 @@ class ModelShape:
         return self.memo[key]
 
 
+def expert_local(shape: ModelShape, ep: int) -> ModelShape:
+    """`shape` as one rank of parallel.ep holds it: each MoE layer's expert tensors (models/moe.py's Experts, the
+    model's only three-dimensional parameters, (experts, ., .)) with experts / ep of their experts; the rest whole.
+    Under ZeRO 2/3 the experts are sharded further over the ranks that hold the same ones (dp / ep of them), which
+    leaves a rank experts / dp of them, as the whole shape sharded over dp counts: there this shape counts only what
+    is gathered for compute."""
+    if ep == 1:
+        return shape
+
+    def local(ps: list[Param]) -> list[Param]:
+        return [(n // ep, dim0 // ep, ndim, trainable, split) if ndim == 3 else (n, dim0, ndim, trainable, split)
+                for n, dim0, ndim, trainable, split in ps]
+
+    return shape.once(("ep", ep), lambda: ModelShape(local(shape.params), [local(b) for b in shape.block_params],
+                                                       element_size=shape.element_size, split=shape.split))
+
+
 def param(numel: int, dim0: int, ndim: int, trainable: bool, split: bool | None = None) -> Param:
     """One parameter as ModelShape holds it; `split` None: not known (a model that does not say what its tp plan
     splits, ModelBundle.tp_split; a Session's record), taken as split where it is a matrix (ndim >= 2)."""

@@ -1,6 +1,7 @@
 """Every layout `shoal plan` considers for a config and a number of processes: dp x tp x pp = world,
 pipeline schedule, ZeRO stage 0-3 (on several nodes 2 and 3 also as HSDP with a replica per node, the
 layout people reach for first: dp_replicate = the nodes, where that leaves 2 or more ranks a shard group),
+for a mixture of experts expert parallelism (parallel.ep: the divisors of dp that divide its experts),
 activation checkpointing on or off, micro-batch size (the divisors of the per-rank batch). Each is a copy
 of the config with those keys set, checked by the same layout resolution (layout.py) and model checks
 (preflight.py, parallel/fit.py) that a run's start applies: the reason a layout is invalid is the run's
@@ -28,6 +29,8 @@ class Candidate:
     def label(self) -> str:
         k = self.keys
         parts = [f"dp{k['parallel.dp']} tp{k['parallel.tp']} pp{k['parallel.pp']}"]
+        if k.get("parallel.ep", 1) > 1:
+            parts.append(f"ep{k['parallel.ep']}")
         if k["parallel.pp"] > 1:
             parts.append(str(k["parallel.pp_schedule"]))
         parts.append(f"zero{k['parallel.zero']}")
@@ -64,15 +67,27 @@ def candidates(cfg: Config, world: int, bundle, source, cuda: bool, micro_batche
             for schedule in (SCHEDULES if pp > 1 else (cfg.parallel.pp_schedule,)):
                 hsdp = nodes > 1 and dp % nodes == 0 and dp // nodes > 1 and cfg.sync.mode == "every-step"
                 for zero, replicate in [(z, 1) for z in range(4)] + ([(2, nodes), (3, nodes)] if hsdp else []):
-                    for ckpt in (False, True):
-                        for micro in micros:
-                            keys = {"parallel.dp": dp, "parallel.tp": tp, "parallel.pp": pp,
-                                    "parallel.pp_schedule": schedule, "parallel.zero": zero,
-                                    "parallel.dp_replicate": replicate,
-                                    "precision.activation_checkpointing": ckpt, "train.micro_batch_size": micro,
-                                    "parallel.pp_microbatches": 0}
-                            out.append(check(cfg, keys, world, bundle, source, cuda, fits))
+                    for ep in expert_splits(cfg, dp, zero, replicate):
+                        for ckpt in (False, True):
+                            for micro in micros:
+                                keys = {"parallel.dp": dp, "parallel.tp": tp, "parallel.pp": pp,
+                                        "parallel.pp_schedule": schedule, "parallel.zero": zero,
+                                        "parallel.dp_replicate": replicate,
+                                        "precision.activation_checkpointing": ckpt, "train.micro_batch_size": micro,
+                                        "parallel.pp_microbatches": 0}
+                                if getattr(cfg.model, "experts", None) is not None:  # (--apply writes it)
+                                    keys["parallel.ep"] = ep
+                                out.append(check(cfg, keys, world, bundle, source, cuda, fits))
     return out
+
+
+def expert_splits(cfg: Config, dp: int, zero: int, replicate: int) -> list[int]:
+    """parallel.ep's values to plan: 1, and for a mixture of experts each divisor of dp above 1 that divides its
+    experts, where ep is built (ZeRO 0, 2 or 3, without HSDP); the rest would be refused as a run refuses them."""
+    experts = getattr(cfg.model, "experts", None)
+    if experts is None or zero == 1 or replicate > 1:
+        return [1]
+    return [1] + [e for e in _divisors(dp) if e > 1 and experts % e == 0]
 
 
 def check(cfg: Config, keys: dict, world: int, bundle, source, cuda: bool, fits: dict | None = None) -> Candidate:

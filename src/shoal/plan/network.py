@@ -63,8 +63,8 @@ class Network:
         return self.one_per_node + (self.across - self.one_per_node) * (p - 1) / (self.gpus_per_node - 1)
 
     def seconds(self, op: str, nbytes: float, n: int, per_node: int) -> float:
-        """Seconds of collective `op` (all_reduce, all_gather, reduce_scatter: `nbytes` the whole tensor;
-        send_recv: one message) over n ranks, `per_node` of them in each node."""
+        """Seconds of collective `op` (all_reduce, all_gather, reduce_scatter, all_to_all: `nbytes` the whole
+        tensor; send_recv: one message) over n ranks, `per_node` of them in each node."""
         if n <= 1 and op != "send_recv":
             return 0.0
         per_node = max(1, min(per_node, n))
@@ -74,8 +74,11 @@ class Network:
             link = "net" if nodes > 1 else "nvlink"
             return min(1e-6 * (BASE_US[("ring", proto)] + STEP_US[(link, "ring", proto)])
                        + nbytes / (busbw * (LL_SHARE["ring"] if proto == "ll" else 1.0)) for proto in ("ll", "simple"))
-        if op not in ("all_reduce", "all_gather", "reduce_scatter"):
+        if op not in ("all_reduce", "all_gather", "reduce_scatter", "all_to_all"):
             raise ValueError(f"no model for collective {op!r}")
+        # all_to_all (`nbytes`: what one rank sends in all, a share to each rank): each rank sends and receives
+        # (n - 1) / n of it, as a reduce-scatter moves, in n - 1 steps of one peer each; nccl-tests' bus bandwidth
+        # of an all-to-all is defined so (algorithm bandwidth x (n - 1) / n), so the ring's formula holds
         steps, cross = (2 * (n - 1), 2 * (nodes - 1)) if op == "all_reduce" else (n - 1, nodes - 1)
         times = []
         for proto in ("ll", "simple"):

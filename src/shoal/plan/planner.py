@@ -17,7 +17,15 @@ from shoal.layout import resolve_layout
 from shoal.models.meta import on_meta
 from shoal.models.registry import build_model
 from shoal.models.tp_plan import split_parameters
-from shoal.parallel.state_bytes import ModelShape, numel, rank_params, shape_of, shard_bytes, stage_params
+from shoal.parallel.state_bytes import (
+    ModelShape,
+    expert_local,
+    numel,
+    rank_params,
+    shape_of,
+    shard_bytes,
+    stage_params,
+)
 from shoal.plan.cost import MicroBatchCost, affine, trace_micro_batch, trace_optimizer_step
 from shoal.plan.enumerate import Candidate, candidates
 from shoal.plan.predict import Prediction, autocast_dtype, predict_memory, predict_time, sixteen_bit_scale
@@ -145,8 +153,9 @@ def _nbytes(value) -> int:
 
 
 def predict(model: Model, cfg: Config, layout, profile: HardwareProfile | None,
-            memory: int | None = None) -> Prediction:
-    """Memory, then time (not priced for a layout above `memory`: it is rejected)."""
+            memory: int | None = None, imbalance: float = 1.0) -> Prediction:
+    """Memory, then time (not priced for a layout above `memory`: it is rejected). `imbalance`: under parallel.ep,
+    the most tokens a rank's experts take over the mean (1.0: balanced)."""
     p, d = cfg.parallel, layout.dims
     # shoal's runs are traced under autocast; a stack without fused attention (Megatron-LM's) keeps every
     # activation in 16 bits: the fp32 trace at half its bytes
@@ -159,22 +168,51 @@ def predict(model: Model, cfg: Config, layout, profile: HardwareProfile | None,
     total = numel(model.shape, params) or 1
     fraction = total / (numel(model.shape, model.shape.params) or 1) if d.pp > 1 else 1.0
     stages = p.pp_stages_per_rank if p.pp_schedule == "interleaved-1f1b" else 1
-    mem = predict_memory(model.shape, params, cost, layout, optimizer=cfg.train.optimizer,
+    # parallel.ep: a rank holds (ZeRO 0/1) or gathers (ZeRO 2/3, whose state is the whole model's over dp) its
+    # experts only (state_bytes.expert_local)
+    shape, held = expert_local(model.shape, p.ep), None
+    if p.ep > 1:
+        params, held = shape.params, (None if layout.zero < 2 else (model.shape, model.shape.params))
+    mem = predict_memory(shape, params, cost, layout, optimizer=cfg.train.optimizer,
                          momentum=cfg.train.momentum, checkpointing=cfg.precision.activation_checkpointing,
                          schedule=p.pp_schedule, profile=profile, stage_fraction=fraction,
                          data_bytes=model.data_bytes if profile is not None and profile.device == "cpu" else 0,
                          dtype=cfg.precision.dtype, act_scale=act_scale,
-                         stages_per_rank=stages, sequence_parallel=p.sequence_parallel)
+                         stages_per_rank=stages, sequence_parallel=p.sequence_parallel, held=held)
     if profile is None or (memory is not None and mem.get("device", mem["peak"]) > memory):
         return Prediction(mem, {"compute": None, "comm": None, "bubble": None, "step": None})
     # a rank's gradients and parameters whole (its tp part: what the model's tp plan leaves whole counts whole)
-    grad_bytes = shard_bytes(model.shape, params, 1, False, d.tp, model.shape.element_size, "grads")
-    full = shard_bytes(model.shape, params, 1, False, d.tp, model.shape.element_size, "params")
-    t = predict_time(model.shape, cost, model.opt_ops, layout, profile, dtype=cfg.precision.dtype,
+    grad_bytes = shard_bytes(shape, params, 1, False, d.tp, shape.element_size, "grads")
+    full = shard_bytes(shape, params, 1, False, d.tp, shape.element_size, "params")
+    t = predict_time(shape, cost, model.opt_ops, layout, profile, dtype=cfg.precision.dtype,
                      checkpointing=cfg.precision.activation_checkpointing, schedule=p.pp_schedule,
                      stages_per_rank=stages, grad_bytes=grad_bytes, param_bytes_full=full,
-                     reduce_dtype=cfg.precision.reduce_dtype, act_scale=act_scale, compiled=cfg.train.compile)
+                     reduce_dtype=cfg.precision.reduce_dtype, act_scale=act_scale, compiled=cfg.train.compile,
+                     ep=p.ep, exchange=moe_exchange(cfg, layout.micro_batch),
+                     expert_extra=(imbalance - 1.0) * expert_share(cfg, cost) if p.ep > 1 else 0.0)
     return Prediction(mem, t)
+
+
+def expert_share(cfg: Config, cost: MicroBatchCost) -> float:
+    """The share of a micro-batch's FLOPs that a mixture of experts' routed experts compute: each token's top_k
+    SwiGLU experts (3 products of d_model x expert width) in every MoE layer, 6 FLOPs a weight and token in
+    forward and backward; 0 for a model without experts."""
+    m = cfg.model
+    if getattr(m, "experts", None) is None or not cost.ops.flops:
+        return 0.0
+    tokens = cost.micro_batch * m.seq_len
+    return min(1.0, 6.0 * tokens * m.top_k * 3 * m.d_model * m.hidden() * (m.n_layer - m.dense_layers) / cost.ops.flops)
+
+
+def moe_exchange(cfg: Config, micro: int) -> tuple[int, float] | None:
+    """A mixture of experts' MoE layers and the bytes of one layer's rows a rank sends out per micro-batch under
+    parallel.ep: every token's top_k choices, a d_model row each, in the compute dtype (parallel/experts.py).
+    None: a model without experts."""
+    m = cfg.model
+    if getattr(m, "experts", None) is None:
+        return None
+    element = 4 if cfg.precision.dtype == "fp32" else 2
+    return m.n_layer - m.dense_layers, float(micro * m.seq_len * m.top_k * m.d_model * element)
 
 
 def predict_config(cfg: Config, world: int, profile: HardwareProfile | None, cuda: bool = False,
@@ -186,9 +224,9 @@ def predict_config(cfg: Config, world: int, profile: HardwareProfile | None, cud
 
 def plan(cfg: Config, world: int, profile: HardwareProfile | None, memory: int | None,
          cuda: bool = False, micro_batches: list[int] | None = None, fused_attention: bool = True,
-         attention_dropout: float = 0.0, hidden_dropout: float = 0.0) -> list[Planned]:
+         attention_dropout: float = 0.0, hidden_dropout: float = 0.0, imbalance: float = 1.0) -> list[Planned]:
     """Every candidate, the valid ones first by predicted step time (then by peak memory); attention and
-    dropout as Model.build takes them."""
+    dropout as Model.build takes them; `imbalance` as predict takes it."""
     model = Model.build(cfg, fused_attention, attention_dropout, hidden_dropout, cuda)
     out = []
     nodes = profile.nnodes if profile is not None else 1
@@ -196,7 +234,7 @@ def plan(cfg: Config, world: int, profile: HardwareProfile | None, memory: int |
         if c.reason:
             out.append(Planned(c, reason=c.reason))
             continue
-        pred = predict(model, c.cfg, c.layout, profile, memory)
+        pred = predict(model, c.cfg, c.layout, profile, memory, imbalance)
         reason = None
         if memory is not None and pred.fit_bytes > memory:
             reason = (f"does not fit: {human_bytes(pred.fit_bytes)} per rank predicted, "

@@ -98,6 +98,7 @@ DEFAULT_OP_OVERHEAD_S = {"cpu": 5e-6, "cuda": 6e-6}  # a preset has no measured 
 # where no probe measured it: 26 us and 31 us measured by shoal's probe (host_op_s) on the two GPU servers met
 # (16-core Xeons beside an H100 and an H200, torch 2.11)
 DEFAULT_HOST_OP_S = 28e-6
+EP_COUNTS_BYTES = 8 * 64  # an MoE layer's counts per expert (int64), exchanged before its rows: a small message
 
 
 @dataclass
@@ -136,10 +137,13 @@ def in_flight(layout: Layout, schedule: str, stages_per_rank: int = 1) -> float:
 def predict_memory(shape: ModelShape, params: list, cost: MicroBatchCost, layout: Layout, *, optimizer: str,
                    momentum: float, checkpointing: bool, schedule: str, profile: HardwareProfile | None,
                    stage_fraction: float, data_bytes: int = 0, dtype: str = "fp32",
-                   stages_per_rank: int = 1, sequence_parallel: bool = False, act_scale: float = 1.0) -> dict[str, int]:
+                   stages_per_rank: int = 1, sequence_parallel: bool = False, act_scale: float = 1.0,
+                   held: tuple[ModelShape, list] | None = None) -> dict[str, int]:
+    """`held`: the shape and parameters the state is counted from where they differ from those compute gathers
+    (parallel.ep under ZeRO 2/3: state_bytes.expert_local)."""
     d = layout.dims
     n_micro = layout.per_rank_batch // max(cost.micro_batch, 1)
-    state = state_bytes(shape, params, layout, optimizer=optimizer, momentum=momentum)
+    state = state_bytes(*(held or (shape, params)), layout, optimizer=optimizer, momentum=momentum)
     gpu = profile is not None and profile.device == "cuda"
     act = cost.activation_bytes(checkpointing, stage_fraction, in_flight(layout, schedule, stages_per_rank),
                                 scale=act_scale, tp=d.tp, sequence_parallel=sequence_parallel, recomputed=not gpu)
@@ -277,15 +281,17 @@ def _hidden(comm: float, under: float, cuda: bool) -> float:
     return max(0.0, comm - under) if cuda else comm
 
 
-def group_of(layout: Layout, gpus_per_node: int, axis: str) -> tuple[int, int]:
+def group_of(layout: Layout, gpus_per_node: int, axis: str, ep: int = 1) -> tuple[int, int]:
     """(ranks, of them in one node) of `axis`'s group: ranks are placed pp-major, tp innermost
     (topology.ParallelDims), `gpus_per_node` to a node. A pipeline hop crosses nodes once the pipeline
-    does (the slowest hop sets its pace)."""
+    does (the slowest hop sets its pace). An ep group is `ep` consecutive dp ranks (parallel/experts.py)."""
     d, g = layout.dims, max(gpus_per_node, 1)
     if axis == "tp":
         return d.tp, min(d.tp, g)
     if axis == "dp":
         return d.dp, max(1, min(d.dp, g // d.tp))
+    if axis == "ep":
+        return ep, max(1, min(ep, g // d.tp))
     if axis == "dp_shard":  # HSDP's shard group: consecutive dp ranks
         return d.dp_shard, max(1, min(d.dp_shard, g // d.tp))
     if axis == "dp_replicate":  # one rank of each shard group, dp_shard x tp ranks apart
@@ -293,7 +299,7 @@ def group_of(layout: Layout, gpus_per_node: int, axis: str) -> tuple[int, int]:
     return 2, 2 if d.world_size <= g else 1
 
 
-def collectives(profile: HardwareProfile, layout: Layout):
+def collectives(profile: HardwareProfile, layout: Layout, ep: int = 1):
     """ct(op, bytes, axis): a collective's seconds over `axis`'s group, the message as the probe's curves
     key it (what one rank contributes: an all-gather's shard, a reduce-scatter's whole input). From the
     curves (measured over the whole group, whatever the axis), else the preset's network (plan/network.py)
@@ -303,7 +309,7 @@ def collectives(profile: HardwareProfile, layout: Layout):
     net = network(profile.network)
 
     def ct(op: str, nbytes: float, axis: str = "dp") -> float:
-        n, per_node = group_of(layout, profile.nproc, axis)
+        n, per_node = group_of(layout, profile.nproc, axis, ep)
         return net.seconds(op, nbytes * n if op == "all_gather" else nbytes, n, per_node)
 
     return ct
@@ -312,7 +318,12 @@ def collectives(profile: HardwareProfile, layout: Layout):
 def predict_time(shape: ModelShape, cost: MicroBatchCost, opt_ops: Ops, layout: Layout, profile: HardwareProfile, *,
                  dtype: str, checkpointing: bool, schedule: str, stages_per_rank: int, grad_bytes: int,
                  param_bytes_full: int, reduce_dtype: str = "fp32", act_scale: float = 1.0,
-                 compiled: bool = False) -> dict[str, float | None]:
+                 compiled: bool = False, ep: int = 1, exchange: tuple[int, float] | None = None,
+                 expert_extra: float = 0.0) -> dict[str, float | None]:
+    """`ep` > 1: parallel.ep, `exchange` (MoE layers, bytes of one layer's rows a micro-batch sends out) for its
+    all-to-alls (_ep_comm); `shape`, `grad_bytes` and `param_bytes_full` then a rank's (expert_local);
+    `expert_extra`: the share of a micro-batch's compute the busiest rank's experts add over a balanced step's
+    (the imbalance over 1, times the experts' share of the FLOPs)."""
     d, zero = layout.dims, layout.zero
     micro = cost.micro_batch
     n_micro = layout.per_rank_batch // micro
@@ -320,6 +331,7 @@ def predict_time(shape: ModelShape, cost: MicroBatchCost, opt_ops: Ops, layout: 
     fwd_share = cost.forward_flops / max(cost.ops.flops, 1.0)
     if checkpointing:
         per_micro *= 1 + fwd_share  # blocks run their forward again in backward
+    per_micro *= 1 + expert_extra  # the others wait for the rank whose experts took the most tokens
     shard = (1.0 / layout.shard_ranks if zero >= 1 else 1.0) / (d.tp * d.pp)
     compute = per_micro * n_micro + _optimizer_time(opt_ops, profile, dtype, layout)
     if zero >= 2 and profile.fresh_memory_s_per_byte:  # CPU: every large tensor freshly mapped (allocator.py)
@@ -343,6 +355,8 @@ def predict_time(shape: ModelShape, cost: MicroBatchCost, opt_ops: Ops, layout: 
         t["compute"] = compute = compute + (profile.fresh_memory_s_per_byte or 0.0) * fresh
     if d.tp > 1:
         comm += _tp_comm(shape, cost, profile, layout, n_micro, len(opt_ops.items), act_scale, checkpointing)
+    if ep > 1 and exchange:
+        comm += _ep_comm(profile, layout, ep, n_micro, *exchange, checkpointing)
     if d.pp > 1:
         act = (cost.block_input[0] if cost.block_input else 0) * act_scale
         hops = 2 * (n_micro + d.pp - 1) * stages_per_rank
@@ -456,6 +470,23 @@ def _fsdp_comm(shape: ModelShape, profile: HardwareProfile, layout: Layout, n_mi
     # parameters' dtype)
     fresh = (2 * gathers * g + 2 * n_blocks * r) * block_bytes + n_micro * param_bytes_full * g
     return comm, fresh
+
+
+def _ep_comm(profile: HardwareProfile, layout: Layout, ep: int, n_micro: int, layers: int, rows_bytes: float,
+             checkpointing: bool) -> float:
+    """Expert parallelism (parallel/experts.py): in each MoE layer and micro-batch, an all-to-all of the counts
+    (a message of the experts' counts: its latency), then the rows out to their experts and the results back,
+    each as much as the layer's rows (`rows_bytes`, spread evenly: a balanced step), in forward and their
+    gradients in backward; a recomputed forward (checkpointing) runs the first three again. On the layer's path,
+    none hidden: the experts wait for the rows, the next layer for the results. Where the probe measured no
+    all-to-all, a reduce-scatter of the same bytes moves as much."""
+    ct = collectives(profile, layout, ep)
+
+    def a2a(nbytes: float) -> float:
+        return ct("all_to_all", nbytes, "ep") or ct("reduce_scatter", nbytes, "ep") or 0.0
+
+    forward = a2a(EP_COUNTS_BYTES) + 2 * a2a(rows_bytes)
+    return n_micro * layers * (forward * (2 if checkpointing else 1) + 2 * a2a(rows_bytes))
 
 
 def _tp_comm(shape: ModelShape, cost: MicroBatchCost, profile: HardwareProfile, layout: Layout, n_micro: int,

@@ -1,0 +1,106 @@
+"""The planner's expert parallelism (parallel.ep, parallel/experts.py): `shoal plan` considers ep for a mixture of
+experts (each divisor of dp that divides its experts, under ZeRO 0, 2 or 3), counts what a rank holds (ZeRO 0: its
+experts / ep of each layer's experts; ZeRO 2/3: the whole model's state sharded over dp, as before, but only its
+experts gathered for compute), and prices the all-to-alls: per MoE layer and micro-batch the counts and the rows
+out and back in forward, the rows' gradients both ways in backward, the forward's three again under
+recomputation. The preflight counts a rank's state the same way (parallel/fit.py)."""
+
+import pytest
+
+from shoal.config import load_config
+from shoal.hardware import HardwareProfile
+from shoal.layout import resolve_layout
+from shoal.parallel.fit import rank_memory
+from shoal.plan.planner import Model, moe_exchange, plan, predict
+from shoal.plan.predict import _ep_comm
+
+MOE = ['model.name="moe"', "model.n_layer=3", "model.d_model=64", "model.n_head=2", "model.seq_len=64",
+       "model.experts=8", "model.top_k=2", "model.dense_layers=1", "data.max_bytes=200000", "train.global_batch_size=8"]
+
+
+def experts_and_rest(model: Model) -> tuple[int, int]:
+    """Elements of the expert weights (the three-dimensional ones) and of everything else."""
+    experts = sum(n for n, _, ndim, *_ in model.shape.params if ndim == 3)
+    return experts, sum(n for n, *_ in model.shape.params) - experts
+
+
+def test_ep_is_planned_for_a_mixture_of_experts_where_it_is_built():
+    ok = {p.candidate.label() for p in plan(load_config(None, MOE), 4, None, None) if p.ok}
+    assert {"dp4 tp1 pp1 ep2 zero0 mb1", "dp4 tp1 pp1 ep4 zero0 mb1", "dp4 tp1 pp1 ep2 zero3 mb1",
+            "dp4 tp1 pp1 ep4 zero2 ckpt mb2"} <= ok
+    assert not [label for label in ok if " ep" in label and "zero1" in label]  # ZeRO 1 with ep is not built
+    gpt = load_config(None, ["model.n_layer=2", "model.d_model=32", "model.n_head=2", "model.seq_len=32",
+                             "data.max_bytes=200000", "train.global_batch_size=8"])
+    assert not [p for p in plan(gpt, 4, None, None) if " ep" in p.candidate.label()]
+
+
+def test_a_rank_holds_its_experts_and_gathers_only_those():
+    """ZeRO 0 with ep 2: half of the experts' weights, gradients and AdamW state on a rank, the rest whole, as the
+    preflight counts it too. ZeRO 3 with ep 2: the same state as without ep (the experts / ep sharded over dp / ep
+    ranks is experts / dp), but the blocks gathered for compute hold half the experts."""
+    def memory(*keys):
+        cfg = load_config(None, [*MOE, *keys])
+        model = Model.build(cfg)
+        layout = resolve_layout(cfg, 2, False)
+        return model, predict(model, cfg, layout, None).memory, rank_memory(model.shape, model.shape.params, layout,
+                                                                            cfg)
+
+    model, ep0, preflight = memory("parallel.ep=2")
+    experts, rest = experts_and_rest(model)
+    assert ep0["params"] == ep0["grads"] == 4 * (rest + experts // 2) == preflight["params"]
+    _, z3, _ = memory("parallel.zero=3")
+    _, z3_ep, preflight_z3 = memory("parallel.zero=3", "parallel.ep=2")
+    assert z3_ep["params"] == z3["params"] == preflight_z3["params"]
+    layer_experts = experts // 2  # two MoE layers: two blocks gathered at once hold one layer's experts each
+    assert z3["buffers"] - z3_ep["buffers"] == 2 * 4 * layer_experts // 2
+
+
+def test_the_all_to_alls_are_on_the_layer_s_path():
+    """Per MoE layer and micro-batch: the counts and the rows out and back in forward, the rows' gradients back
+    and out in backward; the forward's three again when recomputed. An all-to-all the probe did not measure is
+    priced as a reduce-scatter of its bytes."""
+    cfg = load_config(None, [*MOE, "parallel.ep=2"])
+    layout = resolve_layout(cfg, 2, False)
+    assert moe_exchange(cfg, 4) == (2, 4 * 64 * 2 * 64 * 4)  # 2 MoE layers; 4 x 64 tokens x top 2, 64 fp32 each
+    a2a = HardwareProfile(matmul_flops={"fp32": 1e10}, collectives={"all_to_all": [(1.0, 1e-3), (1e12, 1e-3)]})
+    assert _ep_comm(a2a, layout, 2, 3, 2, 1e6, False) == pytest.approx(3 * 2 * (3 + 2) * 1e-3)
+    assert _ep_comm(a2a, layout, 2, 3, 2, 1e6, True) == pytest.approx(3 * 2 * (6 + 2) * 1e-3)
+    scatter = HardwareProfile(matmul_flops={"fp32": 1e10}, collectives={"reduce_scatter": [(1.0, 2e-3), (1e12, 2e-3)]})
+    assert _ep_comm(scatter, layout, 2, 1, 1, 1e6, False) == pytest.approx(5 * 2e-3)
+    bf16 = load_config(None, [*MOE, "parallel.ep=2", 'precision.dtype="bf16"'])
+    assert moe_exchange(bf16, 4)[1] == moe_exchange(cfg, 4)[1] / 2  # the rows travel in the compute dtype
+    assert moe_exchange(load_config(None, ["data.max_bytes=200000"]), 4) is None
+
+
+def test_an_imbalance_slows_the_expert_parallel_step_by_the_experts_share():
+    """`shoal plan --expert-imbalance X`: under ep the other ranks wait for the rank whose experts took the most
+    tokens, X times the mean: its experts' compute (their share of the FLOPs, counted from the config) is X times
+    a balanced step's. Without ep every rank computes its own tokens' experts, whatever the balance."""
+    from shoal.plan.planner import expert_share
+
+    profile = HardwareProfile(matmul_flops={"fp32": 1e10}, memory_bandwidth=1e10,
+                              collectives={"all_reduce": [(1.0, 1e-4)], "all_to_all": [(1.0, 1e-4)]})
+
+    def compute(imbalance, *keys):
+        cfg = load_config(None, [*MOE, *keys])
+        model = Model.build(cfg)
+        layout = resolve_layout(cfg, 2, False)
+        return predict(model, cfg, layout, profile, imbalance=imbalance).time["compute"], model, cfg
+
+    from shoal.plan.predict import _optimizer_time
+
+    balanced, model, cfg = compute(1.0, "parallel.ep=2")
+    skewed, *_ = compute(1.5, "parallel.ep=2")
+    share = expert_share(cfg, model.cost(1))
+    assert 0.2 < share < 0.9  # the experts' products are much of this small model's FLOPs, not all
+    step = _optimizer_time(model.opt_ops, profile, "fp32", resolve_layout(cfg, 2, False))
+    assert (skewed - balanced) / (balanced - step) == pytest.approx(0.5 * share, rel=1e-9)
+    assert compute(1.5)[0] == compute(1.0)[0]  # no ep: no wait for another rank's experts
+
+
+def test_a_plan_refuses_an_imbalance_below_one(capsys):
+    from shoal.cli import main
+
+    assert main(["plan", "--expert-imbalance", "0.5"]) == 2
+    err = capsys.readouterr().err
+    assert "--expert-imbalance 0.5" in err and "at least 1" in err and err.count("\n") == 1, err
