@@ -7,12 +7,16 @@ outputs came out equal, the gradients add the same terms in another order). Runs
 import pytest
 
 
-def split_against_whole(env, keys: dict, rows: int) -> dict:
+def split_against_whole(env, keys: dict, rows: int, bf16: bool = False) -> dict:
     """On each rank: the whole layer over every rank's batch (the reference, the same on all), and the layer split
-    over the ranks over this rank's batch; the largest differences of outputs and gradients."""
+    over the ranks over this rank's batch; the largest differences of outputs and gradients. `bf16`: both under
+    CPU autocast to bf16; then also the dtypes the all-to-alls sent."""
+    import contextlib
     import copy
 
     import torch
+
+    autocast = torch.autocast("cpu", dtype=torch.bfloat16) if bf16 else contextlib.nullcontext()
 
     from shoal.comm.collectives import Comm
     from shoal.models import moe
@@ -32,10 +36,12 @@ def split_against_whole(env, keys: dict, rows: int) -> dict:
 
     ref_out, ref_loss = [], 0
     for x, w in zip(batches, weights, strict=True):
-        ref_out.append(whole(x))
+        with autocast:
+            ref_out.append(whole(x).float())
         ref_loss = ref_loss + (ref_out[-1] * w).sum() + (whole.aux if whole.aux is not None else 0)
     ref_loss.backward()
-    out = split(batches[env.rank])
+    with autocast:
+        out = split(batches[env.rank]).float()
     ((out * weights[env.rank]).sum() + (split.aux if split.aux is not None else 0)).backward()
 
     n = split.experts.w_gate.to_local().shape[0]  # this rank's experts
@@ -50,6 +56,8 @@ def split_against_whole(env, keys: dict, rows: int) -> dict:
     comm.all_reduce(router)
     diffs["router"] = rel(router, whole.router.weight.grad)
     diffs["received"] = split.counts.sum().item() if split.counts is not None else 0
+    diffs["sent"] = sorted({r["shapes"][0].split()[-1] for r in comm.log.records
+                            if r["group"] == "ep" and r["op"] == "all_to_all" and r["shapes"][0].count(",")})
     return diffs
 
 
@@ -65,5 +73,15 @@ def split_against_whole(env, keys: dict, rows: int) -> dict:
 def test_split_experts_give_every_token_and_expert_what_the_whole_layer_gives(ranks, world, keys, rows):
     results = ranks(world).run(split_against_whole, keys, rows)
     for rank, diffs in enumerate(results):
-        assert all(v < 1e-6 for k, v in diffs.items() if k != "received"), f"rank {rank}: {diffs}"
+        assert all(v < 1e-6 for k, v in diffs.items() if k not in ("received", "sent")), f"rank {rank}: {diffs}"
         assert diffs["received"] == rows * 16 * keys["top_k"], (rank, diffs)  # its own tokens' choices, counted
+        assert diffs["sent"] == ["float32"]
+
+
+def test_under_bf16_autocast_the_rows_travel_in_bf16_and_the_outputs_are_the_whole_layer_s(ranks):
+    """The experts compute in autocast's dtype: the dispatch sends the rows in it (half the bytes) and its outputs
+    are the whole layer's, bitwise; the gradients within bf16's rounding of the products (the experts' weight
+    gradients sum the same bf16 terms in another order)."""
+    for rank, diffs in enumerate(ranks(2).run(split_against_whole, {"experts": 4, "top_k": 2}, 3, True)):
+        assert diffs["out"] == 0 and diffs["sent"] == ["bfloat16"], (rank, diffs)
+        assert all(diffs[k] < 2e-2 for k in ("w_gate", "w_up", "w_down", "router")), (rank, diffs)
