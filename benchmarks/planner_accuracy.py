@@ -2,7 +2,8 @@
 
 A GPT (4 layers, d_model 256, 4 heads, 128-byte context; fp32, 2 processes x 1 thread, gloo, CPU) in
 at least 8 layouts: dp 2 with ZeRO 0, 1, 2, 3, dp 2 with activation checkpointing, tp 2, pp 2 with
-the 1F1B and GPipe schedules. The machine is measured first (`shoal probe --nproc 2`, the profile
+the 1F1B and GPipe schedules; with --layouts moe-dp2,moe-ep2, the same decoder as a mixture of experts on
+dp 2 and on dp 2 x ep 2. The machine is measured first (`shoal probe --nproc 2`, the profile
 plan reads, with its calibration: the probe's own reference GPT, 2 blocks of 128 and 512, trained in
 each strategy); each layout is then trained for --steps steps (`shoal train --nproc 2`) and its finished
 run dir given to `shoal plan --check`'s comparison (plan/check.py): predicted against measured median
@@ -43,6 +44,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 
 MODEL = ["model.n_layer=4", "model.d_model=256", "model.n_head=4", "model.seq_len=128"]
+MOE = ['model.name="moe"', "model.experts=8", "model.top_k=2"]
 LAYOUTS = {
     "dp2": [],
     "dp2-zero1": ["parallel.zero=1"],
@@ -52,6 +54,10 @@ LAYOUTS = {
     "tp2": ["parallel.tp=2"],
     "pp2-1f1b": ["parallel.pp=2", 'parallel.pp_schedule="1f1b"'],
     "pp2-gpipe": ["parallel.pp=2", 'parallel.pp_schedule="gpipe"'],
+    # the same decoder as a mixture of experts (8 experts of 512, top 2; not in the default set): data parallelism,
+    # and expert parallelism, whose all-to-alls and halved experts the plan prices (docs/moe.md)
+    "moe-dp2": MOE,
+    "moe-ep2": [*MOE, "parallel.ep=2"],
 }
 
 
@@ -95,8 +101,8 @@ def main() -> None:
     ap.add_argument("--max-size", default="16MiB", help="largest collective message the probe measures")
     ap.add_argument("--hog-during-probe", action="store_true", help="two busy loops beside the probe, stopped "
                                                                        "before the layouts are trained")
-    ap.add_argument("--layouts", default=",".join(LAYOUTS),
-                    help="comma-separated (default: all): " + ", ".join(LAYOUTS))
+    ap.add_argument("--layouts", default=",".join(k for k in LAYOUTS if not k.startswith("moe")),
+                    help="comma-separated (default: all but the mixture of experts'): " + ", ".join(LAYOUTS))
     ap.add_argument("--no-calibrate", action="store_true", help="probe without calibrating (a try of the script: "
                                                                 "its errors are then the formulas')")
     ap.add_argument("--spot", action="store_true", help="measure the machine as shoal plan does on the spot "

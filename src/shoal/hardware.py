@@ -56,6 +56,7 @@ PRESETS |= {name: {**PRESETS[gpu], "network": net} for name, (gpu, net) in CLUST
 # the smaller stack's parameters (DDP, FSDP2) or a layer's activations of 2 x 8 (tensor parallelism)
 PROBE_LAYERS = (4, 32)
 OVERHEAD_MESSAGE_BYTES = {"stack": PROBE_LAYERS[0] * 8 * 9 * 4, "tp": 2 * 8 * 4}
+SCALAR_BYTES = 64  # an operator's rate measured at no more than this many bytes is its call's cost (op_rate)
 
 
 class HardwareProfile(BaseModel):
@@ -114,8 +115,14 @@ class HardwareProfile(BaseModel):
 
     def op_rate(self, name: str, nbytes: float) -> float:
         """Bytes per second of aten operator `name` moving `nbytes`, from the measured rates (log-log
-        between sizes, flat beyond them); an operator never measured moves at the copy bandwidth."""
-        rate = interpolate(self.op_rates.get(name, []), nbytes, extrapolate_linear=False)
+        between sizes, flat beyond them); an operator never measured moves at the copy bandwidth, and so does
+        one measured only on a few scalars' bytes, asked about more: such a rate is its call's cost, not its
+        speed (the reference GPT multiplies only scalars, at 0.8 MB/s here; flat, it priced a mixture of
+        experts' SwiGLU products, megabytes each, at seconds, and its step at 132 s against 0.34 measured)."""
+        points = self.op_rates.get(name, [])
+        if points and nbytes > SCALAR_BYTES >= max(size for size, _ in points):
+            points = []
+        rate = interpolate(points, nbytes, extrapolate_linear=False)
         return rate if rate is not None else (self.memory_bandwidth or 1e11)
 
     def op_flop_rate(self, name: str, dtype: str, flops: float) -> float:

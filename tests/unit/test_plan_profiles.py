@@ -107,3 +107,14 @@ def test_a_layout_without_a_step_time_never_ranks_above_one_with():
              planned("untimed", None, 0.002, 1), planned("fast", 0.1, 0.1, 9), planned("no compute", None, None, 0)]
     assert [p.candidate.keys["name"] for p in sorted(mixed, key=ranking)] == \
         ["fast", "slow", "untimed, least compute", "untimed", "no compute"]
+
+
+def test_a_rate_measured_on_scalars_only_is_not_the_operator_s_speed():
+    """A probe's reference GPT multiplies only scalars: that rate is the call's cost. Asked about megabytes, the
+    operator moves at the copy bandwidth, not at the scalars' rate; one measured on real data stays flat beyond
+    its largest size, as before."""
+    p = HardwareProfile(matmul_flops={"fp32": 1e10}, memory_bandwidth=1e10,
+                        op_rates={"mul": [(8.0, 1e6)], "add": [(8.0, 1e6), (1e6, 5e9)]})
+    assert p.op_rate("mul", 8.0) == 1e6
+    assert p.op_rate("mul", 3e6) == 1e10
+    assert p.op_rate("add", 3e6) == pytest.approx(5e9)
