@@ -163,6 +163,25 @@ def test_the_step_hook_moves_every_layers_bias_once_per_update():
     assert moe.bias_balance(moe.gpt.GPT(config(), 256)) is None  # a model without experts: no hook
 
 
+@pytest.mark.parametrize(("balance", "summed"), [("bias", [1, 2, 3]), ("aux_loss", [2])])
+def test_without_the_bias_the_counts_are_summed_over_the_ranks_only_on_logged_steps(balance, summed):
+    """The loss-free bias moves by the counts of every rank, every step; the auxiliary loss needs none of them, and
+    the metrics read them on logged steps only: no collective on the others."""
+    torch.manual_seed(0)
+    model = moe.MoEGPT(config(balance=balance), 256)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    done, reduced = [0], []
+    opt.register_step_post_hook(moe.bias_balance(model, lambda t: reduced.append(done[0]), lambda: done[0],
+                                                 read=lambda: done[0] == 2))
+    idx = torch.randint(0, 256, (2, 16))
+    for _ in range(3):
+        done[0] += 1
+        model(idx, idx).backward()
+        opt.step()
+    assert reduced == summed
+    assert all(sorted(m.stepped) == [2, 3] for m in model.moe_layers())  # each step's counts kept, summed or not
+
+
 def test_the_model_adds_its_layers_losses_in_training_and_reports_the_language_loss_in_evaluation():
     torch.manual_seed(0)
     model = moe.build(config(z_loss_coef=1e-3), SPEC).model.train()

@@ -309,17 +309,21 @@ class MoEGPT(gpt.GPT):
 
 
 def bias_balance(model: nn.Module, all_reduce: Callable[[torch.Tensor], object] | None = None,
-                 step: Callable[[], int] = lambda: 0):
+                 step: Callable[[], int] = lambda: 0, read: Callable[[], bool] = lambda: True):
     """The optimizer's step post-hook of a model with MoE layers (None without): after each update every layer's
     counts summed in place by `all_reduce` (over the data-parallel ranks, whose replicas must move alike; None:
-    this process alone), then its bias moved and the counts kept as those of step `step()` (MoE.move_bias)."""
+    this process alone), then its bias moved and the counts kept as those of step `step()` (MoE.move_bias).
+    Without the loss-free bias the sums are only read by the metrics: `read()` says whether this step's are (a
+    logged step, alike on every rank); on the others each rank keeps its own counts, and no collective runs."""
     layers = [m for m in model.modules() if isinstance(m, MoE)]
     if not layers:
         return None
+    moves = any(m.balance == "bias" for m in layers)
 
     @torch.no_grad()
     def after_step(*_) -> None:
-        if all_reduce is not None:  # every rank stepped (a layer without counts took no training forward here)
+        if all_reduce is not None and (moves or read()):  # every rank stepped (a layer without counts took no
+            # training forward here)
             counts = torch.stack([torch.zeros_like(m.expert_bias) if m.counts is None else m.counts for m in layers])
             all_reduce(counts)
             for m, c in zip(layers, counts, strict=True):

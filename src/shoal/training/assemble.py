@@ -70,7 +70,8 @@ def assemble(start: Start, bundle: ModelBundle, optimizer: Callable[[Parallelize
                    comm=start.comm, device=env.device, count_fn=bundle.count_fn, grad_clip=cfg.train.grad_clip,
                    phase=start.phase, controls=controls, balance=balance(start, par))
     sampler = GlobalBatchSampler(num_train, cfg.train.global_batch_size, cfg.train.seed)
-    balance_experts(start, par, opt, lambda: sampler.step + 1)  # the loop counts a step once its update is done
+    # the loop counts a step once its update is done; the step measures memory on logged steps
+    balance_experts(start, par, opt, lambda: sampler.step + 1, lambda: step.measuring)
     stateful = {"sampler": sampler, "scheduler": step.schedule, "scaler": precision, "bad_steps": step.bad_steps,
                 "sync": par.sync, **({"balance": step.balance} if step.balance else {})}
     if getattr(start.source, "streamed", False):  # data.streaming: this dp rank's place in the stream
@@ -85,11 +86,13 @@ def assemble(start: Start, bundle: ModelBundle, optimizer: Callable[[Parallelize
                resume_path=resume_path, checkpoints=checkpoints)
 
 
-def balance_experts(start: Start, par: Parallelized, opt: torch.optim.Optimizer, step: Callable[[], int]) -> None:
+def balance_experts(start: Start, par: Parallelized, opt: torch.optim.Optimizer, step: Callable[[], int],
+                    logged: Callable[[], bool]) -> None:
     """A mixture of experts' counts (models/moe.py) summed over the dp ranks after each update, as step `step()`'s:
-    they move each layer's loss-free bias, and metrics.jsonl reports them."""
+    they move each layer's loss-free bias, and metrics.jsonl reports them (on the steps `logged()`, which are
+    all that need them without the bias)."""
     hook = bias_balance(par.model, (lambda t: start.comm.all_reduce(t, group=par.dp_group, label="dp"))
-                        if par.dp > 1 else None, step)
+                        if par.dp > 1 else None, step, logged)
     if hook:
         opt.register_step_post_hook(hook)
 

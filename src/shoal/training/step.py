@@ -73,6 +73,7 @@ class Stepper:
     balance: ThroughputBalance | None = None  # balance.mode = "throughput": this rank's compute is timed
     state_bytes: StateBytes = field(default_factory=StateBytes)  # the memory figures' model state (logged steps)
     updated: int = 0  # steps whose update the weights hold: the optimizer and the schedule have stepped
+    measuring: bool = False  # the step in progress measures memory (a logged step), alike on every rank
     # The CPU (None: decided by the device). The host is the device there, and reading a value waits for nothing:
     # the host reads the verdict's two values and skips a bad step's call itself, and reads the report's values
     # as the step ends, where the device would take four operations for the verdict and a stack for the report,
@@ -135,6 +136,7 @@ class Stepper:
         agreed_loss, norms = flags.result()
         bad = self.bad_steps.verdict(agreed_loss, norms, on_host=self.host_decides)  # both inputs are global
         c.before_update()
+        self.measuring = memory is not None  # read by the optimizer's step hooks (training/assemble.py)
         precision.step(optimizer, skip=bad)
         self.schedule.step()  # the rate follows the step count, skipped steps included
         self.updated = step + 1
