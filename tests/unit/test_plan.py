@@ -228,7 +228,7 @@ def test_probe_writes_a_profile(tmp_path):
     assert got == profile  # every field, and every figure the probe added, back as measured
     assert got.matmul_flops["fp32"] > 0 and got.matmul_flops["bf16"] > 0 and got.memory_bandwidth > 0
     assert got.machine == this_machine() and got.measured_at > 0 and not got.spot  # where and when, for the cache
-    assert set(got.collectives) == {"all_reduce", "all_gather", "reduce_scatter"}  # no pair in a group of 1
+    assert set(got.collectives) == {"all_reduce", "all_gather", "reduce_scatter", "all_to_all"}  # no pair in a group of 1
     assert got.collective_time("all_reduce", 4096) > 0
     # the reference step's operators: element-wise ones rated by size, matmuls left to the curve
     assert got.op_rate("gelu_backward", 1e5) > 0 and "mm" not in got.op_rates and got.op_overhead_s > 0

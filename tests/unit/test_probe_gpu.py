@@ -132,7 +132,7 @@ def test_the_context_is_read_before_any_collective_and_nccl_is_what_the_collecti
         return {op: [(4096.0, 1e-5)] for op in ops}
     monkeypatch.setattr(probe_collectives, "collective_curves", curves)
     got = gpu_collectives(None, cuda, (4096,), 1, lambda: None)
-    assert calls == [COLLECTIVES[:3], ("send_recv",)]
+    assert calls == [COLLECTIVES[:3], ("all_to_all", "send_recv")]
     assert got["context_bytes"] == 530 * MIB and got["nccl_bytes"] == 300 * MIB
     assert set(got["collectives"]) == set(COLLECTIVES)
     # a device whose used bytes fall (another process let go) counts no negative NCCL bytes

@@ -478,8 +478,9 @@ def _ep_comm(profile: HardwareProfile, layout: Layout, ep: int, n_micro: int, la
     (a message of the experts' counts: its latency), then the rows out to their experts and the results back,
     each as much as the layer's rows (`rows_bytes`, spread evenly: a balanced step), in forward and their
     gradients in backward; a recomputed forward (checkpointing) runs the first three again. On the layer's path,
-    none hidden: the experts wait for the rows, the next layer for the results. Where the probe measured no
-    all-to-all, a reduce-scatter of the same bytes moves as much."""
+    none hidden: the experts wait for the rows, the next layer for the results. Where the profile has no
+    all-to-all curve (a plan's spot measurement, a probe before it measured one), a reduce-scatter of the same
+    bytes moves as much."""
     ct = collectives(profile, layout, ep)
 
     def a2a(nbytes: float) -> float:

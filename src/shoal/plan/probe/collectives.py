@@ -1,5 +1,5 @@
-"""The group's collective curves: all-reduce, all-gather, reduce-scatter and point-to-point over message
-sizes, issued through comm/, each time the slowest rank's; on a GPU with what NCCL's communicator adds."""
+"""The group's collective curves: all-reduce, all-gather, reduce-scatter, all-to-all and point-to-point over
+message sizes, issued through comm/, each time the slowest rank's; on a GPU with what NCCL's communicator adds."""
 
 from __future__ import annotations
 
@@ -13,24 +13,28 @@ from shoal.plan.probe.gpu_memory import outside_bytes
 
 KIB = 1024
 DEFAULT_SIZES = tuple(4 * KIB * 4 ** k for k in range(8))  # 4 KiB .. 64 MiB
-COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "send_recv")
+# all_to_all: expert parallelism's dispatch (parallel/experts.py), each rank's message split evenly over the group;
+# a plan's spot measurement leaves it out (a mixture of experts' plan then prices it as a reduce-scatter)
+COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "send_recv")
 
 
 def collective_curves(comm: Comm, device: torch.device, sizes, repeats: int, sync, ops=COLLECTIVES) -> dict:
     """{op: [[message bytes, seconds], ...]} over the whole group for each of `ops`; the message is what one
-    rank contributes (all-gather: its shard; reduce-scatter: the whole input it reduces)."""
+    rank contributes (all-gather: its shard; reduce-scatter: the whole input it reduces; all-to-all: all it
+    sends)."""
     world, rank = comm.world_size, comm.rank
     curves: dict[str, list[tuple[float, float]]] = {op: [] for op in COLLECTIVES}
     for size in sizes:
         n = max(size // 4, world)
         n -= n % world  # reduce-scatter splits the input evenly
         t = torch.ones(n, device=device)
-        shard = torch.ones(n // world, device=device)
+        shard, received = torch.ones(n // world, device=device), torch.empty(n, device=device)
         peer = rank ^ 1  # pairs 0-1, 2-3, ...
         runs = {
             "all_reduce": lambda t=t: comm.all_reduce(t, label="probe"),
             "all_gather": lambda s=shard: comm.all_gather_flat(s, label="probe"),
             "reduce_scatter": lambda t=t, s=shard: comm.reduce_scatter(s, t, label="probe"),
+            "all_to_all": lambda t=t, o=received: comm.all_to_all(o, t, label="probe"),
         }
         if world > 1 and world % 2 == 0:
             def send_recv(t=t, peer=peer):
@@ -47,7 +51,7 @@ def collective_curves(comm: Comm, device: torch.device, sizes, repeats: int, syn
         for op, fn in ((op, fn) for op, fn in runs.items() if op in ops):
             seconds = [_group_time(comm, fn, sync, device) for _ in range(times + 1)][1:]  # 1st warms up
             sec = statistics.median(seconds)
-            # keyed by what one rank contributes, as predict.py asks: an all-gather's shard
+            # keyed by what one rank contributes, as predict.py asks: an all-gather's shard, an all-to-all's whole
             message = n // world * 4 if op == "all_gather" else n * 4
             curves[op].append((float(message), sec / 2 if op == "send_recv" else sec))
     return {op: envelope(pts) for op, pts in curves.items() if pts}
@@ -84,7 +88,7 @@ def gpu_collectives(comm: Comm, device: torch.device, sizes, repeats: int, sync,
     context = outside(device)
     curves = collective_curves(comm, device, sizes, repeats, sync, ops=COLLECTIVES[:3])
     nccl = max(outside(device) - context, 0)
-    curves |= collective_curves(comm, device, sizes, repeats, sync, ops=COLLECTIVES[3:])
+    curves |= collective_curves(comm, device, sizes, repeats, sync, ops=COLLECTIVES[3:])  # all-to-all, point-to-point
     return {"collectives": curves, "context_bytes": context, "nccl_bytes": nccl}
 
 

@@ -14,7 +14,7 @@ from shoal.comm.collectives import Comm
 from shoal.dist import DistEnv
 from shoal.hardware import HardwareProfile, cpu_name, this_machine
 from shoal.metrics.memory import peak_memory_bytes
-from shoal.plan.probe.collectives import DEFAULT_SIZES, collective_curves, gpu_collectives
+from shoal.plan.probe.collectives import COLLECTIVES, DEFAULT_SIZES, collective_curves, gpu_collectives
 from shoal.plan.probe.compute import DTYPES, matmul_curve, memory_bandwidth
 from shoal.plan.probe.steps import host_op_seconds, reference_steps, step_fields
 from shoal.plan.probe.wrappers import parallel_overheads
@@ -42,7 +42,8 @@ def measure(env: DistEnv, sizes=DEFAULT_SIZES, repeats: int = 3, matmul_sizes=No
     comm = Comm(env.store, env.rank, env.world_size)
     if not cuda:
         with _took(took, "collectives"):
-            fields["collectives"] = collective_curves(comm, device, sizes, repeats, sync)
+            fields["collectives"] = collective_curves(comm, device, sizes, repeats, sync,
+                                                      ops=[op for op in COLLECTIVES if op != "all_to_all" or not spot])
     # every worker measures at once, as every worker trains at once: side by side, two processes on two
     # cores ran the reference operators 5-15% slower than one alone (memory bandwidth, caches)
     together = store_barrier(env.store, env.world_size) if cuda else lambda: comm.barrier(label="probe")
