@@ -142,11 +142,30 @@ def main() -> None:
         print(f"{name:12s} {t[0] * 1e3:8.1f}ms {t[1] * 1e3:8.1f}ms {t[2]:+7.1%} {f[0] * 1e3:7.1f}ms {f[2]:+7.1%} "
               f"{s[0] / 2 ** 20:9.2f}Mi {s[1] / 2 ** 20:9.2f}Mi {s[2]:+7.1%} {p[0] / 2 ** 20:8.1f}Mi "
               f"{p[1] / 2 ** 20:8.1f}Mi {p[2]:+7.1%} {layouts_busy[-1]:5.2f}", flush=True)
+        uneven(name, run_dir, profile, t[1])
     print(f"RESULT time_median_err={statistics.median(time_errs):.3f} "
           f"memory_median_err={statistics.median(mem_errs):.3f} worst_time_err={max(time_errs):.3f} "
           f"formulas_time_median_err={statistics.median(formula_errs):.3f} probe_busy={busy:.3f} "
           f"probe_refused={int(refused)} fell_back={','.join(checks.get('fell_back', {})) or '-'} "
           f"layouts_busy_max={max(layouts_busy):.3f}")
+
+
+def uneven(name: str, run_dir: Path, profile, measured: float) -> None:
+    """An expert-parallel run: its step predicted again at the imbalance it had (`shoal plan --expert-imbalance`:
+    the mean over its MoE layers of each one's median over the logged steps of the most any ep rank's experts
+    received over the mean), against the step it measured."""
+    imbalance = json.loads((run_dir / "summary.json").read_text()).get("profile", {}).get("median_ep_imbalance")
+    if not imbalance:
+        return
+    from shoal.config import load_config
+    from shoal.layout import resolve_layout
+    from shoal.plan.planner import Model, predict
+
+    cfg = load_config(run_dir / "config.toml")
+    x = statistics.mean(imbalance)
+    step = predict(Model.build(cfg), cfg, resolve_layout(cfg, 2, False), profile, imbalance=x).time["step"]
+    print(f"{name:12s} at the run's ep imbalance {x:.3f}: {step * 1e3:.1f}ms predicted, {measured * 1e3:.1f}ms "
+          f"measured, {step / measured - 1:+.1%}", flush=True)
 
 
 if __name__ == "__main__":

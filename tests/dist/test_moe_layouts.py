@@ -93,6 +93,11 @@ def test_expert_parallelism_trains_as_one_process(trained, nproc, ep, zero):
     for k in ref_w:
         torch.testing.assert_close(w[k], ref_w[k], rtol=0, atol=1e-5, msg=lambda m, k=k: f"{k}: {m}")
     assert all(sum(m["expert_tokens"][0]) == 8 * 32 * 2 for m in read_metrics(run))  # the global batch's choices
+    for m in read_metrics(run):  # what each ep rank's experts received (rank r holds the r-th 4 / ep of them)
+        [tokens], [ranks] = m["expert_tokens"], m["ep_imbalance"]
+        held = [sum(tokens[r * 4 // ep:(r + 1) * 4 // ep]) for r in range(ep)]
+        assert ranks == round(max(held) / (sum(held) / ep), 4) <= m["expert_imbalance"][0], m
+    assert json.loads((run / "summary.json").read_text())["profile"]["median_ep_imbalance"][0] >= 1.0
 
 
 @pytest.mark.parametrize(("before", "after"), [((2, 2, 0), (2, 1, 0)),

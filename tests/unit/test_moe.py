@@ -329,6 +329,8 @@ def test_the_balance_is_in_the_profile_and_the_report():
     rows = [{"step": s, "time_compute_s": 0.1, "expert_imbalance": [i, 2 * i]}
             for s, i in ((1, 9.0), (2, 1.2), (3, 1.4), (4, 1.3))]
     assert summarize_profile(rows)["median_expert_imbalance"] == [1.3, 2.6]
+    assert "median_ep_imbalance" not in summarize_profile(rows)
+    assert summarize_profile([{**r, "ep_imbalance": [1.1]} for r in rows])["median_ep_imbalance"] == [1.1]
     assert "median_expert_imbalance" not in summarize_profile([{"step": 1, "time_compute_s": 0.1}])
     moe = Run(name="moe", path=None, rows=rows)
     fig = experts([moe])

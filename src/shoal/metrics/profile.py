@@ -197,14 +197,16 @@ def name_straggler(compute_per_rank: list[float], ratio: float) -> tuple[int, fl
 def summarize_profile(history: list[dict]) -> dict:
     """summary.json's profile: the median of each part of the step (the first step, which warms up,
     left out when there are more), the median MFU, a mixture of experts' median imbalance per MoE layer (the
-    most any expert received over the mean, on the logged steps), and the ranks named stragglers."""
+    most any expert received over the mean, on the logged steps; under expert parallelism the ep ranks' too),
+    and the ranks named stragglers."""
     steps = history[1:] or history
     keys = sorted({k for m in steps for k in m if k.startswith("time_") or k in ("flops_per_s", "mfu")})
     out = {f"median_{k}": statistics.median(m[k] for m in steps if k in m) for k in keys}
-    layers = [m["expert_imbalance"] for m in steps if m.get("expert_imbalance")]
-    if layers:
-        per_layer = [[x for x in layer if x is not None] for layer in zip(*layers, strict=False)]
-        out["median_expert_imbalance"] = [round(statistics.median(xs), 4) if xs else None for xs in per_layer]
+    for key in ("expert_imbalance", "ep_imbalance"):
+        layers = [m[key] for m in steps if m.get(key)]
+        if layers:
+            per_layer = [[x for x in layer if x is not None] for layer in zip(*layers, strict=False)]
+            out[f"median_{key}"] = [round(statistics.median(xs), 4) if xs else None for xs in per_layer]
     named: dict[int, dict] = {}
     for m in history:
         if "straggler_rank" in m:

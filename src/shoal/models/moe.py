@@ -337,14 +337,26 @@ def bias_balance(model: nn.Module, all_reduce: Callable[[torch.Tensor], object] 
 def expert_figures(model: nn.Module, step: int) -> dict:
     """What metrics.jsonl records of step `step` (1-based) of a model with MoE layers ({} without, or before its
     counts): per layer, the choices each expert received over the global batch, and the imbalance (the most any
-    expert received over the mean). Reads them from the device: for logged steps only."""
-    counts = [m.stepped.get(step) for m in model.modules() if isinstance(m, MoE)]
+    expert received over the mean); under expert parallelism also the ranks' (the most any ep rank's experts
+    received over the mean: what the others wait for). Reads them from the device: for logged steps only."""
+    layers = [m for m in model.modules() if isinstance(m, MoE)]
+    counts = [m.stepped.get(step) for m in layers]
     if not counts or any(c is None for c in counts):
         return {}
     per_layer = torch.stack(counts).tolist()
-    return {"expert_tokens": [[int(n) for n in layer] for layer in per_layer],
-            "expert_imbalance": [round(max(layer) / (sum(layer) / len(layer)), 4) if sum(layer) else None
-                                 for layer in per_layer]}
+    out = {"expert_tokens": [[int(n) for n in layer] for layer in per_layer],
+           "expert_imbalance": [imbalance(layer) for layer in per_layer]}
+    ep = getattr(layers[0].dispatch, "ep", 1)  # parallel/experts.py's ExpertParallel: rank r holds the r-th E / ep
+    if ep > 1:
+        local = len(per_layer[0]) // ep
+        out["ep_imbalance"] = [imbalance([sum(layer[r * local:(r + 1) * local]) for r in range(ep)])
+                               for layer in per_layer]
+    return out
+
+
+def imbalance(received: list[float]) -> float | None:
+    """The most any received over the mean (1.0: even); None where none received any."""
+    return round(max(received) / (sum(received) / len(received)), 4) if sum(received) else None
 
 
 def idle_params(cfg: MoEConfig) -> int:
