@@ -196,6 +196,9 @@ class FakeComm:
     def reduce_scatter(self, out, t, label=""):
         self.given.append(("reduce_scatter", t.numel() * t.element_size()))
 
+    def all_to_all(self, out, t, label=""):
+        self.given.append(("all_to_all", t.numel() * t.element_size()))
+
     def send(self, t, peer, label=""):
         self.given.append(("send", t.numel() * t.element_size()))
         return type("Sent", (), {"wait": lambda self: None})()
@@ -213,4 +216,5 @@ def test_collective_curves_key_a_message_by_what_one_rank_contributes():
     curves = collective_curves(comm, torch.device("cpu"), (4096, 65536), 1, lambda: None)
     assert [b for b, _ in curves["all_gather"]] == [2048.0, 32768.0]  # its shard: half the gathered output
     assert [b for b, _ in curves["all_reduce"]] == [b for b, _ in curves["reduce_scatter"]] == [4096.0, 65536.0]
-    assert {("all_gather", 2048), ("reduce_scatter", 4096)} <= set(comm.given)
+    assert [b for b, _ in curves["all_to_all"]] == [4096.0, 65536.0]  # all it sends
+    assert {("all_gather", 2048), ("reduce_scatter", 4096), ("all_to_all", 4096)} <= set(comm.given)
