@@ -41,7 +41,8 @@ GPT = ["model.n_layer=2", "model.d_model=32", "model.n_head=2", "model.seq_len=1
 
 @pytest.mark.parametrize("layout, axis", [(["parallel.tp=2"], "tp"), (["parallel.zero=3"], "dp"),
                                           (["parallel.pp=2", "parallel.pp_microbatches=4"], "pp"),
-                                          (['model.name="moe"', "model.experts=4", "parallel.ep=2"], "ep")])
+                                          pytest.param(['model.name="moe"', "model.experts=4", "parallel.ep=2"], "ep",
+                                                       marks=pytest.mark.slow)])  # make test-fast keeps 3 of 4
 def test_waits_inside_the_model_are_exposed_on_their_axis(ranks, tmp_path, layout, axis):
     """DTensor's all-reduces (tp), FSDP2's all-gathers (ZeRO 3: dp) and a pipeline's receives (pp) are
     torch's collectives, not shoal's: their waits are timed all the same, and still add up to the step. Expert
