@@ -61,12 +61,16 @@ def test_the_all_to_alls_are_on_the_layer_s_path():
     priced as a reduce-scatter of its bytes."""
     cfg = load_config(None, [*MOE, "parallel.ep=2"])
     layout = resolve_layout(cfg, 2, False)
-    assert moe_exchange(cfg, 4) == (2, 4 * 64 * 2 * 64 * 4)  # 2 MoE layers; 4 x 64 tokens x top 2, 64 fp32 each
+    # 2 MoE layers; 4 x 64 tokens x top 2, 64 fp32 each; the counts: one int64 for each of the 8 experts
+    assert moe_exchange(cfg, 4) == (2, 4 * 64 * 2 * 64 * 4, 8 * 8)
     a2a = HardwareProfile(matmul_flops={"fp32": 1e10}, collectives={"all_to_all": [(1.0, 1e-3), (1e12, 1e-3)]})
-    assert _ep_comm(a2a, layout, 2, 3, 2, 1e6, False) == pytest.approx(3 * 2 * (3 + 2) * 1e-3)
-    assert _ep_comm(a2a, layout, 2, 3, 2, 1e6, True) == pytest.approx(3 * 2 * (6 + 2) * 1e-3)
+    assert _ep_comm(a2a, layout, 2, 3, 2, 1e6, 64, False) == pytest.approx(3 * 2 * (3 + 2) * 1e-3)
+    assert _ep_comm(a2a, layout, 2, 3, 2, 1e6, 64, True) == pytest.approx(3 * 2 * (6 + 2) * 1e-3)
+    linear = HardwareProfile(matmul_flops={"fp32": 1e10}, collectives={"all_to_all": [(1.0, 1e-9), (1e12, 1e3)]})
+    more = _ep_comm(linear, layout, 2, 3, 2, 1e6, 8 * 256, False) - _ep_comm(linear, layout, 2, 3, 2, 1e6, 64, False)
+    assert more == pytest.approx(3 * 2 * (8 * 256 - 64) * 1e-9)  # the counts: a message of 8 bytes an expert
     scatter = HardwareProfile(matmul_flops={"fp32": 1e10}, collectives={"reduce_scatter": [(1.0, 2e-3), (1e12, 2e-3)]})
-    assert _ep_comm(scatter, layout, 2, 1, 1, 1e6, False) == pytest.approx(5 * 2e-3)
+    assert _ep_comm(scatter, layout, 2, 1, 1, 1e6, 64, False) == pytest.approx(5 * 2e-3)
     bf16 = load_config(None, [*MOE, "parallel.ep=2", 'precision.dtype="bf16"'])
     assert moe_exchange(bf16, 4)[1] == moe_exchange(cfg, 4)[1] / 2  # the rows travel in the compute dtype
     assert moe_exchange(load_config(None, ["data.max_bytes=200000"]), 4) is None

@@ -18,7 +18,7 @@ from shoal.parallel.state_bytes import (
     ModelShape,
     bundle_shape,
     copies,
-    expert_local,
+    expert_split,
     largest_unit,
     rank_params,
     stage_params,
@@ -146,11 +146,7 @@ def rank_memory(shape: ModelShape, params: list, layout: Layout, cfg: Config) ->
     weights gathered in float8 (precision.fp8_all_gather) are counted as bf16: an upper bound."""
     dtype = "bf16" if cfg.precision.dtype == "fp8" else cfg.precision.dtype
     shard, tp = layout.shard_ranks, layout.dims.tp
-    held = shape, params
-    if cfg.parallel.ep > 1:  # a rank's experts (expert_local): what it holds under ZeRO 0/1, gathers under 2/3
-        shape = expert_local(shape, cfg.parallel.ep)
-        params = shape.params  # the whole model's: a mixture of experts has no pipeline split
-        held = held if layout.zero >= 2 else (shape, params)
+    shape, params, held = expert_split(shape, params, cfg.parallel.ep, layout.zero)
     need = state_bytes(*held, layout, optimizer=cfg.train.optimizer, momentum=cfg.train.momentum, shard=shard)
     gathered = 2 if dtype in ("bf16", "fp16") else shape.element_size
     if layout.zero == 3:

@@ -83,6 +83,17 @@ def expert_local(shape: ModelShape, ep: int) -> ModelShape:
                                                        element_size=shape.element_size, split=shape.split))
 
 
+def expert_split(shape: ModelShape, params: list, ep: int, zero: int) -> tuple[ModelShape, list, tuple]:
+    """Under parallel.ep: (the shape a rank computes with, its parameters, (shape, parameters) its model state is
+    counted from). Compute sees a rank's experts only (expert_local) and the whole model's parameters, since a
+    mixture of experts has no pipeline split; the state is those experts under ZeRO 0/1, and the whole model,
+    sharded over dp as state_bytes counts it, under ZeRO 2/3. ep 1: `shape` and `params` for all three."""
+    if ep == 1:
+        return shape, params, (shape, params)
+    local = expert_local(shape, ep)
+    return local, local.params, (shape, shape.params) if zero >= 2 else (local, local.params)
+
+
 def param(numel: int, dim0: int, ndim: int, trainable: bool, split: bool | None = None) -> Param:
     """One parameter as ModelShape holds it; `split` None: not known (a model that does not say what its tp plan
     splits, ModelBundle.tp_split; a Session's record), taken as split where it is a matrix (ndim >= 2)."""

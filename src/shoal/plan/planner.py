@@ -19,7 +19,7 @@ from shoal.models.registry import build_model
 from shoal.models.tp_plan import split_parameters
 from shoal.parallel.state_bytes import (
     ModelShape,
-    expert_local,
+    expert_split,
     numel,
     rank_params,
     shape_of,
@@ -169,10 +169,8 @@ def predict(model: Model, cfg: Config, layout, profile: HardwareProfile | None,
     fraction = total / (numel(model.shape, model.shape.params) or 1) if d.pp > 1 else 1.0
     stages = p.pp_stages_per_rank if p.pp_schedule == "interleaved-1f1b" else 1
     # parallel.ep: a rank holds (ZeRO 0/1) or gathers (ZeRO 2/3, whose state is the whole model's over dp) its
-    # experts only (state_bytes.expert_local)
-    shape, held = expert_local(model.shape, p.ep), None
-    if p.ep > 1:
-        params, held = shape.params, (None if layout.zero < 2 else (model.shape, model.shape.params))
+    # experts only
+    shape, params, held = expert_split(model.shape, params, p.ep, layout.zero)
     mem = predict_memory(shape, params, cost, layout, optimizer=cfg.train.optimizer,
                          momentum=cfg.train.momentum, checkpointing=cfg.precision.activation_checkpointing,
                          schedule=p.pp_schedule, profile=profile, stage_fraction=fraction,
@@ -204,15 +202,15 @@ def expert_share(cfg: Config, cost: MicroBatchCost) -> float:
     return min(1.0, 6.0 * tokens * m.top_k * 3 * m.d_model * m.hidden() * (m.n_layer - m.dense_layers) / cost.ops.flops)
 
 
-def moe_exchange(cfg: Config, micro: int) -> tuple[int, float] | None:
-    """A mixture of experts' MoE layers and the bytes of one layer's rows a rank sends out per micro-batch under
-    parallel.ep: every token's top_k choices, a d_model row each, in the compute dtype (parallel/experts.py).
-    None: a model without experts."""
+def moe_exchange(cfg: Config, micro: int) -> tuple[int, float, int] | None:
+    """A mixture of experts' MoE layers, the bytes of one layer's rows a rank sends out per micro-batch under
+    parallel.ep (every token's top_k choices, a d_model row each, in the compute dtype) and of the counts sent
+    before them (one int64 per expert: parallel/experts.py). None: a model without experts."""
     m = cfg.model
     if getattr(m, "experts", None) is None:
         return None
     element = 4 if cfg.precision.dtype == "fp32" else 2
-    return m.n_layer - m.dense_layers, float(micro * m.seq_len * m.top_k * m.d_model * element)
+    return m.n_layer - m.dense_layers, float(micro * m.seq_len * m.top_k * m.d_model * element), 8 * m.experts
 
 
 def predict_config(cfg: Config, world: int, profile: HardwareProfile | None, cuda: bool = False,

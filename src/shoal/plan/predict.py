@@ -98,7 +98,6 @@ DEFAULT_OP_OVERHEAD_S = {"cpu": 5e-6, "cuda": 6e-6}  # a preset has no measured 
 # where no probe measured it: 26 us and 31 us measured by shoal's probe (host_op_s) on the two GPU servers met
 # (16-core Xeons beside an H100 and an H200, torch 2.11)
 DEFAULT_HOST_OP_S = 28e-6
-EP_COUNTS_BYTES = 8 * 64  # an MoE layer's counts per expert (int64), exchanged before its rows: a small message
 
 
 @dataclass
@@ -140,7 +139,7 @@ def predict_memory(shape: ModelShape, params: list, cost: MicroBatchCost, layout
                    stages_per_rank: int = 1, sequence_parallel: bool = False, act_scale: float = 1.0,
                    held: tuple[ModelShape, list] | None = None) -> dict[str, int]:
     """`held`: the shape and parameters the state is counted from where they differ from those compute gathers
-    (parallel.ep under ZeRO 2/3: state_bytes.expert_local)."""
+    (parallel.ep under ZeRO 2/3: state_bytes.expert_split)."""
     d = layout.dims
     n_micro = layout.per_rank_batch // max(cost.micro_batch, 1)
     state = state_bytes(*(held or (shape, params)), layout, optimizer=optimizer, momentum=momentum)
@@ -318,10 +317,11 @@ def collectives(profile: HardwareProfile, layout: Layout, ep: int = 1):
 def predict_time(shape: ModelShape, cost: MicroBatchCost, opt_ops: Ops, layout: Layout, profile: HardwareProfile, *,
                  dtype: str, checkpointing: bool, schedule: str, stages_per_rank: int, grad_bytes: int,
                  param_bytes_full: int, reduce_dtype: str = "fp32", act_scale: float = 1.0,
-                 compiled: bool = False, ep: int = 1, exchange: tuple[int, float] | None = None,
+                 compiled: bool = False, ep: int = 1, exchange: tuple[int, float, int] | None = None,
                  expert_extra: float = 0.0) -> dict[str, float | None]:
-    """`ep` > 1: parallel.ep, `exchange` (MoE layers, bytes of one layer's rows a micro-batch sends out) for its
-    all-to-alls (_ep_comm); `shape`, `grad_bytes` and `param_bytes_full` then a rank's (expert_local);
+    """`ep` > 1: parallel.ep, `exchange` (MoE layers, bytes of one layer's rows a micro-batch sends out and of
+    its counts: planner.moe_exchange) for its all-to-alls (_ep_comm); `shape`, `grad_bytes` and
+    `param_bytes_full` then a rank's (state_bytes.expert_split);
     `expert_extra`: the share of a micro-batch's compute the busiest rank's experts add over a balanced step's
     (the imbalance over 1, times the experts' share of the FLOPs)."""
     d, zero = layout.dims, layout.zero
@@ -473,9 +473,9 @@ def _fsdp_comm(shape: ModelShape, profile: HardwareProfile, layout: Layout, n_mi
 
 
 def _ep_comm(profile: HardwareProfile, layout: Layout, ep: int, n_micro: int, layers: int, rows_bytes: float,
-             checkpointing: bool) -> float:
+             counts_bytes: int, checkpointing: bool) -> float:
     """Expert parallelism (parallel/experts.py): in each MoE layer and micro-batch, an all-to-all of the counts
-    (a message of the experts' counts: its latency), then the rows out to their experts and the results back,
+    (`counts_bytes`, a small message: its latency), then the rows out to their experts and the results back,
     each as much as the layer's rows (`rows_bytes`, spread evenly: a balanced step), in forward and their
     gradients in backward; a recomputed forward (checkpointing) runs the first three again. On the layer's path,
     none hidden: the experts wait for the rows, the next layer for the results. Where the profile has no
@@ -486,7 +486,7 @@ def _ep_comm(profile: HardwareProfile, layout: Layout, ep: int, n_micro: int, la
     def a2a(nbytes: float) -> float:
         return ct("all_to_all", nbytes, "ep") or ct("reduce_scatter", nbytes, "ep") or 0.0
 
-    forward = a2a(EP_COUNTS_BYTES) + 2 * a2a(rows_bytes)
+    forward = a2a(counts_bytes) + 2 * a2a(rows_bytes)
     return n_micro * layers * (forward * (2 if checkpointing else 1) + 2 * a2a(rows_bytes))
 
 
