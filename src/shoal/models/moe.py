@@ -359,9 +359,14 @@ def imbalance(received: list[float]) -> float | None:
     return round(max(received) / (sum(received) / len(received)), 4) if sum(received) else None
 
 
+def routed_params(cfg: MoEConfig, experts: int) -> int:
+    """The weights of `experts` routed experts (SwiGLU: three d_model x hidden matrices) in every MoE layer."""
+    return experts * 3 * cfg.d_model * cfg.hidden() * (cfg.n_layer - cfg.dense_layers)
+
+
 def idle_params(cfg: MoEConfig) -> int:
     """The expert weights a token does not pass through: of each MoE layer's experts, all but top_k."""
-    return (cfg.experts - cfg.top_k) * 3 * cfg.d_model * cfg.hidden() * (cfg.n_layer - cfg.dense_layers)
+    return routed_params(cfg, cfg.experts - cfg.top_k)
 
 
 def flops(model: MoEGPT, cfg: MoEConfig) -> float:

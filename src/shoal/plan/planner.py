@@ -15,6 +15,7 @@ from shoal.errors import UserError
 from shoal.hardware import HardwareProfile
 from shoal.layout import resolve_layout
 from shoal.models.meta import on_meta
+from shoal.models.moe import routed_params
 from shoal.models.registry import build_model
 from shoal.models.tp_plan import split_parameters
 from shoal.parallel.state_bytes import (
@@ -192,14 +193,13 @@ def predict(model: Model, cfg: Config, layout, profile: HardwareProfile | None,
 
 
 def expert_share(cfg: Config, cost: MicroBatchCost) -> float:
-    """The share of a micro-batch's FLOPs that a mixture of experts' routed experts compute: each token's top_k
-    SwiGLU experts (3 products of d_model x expert width) in every MoE layer, 6 FLOPs a weight and token in
-    forward and backward; 0 for a model without experts."""
+    """The share of a micro-batch's FLOPs that a mixture of experts' routed experts compute: the weights of each
+    token's top_k experts in every MoE layer (models/moe.py, which counts the model's FLOPs the same way), 6 FLOPs
+    a weight and token in forward and backward; 0 for a model without experts."""
     m = cfg.model
     if getattr(m, "experts", None) is None or not cost.ops.flops:
         return 0.0
-    tokens = cost.micro_batch * m.seq_len
-    return min(1.0, 6.0 * tokens * m.top_k * 3 * m.d_model * m.hidden() * (m.n_layer - m.dense_layers) / cost.ops.flops)
+    return min(1.0, 6.0 * cost.micro_batch * m.seq_len * routed_params(m, m.top_k) / cost.ops.flops)
 
 
 def moe_exchange(cfg: Config, micro: int) -> tuple[int, float, int] | None:
