@@ -336,3 +336,38 @@ def test_the_balance_is_in_the_profile_and_the_report():
     fig = experts([moe])
     assert [line.get_label() for line in fig.axes[0].get_lines()][:2] == ["moe, MoE layer 0", "moe, MoE layer 1"]
     assert experts([Run(name="gpt", path=None, rows=[{"step": 1, "loss": 3.0}])]) is None
+
+
+def test_dtensor_s_two_collectives_hint_is_left_out_for_the_experts_mesh_only():
+    """DTensor warns, on every rank, that a redistribution over a two-axis mesh takes a collective per axis; under
+    parallel.ep that mesh is shoal's own (edp, ep), and the hint is dropped there, and kept for any other mesh."""
+    import logging
+
+    from torch.distributed.tensor import _redistribute
+
+    from shoal.parallel.experts import EXPERT_MESH, _two_step_hint
+
+    warn = getattr(_redistribute, "_warn_flatten_optimization_not_possible", None)
+    if warn is None:
+        pytest.skip("this torch's DTensor has no two-collectives warning")
+
+    class Mesh:  # what the warning reads of a mesh
+        def __init__(self, names):
+            self.mesh_dim_names = names
+
+    seen: list[str] = []
+
+    class Keep(logging.Handler):
+        def emit(self, record):
+            seen.append(record.getMessage())
+
+    log, keep = logging.getLogger(_redistribute.__name__), Keep()
+    log.addFilter(_two_step_hint)
+    log.addHandler(keep)
+    try:
+        for names in (EXPERT_MESH, ("dp", "tp")):
+            warn(Mesh(names), (0, 1), ("Partial",), ("Replicate",), 2, "all_reduce", "no_flattened_mesh")
+    finally:
+        log.removeFilter(_two_step_hint)
+        log.removeHandler(keep)
+    assert len(seen) == 1 and '"dp", "tp"' in seen[0], seen

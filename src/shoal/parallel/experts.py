@@ -15,6 +15,7 @@ contributions of every rank's tokens that chose it; its replicas on other ep gro
 from __future__ import annotations
 
 import logging
+import sys
 
 import torch
 from torch import nn
@@ -23,6 +24,8 @@ from torch.nn.parallel import DistributedDataParallel
 from shoal.comm.collectives import Comm
 from shoal.comm.exchange import exchange
 from shoal.models.moe import Experts, MoE
+
+EXPERT_MESH = ("edp", "ep")  # the experts' mesh: the ranks holding the same experts, and the ep group
 
 WEIGHTS = ("w_gate", "w_up", "w_down")
 
@@ -78,7 +81,7 @@ class ExpertLayout:
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.tensor import Shard, distribute_tensor
 
-        self.mesh = init_device_mesh(device.type, (dp // ep, ep), mesh_dim_names=("edp", "ep"))
+        self.mesh = init_device_mesh(device.type, (dp // ep, ep), mesh_dim_names=EXPERT_MESH)
         logging.getLogger("torch.distributed.tensor._redistribute").addFilter(_two_step_hint)
         self.comm, self.dp = comm, dp
         self.names: list[str] = []
@@ -114,10 +117,18 @@ class ExpertLayout:
 
 
 def _two_step_hint(record: logging.LogRecord) -> bool:
-    """Leave out DTensor's warning that a redistribution over the (edp, ep) mesh takes one collective per axis
-    (the gradient norm's reduction, the final weights' gather under ZeRO 2/3): a hint about shoal's layout, which
-    a user cannot act on, printed by every rank."""
-    return "sequential" not in str(record.msg)
+    """Leave out DTensor's warning that a redistribution over the experts' (edp, ep) mesh takes one collective per
+    axis (the gradient norm's reduction, the final weights' gather under ZeRO 2/3): a hint about shoal's layout,
+    which a user cannot act on, printed by every rank. Only for that mesh: the record does not carry it, so it is
+    read from the warning's caller (torch 2.13's _warn_flatten_optimization_not_possible, whose `device_mesh` it
+    is); a warning whose mesh is not found, or is another's, is kept."""
+    if "sequential" not in str(record.msg):
+        return True
+    frame = sys._getframe(1)
+    while frame is not None and "device_mesh" not in frame.f_code.co_varnames:
+        frame = frame.f_back
+    mesh = frame.f_locals.get("device_mesh") if frame is not None else None
+    return getattr(mesh, "mesh_dim_names", None) != EXPERT_MESH
 
 
 def expert_parallel(model: nn.Module, ep: int, dp: int, comm: Comm, device: torch.device,
