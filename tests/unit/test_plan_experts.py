@@ -3,7 +3,7 @@ experts (each divisor of dp that divides its experts, under ZeRO 0, 2 or 3), cou
 experts / ep of each layer's experts; ZeRO 2/3: the whole model's state sharded over dp, as before, but only its
 experts gathered for compute), and prices the all-to-alls: per MoE layer and micro-batch the counts and the rows
 out and back in forward, the rows' gradients both ways in backward, the forward's three again under
-recomputation. The preflight counts a rank's state the same way (parallel/fit.py)."""
+recomputation; and the dispatch's own reordering and host reads as compute. The preflight counts a rank's state the same way (parallel/fit.py)."""
 
 import pytest
 
@@ -12,7 +12,7 @@ from shoal.hardware import HardwareProfile
 from shoal.layout import resolve_layout
 from shoal.parallel.fit import rank_memory
 from shoal.plan.planner import Model, moe_exchange, plan, predict
-from shoal.plan.predict import _ep_comm
+from shoal.plan.predict import MoEExchange, _ep_comm, _ep_dispatch
 
 MOE = ['model.name="moe"', "model.n_layer=3", "model.d_model=64", "model.n_head=2", "model.seq_len=64",
        "model.experts=8", "model.top_k=2", "model.dense_layers=1", "data.max_bytes=200000", "train.global_batch_size=8"]
@@ -62,18 +62,39 @@ def test_the_all_to_alls_are_on_the_layer_s_path():
     cfg = load_config(None, [*MOE, "parallel.ep=2"])
     layout = resolve_layout(cfg, 2, False)
     # 2 MoE layers; 4 x 64 tokens x top 2, 64 fp32 each; the counts: one int64 for each of the 8 experts
-    assert moe_exchange(cfg, 4) == (2, 4 * 64 * 2 * 64 * 4, 8 * 8)
+    assert moe_exchange(cfg, 4) == MoEExchange(2, 4 * 64 * 2, 64 * 4, 8, cast=False)
+    ex = MoEExchange(2, 1000, 1000, 8)  # 1e6 bytes of rows
     a2a = HardwareProfile(matmul_flops={"fp32": 1e10}, collectives={"all_to_all": [(1.0, 1e-3), (1e12, 1e-3)]})
-    assert _ep_comm(a2a, layout, 2, 3, 2, 1e6, 64, False) == pytest.approx(3 * 2 * (3 + 2) * 1e-3)
-    assert _ep_comm(a2a, layout, 2, 3, 2, 1e6, 64, True) == pytest.approx(3 * 2 * (6 + 2) * 1e-3)
+    assert _ep_comm(a2a, layout, 2, 3, ex, False) == pytest.approx(3 * 2 * (3 + 2) * 1e-3)
+    assert _ep_comm(a2a, layout, 2, 3, ex, True) == pytest.approx(3 * 2 * (6 + 2) * 1e-3)
     linear = HardwareProfile(matmul_flops={"fp32": 1e10}, collectives={"all_to_all": [(1.0, 1e-9), (1e12, 1e3)]})
-    more = _ep_comm(linear, layout, 2, 3, 2, 1e6, 8 * 256, False) - _ep_comm(linear, layout, 2, 3, 2, 1e6, 64, False)
-    assert more == pytest.approx(3 * 2 * (8 * 256 - 64) * 1e-9)  # the counts: a message of 8 bytes an expert
+    more = (_ep_comm(linear, layout, 2, 3, MoEExchange(2, 1000, 1000, 256), False)
+            - _ep_comm(linear, layout, 2, 3, ex, False))
+    assert more == pytest.approx(3 * 2 * 8 * (256 - 8) * 1e-9)  # the counts: a message of 8 bytes an expert
     scatter = HardwareProfile(matmul_flops={"fp32": 1e10}, collectives={"reduce_scatter": [(1.0, 2e-3), (1e12, 2e-3)]})
-    assert _ep_comm(scatter, layout, 2, 1, 1, 1e6, 64, False) == pytest.approx(5 * 2e-3)
+    assert _ep_comm(scatter, layout, 2, 1, MoEExchange(1, 1000, 1000, 8), False) == pytest.approx(5 * 2e-3)
     bf16 = load_config(None, [*MOE, "parallel.ep=2", 'precision.dtype="bf16"'])
-    assert moe_exchange(bf16, 4)[1] == moe_exchange(cfg, 4)[1] / 2  # the rows travel in the compute dtype
+    # the rows travel in the compute dtype, cast to it from fp32 by the dispatch
+    assert moe_exchange(bf16, 4) == MoEExchange(2, 4 * 64 * 2, 64 * 2, 8, cast=True)
     assert moe_exchange(load_config(None, ["data.max_bytes=200000"]), 4) is None
+
+
+def test_the_dispatch_s_own_work_is_priced_as_compute():
+    """Besides its all-to-alls, the dispatch reorders the rows (two gathers forward, two scatters into zeros
+    backward: 12 bytes moved for each byte of rows) and builds the permutation (int64 vectors of a row's length),
+    its forward again when recomputed; on a GPU three host reads a forward, each a launch the device waits for."""
+    cpu = HardwareProfile(matmul_flops={"fp32": 1e10}, memory_bandwidth=1e10, op_overhead_s=0.0)
+    rows = MoEExchange(1, 1000, 4000, 8)  # 4 MB of rows; the permutation's vectors 8 kB each
+    once = _ep_dispatch(cpu, "fp32", 1, rows, False)
+    moved = 12 * 4e6 + 4 * 8e3 + 19 * 8e3  # gathers and scatters; their indices; the permutation's operators
+    assert once == pytest.approx(moved / 1e10)
+    assert _ep_dispatch(cpu, "fp32", 3, MoEExchange(2, 1000, 4000, 8), False) == pytest.approx(6 * once)
+    recomputed = _ep_dispatch(cpu, "fp32", 1, rows, True) - once
+    assert recomputed == pytest.approx((4 * 4e6 + 2 * 8e3 + 19 * 8e3) / 1e10)  # the forward's part once more
+    gpu = HardwareProfile(device="cuda", matmul_flops={"fp32": 1e12}, memory_bandwidth=1e15,
+                          host_op_s=1e-3)
+    # every operator issued by the host (11 forward, 4 backward) and three reads: the host's time, not the bytes'
+    assert _ep_dispatch(gpu, "fp32", 1, rows, False) == pytest.approx((11 + 3 + 4) * 1e-3, rel=1e-2)
 
 
 def test_an_imbalance_slows_the_expert_parallel_step_by_the_experts_share():
@@ -91,13 +112,16 @@ def test_an_imbalance_slows_the_expert_parallel_step_by_the_experts_share():
         layout = resolve_layout(cfg, 2, False)
         return predict(model, cfg, layout, profile, imbalance=imbalance).time["compute"], model, cfg
 
-    from shoal.plan.predict import _optimizer_time
+    from shoal.plan.predict import _ep_dispatch, _optimizer_time
 
     balanced, model, cfg = compute(1.0, "parallel.ep=2")
     skewed, *_ = compute(1.5, "parallel.ep=2")
     share = expert_share(cfg, model.cost(1))
     assert 0.2 < share < 0.9  # the experts' products are much of this small model's FLOPs, not all
-    step = _optimizer_time(model.opt_ops, profile, "fp32", resolve_layout(cfg, 2, False))
+    layout = resolve_layout(cfg, 2, False)
+    step = _optimizer_time(model.opt_ops, profile, "fp32", layout)  # and the dispatch's own, which waits for none
+    step += _ep_dispatch(profile, "fp32", layout.per_rank_batch // layout.micro_batch,
+                         moe_exchange(cfg, layout.micro_batch), False)
     assert (skewed - balanced) / (balanced - step) == pytest.approx(0.5 * share, rel=1e-9)
     assert compute(1.5)[0] == compute(1.0)[0]  # no ep: no wait for another rank's experts
 

@@ -29,7 +29,7 @@ from shoal.parallel.state_bytes import (
 )
 from shoal.plan.cost import MicroBatchCost, affine, trace_micro_batch, trace_optimizer_step
 from shoal.plan.enumerate import Candidate, candidates
-from shoal.plan.predict import Prediction, autocast_dtype, predict_memory, predict_time, sixteen_bit_scale
+from shoal.plan.predict import MoEExchange, Prediction, autocast_dtype, predict_memory, predict_time, sixteen_bit_scale
 from shoal.training.build import freeze
 
 _UNITS = {"": 1, "b": 1, "kb": 1e3, "mb": 1e6, "gb": 1e9, "tb": 1e12, "kib": 2 ** 10, "mib": 2 ** 20,
@@ -202,15 +202,15 @@ def expert_share(cfg: Config, cost: MicroBatchCost) -> float:
     return min(1.0, 6.0 * cost.micro_batch * m.seq_len * routed_params(m, m.top_k) / cost.ops.flops)
 
 
-def moe_exchange(cfg: Config, micro: int) -> tuple[int, float, int] | None:
-    """A mixture of experts' MoE layers, the bytes of one layer's rows a rank sends out per micro-batch under
-    parallel.ep (every token's top_k choices, a d_model row each, in the compute dtype) and of the counts sent
-    before them (one int64 per expert: parallel/experts.py). None: a model without experts."""
+def moe_exchange(cfg: Config, micro: int) -> MoEExchange | None:
+    """What parallel.ep moves in each MoE layer per micro-batch on a rank: every token's top_k choices, a d_model
+    row each in the compute dtype (parallel/experts.py). None: a model without experts."""
     m = cfg.model
     if getattr(m, "experts", None) is None:
         return None
     element = 4 if cfg.precision.dtype == "fp32" else 2
-    return m.n_layer - m.dense_layers, float(micro * m.seq_len * m.top_k * m.d_model * element), 8 * m.experts
+    return MoEExchange(m.n_layer - m.dense_layers, micro * m.seq_len * m.top_k, m.d_model * element, m.experts,
+                       cast=element == 2)
 
 
 def predict_config(cfg: Config, world: int, profile: HardwareProfile | None, cuda: bool = False,

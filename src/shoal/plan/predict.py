@@ -100,6 +100,23 @@ DEFAULT_OP_OVERHEAD_S = {"cpu": 5e-6, "cuda": 6e-6}  # a preset has no measured 
 DEFAULT_HOST_OP_S = 28e-6
 
 
+@dataclass(frozen=True)
+class MoEExchange:
+    """What expert parallelism moves in each of a mixture of experts' MoE layers per micro-batch on a rank
+    (parallel/experts.py): its `rows` (every token's top_k choices, `row_bytes` each in the compute dtype, `cast`
+    there from fp32 under autocast), sent after the counts, one int64 for each of the `experts`."""
+
+    layers: int
+    rows: int
+    row_bytes: int
+    experts: int
+    cast: bool = False
+
+    @property
+    def rows_bytes(self) -> float:
+        return float(self.rows * self.row_bytes)
+
+
 @dataclass
 class Prediction:
     memory: dict[str, int]  # params, grads, optimizer, activations, buffers, peak (bytes, largest rank)
@@ -317,10 +334,10 @@ def collectives(profile: HardwareProfile, layout: Layout, ep: int = 1):
 def predict_time(shape: ModelShape, cost: MicroBatchCost, opt_ops: Ops, layout: Layout, profile: HardwareProfile, *,
                  dtype: str, checkpointing: bool, schedule: str, stages_per_rank: int, grad_bytes: int,
                  param_bytes_full: int, reduce_dtype: str = "fp32", act_scale: float = 1.0,
-                 compiled: bool = False, ep: int = 1, exchange: tuple[int, float, int] | None = None,
+                 compiled: bool = False, ep: int = 1, exchange: MoEExchange | None = None,
                  expert_extra: float = 0.0) -> dict[str, float | None]:
-    """`ep` > 1: parallel.ep, `exchange` (MoE layers, bytes of one layer's rows a micro-batch sends out and of
-    its counts: planner.moe_exchange) for its all-to-alls (_ep_comm); `shape`, `grad_bytes` and
+    """`ep` > 1: parallel.ep, `exchange` (planner.moe_exchange) for its all-to-alls (_ep_comm) and the dispatch's
+    own work (_ep_dispatch); `shape`, `grad_bytes` and
     `param_bytes_full` then a rank's (state_bytes.expert_split);
     `expert_extra`: the share of a micro-batch's compute the busiest rank's experts add over a balanced step's
     (the imbalance over 1, times the experts' share of the FLOPs)."""
@@ -334,6 +351,8 @@ def predict_time(shape: ModelShape, cost: MicroBatchCost, opt_ops: Ops, layout: 
     per_micro *= 1 + expert_extra  # the others wait for the rank whose experts took the most tokens
     shard = (1.0 / layout.shard_ranks if zero >= 1 else 1.0) / (d.tp * d.pp)
     compute = per_micro * n_micro + _optimizer_time(opt_ops, profile, dtype, layout)
+    if ep > 1 and exchange:
+        compute += _ep_dispatch(profile, dtype, n_micro, exchange, checkpointing)
     if zero >= 2 and profile.fresh_memory_s_per_byte:  # CPU: every large tensor freshly mapped (allocator.py)
         compute += profile.fresh_memory_s_per_byte * (cost.ops.fresh_bytes * n_micro / (d.tp * d.pp)
                                                       + opt_ops.fresh_bytes * shard)
@@ -356,7 +375,7 @@ def predict_time(shape: ModelShape, cost: MicroBatchCost, opt_ops: Ops, layout: 
     if d.tp > 1:
         comm += _tp_comm(shape, cost, profile, layout, n_micro, len(opt_ops.items), act_scale, checkpointing)
     if ep > 1 and exchange:
-        comm += _ep_comm(profile, layout, ep, n_micro, *exchange, checkpointing)
+        comm += _ep_comm(profile, layout, ep, n_micro, exchange, checkpointing)
     if d.pp > 1:
         act = (cost.block_input[0] if cost.block_input else 0) * act_scale
         hops = 2 * (n_micro + d.pp - 1) * stages_per_rank
@@ -472,22 +491,41 @@ def _fsdp_comm(shape: ModelShape, profile: HardwareProfile, layout: Layout, n_mi
     return comm, fresh
 
 
-def _ep_comm(profile: HardwareProfile, layout: Layout, ep: int, n_micro: int, layers: int, rows_bytes: float,
-             counts_bytes: int, checkpointing: bool) -> float:
+def _ep_comm(profile: HardwareProfile, layout: Layout, ep: int, n_micro: int, ex: MoEExchange,
+             checkpointing: bool) -> float:
     """Expert parallelism (parallel/experts.py): in each MoE layer and micro-batch, an all-to-all of the counts
-    (`counts_bytes`, a small message: its latency), then the rows out to their experts and the results back,
-    each as much as the layer's rows (`rows_bytes`, spread evenly: a balanced step), in forward and their
-    gradients in backward; a recomputed forward (checkpointing) runs the first three again. On the layer's path,
-    none hidden: the experts wait for the rows, the next layer for the results. Where the profile has no
-    all-to-all curve (a plan's spot measurement, a probe before it measured one), a reduce-scatter of the same
-    bytes moves as much."""
+    (a small message: its latency), then the rows out to their experts and the results back, each as much as
+    the layer's rows (spread evenly: a balanced step), in forward and their gradients in backward; a recomputed
+    forward (checkpointing) runs the first three again. On the layer's path, none hidden: the experts wait for
+    the rows, the next layer for the results. Where the profile has no all-to-all curve (a plan's spot
+    measurement, a probe before it measured one), a reduce-scatter of the same bytes moves as much."""
     ct = collectives(profile, layout, ep)
 
     def a2a(nbytes: float) -> float:
         return ct("all_to_all", nbytes, "ep") or ct("reduce_scatter", nbytes, "ep") or 0.0
 
-    forward = a2a(counts_bytes) + 2 * a2a(rows_bytes)
-    return n_micro * layers * (forward * (2 if checkpointing else 1) + 2 * a2a(rows_bytes))
+    forward = a2a(8 * ex.experts) + 2 * a2a(ex.rows_bytes)
+    return n_micro * ex.layers * (forward * (2 if checkpointing else 1) + 2 * a2a(ex.rows_bytes))
+
+
+def _ep_dispatch(profile: HardwareProfile, dtype: str, n_micro: int, ex: MoEExchange, checkpointing: bool) -> float:
+    """Expert parallelism's work on a rank besides its all-to-alls, which the trace of the whole layer does not
+    hold (the operators parallel/experts.py runs, traced once on CPU): in forward the rows' cast to the compute
+    dtype (under autocast), the permutation into expert order built from the counts and its inverse (index
+    vectors of one int64 a row), the arrived rows gathered into expert order and the results back into arrival
+    order; in backward each gather's gradient scattered into zeros. Three reads of the counts on the host per
+    forward (the splits, the rows arrived): on a GPU each waits for the queued kernels, and the device then for
+    the host's next launch (host_op_seconds, not yet measured there). A balanced step: a rank receives as many
+    rows as it sends. A recomputed forward (checkpointing) runs it all again."""
+    b, i = ex.rows_bytes, 8.0 * ex.rows
+    order = [("arange", 0.0, i), ("repeat_interleave", 0.0, 2 * i), ("index_select", 0.0, 2 * i), ("sub", 0.0, 3 * i),
+             ("repeat_interleave", 0.0, 2 * i), ("index_select", 0.0, 2 * i), ("add", 0.0, 3 * i),
+             ("arange", 0.0, i), ("index_put_", 0.0, 3 * i)]
+    cast = [("_to_copy", 0.0, 3 * b)] if ex.cast else []  # fp32 read, 16 bits written
+    forward = op_time(Ops([*cast, *order, ("index", 0.0, 2 * b + i), ("index", 0.0, 2 * b + i)]), profile, dtype)
+    forward += 3 * host_op_seconds(profile) if profile.device == "cuda" else 0.0
+    backward = op_time(Ops([("new_zeros", 0.0, b), ("index_put", 0.0, 3 * b + i)] * 2), profile, dtype)
+    return n_micro * ex.layers * (forward * (2 if checkpointing else 1) + backward)
 
 
 def _tp_comm(shape: ModelShape, cost: MicroBatchCost, profile: HardwareProfile, layout: Layout, n_micro: int,
