@@ -342,6 +342,7 @@ def test_dtensor_s_two_collectives_hint_is_left_out_for_the_experts_mesh_only():
     """DTensor warns, on every rank, that a redistribution over a two-axis mesh takes a collective per axis; under
     parallel.ep that mesh is shoal's own (edp, ep), and the hint is dropped there, and kept for any other mesh."""
     import logging
+    from unittest import mock
 
     from torch.distributed.tensor import _redistribute
 
@@ -361,13 +362,23 @@ def test_dtensor_s_two_collectives_hint_is_left_out_for_the_experts_mesh_only():
         def emit(self, record):
             seen.append(record.getMessage())
 
-    log, keep = logging.getLogger(_redistribute.__name__), Keep()
+    # the warning is given once per mesh (by its hash: both meshes are kept alive, so that neither takes the
+    # other's id), and whatever level earlier tests left torch's loggers at, it is let through here
+    log, keep, meshes = logging.getLogger(_redistribute.__name__), Keep(), [Mesh(EXPERT_MESH), Mesh(("dp", "tp"))]
+    level, disabled, everywhere = log.level, log.disabled, logging.root.manager.disable
     log.addFilter(_two_step_hint)
     log.addHandler(keep)
+    log.setLevel(logging.WARNING)
+    log.disabled = False
+    logging.disable(logging.NOTSET)
     try:
-        for names in (EXPERT_MESH, ("dp", "tp")):
-            warn(Mesh(names), (0, 1), ("Partial",), ("Replicate",), 2, "all_reduce", "no_flattened_mesh")
+        with mock.patch.object(_redistribute, "_warned_flatten_issues", set()):
+            for mesh in meshes:
+                warn(mesh, (0, 1), ("Partial",), ("Replicate",), 2, "all_reduce", "no_flattened_mesh")
     finally:
         log.removeFilter(_two_step_hint)
         log.removeHandler(keep)
+        log.setLevel(level)
+        log.disabled = disabled
+        logging.disable(everywhere)
     assert len(seen) == 1 and '"dp", "tp"' in seen[0], seen
