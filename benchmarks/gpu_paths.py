@@ -100,7 +100,7 @@ from benchmarks.gpu_paths_tools import (
     step_records,
     train,
 )
-from benchmarks.harness import HERE, ROOT, Failed, python_json
+from benchmarks.harness import HERE, Bench, Failed, python_json
 
 
 def p_train_fp32(ctx: Ctx) -> str:
@@ -274,11 +274,10 @@ def context(out: Path, logs: Path) -> tuple[Ctx, dict]:
     in (torch, CUDA, the device). The paths' interpreters import this checkout's shoal; profiles go to a cache of
     this invocation's own."""
     out.mkdir(parents=True, exist_ok=True)
-    path = os.pathsep.join(p for p in [str(ROOT / "src"), os.environ.get("PYTHONPATH")] if p)
-    env = {**os.environ, "PYTHONPATH": path, "PYTHONUNBUFFERED": "1", "XDG_CACHE_HOME": str(out / "cache")}
     shutil.rmtree(logs, ignore_errors=True)
-    seen = facts(env, out, logs)
-    return Ctx(out, seen["cuda"], "cuda" if seen["cuda"] else "cpu", seen["bytes"], env, logs), seen
+    cache = {"XDG_CACHE_HOME": str(out / "cache")}
+    seen = facts(Bench(out, logs, cuda=True, extra=cache).env, out, logs)
+    return Ctx(out, logs, seen["cuda"], seen["bytes"], cache), seen
 
 
 def run_path(ctx: Ctx, name: str) -> tuple[str, str]:

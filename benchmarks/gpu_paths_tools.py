@@ -8,10 +8,10 @@ import math
 import re
 import shutil
 import sys
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
-from benchmarks.harness import HERE, Failed, python_json, read_jsonl, run, tomllib
+from benchmarks.harness import HERE, Bench, Failed, python_json, read_jsonl, run, tomllib
 
 SMALL_GPT = (HERE / "configs" / "small_gpt.toml").read_text()  # its comments say what it is
 STEPS = tomllib.loads(SMALL_GPT)["train"]["steps"]
@@ -81,16 +81,15 @@ class Run:
     summary: dict
 
 
-@dataclass
-class Ctx:
-    out: Path
-    cuda: bool
-    dev: str  # where the GPU paths train: "cuda", or "cpu" on a machine without CUDA
-    gpu_bytes: int
-    env: dict
-    logs: Path  # every command's output, one file each
-    shared: dict = field(default_factory=dict)  # what several paths read (train-fp32's run), made once
-    commands: int = 0
+class Ctx(Bench):
+    """The paths' invocation: a Bench (their run dirs in `out`, every command's output in `logs`, their
+    subprocesses' environment) with the device they train on ("cuda", or "cpu" on a machine without CUDA), its
+    memory, and what several paths read, made once (`shared`: train-fp32's run)."""
+
+    def __init__(self, out: Path, logs: Path, cuda: bool, gpu_bytes: int, extra: dict | None = None):
+        super().__init__(out, logs, cuda, extra)
+        self.cuda, self.dev, self.gpu_bytes = cuda, "cuda" if cuda else "cpu", gpu_bytes
+        self.shared: dict = {}
 
     def folder(self, name: str) -> Path:
         """The path's own folder, emptied: a run dir left by an earlier invocation would resume."""
@@ -98,10 +97,6 @@ class Ctx:
         shutil.rmtree(path, ignore_errors=True)
         path.mkdir(parents=True)
         return path
-
-    def log(self, name: str) -> Path:
-        self.commands += 1
-        return self.logs / f"{self.commands:02d}-{name}.log"
 
     def shoal(self, name: str, args: list, cwd: Path, timeout: float = 240, expect: int | None = 0,
               env: dict | None = None):
