@@ -39,9 +39,9 @@ test: $(STAMP)
 	$(PY) -m pytest tests -n 2 --dist load -m serial
 
 # every benchmark in its reduced form (tests/integration/test_benchmarks.py), so that a change of shoal cannot leave
-# a benchmark broken; two at a time, one by one. Meant for CI after make test, once the suite leaves it room
+# a benchmark broken; two at a time. SHARE=k: share k of four only (its SHARES), as CI runs them in turn
 test-benchmarks: $(STAMP)
-	$(PY) -m pytest tests/integration/test_benchmarks.py -n 2 --dist load -m benchmark
+	SHOAL_BENCHMARK_SHARE=$(SHARE) $(PY) -m pytest tests/integration/test_benchmarks.py -n 2 --dist load -m benchmark
 
 # the everyday tier: the unit tests and the in-process multi-rank harness, no CLI runs (tests/conftest.py). As
 # make test: two pytest workers, a file to each (a harness call leaves cores idle while its ranks wait on each
