@@ -4,7 +4,8 @@ ep ranks, tokens sent by all-to-all) on 2 and 4 ranks, as in one process with th
 dropless, every step's loss within 1e-5 relative and the final weights within 1e-5, with the auxiliary
 balance loss (a sum over sequences: any split of the batch gives it) and with the loss-free bias (moved by
 the step's counts summed over the dp ranks, so that every replica moves alike). Checkpoints reshard between ep
-sizes and to and from no ep on the same loss curve."""
+sizes and to and from no ep on the same loss curve. Tensor parallelism (parallel.tp) splits the attention and
+keeps each MoE layer whole on every tp rank, alone and under dp with ZeRO 3, as in one process too."""
 
 import json
 import statistics
@@ -30,11 +31,12 @@ BALANCES = {"aux": ['model.balance="aux_loss"'], "bias": ['model.balance="bias"'
 def trained(tmp_path_factory, ranks):
     cache = {}
 
-    def run(balance: str, nproc: int, zero: int, checkpointing: bool = False, ep: int = 1):
-        key = (balance, nproc, zero, checkpointing, ep)
+    def run(balance: str, nproc: int, zero: int, checkpointing: bool = False, ep: int = 1, tp: int = 1):
+        key = (balance, nproc, zero, checkpointing, ep, tp)
         if key not in cache:
             run_dir = tmp_path_factory.mktemp(f"{balance}-{nproc}-{zero}") / "run"
             ranks(nproc).run(train_on_ranks, [*BASE, *BALANCES[balance], f"parallel.zero={zero}", f"parallel.ep={ep}",
+                                              f"parallel.tp={tp}",
                                               f"precision.activation_checkpointing={str(checkpointing).lower()}"],
                              str(run_dir))
             cache[key] = run_dir
@@ -110,16 +112,19 @@ def logged_median(run, key: str) -> float:
 
 @pytest.mark.parametrize(("before", "after"), [((2, 2, 0), (2, 1, 0)),
                                                *slow(((4, 4, 0), (2, 2, 0)), ((2, 1, 0), (4, 2, 0)),
-                                                     ((4, 2, 3), (2, 1, 0)), ((2, 2, 0), (4, 2, 2)))],
-                         ids=["ep2-to-none", "ep4-to-ep2", "none-to-ep2", "ep2-zero3-to-none", "ep2-to-ep2-zero2"])
+                                                     ((4, 2, 3), (2, 1, 0)), ((2, 2, 0), (4, 2, 2)),
+                                                     ((2, 1, 0, 2), (2, 2, 0)), ((4, 2, 2), (4, 1, 3, 2)))],
+                         ids=["ep2-to-none", "ep4-to-ep2", "none-to-ep2", "ep2-zero3-to-none", "ep2-to-ep2-zero2",
+                              "tp2-to-ep2", "ep2-zero2-to-tp2-zero3"])
 def test_a_checkpoint_reshards_between_expert_layouts(tmp_path, ranks, trained, before, after):
     """The experts' weights are saved whole (DTensors sharded on the ep ranks, and under ZeRO 2/3 over the ranks
-    that hold the same experts too): a run resumes from another layout's checkpoint on the same loss curve.
-    (nproc, ep, zero) before and after."""
-    first = trained("aux", before[0], before[2], ep=before[1])
+    that hold the same experts too), and so is what tp splits: a run resumes from another layout's checkpoint on
+    the same loss curve. (nproc, ep, zero[, tp]) before and after."""
+    first = trained("aux", before[0], before[2], ep=before[1], tp=before[3] if len(before) > 3 else 1)
     second = tmp_path / "second"
+    tp = after[3] if len(after) > 3 else 1
     [(_, out), *_] = ranks(after[0]).run(train_on_ranks, [*BASE, *BALANCES["aux"], f"parallel.ep={after[1]}",
-                                                          f"parallel.zero={after[2]}"],
+                                                          f"parallel.zero={after[2]}", f"parallel.tp={tp}"],
                                           str(second), str(first / "checkpoints" / f"step_{SAVED:08d}"))
     assert f"(step {SAVED})" in out
     ours = {m["step"]: m["loss"] for m in read_metrics(second)}
@@ -146,3 +151,20 @@ def test_an_expert_parallel_checkpoint_exports_whole(trained, tmp_path, nproc, e
     assert exported.keys() == final.keys() and exported["blocks.1.mlp.experts.w_gate"].shape == (4, 32, 64)
     for k in final:
         assert torch.equal(exported[k], final[k]), k
+
+
+@pytest.mark.parametrize(("nproc", "zero", "balance"), [(2, 0, "aux"), *slow((2, 0, "bias"), (4, 3, "aux"))])
+def test_tensor_parallelism_of_the_attention_trains_an_moe_as_one_process(trained, nproc, zero, balance):
+    """parallel.tp: attention's heads, the dense block's MLP, the embedding and head split over tp ranks as the
+    GPT's; each MoE layer whole on every tp rank, which routes the same tokens alike (with dp 2 under ZeRO 3 on 4
+    ranks, the experts sharded over dp). Its choices counted over the dp ranks only: the global batch's, once."""
+    ref, run = trained(balance, 1, 0), trained(balance, nproc, zero, tp=2)
+    ours = {m["step"]: m["loss"] for m in read_metrics(run)}
+    theirs = {m["step"]: m["loss"] for m in read_metrics(ref)}
+    torch.testing.assert_close(torch.tensor([ours[s] for s in theirs]), torch.tensor(list(theirs.values())),
+                               rtol=1e-5, atol=0)
+    w, ref_w = read_weights(run), read_weights(ref)
+    assert w.keys() == ref_w.keys()
+    for k in ref_w:
+        torch.testing.assert_close(w[k], ref_w[k], rtol=0, atol=1e-5, msg=lambda m, k=k: f"{k}: {m}")
+    assert all(sum(m["expert_tokens"][0]) == 8 * 32 * 2 for m in read_metrics(run))

@@ -219,11 +219,18 @@ def test_bad_routing_is_refused_in_one_line_naming_the_key(sets, says):
     assert says in str(e.value) and "\n" not in str(e.value), str(e.value)
 
 
-def test_tensor_and_pipeline_splits_are_refused_until_they_are_built():
-    bundle = moe.build(config(), SPEC)
-    for split, key in ((bundle.tensor_parallel, "parallel.tp"), (bundle.pipeline, "parallel.pp")):
-        with pytest.raises(UserError, match=f"{key} > 1 with model.name = \"moe\""):
-            split(bundle.model, 2)
+def test_pipelines_and_sequence_parallelism_are_refused_until_they_are_built():
+    bundle = moe.build(config(dense_layers=1), SPEC)  # block 0 dense, block 1 a mixture of experts
+    assert bundle.tensor_parallel(bundle.model, 2) is None  # tp 2 divides it (the check alone, without a mesh)
+    with pytest.raises(UserError, match='parallel.pp > 1 with model.name = "moe"'):
+        bundle.pipeline(bundle.model, 2)
+    with pytest.raises(UserError, match='parallel.sequence_parallel with model.name = "moe" is not built yet'):
+        bundle.tensor_parallel(bundle.model, 2, sequence_parallel=True)
+    # tp splits the attention and a dense block's MLP, never an MoE layer's experts or router
+    split = {id(p) for p in bundle.tp_split(bundle.model)}
+    names = [n for n, p in bundle.model.named_parameters() if id(p) in split]
+    assert {"blocks.1.attn.q.weight", "blocks.0.mlp.up.weight"} <= set(names), names
+    assert not any(n.startswith("blocks.1.mlp.") for n in names), names
 
 
 def test_a_small_moe_learns_stdlib_text():
@@ -259,10 +266,10 @@ def test_the_planner_traces_an_moe_as_if_its_choices_spread_evenly_and_plans_onl
             assert forward == pytest.approx(model.bundle.flops_per_sample * micro / 3, rel=0.01), (micro, dtype)
     assert all(m.counts is None for m in model.bundle.model.moe_layers())  # the trace counted nothing
     planned = plan(cfg, 2, None, None)
-    valid = {p.candidate.layout.dims.dp for p in planned if p.ok}
-    assert valid == {2}, [p.candidate for p in planned if p.ok]
+    valid = {(p.candidate.layout.dims.dp, p.candidate.layout.dims.tp) for p in planned if p.ok}
+    assert valid == {(2, 1), (1, 2)}, [p.candidate for p in planned if p.ok]
     split = [p.reason for p in planned if not p.ok and "not yet split" in (p.reason or "")]
-    assert split and all('with model.name = "moe"' in r for r in split)
+    assert split and all('parallel.pp > 1 with model.name = "moe"' in r for r in split)
 
 
 @pytest.mark.slow  # imports transformers
@@ -306,6 +313,7 @@ def test_a_forward_run_again_by_activation_checkpointing_is_not_counted_twice():
     (['model.name="moe"', "model.experts=6", "parallel.ep=4"], 4, "parallel.ep (4) must divide model.experts (6)"),
     (['model.name="moe"', "parallel.ep=4"], 2, "parallel.ep (4) must divide the data-parallel ranks (dp 2)"),
     (['model.name="moe"', "parallel.ep=2", "parallel.zero=1"], 2, "parallel.zero = 1 is not built yet"),
+    (['model.name="moe"', "parallel.ep=2", "parallel.tp=2"], 4, "parallel.tp = 2 is not built yet"),
     (['model.name="moe"', "parallel.ep=2", "parallel.zero=3", "parallel.dp_replicate=2"], 4,
      "not yet with parallel.dp_replicate = 2"),
 ])

@@ -132,3 +132,22 @@ def test_a_plan_refuses_an_imbalance_below_one(capsys):
     assert main(["plan", "--expert-imbalance", "0.5"]) == 2
     err = capsys.readouterr().err
     assert "--expert-imbalance 0.5" in err and "at least 1" in err and err.count("\n") == 1, err
+
+
+def test_under_tensor_parallelism_each_rank_computes_its_experts_whole(monkeypatch):
+    """parallel.tp splits an MoE's attention, not its experts (moe.tensor_parallel): the planner, which prices a
+    micro-batch's operators at 1 / tp of their work, adds back the experts' share (tp - 1) times."""
+    from shoal.plan import planner
+    from shoal.plan.predict import _optimizer_time
+
+    profile = HardwareProfile(matmul_flops={"fp32": 1e10}, memory_bandwidth=1e10,
+                              collectives={"all_reduce": [(1.0, 1e-4)]})
+    cfg = load_config(None, [*MOE, "parallel.tp=2"])
+    model, layout = Model.build(cfg), resolve_layout(cfg, 2, False)
+    assert layout.dims.tp == 2
+    step = _optimizer_time(model.opt_ops, profile, "fp32", layout)
+    whole = predict(model, cfg, layout, profile).time["compute"] - step
+    share = planner.expert_share(cfg, model.cost(layout.micro_batch))
+    monkeypatch.setattr(planner, "expert_share", lambda *_: 0.0)  # as if tp split the experts too
+    split = predict(model, cfg, layout, profile).time["compute"] - step
+    assert 0.2 < share < 0.9 and whole / split == pytest.approx(1 + share, rel=1e-9)

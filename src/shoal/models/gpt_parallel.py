@@ -90,8 +90,9 @@ def styles(model, sequence_parallel: bool) -> dict:
         block = f"blocks.{i}"
         plan.update({f"{block}.attn.{name}": ColwiseParallel() for name in ("q", "k", "v")})
         plan[f"{block}.attn.proj"] = RowwiseParallel(output_layouts=seq)
-        plan[f"{block}.mlp.up"] = ColwiseParallel()
-        plan[f"{block}.mlp.down"] = RowwiseParallel(output_layouts=seq)
+        if hasattr(model.blocks[i].mlp, "up"):  # a dense MLP; a mixture of experts' (moe.py) stays whole
+            plan[f"{block}.mlp.up"] = ColwiseParallel()
+            plan[f"{block}.mlp.down"] = RowwiseParallel(output_layouts=seq)
         if sequence_parallel:  # norms on the sequence shard; the whole sequence gathered for attention / MLP
             plan.update({f"{block}.{norm}": SequenceParallel() for norm in ("ln1", "ln2")})
             gather = PrepareModuleInput(input_layouts=(seq,), desired_input_layouts=(Replicate(),))

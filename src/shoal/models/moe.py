@@ -303,9 +303,19 @@ class MoEGPT(gpt.GPT):
         if target is not None and self.training:
             for layer in self.moe_layers():
                 if layer.aux is not None:
-                    out = out + layer.aux.to(out.dtype)
+                    out = out + _like(layer.aux.to(out.dtype), out)
                 layer.aux = None
         return out
+
+
+def _like(aux: torch.Tensor, loss: torch.Tensor) -> torch.Tensor:
+    """A layer's losses as the language-modelling loss is held: under tensor parallelism that is a DTensor,
+    replicated over the tp ranks (loss_parallel's), and each tp rank computed the same losses."""
+    from torch.distributed.tensor import DTensor, Replicate
+
+    if not isinstance(loss, DTensor):
+        return aux
+    return DTensor.from_local(aux, loss.device_mesh, [Replicate()] * loss.device_mesh.ndim, run_check=False)
 
 
 def bias_balance(model: nn.Module, all_reduce: Callable[[torch.Tensor], object] | None = None,
@@ -377,13 +387,22 @@ def flops(model: MoEGPT, cfg: MoEConfig) -> float:
 def build(cfg: MoEConfig, spec: DataSpec) -> ModelBundle:
     model = MoEGPT(cfg, gpt.padded_vocab(cfg, spec))
     return ModelBundle(model, gpt.lm_loss, gpt.count_tokens, block_types=(gpt.Block,), items_name="tokens",
-                       tensor_parallel=_not_yet("parallel.tp"), pipeline=_not_yet("parallel.pp"),
+                       tensor_parallel=tensor_parallel, tp_split=gpt.tp_split, pipeline=_no_pipeline,
                        flops_per_sample=flops(model, cfg), loss_in_forward=True,
                        active_params=sum(p.numel() for p in model.parameters()) - idle_params(cfg))
 
 
-def _not_yet(key: str):
-    def refuse(*_args, **_kwargs):
-        raise UserError(f"{key} > 1 with model.name = \"moe\": a mixture of experts is not yet split that way; "
-                        f"set {key} = 1 (data parallelism and ZeRO 1-3 train it)")
-    return refuse
+def tensor_parallel(model, tp: int, mesh=None, sequence_parallel: bool = False):
+    """Tensor parallelism as the GPT's (gpt_parallel.py: attention's heads, the dense blocks' MLPs, the embedding
+    and head split over the tp ranks), with each MoE layer whole on every tp rank: the ranks hold the same tokens
+    after attention's all-reduce, so each routes and computes them alike (their experts' gradients come out
+    equal, as the norms' do), and its outputs and losses are those of one process."""
+    if sequence_parallel:
+        raise UserError('parallel.sequence_parallel with model.name = "moe" is not built yet: its MoE layers take '
+                        "the whole sequence on each tp rank; set parallel.sequence_parallel = false")
+    return gpt.tensor_parallel(model, tp, mesh, sequence_parallel)
+
+
+def _no_pipeline(*_args, **_kwargs):
+    raise UserError('parallel.pp > 1 with model.name = "moe": a mixture of experts is not yet split into pipeline '
+                    "stages; set parallel.pp = 1 (data and tensor parallelism, ZeRO 1-3 and parallel.ep train it)")

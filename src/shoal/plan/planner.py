@@ -188,8 +188,17 @@ def predict(model: Model, cfg: Config, layout, profile: HardwareProfile | None,
                      stages_per_rank=stages, grad_bytes=grad_bytes, param_bytes_full=full,
                      reduce_dtype=cfg.precision.reduce_dtype, act_scale=act_scale, compiled=cfg.train.compile,
                      ep=p.ep, exchange=moe_exchange(cfg, layout.micro_batch),
-                     expert_extra=(imbalance - 1.0) * expert_share(cfg, cost) if p.ep > 1 else 0.0)
+                     expert_extra=expert_extra(cfg, cost, d.tp, imbalance))
     return Prediction(mem, t)
+
+
+def expert_extra(cfg: Config, cost: MicroBatchCost, tp: int, imbalance: float) -> float:
+    """What a mixture of experts' routed experts add to a micro-batch's compute over its operators priced at 1 / tp
+    of their work, as a share of it: under parallel.ep the busiest rank's experts take `imbalance` times the mean
+    (the others wait for it); under parallel.tp every tp rank computes its experts whole (moe.tensor_parallel
+    splits the attention only), tp - 1 times the split share. 0 for a model without experts."""
+    share = expert_share(cfg, cost)
+    return share * ((imbalance - 1.0 if cfg.parallel.ep > 1 else 0.0) + tp - 1)
 
 
 def expert_share(cfg: Config, cost: MicroBatchCost) -> float:

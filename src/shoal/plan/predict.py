@@ -339,8 +339,8 @@ def predict_time(shape: ModelShape, cost: MicroBatchCost, opt_ops: Ops, layout: 
     """`ep` > 1: parallel.ep, `exchange` (planner.moe_exchange) for its all-to-alls (_ep_comm) and the dispatch's
     own work (_ep_dispatch); `shape`, `grad_bytes` and
     `param_bytes_full` then a rank's (state_bytes.expert_split);
-    `expert_extra`: the share of a micro-batch's compute the busiest rank's experts add over a balanced step's
-    (the imbalance over 1, times the experts' share of the FLOPs)."""
+    `expert_extra`: the share a mixture of experts' routed experts add to a micro-batch's compute over its
+    operators at 1 / tp (planner.expert_extra: ep's busiest rank, tp's whole experts)."""
     d, zero = layout.dims, layout.zero
     micro = cost.micro_batch
     n_micro = layout.per_rank_batch // micro
@@ -348,7 +348,7 @@ def predict_time(shape: ModelShape, cost: MicroBatchCost, opt_ops: Ops, layout: 
     fwd_share = cost.forward_flops / max(cost.ops.flops, 1.0)
     if checkpointing:
         per_micro *= 1 + fwd_share  # blocks run their forward again in backward
-    per_micro *= 1 + expert_extra  # the others wait for the rank whose experts took the most tokens
+    per_micro *= 1 + expert_extra  # ep: the rank whose experts took the most tokens; tp: experts computed whole
     shard = (1.0 / layout.shard_ranks if zero >= 1 else 1.0) / (d.tp * d.pp)
     compute = per_micro * n_micro + _optimizer_time(opt_ops, profile, dtype, layout)
     if ep > 1 and exchange:
