@@ -136,7 +136,8 @@ def test_a_plan_refuses_an_imbalance_below_one(capsys):
 
 def test_under_tensor_parallelism_each_rank_computes_its_experts_whole(monkeypatch):
     """parallel.tp splits an MoE's attention, not its experts (moe.tensor_parallel): the planner, which prices a
-    micro-batch's operators at 1 / tp of their work, adds back the experts' share (tp - 1) times."""
+    micro-batch's operators at 1 / tp of their work, adds back the experts' share (tp - 1) times, and calibrates
+    the rest of the step only."""
     from shoal.plan import planner
     from shoal.plan.predict import _optimizer_time
 
@@ -151,3 +152,26 @@ def test_under_tensor_parallelism_each_rank_computes_its_experts_whole(monkeypat
     monkeypatch.setattr(planner, "expert_share", lambda *_: 0.0)  # as if tp split the experts too
     split = predict(model, cfg, layout, profile).time["compute"] - step
     assert 0.2 < share < 0.9 and whole / split == pytest.approx(1 + share, rel=1e-9)
+    # the probe's tp calibration, fitted to the reference GPT (all of whose work tp splits), leaves the experts'
+    # whole compute alone: here 2 x the rest
+    monkeypatch.undo()
+    formulas = predict(model, cfg, layout, profile).time["step"]
+    experts = 2 * (whole - split)  # of tp 2's compute at 1 / 2, the experts' share twice over
+    calibrated = profile.model_copy(update={"calibration": {"tp": (2.0, 0.0)}})
+    assert predict(model, cfg, layout, calibrated).time["step"] == pytest.approx(2 * (formulas - experts) + experts)
+
+
+def test_the_plan_says_the_models_parameters_and_the_active_ones(capsys):
+    """`shoal plan` names the model's parameters before its table, and a mixture of experts' active ones per token
+    as `shoal train`'s first line does (ModelBundle.params_text): the dense part and top_k of each layer's experts."""
+    from shoal.cli import main
+    from shoal.models import moe
+
+    assert main(["plan", *[a for k in MOE for a in ("--set", k)], "--nproc", "2", "--preset", "h100", "--top", "1"]) == 0
+    cfg = load_config(None, MOE)
+    bundle = Model.build(cfg).bundle
+    total = sum(p.numel() for p in bundle.model.parameters())
+    active = total - moe.idle_params(cfg.model)  # of 8 experts a layer, 6 a token does not pass
+    assert f"model moe: {total:,} parameters, {active:,} active per token" in capsys.readouterr().out
+    assert main(["plan", "--set", "data.max_bytes=200000", "--nproc", "2", "--preset", "h100", "--top", "1"]) == 0
+    assert "active" not in capsys.readouterr().out.split("\n")[1]  # a dense model: its parameters alone

@@ -82,6 +82,7 @@ def probe(args: argparse.Namespace) -> int:
 
 def plan(args: argparse.Namespace) -> int:
     from shoal.config import load_config
+    from shoal.models.spec import count_parameters
     from shoal.plan import check as checking
     from shoal.plan import planner, report
 
@@ -108,7 +109,10 @@ def plan(args: argparse.Namespace) -> int:
             print("a Session's run: its forward and loss are the script's own, which the planner does not trace; "
                   "model state is predicted, step time and peak are not (?)")
         return 0
-    planned = planner.plan(cfg, args.nproc * args.nnodes, profile, memory, imbalance=args.expert_imbalance)
+    model = planner.Model.build(cfg)
+    print(f"model {cfg.model.name}: {model.bundle.params_text(count_parameters(model.bundle.model))}")
+    planned = planner.plan(cfg, args.nproc * args.nnodes, profile, memory, imbalance=args.expert_imbalance,
+                           model=model)
     report.render(planned, args.top, missing=missing)
     if args.apply:
         best = report.apply(args.config, planned, args.apply)

@@ -126,6 +126,12 @@ class ModelBundle:
     # part and top_k of each layer's experts); None: all of them
     active_params: int | None = None
 
+    def params_text(self, total: int) -> str:
+        """`total` parameters as `shoal train`'s first line and `shoal plan` say them, with a mixture of experts'
+        active ones."""
+        active = f", {self.active_params:,} active per token" if self.active_params is not None else ""
+        return f"{total:,} parameters{active}"
+
 
 class ModelSection(BaseModel):
     """Base of a model's [model] config section (pydantic, strict, frozen)."""

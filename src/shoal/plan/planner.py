@@ -188,17 +188,8 @@ def predict(model: Model, cfg: Config, layout, profile: HardwareProfile | None,
                      stages_per_rank=stages, grad_bytes=grad_bytes, param_bytes_full=full,
                      reduce_dtype=cfg.precision.reduce_dtype, act_scale=act_scale, compiled=cfg.train.compile,
                      ep=p.ep, exchange=moe_exchange(cfg, layout.micro_batch),
-                     expert_extra=expert_extra(cfg, cost, d.tp, imbalance))
+                     experts=(expert_share(cfg, cost), imbalance))
     return Prediction(mem, t)
-
-
-def expert_extra(cfg: Config, cost: MicroBatchCost, tp: int, imbalance: float) -> float:
-    """What a mixture of experts' routed experts add to a micro-batch's compute over its operators priced at 1 / tp
-    of their work, as a share of it: under parallel.ep the busiest rank's experts take `imbalance` times the mean
-    (the others wait for it); under parallel.tp every tp rank computes its experts whole (moe.tensor_parallel
-    splits the attention only), tp - 1 times the split share. 0 for a model without experts."""
-    share = expert_share(cfg, cost)
-    return share * ((imbalance - 1.0 if cfg.parallel.ep > 1 else 0.0) + tp - 1)
 
 
 def expert_share(cfg: Config, cost: MicroBatchCost) -> float:
@@ -231,10 +222,11 @@ def predict_config(cfg: Config, world: int, profile: HardwareProfile | None, cud
 
 def plan(cfg: Config, world: int, profile: HardwareProfile | None, memory: int | None,
          cuda: bool = False, micro_batches: list[int] | None = None, fused_attention: bool = True,
-         attention_dropout: float = 0.0, hidden_dropout: float = 0.0, imbalance: float = 1.0) -> list[Planned]:
+         attention_dropout: float = 0.0, hidden_dropout: float = 0.0, imbalance: float = 1.0,
+         model: Model | None = None) -> list[Planned]:
     """Every candidate, the valid ones first by predicted step time (then by peak memory); attention and
-    dropout as Model.build takes them; `imbalance` as predict takes it."""
-    model = Model.build(cfg, fused_attention, attention_dropout, hidden_dropout, cuda)
+    dropout as Model.build takes them (`model`: built already); `imbalance` as predict takes it."""
+    model = model or Model.build(cfg, fused_attention, attention_dropout, hidden_dropout, cuda)
     out = []
     nodes = profile.nnodes if profile is not None else 1
     for c in candidates(cfg, world, model.bundle, model.source, cuda, micro_batches, nodes):

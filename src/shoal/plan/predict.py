@@ -335,12 +335,13 @@ def predict_time(shape: ModelShape, cost: MicroBatchCost, opt_ops: Ops, layout: 
                  dtype: str, checkpointing: bool, schedule: str, stages_per_rank: int, grad_bytes: int,
                  param_bytes_full: int, reduce_dtype: str = "fp32", act_scale: float = 1.0,
                  compiled: bool = False, ep: int = 1, exchange: MoEExchange | None = None,
-                 expert_extra: float = 0.0) -> dict[str, float | None]:
+                 experts: tuple[float, float] = (0.0, 1.0)) -> dict[str, float | None]:
     """`ep` > 1: parallel.ep, `exchange` (planner.moe_exchange) for its all-to-alls (_ep_comm) and the dispatch's
-    own work (_ep_dispatch); `shape`, `grad_bytes` and
-    `param_bytes_full` then a rank's (state_bytes.expert_split);
-    `expert_extra`: the share a mixture of experts' routed experts add to a micro-batch's compute over its
-    operators at 1 / tp (planner.expert_extra: ep's busiest rank, tp's whole experts)."""
+    own work (_ep_dispatch); `shape`, `grad_bytes` and `param_bytes_full` then a rank's
+    (state_bytes.expert_split). `experts`: a mixture of experts' (share of the FLOPs its routed experts compute,
+    the most tokens a rank's experts take over the mean): under ep the others wait for the busiest rank; under
+    tp every tp rank computes its experts whole (moe.tensor_parallel), where the operators are priced at 1 / tp
+    of their work, and the probe's tp calibration, fitted to a model tp splits all of, leaves that part alone."""
     d, zero = layout.dims, layout.zero
     micro = cost.micro_batch
     n_micro = layout.per_rank_batch // micro
@@ -348,7 +349,9 @@ def predict_time(shape: ModelShape, cost: MicroBatchCost, opt_ops: Ops, layout: 
     fwd_share = cost.forward_flops / max(cost.ops.flops, 1.0)
     if checkpointing:
         per_micro *= 1 + fwd_share  # blocks run their forward again in backward
-    per_micro *= 1 + expert_extra  # ep: the rank whose experts took the most tokens; tp: experts computed whole
+    share, imbalance = experts  # ep: the rank whose experts took the most tokens; tp: experts computed whole
+    whole = per_micro * share * d.tp * n_micro if d.tp > 1 else 0.0
+    per_micro *= 1 + share * ((imbalance - 1.0 if ep > 1 else 0.0) + d.tp - 1)
     shard = (1.0 / layout.shard_ranks if zero >= 1 else 1.0) / (d.tp * d.pp)
     compute = per_micro * n_micro + _optimizer_time(opt_ops, profile, dtype, layout)
     if ep > 1 and exchange:
@@ -382,7 +385,7 @@ def predict_time(shape: ModelShape, cost: MicroBatchCost, opt_ops: Ops, layout: 
         comm += hops * (collectives(profile, layout)("send_recv", act, "pp") or 0.0)
     t["comm"] = comm
     t["step"] = compute + bubble + comm
-    return calibrated(t, layout, profile)
+    return calibrated(t, layout, profile, exempt=whole)
 
 
 def _optimizer_time(opt_ops: Ops, profile: HardwareProfile, dtype: str, layout: Layout) -> float:
@@ -413,12 +416,13 @@ def strategy(layout: Layout) -> str:
     return f"zero{layout.zero}" if layout.zero else "dp"
 
 
-def calibrated(t: dict[str, float | None], layout: Layout, profile: HardwareProfile) -> dict[str, float | None]:
-    """The step as the probe's calibration of this layout's strategy corrects it (plan/calibrate.py);
-    `calibration` is the correction, so that compute + bubble + comm + calibration = step. Never below
-    half the formulas' step."""
+def calibrated(t: dict[str, float | None], layout: Layout, profile: HardwareProfile,
+               exempt: float = 0.0) -> dict[str, float | None]:
+    """The step as the probe's calibration of this layout's strategy corrects it (plan/calibrate.py), but for
+    `exempt` seconds of it that the strategy does not touch; `calibration` is the correction, so that compute +
+    bubble + comm + calibration = step. Never below half the formulas' step."""
     a, b = profile.calibration.get(strategy(layout), (1.0, 0.0))
-    step = max(a * t["step"] + b, 0.5 * t["step"])
+    step = max(a * (t["step"] - exempt) + b + exempt, 0.5 * t["step"])
     t["calibration"] = step - t["step"]
     t["step"] = step
     return t

@@ -167,8 +167,7 @@ def announce(run: Run, sinks: MetricsSinks, recovery: dict | None, profile_line:
     items_per_sample = getattr(cfg.model, "seq_len", 1) if bundle.items_name == "tokens" else 1
     trainable = sum(p.numel() for p in bundle.model.parameters() if p.requires_grad)
     frozen = f" ({trainable:,} trainable)" if trainable < run.n_params else ""  # train.freeze, model.lora
-    active = f", {bundle.active_params:,} active per token" if bundle.active_params is not None else ""  # experts
-    sinks.print(f"[bold]shoal[/] {cfg.model.name}: {run.n_params:,} parameters{active}{frozen}; "
+    sinks.print(f"[bold]shoal[/] {cfg.model.name}: {bundle.params_text(run.n_params)}{frozen}; "
                 f"{run.layout.describe(cfg, bundle.items_name, items_per_sample)}")
     if bundle.built_whole:
         sinks.print(f"model built whole on every rank, not sharded at the start: {bundle.built_whole}")
