@@ -55,9 +55,11 @@ LAYOUTS = {
     "pp2-1f1b": ["parallel.pp=2", 'parallel.pp_schedule="1f1b"'],
     "pp2-gpipe": ["parallel.pp=2", 'parallel.pp_schedule="gpipe"'],
     # the same decoder as a mixture of experts (8 experts of 512, top 2; not in the default set): data parallelism,
-    # and expert parallelism, whose all-to-alls and halved experts the plan prices (docs/moe.md)
+    # expert parallelism, whose all-to-alls and halved experts the plan prices, and tensor parallelism, which splits
+    # the attention and leaves each rank its experts whole (docs/moe.md)
     "moe-dp2": MOE,
     "moe-ep2": [*MOE, "parallel.ep=2"],
+    "moe-tp2": [*MOE, "parallel.tp=2"],
 }
 
 
