@@ -189,10 +189,6 @@ def _check_experts(cfg: Config, dims: ParallelDims) -> None:
     if dims.dp % ep:
         raise UserError(f"parallel.ep ({ep}) must divide the data-parallel ranks (dp {dims.dp}); set parallel.ep to a "
                         f"divisor of {dims.dp} or start a multiple of {ep} processes")
-    if dims.tp > 1:
-        raise UserError(f"parallel.ep = {ep} with parallel.tp = {dims.tp} is not built yet: the experts are split "
-                        f"over dp ranks only; set parallel.tp = 1, or parallel.ep = 1 (tp splits the attention and "
-                        f"keeps each MoE layer whole)")
     if cfg.parallel.zero == 1:
         raise UserError(f"parallel.ep = {ep} with parallel.zero = 1 is not built yet: ZeRO 1's optimizer shards whole "
                         f"weights over the dp ranks, and no rank holds all of an expert-parallel weight; set "

@@ -29,7 +29,10 @@ def split_against_whole(env, keys: dict, rows: int, bf16: bool = False) -> dict:
         torch.nn.init.normal_(p, std=0.3)
     split = copy.deepcopy(whole)
     comm = Comm(env.store, env.rank, env.world_size)
-    ExpertLayout(split, env.world_size, env.world_size, comm, torch.device("cpu"))  # one ep group of every rank
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (env.world_size,), mesh_dim_names=("dp",))
+    ExpertLayout(split, env.world_size, mesh, comm)  # one ep group of every rank
     g = torch.Generator().manual_seed(1)
     batches = [torch.randn(rows, 16, 32, generator=g) for _ in range(env.world_size)]
     weights = [torch.randn(rows, 16, 32, generator=g) for _ in range(env.world_size)]

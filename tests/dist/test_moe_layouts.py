@@ -5,7 +5,8 @@ dropless, every step's loss within 1e-5 relative and the final weights within 1e
 balance loss (a sum over sequences: any split of the batch gives it) and with the loss-free bias (moved by
 the step's counts summed over the dp ranks, so that every replica moves alike). Checkpoints reshard between ep
 sizes and to and from no ep on the same loss curve. Tensor parallelism (parallel.tp) splits the attention and
-keeps each MoE layer whole on every tp rank, alone and under dp with ZeRO 3, as in one process too."""
+keeps each MoE layer whole on every tp rank, alone, under dp with ZeRO 3 and with ep over each tp rank's dp
+ranks, as in one process too."""
 
 import json
 import statistics
@@ -113,9 +114,10 @@ def logged_median(run, key: str) -> float:
 @pytest.mark.parametrize(("before", "after"), [((2, 2, 0), (2, 1, 0)),
                                                *slow(((4, 4, 0), (2, 2, 0)), ((2, 1, 0), (4, 2, 0)),
                                                      ((4, 2, 3), (2, 1, 0)), ((2, 2, 0), (4, 2, 2)),
-                                                     ((2, 1, 0, 2), (2, 2, 0)), ((4, 2, 2), (4, 1, 3, 2)))],
+                                                     ((2, 1, 0, 2), (2, 2, 0)), ((4, 2, 2), (4, 1, 3, 2)),
+                                                     ((4, 2, 0, 2), (2, 1, 0)))],
                          ids=["ep2-to-none", "ep4-to-ep2", "none-to-ep2", "ep2-zero3-to-none", "ep2-to-ep2-zero2",
-                              "tp2-to-ep2", "ep2-zero2-to-tp2-zero3"])
+                              "tp2-to-ep2", "ep2-zero2-to-tp2-zero3", "tp2-ep2-to-none"])
 def test_a_checkpoint_reshards_between_expert_layouts(tmp_path, ranks, trained, before, after):
     """The experts' weights are saved whole (DTensors sharded on the ep ranks, and under ZeRO 2/3 over the ranks
     that hold the same experts too), and so is what tp splits: a run resumes from another layout's checkpoint on
@@ -153,12 +155,14 @@ def test_an_expert_parallel_checkpoint_exports_whole(trained, tmp_path, nproc, e
         assert torch.equal(exported[k], final[k]), k
 
 
-@pytest.mark.parametrize(("nproc", "zero", "balance"), [(2, 0, "aux"), *slow((2, 0, "bias"), (4, 3, "aux"))])
-def test_tensor_parallelism_of_the_attention_trains_an_moe_as_one_process(trained, nproc, zero, balance):
+@pytest.mark.parametrize(("nproc", "zero", "balance", "ep"), [(2, 0, "aux", 1), *slow(
+    (2, 0, "bias", 1), (4, 3, "aux", 1), (4, 0, "aux", 2), (4, 3, "bias", 2))])
+def test_tensor_parallelism_of_the_attention_trains_an_moe_as_one_process(trained, nproc, zero, balance, ep):
     """parallel.tp: attention's heads, the dense block's MLP, the embedding and head split over tp ranks as the
     GPT's; each MoE layer whole on every tp rank, which routes the same tokens alike (with dp 2 under ZeRO 3 on 4
-    ranks, the experts sharded over dp). Its choices counted over the dp ranks only: the global batch's, once."""
-    ref, run = trained(balance, 1, 0), trained(balance, nproc, zero, tp=2)
+    ranks, the experts sharded over dp), or with ep 2 its experts split over the 2 dp ranks of each tp rank's own
+    (edp, ep) mesh. Its choices counted over the dp ranks only: the global batch's, once."""
+    ref, run = trained(balance, 1, 0), trained(balance, nproc, zero, tp=2, ep=ep)
     ours = {m["step"]: m["loss"] for m in read_metrics(run)}
     theirs = {m["step"]: m["loss"] for m in read_metrics(ref)}
     torch.testing.assert_close(torch.tensor([ours[s] for s in theirs]), torch.tensor(list(theirs.values())),

@@ -100,7 +100,7 @@ def parallelize(bundle: ModelBundle, layout: Layout, *, parallel: ParallelConfig
     dp_group = mesh["dp"].get_group() if dims.world_size > dims.dp else None
     inner_mesh, outer_group = replica_meshes(layout, mesh, dp_group, device.type)
     inner_group = wrapper_group(inner_mesh, dims.world_size, dp_group)
-    experts, expert_units = expert_parallel(model, parallel.ep, dims.dp, comm, device, layout.zero)  # before wrappers
+    experts, expert_units = expert_parallel(model, parallel.ep, mesh, comm, layout.zero)  # before the wrappers
 
     def wrapped(m: torch.nn.Module) -> torch.nn.Module:
         return wrap(m, bundle.block_types, dims, dp_mesh=inner_mesh, dp_group=inner_group, zero=layout.zero,

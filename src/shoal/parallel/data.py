@@ -29,12 +29,22 @@ def replicate_ddp(model: torch.nn.Module, device: torch.device, group=None, init
 def replicate_dtensor(model: torch.nn.Module, block_types: tuple[type, ...], dp_mesh) -> torch.nn.Module:
     """Data parallelism for a model whose parameters are DTensors (tensor-parallel), which DDP cannot
     hold, or that runs under a pipeline schedule: torch's FSDP2-based `replicate`, per block (one
-    gradient all-reduce per block, overlapped with backward) and for the rest of the model."""
+    gradient all-reduce per block, overlapped with backward) and for the rest of the model, leaving alone
+    what DDP would be told to (left_alone)."""
     from torch.distributed._composable.replicate_with_fsdp import replicate
 
+    ignored = left_alone(model)
     for block in [m for m in model.modules() if block_types and isinstance(m, block_types)]:
-        replicate(block, mesh=dp_mesh)
-    return replicate(model, mesh=dp_mesh)
+        replicate(block, mesh=dp_mesh, ignored_params=ignored)
+    return replicate(model, mesh=dp_mesh, ignored_params=ignored)
+
+
+def left_alone(model: torch.nn.Module) -> set[torch.nn.Parameter]:
+    """The parameters DDP is told to leave alone (DDP._set_params_and_buffers_to_ignore_for_model: expert
+    parallelism's experts, DTensors of a mesh of their own whose gradients it reduces itself)."""
+    base = getattr(model, "_orig_mod", model)  # torch.compile's wrapper prefixes every name
+    names = set(getattr(base, "_ddp_params_and_buffers_to_ignore", ()))
+    return {p for n, p in base.named_parameters() if n in names}
 
 
 def holds_sync(module: torch.nn.Module) -> bool:

@@ -23,6 +23,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from shoal.comm.collectives import Comm
 from shoal.comm.exchange import exchange
+from shoal.compat import split_mesh_axis
 from shoal.models.moe import Experts, MoE
 
 EXPERT_MESH = ("edp", "ep")  # the experts' mesh: the ranks holding the same experts, and the ep group
@@ -70,18 +71,20 @@ def by_expert(sizes: torch.Tensor) -> torch.Tensor:
 
 
 class ExpertLayout:
-    """parallel.ep over the data-parallel ranks (the whole world: an MoE model has no tp or pp): a mesh of
-    (dp / ep) x ep, each row of ep ranks splitting every layer's experts (their weights DTensors sharded on the
-    row's "ep" dimension, which DCP saves and reshards as any DTensor), the columns ("edp") holding the same
-    experts. DDP leaves the experts' weights alone; their gradients, each holding the contributions of every token
-    of its row that chose them, are summed over the column and divided by dp after the step's backward: DDP's
-    mean over the dp ranks."""
+    """parallel.ep over the data-parallel ranks: the run's mesh's dp axis split into (dp / ep) x ep, each row of
+    ep ranks splitting every layer's experts (their weights DTensors sharded on the row's "ep" dimension, which
+    DCP saves and reshards as any DTensor), the columns ("edp") holding the same experts. Under tensor
+    parallelism each tp rank has such a mesh of its own, over the dp ranks of its tp coordinate: the tp ranks of a
+    dp rank hold the same tokens, and send them to their experts alike. DDP (or, under tp, FSDP2's replicate)
+    leaves the experts' weights alone; their gradients, each holding the contributions of every token of its row
+    that chose them, are summed over the column and divided by dp after the step's backward: DDP's mean over the
+    dp ranks."""
 
-    def __init__(self, model: nn.Module, ep: int, dp: int, comm: Comm, device: torch.device):
-        from torch.distributed.device_mesh import init_device_mesh
+    def __init__(self, model: nn.Module, ep: int, mesh, comm: Comm):
         from torch.distributed.tensor import Shard, distribute_tensor
 
-        self.mesh = init_device_mesh(device.type, (dp // ep, ep), mesh_dim_names=EXPERT_MESH)
+        dp = mesh["dp"].size()
+        self.mesh = split_mesh_axis(mesh, "dp", (dp // ep, ep), EXPERT_MESH)
         logging.getLogger("torch.distributed.tensor._redistribute").addFilter(_two_step_hint)
         self.comm, self.dp = comm, dp
         self.names: list[str] = []
@@ -131,14 +134,14 @@ def _two_step_hint(record: logging.LogRecord) -> bool:
     return getattr(mesh, "mesh_dim_names", None) != EXPERT_MESH
 
 
-def expert_parallel(model: nn.Module, ep: int, dp: int, comm: Comm, device: torch.device,
-                    zero: int) -> tuple[dict, list]:
-    """Collective: parallel.ep applied to `model` before its wrappers (ExpertLayout); what the Parallelized takes
-    of it ({} where ep is 1, or where ZeRO 2/3's FSDP2 reduces the experts' gradients itself) and the units ZeRO
-    2/3 shards the experts as. Under DDP, DDP is told to leave the experts' weights alone."""
+def expert_parallel(model: nn.Module, ep: int, mesh, comm: Comm, zero: int) -> tuple[dict, list]:
+    """Collective: parallel.ep applied to `model` before its wrappers (ExpertLayout, over the run's `mesh`); what
+    the Parallelized takes of it ({} where ep is 1, or where ZeRO 2/3's FSDP2 reduces the experts' gradients
+    itself) and the units ZeRO 2/3 shards the experts as. Under DDP, DDP is told to leave the experts' weights
+    alone."""
     if ep == 1:
         return {}, []
-    experts = ExpertLayout(model, ep, dp, comm, device)
+    experts = ExpertLayout(model, ep, mesh, comm)
     if zero >= 2:
         return {}, experts.units()
     DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(model, experts.names)
