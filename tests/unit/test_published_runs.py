@@ -73,8 +73,9 @@ def test_a_profile_s_compute_efficiency_divides_its_compute():
     row = next(r for r in pr.ROWS if r.name == "korthikanti-22B")
     cfg, profile = pr.config_for(row), pr.profile_for(row)
     layout = resolve_layout(cfg, row.gpus, True)
-    full = predict(Model.build(cfg), cfg, layout, profile).time
-    half = predict(Model.build(cfg), cfg, layout, profile.model_copy(update={"compute_efficiency": 0.5})).time
+    model = Model.build(cfg)  # its traces are kept per profile, so one build serves both
+    full = predict(model, cfg, layout, profile).time
+    half = predict(model, cfg, layout, profile.model_copy(update={"compute_efficiency": 0.5})).time
     assert half["compute"] == pytest.approx(2 * full["compute"])
     assert half["step"] == pytest.approx(half["compute"] + half["bubble"] + half["comm"])
 
