@@ -91,3 +91,40 @@ def test_the_reduced_size_command_trains_with_expert_parallelism_and_prints_only
     assert r.returncode == 0, r.output
     assert "parallel.ep=2" in command and not [ln for ln in r.stderr.splitlines() if "torch" in ln], r.stderr
     assert Path(tmp_path / "run" / "summary.json").exists()
+
+
+# torchtitan's DeepSeek-V3 16B on one node of 8 H100 80GB (pytorch/torchtitan issue #1789, 2025-10-02, its log of
+# steps 10-40; the config as torchtitan commit 82a9530 set it that day for H100s): FSDP over 8 GPUs (ZeRO 3), expert
+# parallelism 8, 4 sequences of 4,096 tokens a GPU and step, bf16, selective activation checkpointing by operator,
+# the loss compiled. 11,636, 11,758, 11,533 and 11,254 tokens/s a GPU: a step of 4 x 4,096 / 11,584.5 (their
+# median) = 1.414 s, 73.32 GiB reserved at most.
+PUBLISHED = {"tokens_per_s": (11_636, 11_758, 11_533, 11_254), "reserved_gib": 73.32}
+TITAN = ["train.global_batch_size=32", "train.micro_batch_size=4", "parallel.ep=8", "parallel.zero=3"]
+
+
+@pytest.mark.slow  # the 15.6B model's trace
+def test_a_published_run_of_the_same_shape_lies_between_the_plans_two_bounds():
+    """That run's layout planned on the H100 preset as shoal can express it: its recomputation by operator (the
+    matrix products' outputs kept, every other one, the rest recomputed) lies between none and every block's, so
+    its step and memory lie between the plan's two. This config is torchtitan's 16B flavour's shape (widths,
+    experts, vocabulary) but for the attention (multi-head, not DeepSeek's latent attention) and the dense
+    block's MLP (4 d GELU, not a SwiGLU of 10,944). docs/moe.md quotes the figures."""
+    import statistics
+
+    from shoal.layout import resolve_layout
+    from shoal.plan.planner import Model, predict
+
+    profile = preset("h100").model_copy(update={"nproc": 8, "nnodes": 1})
+    model = Model.build(load_config(CONFIG, TITAN), cuda=True)
+    measured = 4 * 4096 / statistics.median(PUBLISHED["tokens_per_s"])
+    docs = " ".join((ROOT / "docs" / "moe.md").read_text().split())
+    bounds = []
+    for recompute in ("false", "true"):
+        cfg = load_config(CONFIG, [*TITAN, f"precision.activation_checkpointing={recompute}"])
+        pred = predict(model, cfg, resolve_layout(cfg, 8, True), profile)
+        step, device = pred.step_time, pred.memory["device"] / 2 ** 30
+        assert f"{step:.3f} s ({step / measured - 1:+.1%}) in {device:.1f} GiB" in docs, (step, device)
+        bounds.append((step, device))
+    (fast, big), (slow, small) = bounds
+    assert fast < measured < slow and small < PUBLISHED["reserved_gib"] < big
+    assert f"a step of {measured:.3f} s and {PUBLISHED['reserved_gib']} GiB reserved" in docs
