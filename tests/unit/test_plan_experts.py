@@ -175,3 +175,26 @@ def test_the_plan_says_the_models_parameters_and_the_active_ones(capsys):
     assert f"model moe: {total:,} parameters, {active:,} active per token" in capsys.readouterr().out
     assert main(["plan", "--set", "data.max_bytes=200000", "--nproc", "2", "--preset", "h100", "--top", "1"]) == 0
     assert "active" not in capsys.readouterr().out.split("\n")[1]  # a dense model: its parameters alone
+
+
+def test_an_imbalance_adds_the_busiest_ranks_expert_activations_to_its_memory():
+    """Under ep the busiest rank's experts receive `imbalance` times the mean of the routed rows and keep, for each,
+    its input row and three of the expert width for backward; with every block recomputed, in one layer only.
+    Without ep a rank computes its own tokens' experts whatever the balance: nothing more."""
+    from shoal.plan.planner import expert_activations
+
+    def activations(imbalance, *keys):
+        cfg = load_config(None, [*MOE, *keys])
+        return predict(Model.build(cfg), cfg, resolve_layout(cfg, 2, False), None, imbalance=imbalance).memory
+
+    # 4 x 64 tokens x top 2 rows a micro-batch (the layout's micro-batch of 4); d 64 and an expert width of 4 x 64 / 2
+    per_layer = 4 * 64 * 2 * (64 + 3 * 128) * 4
+    cfg = load_config(None, [*MOE, "parallel.ep=2"])
+    assert resolve_layout(cfg, 2, False).micro_batch == 4
+    assert expert_activations(cfg, 4, 1.5) == 0.5 * per_layer * 2  # 2 MoE layers
+    balanced, skewed = activations(1.0, "parallel.ep=2"), activations(1.5, "parallel.ep=2")
+    assert skewed["activations"] - balanced["activations"] == 0.5 * per_layer * 2
+    assert skewed["peak"] > balanced["peak"]
+    ckpt = load_config(None, [*MOE, "parallel.ep=2", "precision.activation_checkpointing=true"])
+    assert expert_activations(ckpt, 4, 1.5) == 0.5 * per_layer
+    assert activations(1.5)["activations"] == activations(1.0)["activations"]  # no ep

@@ -42,7 +42,8 @@ def add_parsers(sub) -> None:
     add_set(pl)
     pl.add_argument("--expert-imbalance", type=float, default=1.0, metavar="X",
                     help="a mixture of experts under parallel.ep: the most tokens a rank's experts take over the "
-                         "mean (an ep run's summary.json profile.median_ep_imbalance; default 1.0, balanced)")
+                         "mean, priced in its step and its memory (an ep run's summary.json "
+                         "profile.median_ep_imbalance; default 1.0, balanced)")
     pl.add_argument("--top", type=int, default=15, help="valid layouts shown (default 15)")
     pl.add_argument("--apply", metavar="OUT.toml", help="write the best layout into a copy of the config")
     pl.add_argument("--check", metavar="RUN_DIR", help="compare a finished run with the prediction for its layout")

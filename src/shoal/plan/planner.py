@@ -177,7 +177,8 @@ def predict(model: Model, cfg: Config, layout, profile: HardwareProfile | None,
                          schedule=p.pp_schedule, profile=profile, stage_fraction=fraction,
                          data_bytes=model.data_bytes if profile is not None and profile.device == "cpu" else 0,
                          dtype=cfg.precision.dtype, act_scale=act_scale,
-                         stages_per_rank=stages, sequence_parallel=p.sequence_parallel, held=held)
+                         stages_per_rank=stages, sequence_parallel=p.sequence_parallel, held=held,
+                         busiest=expert_activations(cfg, layout.micro_batch, imbalance))
     if profile is None or (memory is not None and mem.get("device", mem["peak"]) > memory):
         return Prediction(mem, {"compute": None, "comm": None, "bubble": None, "step": None})
     # a rank's gradients and parameters whole (its tp part: what the model's tp plan leaves whole counts whole)
@@ -190,6 +191,21 @@ def predict(model: Model, cfg: Config, layout, profile: HardwareProfile | None,
                      ep=p.ep, exchange=moe_exchange(cfg, layout.micro_batch),
                      experts=(expert_share(cfg, cost), imbalance))
     return Prediction(mem, t)
+
+
+def expert_activations(cfg: Config, micro: int, imbalance: float) -> int:
+    """Under parallel.ep, the bytes the busiest rank's experts keep for backward beyond a balanced step's: that rank
+    receives `imbalance` times the mean of the routed rows (micro x seq_len x top_k), and keeps for each an input
+    row of d_model and three of the expert width (the gate's and up's outputs, their product), in the compute
+    dtype, in every MoE layer (under activation checkpointing, in the one block being recomputed). 0 without ep,
+    where each rank computes its own tokens whatever the balance."""
+    m = cfg.model
+    if cfg.parallel.ep == 1 or getattr(m, "experts", None) is None:
+        return 0
+    element = 4 if cfg.precision.dtype == "fp32" else 2
+    layers = 1 if cfg.precision.activation_checkpointing else m.n_layer - m.dense_layers
+    rows = micro * m.seq_len * m.top_k * (imbalance - 1.0)
+    return int(rows * (m.d_model + 3 * m.hidden()) * element * layers)
 
 
 def expert_share(cfg: Config, cost: MicroBatchCost) -> float:

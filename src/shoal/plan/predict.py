@@ -154,15 +154,17 @@ def predict_memory(shape: ModelShape, params: list, cost: MicroBatchCost, layout
                    momentum: float, checkpointing: bool, schedule: str, profile: HardwareProfile | None,
                    stage_fraction: float, data_bytes: int = 0, dtype: str = "fp32",
                    stages_per_rank: int = 1, sequence_parallel: bool = False, act_scale: float = 1.0,
-                   held: tuple[ModelShape, list] | None = None) -> dict[str, int]:
+                   held: tuple[ModelShape, list] | None = None, busiest: int = 0) -> dict[str, int]:
     """`held`: the shape and parameters the state is counted from where they differ from those compute gathers
-    (parallel.ep under ZeRO 2/3: state_bytes.expert_split)."""
+    (parallel.ep under ZeRO 2/3: state_bytes.expert_split). `busiest`: the activations the busiest ep rank's
+    experts keep beyond a balanced step's (planner.expert_activations)."""
     d = layout.dims
     n_micro = layout.per_rank_batch // max(cost.micro_batch, 1)
     state = state_bytes(*(held or (shape, params)), layout, optimizer=optimizer, momentum=momentum)
     gpu = profile is not None and profile.device == "cuda"
     act = cost.activation_bytes(checkpointing, stage_fraction, in_flight(layout, schedule, stages_per_rank),
                                 scale=act_scale, tp=d.tp, sequence_parallel=sequence_parallel, recomputed=not gpu)
+    act += busiest
     working = int(cost.largest * act_scale) // d.tp
     if gpu:  # a recomputed block's saved tensors come back after the start of backward, the loss's peak
         working = int(max(cost.working_on_rank(d.tp), cost.recomputed_block(d.tp, sequence_parallel)
