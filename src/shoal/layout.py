@@ -193,10 +193,9 @@ def _check_experts(cfg: Config, dims: ParallelDims) -> None:
         raise UserError(f"parallel.ep = {ep} with parallel.zero = 1 is not built yet: ZeRO 1's optimizer shards whole "
                         f"weights over the dp ranks, and no rank holds all of an expert-parallel weight; set "
                         f"parallel.zero = 2 (or 0, or 3)")
-    if dims.dp_replicate > 1 or cfg.sync.mode != "every-step":
+    if cfg.sync.mode != "every-step":
         raise UserError(f"parallel.ep = {ep} is built with data parallelism synchronised every step, not yet with "
-                        f"parallel.dp_replicate = {dims.dp_replicate} or sync.mode = \"{cfg.sync.mode}\"; set "
-                        f"parallel.dp_replicate = 1 and sync.mode = \"every-step\"")
+                        f"sync.mode = \"{cfg.sync.mode}\"; set sync.mode = \"every-step\"")
 
 
 def _check_hsdp(cfg: Config, dims: ParallelDims) -> None:

@@ -32,12 +32,13 @@ BALANCES = {"aux": ['model.balance="aux_loss"'], "bias": ['model.balance="bias"'
 def trained(tmp_path_factory, ranks):
     cache = {}
 
-    def run(balance: str, nproc: int, zero: int, checkpointing: bool = False, ep: int = 1, tp: int = 1):
-        key = (balance, nproc, zero, checkpointing, ep, tp)
+    def run(balance: str, nproc: int, zero: int, checkpointing: bool = False, ep: int = 1, tp: int = 1,
+            replicate: int = 1):
+        key = (balance, nproc, zero, checkpointing, ep, tp, replicate)
         if key not in cache:
             run_dir = tmp_path_factory.mktemp(f"{balance}-{nproc}-{zero}") / "run"
             ranks(nproc).run(train_on_ranks, [*BASE, *BALANCES[balance], f"parallel.zero={zero}", f"parallel.ep={ep}",
-                                              f"parallel.tp={tp}",
+                                              f"parallel.tp={tp}", f"parallel.dp_replicate={replicate}",
                                               f"precision.activation_checkpointing={str(checkpointing).lower()}"],
                              str(run_dir))
             cache[key] = run_dir
@@ -81,13 +82,14 @@ def test_an_moe_on_two_ranks_trains_as_one_process(trained, balance, zero, check
         assert imbalance == round(max(tokens) / (sum(tokens) / 4), 4), m
 
 
-@pytest.mark.parametrize(("nproc", "ep", "zero"), [(2, 2, 0), *slow((4, 2, 0), (4, 4, 0), (2, 2, 3), (4, 2, 2),
-                                                                    (4, 2, 3))])
-def test_expert_parallelism_trains_as_one_process(trained, nproc, ep, zero):
+@pytest.mark.parametrize(("nproc", "ep", "zero", "replicate"), [(2, 2, 0, 1), *slow(
+    (4, 2, 0, 1), (4, 4, 0, 1), (2, 2, 3, 1), (4, 2, 2, 1), (4, 2, 3, 1), (4, 2, 3, 2))])
+def test_expert_parallelism_trains_as_one_process(trained, nproc, ep, zero, replicate):
     """parallel.ep: each layer's 4 experts split over ep ranks, tokens sent to them by all-to-all; the experts'
     gradients summed over the ranks that hold the same ones (by FSDP2 under ZeRO 2/3: the experts then also
-    sharded over those ranks, the rest of the model over every dp rank)."""
-    ref, run = trained("aux", 1, 0), trained("aux", nproc, zero, ep=ep)
+    sharded over those ranks, the rest of the model over every dp rank, or under HSDP, dp_replicate 2, within
+    each replica and replicated across them)."""
+    ref, run = trained("aux", 1, 0), trained("aux", nproc, zero, ep=ep, replicate=replicate)
     ours = {m["step"]: m["loss"] for m in read_metrics(run)}
     theirs = {m["step"]: m["loss"] for m in read_metrics(ref)}
     torch.testing.assert_close(torch.tensor([ours[s] for s in theirs]), torch.tensor(list(theirs.values())),

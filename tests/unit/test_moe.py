@@ -313,8 +313,8 @@ def test_a_forward_run_again_by_activation_checkpointing_is_not_counted_twice():
     (['model.name="moe"', "model.experts=6", "parallel.ep=4"], 4, "parallel.ep (4) must divide model.experts (6)"),
     (['model.name="moe"', "parallel.ep=4"], 2, "parallel.ep (4) must divide the data-parallel ranks (dp 2)"),
     (['model.name="moe"', "parallel.ep=2", "parallel.zero=1"], 2, "parallel.zero = 1 is not built yet"),
-    (['model.name="moe"', "parallel.ep=2", "parallel.zero=3", "parallel.dp_replicate=2"], 4,
-     "not yet with parallel.dp_replicate = 2"),
+    (['model.name="moe"', "parallel.ep=2", 'sync.mode="local-sgd"', "sync.every=4"], 2,
+     'not yet with sync.mode = "local-sgd"'),
 ])
 def test_bad_expert_parallelism_is_refused_in_one_line_before_any_worker_starts(sets, world, says):
     from shoal.layout import resolve_layout

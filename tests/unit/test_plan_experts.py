@@ -198,3 +198,15 @@ def test_an_imbalance_adds_the_busiest_ranks_expert_activations_to_its_memory():
     ckpt = load_config(None, [*MOE, "parallel.ep=2", "precision.activation_checkpointing=true"])
     assert expert_activations(ckpt, 4, 1.5) == 0.5 * per_layer
     assert activations(1.5)["activations"] == activations(1.0)["activations"]  # no ep
+
+
+def test_expert_parallelism_is_planned_under_hsdp_too():
+    """On several nodes the plan considers HSDP (ZeRO 2/3 within a node, replicated across), and ep with it."""
+    from shoal.hardware import preset
+
+    cfg = load_config(None, MOE)
+    profile = preset("h100").model_copy(update={"nproc": 2, "nnodes": 2})
+    planned = plan(cfg, 4, profile, None)
+    hsdp = [p.candidate.label() for p in planned
+            if p.ok and p.candidate.layout.dims.dp_replicate == 2 and p.candidate.cfg.parallel.ep == 2]
+    assert hsdp, [(p.candidate.label(), p.reason) for p in planned if p.candidate.keys.get("parallel.ep") == 2][:5]

@@ -67,7 +67,7 @@ def candidates(cfg: Config, world: int, bundle, source, cuda: bool, micro_batche
             for schedule in (SCHEDULES if pp > 1 else (cfg.parallel.pp_schedule,)):
                 hsdp = nodes > 1 and dp % nodes == 0 and dp // nodes > 1 and cfg.sync.mode == "every-step"
                 for zero, replicate in [(z, 1) for z in range(4)] + ([(2, nodes), (3, nodes)] if hsdp else []):
-                    for ep in expert_splits(cfg, dp, zero, replicate):
+                    for ep in expert_splits(cfg, dp, zero):
                         for ckpt in (False, True):
                             for micro in micros:
                                 keys = {"parallel.dp": dp, "parallel.tp": tp, "parallel.pp": pp,
@@ -81,11 +81,13 @@ def candidates(cfg: Config, world: int, bundle, source, cuda: bool, micro_batche
     return out
 
 
-def expert_splits(cfg: Config, dp: int, zero: int, replicate: int) -> list[int]:
+def expert_splits(cfg: Config, dp: int, zero: int) -> list[int]:
     """parallel.ep's values to plan: 1, and for a mixture of experts each divisor of dp above 1 that divides its
-    experts, where ep is built (ZeRO 0, 2 or 3, without HSDP); the rest would be refused as a run refuses them."""
+    experts, where ep is built (ZeRO 0, 2 or 3, and under HSDP, where the experts are sharded over their edp ranks
+    and counted as the rest is, over a replica's: an upper bound); the rest would be refused as a run refuses
+    them."""
     experts = getattr(cfg.model, "experts", None)
-    if experts is None or zero == 1 or replicate > 1:
+    if experts is None or zero == 1:
         return [1]
     return [1] + [e for e in _divisors(dp) if e > 1 and experts % e == 0]
 
