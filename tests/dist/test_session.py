@@ -237,6 +237,7 @@ def keras_session(env, run_dir: str, zero: int) -> dict:
     return {k: v.clone() for k, v in sess.pairs[0].par.full_state().items()}
 
 
+@pytest.mark.slow  # the fast tier trains Keras in tests/dist/test_keras_layouts.py
 def test_a_keras_model_in_your_own_loop_trains_as_one_process(ranks, tmp_path):
     (alone,) = ranks(1).run(keras_session, str(tmp_path / "one"), 0)
     for zero in (0, 2):

@@ -70,7 +70,7 @@ def test_predictions_are_the_planner_s_and_move_with_the_row(planned_22b):
 
 
 def test_a_profile_s_compute_efficiency_divides_its_compute():
-    row = next(r for r in pr.ROWS if r.name == "korthikanti-22B")
+    row = next(r for r in pr.ROWS if r.name == "megatron-1.7B")  # the smallest row: the quickest trace
     cfg, profile = pr.config_for(row), pr.profile_for(row)
     layout = resolve_layout(cfg, row.gpus, True)
     model = Model.build(cfg)  # its traces are kept per profile, so one build serves both
@@ -80,6 +80,7 @@ def test_a_profile_s_compute_efficiency_divides_its_compute():
     assert half["step"] == pytest.approx(half["compute"] + half["bubble"] + half["comm"])
 
 
+@pytest.mark.slow  # two of the rows' whole checks (the fast tier plans rows in the tests above)
 def test_every_row_s_own_layout_passes_the_run_s_checks_on_its_80_gib_gpu():
     """The rows' GPUs are 80 GiB A100s, and their token stream holds enough validation windows for dp =
     2,240 (the default source's 195 made a run's start refuse the ZeRO-3 rows)."""
