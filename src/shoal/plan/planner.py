@@ -199,13 +199,12 @@ def expert_activations(cfg: Config, micro: int, imbalance: float) -> int:
     row of d_model and three of the expert width (the gate's and up's outputs, their product), in the compute
     dtype, in every MoE layer (under activation checkpointing, in the one block being recomputed). 0 without ep,
     where each rank computes its own tokens whatever the balance."""
-    m = cfg.model
-    if cfg.parallel.ep == 1 or getattr(m, "experts", None) is None:
+    m, ex = cfg.model, moe_exchange(cfg, micro)
+    if cfg.parallel.ep == 1 or ex is None:
         return 0
-    element = 4 if cfg.precision.dtype == "fp32" else 2
-    layers = 1 if cfg.precision.activation_checkpointing else m.n_layer - m.dense_layers
-    rows = micro * m.seq_len * m.top_k * (imbalance - 1.0)
-    return int(rows * (m.d_model + 3 * m.hidden()) * element * layers)
+    layers = 1 if cfg.precision.activation_checkpointing else ex.layers
+    element = ex.row_bytes // m.d_model  # the compute dtype's, as the rows travel
+    return int(ex.rows * (imbalance - 1.0) * (m.d_model + 3 * m.hidden()) * element * layers)
 
 
 def expert_share(cfg: Config, cost: MicroBatchCost) -> float:
