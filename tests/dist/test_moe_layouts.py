@@ -46,6 +46,21 @@ def trained(tmp_path_factory, ranks):
     return run
 
 
+def as_one_process(run, ref) -> dict:
+    """`run` trained as the one-process `ref`: every step's loss within 1e-5 relative, every final weight within
+    1e-5; the reference's weights."""
+    ours = {m["step"]: m["loss"] for m in read_metrics(run)}
+    theirs = {m["step"]: m["loss"] for m in read_metrics(ref)}
+    assert sorted(ours) == sorted(theirs) == list(range(1, STEPS + 1))
+    torch.testing.assert_close(torch.tensor([ours[s] for s in theirs]), torch.tensor(list(theirs.values())),
+                               rtol=1e-5, atol=0)
+    w, ref_w = read_weights(run), read_weights(ref)
+    assert w.keys() == ref_w.keys()
+    for k in ref_w:
+        torch.testing.assert_close(w[k], ref_w[k], rtol=0, atol=1e-5, msg=lambda m, k=k: f"{k}: {m}")
+    return ref_w
+
+
 def slow(*cases):
     """Cases left out of make test-fast (the fast tier keeps one of a kind)."""
     return [pytest.param(*c, marks=pytest.mark.slow) for c in cases]
@@ -59,15 +74,8 @@ def test_an_moe_on_two_ranks_trains_as_one_process(trained, balance, zero, check
     """With activation checkpointing, each block's forward runs again in the backward: its choices are counted and
     its losses taken once."""
     ref, run = trained(balance, 1, 0), trained(balance, 2, zero, checkpointing)
-    ours = {m["step"]: m["loss"] for m in read_metrics(run)}
-    theirs = {m["step"]: m["loss"] for m in read_metrics(ref)}
-    assert sorted(ours) == sorted(theirs) == list(range(1, STEPS + 1))
-    torch.testing.assert_close(torch.tensor([ours[s] for s in theirs]), torch.tensor(list(theirs.values())),
-                               rtol=1e-5, atol=0)
-    w, ref_w = read_weights(run), read_weights(ref)
-    assert w.keys() == ref_w.keys() and any("expert_bias" in k for k in w)
-    for k in ref_w:
-        torch.testing.assert_close(w[k], ref_w[k], rtol=0, atol=1e-5, msg=lambda m, k=k: f"{k}: {m}")
+    ref_w = as_one_process(run, ref)
+    assert any("expert_bias" in k for k in ref_w)
     if balance == "bias":  # it moved, alike on both runs
         assert any(ref_w[k].abs().sum() > 0 for k in ref_w if "expert_bias" in k)
     summary = json.loads((run / "summary.json").read_text())  # d 32, hidden 4 x 32 / 2 = 64: 3 x 32 x 64 an expert
@@ -90,14 +98,7 @@ def test_expert_parallelism_trains_as_one_process(trained, nproc, ep, zero, repl
     sharded over those ranks, the rest of the model over every dp rank, or under HSDP, dp_replicate 2, within
     each replica and replicated across them)."""
     ref, run = trained("aux", 1, 0), trained("aux", nproc, zero, ep=ep, replicate=replicate)
-    ours = {m["step"]: m["loss"] for m in read_metrics(run)}
-    theirs = {m["step"]: m["loss"] for m in read_metrics(ref)}
-    torch.testing.assert_close(torch.tensor([ours[s] for s in theirs]), torch.tensor(list(theirs.values())),
-                               rtol=1e-5, atol=0)
-    w, ref_w = read_weights(run), read_weights(ref)
-    assert w.keys() == ref_w.keys()
-    for k in ref_w:
-        torch.testing.assert_close(w[k], ref_w[k], rtol=0, atol=1e-5, msg=lambda m, k=k: f"{k}: {m}")
+    as_one_process(run, ref)
     assert all(sum(m["expert_tokens"][0]) == 8 * 32 * 2 for m in read_metrics(run))  # the global batch's choices
     for m in read_metrics(run):  # what each ep rank's experts received (rank r holds the r-th 4 / ep of them)
         [tokens], [ranks] = m["expert_tokens"], m["ep_imbalance"]
@@ -165,12 +166,5 @@ def test_tensor_parallelism_of_the_attention_trains_an_moe_as_one_process(traine
     ranks, the experts sharded over dp), or with ep 2 its experts split over the 2 dp ranks of each tp rank's own
     (edp, ep) mesh. Its choices counted over the dp ranks only: the global batch's, once."""
     ref, run = trained(balance, 1, 0), trained(balance, nproc, zero, tp=2, ep=ep)
-    ours = {m["step"]: m["loss"] for m in read_metrics(run)}
-    theirs = {m["step"]: m["loss"] for m in read_metrics(ref)}
-    torch.testing.assert_close(torch.tensor([ours[s] for s in theirs]), torch.tensor(list(theirs.values())),
-                               rtol=1e-5, atol=0)
-    w, ref_w = read_weights(run), read_weights(ref)
-    assert w.keys() == ref_w.keys()
-    for k in ref_w:
-        torch.testing.assert_close(w[k], ref_w[k], rtol=0, atol=1e-5, msg=lambda m, k=k: f"{k}: {m}")
+    as_one_process(run, ref)
     assert all(sum(m["expert_tokens"][0]) == 8 * 32 * 2 for m in read_metrics(run))
