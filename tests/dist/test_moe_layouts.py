@@ -6,7 +6,7 @@ balance loss (a sum over sequences: any split of the batch gives it) and with th
 the step's counts summed over the dp ranks, so that every replica moves alike). Checkpoints reshard between ep
 sizes and to and from no ep on the same loss curve. Tensor parallelism (parallel.tp) splits the attention and
 keeps each MoE layer whole on every tp rank, alone, under dp with ZeRO 3 and with ep over each tp rank's dp
-ranks, as in one process too."""
+ranks, as in one process too; so does a pipeline (parallel.pp), alone and with ep, ZeRO 3 or tp."""
 
 import json
 import statistics
@@ -33,14 +33,14 @@ def trained(tmp_path_factory, ranks):
     cache = {}
 
     def run(balance: str, nproc: int, zero: int, checkpointing: bool = False, ep: int = 1, tp: int = 1,
-            replicate: int = 1):
-        key = (balance, nproc, zero, checkpointing, ep, tp, replicate)
+            replicate: int = 1, pipeline: tuple[str, ...] = ()):
+        key = (balance, nproc, zero, checkpointing, ep, tp, replicate, pipeline)
         if key not in cache:
             run_dir = tmp_path_factory.mktemp(f"{balance}-{nproc}-{zero}") / "run"
             ranks(nproc).run(train_on_ranks, [*BASE, *BALANCES[balance], f"parallel.zero={zero}", f"parallel.ep={ep}",
                                               f"parallel.tp={tp}", f"parallel.dp_replicate={replicate}",
-                                              f"precision.activation_checkpointing={str(checkpointing).lower()}"],
-                             str(run_dir))
+                                              f"precision.activation_checkpointing={str(checkpointing).lower()}",
+                                              *pipeline], str(run_dir))
             cache[key] = run_dir
         return cache[key]
     return run
@@ -168,3 +168,39 @@ def test_tensor_parallelism_of_the_attention_trains_an_moe_as_one_process(traine
     ref, run = trained(balance, 1, 0), trained(balance, nproc, zero, tp=2, ep=ep)
     as_one_process(run, ref)
     assert all(sum(m["expert_tokens"][0]) == 8 * 32 * 2 for m in read_metrics(run))
+
+
+FIRST, LAST = "parallel.pp_split=[3,1]", "parallel.pp_split=[1,3]"  # the MoE block on the first stage, or the last
+
+
+@pytest.mark.parametrize(("nproc", "balance", "zero", "ep", "tp", "pipeline", "checkpointing"), [
+    (2, "aux", 0, 1, 1, (FIRST,), False), *slow(
+        (2, "bias", 0, 1, 1, (LAST,), False), (2, "aux", 0, 1, 1, (FIRST,), True),
+        (4, "aux", 0, 2, 1, (), False), (4, "bias", 3, 2, 1, (), False), (4, "aux", 0, 1, 2, (), False))],
+    ids=["first", "last-bias", "first-checkpointing", "dp2-ep2", "dp2-ep2-zero3-bias", "tp2"])
+def test_pipelines_of_an_moe_train_as_one_process(trained, nproc, balance, zero, ep, tp, pipeline, checkpointing):
+    """parallel.pp 2: the dense block, the MoE block and the head split into 2 stages. A stage's MoE layer adds its
+    balance and z-losses to the backward through its output (CarriedLosses), and its choices count once: the
+    schedule's first call runs each stage once more to learn its shapes. With the MoE block on the first stage its
+    losses reach the step's loss from there; with it on the last, rank 0 (which writes the metrics) holds none, and
+    its counts are gathered from the stage that does. With dp 2 (4 ranks), ep 2 splits each stage's experts over its
+    dp ranks, plain and under ZeRO 3; with tp 2 each stage is split over 2 tp ranks."""
+    ref = trained(balance, 1, 0)
+    run = trained(balance, nproc, zero, checkpointing, ep=ep, tp=tp, pipeline=("parallel.pp=2", *pipeline))
+    as_one_process(run, ref)
+    for m in read_metrics(run):
+        assert sum(m["expert_tokens"][0]) == 8 * 32 * 2 and ("ep_imbalance" in m) == (ep > 1), m
+
+
+def test_a_pipelines_checkpoint_resumes_with_expert_parallelism(tmp_path, ranks, trained):
+    """A checkpoint of a pipeline of 2 stages resumes on dp 2 x ep 2, on the same loss curve (its stages save the
+    whole model's names, the experts whole)."""
+    first = trained("aux", 2, 0, pipeline=("parallel.pp=2", FIRST))
+    second = tmp_path / "second"
+    ranks(2).run(train_on_ranks, [*BASE, *BALANCES["aux"], "parallel.ep=2"], str(second),
+                 str(first / "checkpoints" / f"step_{SAVED:08d}"))
+    ref = {m["step"]: m["loss"] for m in read_metrics(trained("aux", 1, 0))}
+    ours = {m["step"]: m["loss"] for m in read_metrics(second)}
+    assert sorted(ours) == list(range(SAVED + 1, STEPS + 1))
+    torch.testing.assert_close(torch.tensor(list(ours.values())), torch.tensor([ref[s] for s in ours]), rtol=1e-5,
+                               atol=0)

@@ -2,6 +2,7 @@
 product, dropless and capacity dispatch against a token-by-token reference, the balance and z-losses per sequence,
 the loss-free bias, and the config's refusals."""
 
+import copy
 import math
 
 import pytest
@@ -196,6 +197,36 @@ def test_the_model_adds_its_layers_losses_in_training_and_reports_the_language_l
     torch.testing.assert_close(model(idx, idx), language, rtol=1e-6, atol=1e-5)
 
 
+def test_a_pipelines_stages_carry_their_layers_losses_into_the_backward_and_count_each_micro_batch_once():
+    """The stages of moe.pipeline_layers run in turn (as a schedule runs them), the loss scaled by 0.25 as the
+    step's scale: the same gradients as the whole model's loss (its layers' losses added) scaled so, the same
+    summed losses, and each layer's counts those of the micro-batches only, though the first stage ran once more
+    first (the schedule's pass that learns its shapes)."""
+    torch.manual_seed(0)
+    whole = moe.build(config(z_loss_coef=1e-3, n_layer=3, dense_layers=1), SPEC).model.train()
+    staged = copy.deepcopy(whole)
+    idx = torch.randint(0, 256, (2, 3, 16))  # 2 micro-batches
+    total = sum(whole(i, i) for i in idx)
+    (total * 0.25).backward()
+    counts = [m.counts for m in whole.moe_layers()]
+    layers = moe.pipeline_layers(staged)
+    assert layers.costs[2] > layers.costs[1]  # block 1's experts count: top 2 of them, beside its attention
+    first, last = layers.build_stage(0, 3), layers.build_stage(3, 5)  # embeddings, blocks 0-1 | block 2, head
+    layers.carried.start(0.25)
+    first(idx[0])  # the shape pass
+    lm = 0
+    for i in idx:
+        loss = layers.output_loss(last(first(i)), i)
+        (loss * 0.25).backward()
+        lm = lm + loss.detach()
+    carried = layers.carried.taken(2, torch.device("cpu"))
+    torch.testing.assert_close(lm + carried, total.detach(), rtol=1e-6, atol=1e-5)
+    for m, want in zip(staged.moe_layers(), counts, strict=True):
+        assert torch.equal(m.counts, want) and m.aux is None
+    for (name, p), q in zip(whole.named_parameters(), staged.parameters(), strict=True):
+        torch.testing.assert_close(q.grad, p.grad, rtol=1e-5, atol=1e-7, msg=lambda m, n=name: f"{n}: {m}")
+
+
 def test_flops_count_the_active_experts():
     cfg = config(experts=8, top_k=2, n_layer=3, dense_layers=1)
     bundle = moe.build(cfg, SPEC)
@@ -219,11 +250,9 @@ def test_bad_routing_is_refused_in_one_line_naming_the_key(sets, says):
     assert says in str(e.value) and "\n" not in str(e.value), str(e.value)
 
 
-def test_pipelines_and_sequence_parallelism_are_refused_until_they_are_built():
+def test_sequence_parallelism_is_refused_until_it_is_built():
     bundle = moe.build(config(dense_layers=1), SPEC)  # block 0 dense, block 1 a mixture of experts
     assert bundle.tensor_parallel(bundle.model, 2) is None  # tp 2 divides it (the check alone, without a mesh)
-    with pytest.raises(UserError, match='parallel.pp > 1 with model.name = "moe"'):
-        bundle.pipeline(bundle.model, 2)
     with pytest.raises(UserError, match='parallel.sequence_parallel with model.name = "moe" is not built yet'):
         bundle.tensor_parallel(bundle.model, 2, sequence_parallel=True)
     # tp splits the attention and a dense block's MLP, never an MoE layer's experts or router
@@ -266,10 +295,9 @@ def test_the_planner_traces_an_moe_as_if_its_choices_spread_evenly_and_plans_onl
             assert forward == pytest.approx(model.bundle.flops_per_sample * micro / 3, rel=0.01), (micro, dtype)
     assert all(m.counts is None for m in model.bundle.model.moe_layers())  # the trace counted nothing
     planned = plan(cfg, 2, None, None)
-    valid = {(p.candidate.layout.dims.dp, p.candidate.layout.dims.tp) for p in planned if p.ok}
-    assert valid == {(2, 1), (1, 2)}, [p.candidate for p in planned if p.ok]
-    split = [p.reason for p in planned if not p.ok and "not yet split" in (p.reason or "")]
-    assert split and all('parallel.pp > 1 with model.name = "moe"' in r for r in split)
+    valid = {(p.candidate.layout.dims.dp, p.candidate.layout.dims.tp, p.candidate.layout.dims.pp) for p in planned
+             if p.ok}
+    assert valid == {(2, 1, 1), (1, 2, 1), (1, 1, 2)}, [p.candidate for p in planned if p.ok]
 
 
 @pytest.mark.slow  # imports transformers

@@ -63,6 +63,8 @@ def test_the_all_to_alls_are_on_the_layer_s_path():
     layout = resolve_layout(cfg, 2, False)
     # 2 MoE layers; 4 x 64 tokens x top 2, 64 fp32 each; the counts: one int64 for each of the 8 experts
     assert moe_exchange(cfg, 4) == MoEExchange(2, 4 * 64 * 2, 64 * 4, 8, cast=False)
+    # under a pipeline of 2 stages, a rank's stage holds one of them
+    assert moe_exchange(load_config(None, [*MOE, "parallel.ep=2", "parallel.pp=2"]), 4).layers == 1
     ex = MoEExchange(2, 1000, 1000, 8)  # 1e6 bytes of rows
     a2a = HardwareProfile(matmul_flops={"fp32": 1e10}, collectives={"all_to_all": [(1.0, 1e-3), (1e12, 1e-3)]})
     assert _ep_comm(a2a, layout, 2, 3, ex, False) == pytest.approx(3 * 2 * (3 + 2) * 1e-3)

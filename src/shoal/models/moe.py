@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import ClassVar, Literal
 
 import torch
@@ -40,7 +41,7 @@ from torch import nn
 from shoal.compat import GROUPED_MM
 from shoal.errors import UserError
 from shoal.models import gpt
-from shoal.models.spec import DataSpec, ModelBundle
+from shoal.models.spec import DataSpec, ModelBundle, PipelineLayers
 
 
 class MoEConfig(gpt.GPTConfig):
@@ -200,6 +201,7 @@ class MoE(nn.Module):
         self.counts: torch.Tensor | None = None
         self.stepped: dict[int, torch.Tensor] = {}  # the counts of the last two steps, by step (metrics read them)
         self.aux: torch.Tensor | None = None
+        self.carry: CarriedLosses | None = None  # in a pipeline stage: the losses go into the backward through it
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """x (B, T, C) -> (logits (B, T, E) fp32, scores (B, T, E), chosen (B, T, k), their weights (B, T, k))."""
@@ -219,6 +221,7 @@ class MoE(nn.Module):
         # the planner's trace has no values to route by: every choice kept, spread evenly over the experts, and
         # nothing counted
         planned = shape_only(x)
+        carried = None
         if self.training:
             per_seq = torch.zeros(B, experts, device=x.device).scatter_add_(
                 1, chosen.reshape(B, -1), torch.ones(B, T * self.k, device=x.device))  # (B, E): choices received
@@ -226,9 +229,12 @@ class MoE(nn.Module):
             # activation checkpointing runs the forward again inside the backward (the autograd engine's task id is
             # -1 outside one): its choices were counted, and its losses taken into the loss, the first time
             if torch._C._current_graph_task_id() == -1:
-                self.aux = aux
-                if not planned:
-                    self.counts = per_seq.sum(0) + (0 if self.counts is None else self.counts)
+                if self.carry is not None:  # a pipeline stage's: kept by the CarriedLosses
+                    carried = None if planned else (aux, per_seq.sum(0))
+                else:
+                    self.aux = aux
+                    if not planned:
+                        self.counts = per_seq.sum(0) + (0 if self.counts is None else self.counts)
         flat = chosen.reshape(-1)  # (B T k): token b t's choices at (b T + t) k + j
         capped = self.cap is not None and not planned
         kept = self._within_capacity(chosen) if capped else torch.ones_like(flat, dtype=torch.bool)
@@ -237,7 +243,8 @@ class MoE(nn.Module):
         rows = x.reshape(B * T, C)[order // self.k]
         out = (self.dispatch or self.experts)(rows, counts) * weights.reshape(-1)[order, None].to(x.dtype)
         mixed = x.new_zeros(B * T * self.k, C).index_copy(0, order, out).view(B, T, self.k, C).sum(2)
-        return mixed + self.shared(x) if self.shared is not None else mixed
+        out = mixed + self.shared(x) if self.shared is not None else mixed
+        return out if carried is None else self.carry.add(self, out, *carried)
 
     def _within_capacity(self, chosen: torch.Tensor) -> torch.Tensor:
         """(B T k,) whether each choice is within its expert's capacity in its sequence (earlier tokens first)."""
@@ -271,8 +278,12 @@ class MoE(nn.Module):
             return
         if self.balance == "bias":
             self.expert_bias += self.rate * torch.sign(self.counts.mean() - self.counts)
-        self.stepped = {k: v for k, v in self.stepped.items() if k >= step - 1} | {step: self.counts}
+        self.keep(step, self.counts)
         self.counts = None
+
+    def keep(self, step: int, counts: torch.Tensor) -> None:
+        """`counts` as those of step `step`, beside the step before's (the loop may log a step after the next)."""
+        self.stepped = {k: v for k, v in self.stepped.items() if k >= step - 1} | {step: counts}
 
 
 def spread(n: int, experts: int, device) -> torch.Tensor:
@@ -308,6 +319,49 @@ class MoEGPT(gpt.GPT):
         return out
 
 
+class CarriedLosses:
+    """The balance and z-losses and the counts of the MoE layers of a pipeline's stages. A stage hands the next its
+    activations only, and only the last stage takes a loss, so each layer's losses enter the backward through its
+    output (Megatron-Core's aux-loss scaler): the output passes unchanged, and its backward gives the losses the
+    gradient the schedule gives the last stage's loss (the step's scale, [Note: loss contract]), as if added to it.
+    What each forward took is kept until the schedule is done: the schedule's first call runs each stage once more,
+    before the micro-batches, to learn its shapes, and that forward is left out of the loss and the counts."""
+
+    def __init__(self):
+        self.scale: torch.Tensor | float = 1.0
+        self.seen: dict[int, tuple[MoE, list]] = {}  # by layer: (layer, [(its losses, its counts) per forward])
+
+    def start(self, scale: torch.Tensor | float) -> None:
+        """A step's schedule begins; its losses are scaled by `scale`."""
+        self.scale, self.seen = scale, {}
+
+    def add(self, layer: MoE, out: torch.Tensor, losses: torch.Tensor | None, counts: torch.Tensor) -> torch.Tensor:
+        self.seen.setdefault(id(layer), (layer, []))[1].append((None if losses is None else losses.detach(), counts))
+        return out if losses is None else _Carry.apply(out, losses, self.scale)
+
+    def taken(self, forwards: int, device) -> torch.Tensor:
+        """After the schedule: the sum of the losses of each layer's last `forwards` forwards (the micro-batches),
+        zero for a stage without MoE layers; their counts added to each layer's (MoE.counts)."""
+        total = torch.zeros((), device=device)
+        for layer, entries in self.seen.values():
+            for losses, counts in entries[-forwards:]:
+                total = total if losses is None else total + losses.float()
+                layer.counts = counts + (0 if layer.counts is None else layer.counts)
+        self.seen = {}
+        return total
+
+
+class _Carry(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, out: torch.Tensor, losses: torch.Tensor, scale) -> torch.Tensor:
+        ctx.scale, ctx.like = scale, losses.detach()
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return grad, torch.ones_like(ctx.like) * ctx.scale, None
+
+
 def _like(aux: torch.Tensor, loss: torch.Tensor) -> torch.Tensor:
     """A layer's losses as the language-modelling loss is held: under tensor parallelism that is a DTensor,
     replicated over the tp ranks (loss_parallel's), and each tp rank computed the same losses."""
@@ -318,30 +372,59 @@ def _like(aux: torch.Tensor, loss: torch.Tensor) -> torch.Tensor:
     return DTensor.from_local(aux, loss.device_mesh, [Replicate()] * loss.device_mesh.ndim, run_check=False)
 
 
+@dataclass
+class Stages:
+    """Under a pipeline, what bias_balance needs besides the whole model: this rank's stages (their MoE layers are
+    the ones it trains), a sum over the pipeline's stages (in place), and the device."""
+
+    held: nn.Module
+    total: Callable[[torch.Tensor], object]
+    device: torch.device
+
+
 def bias_balance(model: nn.Module, all_reduce: Callable[[torch.Tensor], object] | None = None,
-                 step: Callable[[], int] = lambda: 0, read: Callable[[], bool] = lambda: True):
+                 step: Callable[[], int] = lambda: 0, read: Callable[[], bool] = lambda: True,
+                 stages: Stages | None = None):
     """The optimizer's step post-hook of a model with MoE layers (None without): after each update every layer's
     counts summed in place by `all_reduce` (over the data-parallel ranks, whose replicas must move alike; None:
     this process alone), then its bias moved and the counts kept as those of step `step()` (MoE.move_bias).
     Without the loss-free bias the sums are only read by the metrics: `read()` says whether this step's are (a
-    logged step, alike on every rank); on the others each rank keeps its own counts, and no collective runs."""
+    logged step, alike on every rank); on the others each rank keeps its own counts, and no collective runs.
+    Under a pipeline (`stages`) a rank trains its stages' layers only; on the steps read, every layer's sums are
+    gathered from their stages, for the metrics."""
     layers = [m for m in model.modules() if isinstance(m, MoE)]
     if not layers:
         return None
+    here = layers if stages is None else [m for m in stages.held.modules() if isinstance(m, MoE)]
     moves = any(m.balance == "bias" for m in layers)
 
     @torch.no_grad()
     def after_step(*_) -> None:
-        if all_reduce is not None and (moves or read()):  # every rank stepped (a layer without counts took no
-            # training forward here)
-            counts = torch.stack([torch.zeros_like(m.expert_bias) if m.counts is None else m.counts for m in layers])
+        if all_reduce is not None and here and (moves or read()):  # every rank stepped (a layer without counts
+            # took no training forward here)
+            counts = torch.stack([torch.zeros_like(m.expert_bias) if m.counts is None else m.counts for m in here])
             all_reduce(counts)
-            for m, c in zip(layers, counts, strict=True):
+            for m, c in zip(here, counts, strict=True):
                 m.counts = c
         done = step()
-        for m in layers:
+        for m in here:
             m.move_bias(done)
+        if stages is not None and read():
+            gather_stages(layers, here, stages, done)
     return after_step
+
+
+def gather_stages(layers: list[MoE], here: list[MoE], stages: Stages, done: int) -> None:
+    """Each layer's counts of step `done`, kept by the rank of its stage, summed into every rank's copy."""
+    mine = {id(m) for m in here}
+    full = torch.zeros(len(layers), layers[0].router.out_features, device=stages.device)
+    for i, m in enumerate(layers):
+        if id(m) in mine and done in m.stepped:
+            full[i] = m.stepped[done]
+    stages.total(full)
+    for m, c in zip(layers, full, strict=True):
+        if id(m) not in mine:
+            m.keep(done, c)
 
 
 def expert_figures(model: nn.Module, step: int) -> dict:
@@ -387,7 +470,7 @@ def flops(model: MoEGPT, cfg: MoEConfig) -> float:
 def build(cfg: MoEConfig, spec: DataSpec) -> ModelBundle:
     model = MoEGPT(cfg, gpt.padded_vocab(cfg, spec))
     return ModelBundle(model, gpt.lm_loss, gpt.count_tokens, block_types=(gpt.Block,), items_name="tokens",
-                       tensor_parallel=tensor_parallel, tp_split=gpt.tp_split, pipeline=_no_pipeline,
+                       tensor_parallel=tensor_parallel, tp_split=gpt.tp_split, pipeline=pipeline_layers,
                        flops_per_sample=flops(model, cfg), loss_in_forward=True,
                        active_params=sum(p.numel() for p in model.parameters()) - idle_params(cfg))
 
@@ -403,6 +486,17 @@ def tensor_parallel(model, tp: int, mesh=None, sequence_parallel: bool = False):
     return gpt.tensor_parallel(model, tp, mesh, sequence_parallel)
 
 
-def _no_pipeline(*_args, **_kwargs):
-    raise UserError('parallel.pp > 1 with model.name = "moe": a mixture of experts is not yet split into pipeline '
-                    "stages; set parallel.pp = 1 (data and tensor parallelism, ZeRO 1-3 and parallel.ep train it)")
+def pipeline_layers(model: MoEGPT) -> PipelineLayers:
+    """The model as the GPT's layers (gpt_parallel.py), each MoE block's cost counting its router, shared experts
+    and top_k of its experts (forward FLOPs per token); its layers' losses carried into the backward through
+    their outputs (CarriedLosses), the stages without the model's forward that adds them to the loss."""
+    layers = gpt.pipeline_layers(model)
+    carried = CarriedLosses()
+    costs = list(layers.costs)
+    for i, block in enumerate(model.blocks):
+        if isinstance(block.mlp, MoE):
+            block.mlp.carry = carried
+            experts = block.mlp.experts
+            costs[1 + i] += 2 * block.mlp.k * sum(w.shape[1] * w.shape[2] for w in (experts.w_gate, experts.w_up,
+                                                                                   experts.w_down))
+    return layers._replace(costs=costs, carried=carried)

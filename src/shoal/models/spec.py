@@ -84,6 +84,9 @@ class PipelineLayers(NamedTuple):
     build_stage: Callable[[int, int], torch.nn.Module]
     # output_loss(last stage's output, target): the loss summed over items whose target is not -1
     output_loss: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+    # losses the layers add on every stage (models/moe.py CarriedLosses: start(scale) before a step's schedule,
+    # taken(device) after it, their sum), or None
+    carried: object | None = None
 
 
 @dataclass

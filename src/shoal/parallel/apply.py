@@ -29,14 +29,14 @@ from shoal.comm.collectives import Comm
 from shoal.config import CommConfig, ParallelConfig, PrecisionConfig, SyncConfig
 from shoal.config.training import CUDA_GRAPH_MODES, compile_mode
 from shoal.layout import Layout
-from shoal.models.spec import LossFn, ModelBundle
+from shoal.models.spec import LossFn, ModelBundle, PipelineLayers
 from shoal.parallel.data import replicate_ddp, replicate_dtensor
 from shoal.parallel.experts import expert_parallel
 from shoal.parallel.float8 import WeightScales, float8_training
 from shoal.parallel.local_sgd import PeriodicSync
 from shoal.parallel.materialize import Materializer
 from shoal.parallel.parallelized import Parallelized
-from shoal.parallel.pipeline import Pipeline, StageUnion, measure_layer_times, split_stages
+from shoal.parallel.pipeline import Pipeline, StageSplit, StageUnion, measure_layer_times, split_stages
 from shoal.parallel.pipelined import PipelinedModel
 from shoal.parallel.precision import sharded_mixed_precision
 from shoal.parallel.sync import EveryStep, StepSync
@@ -105,7 +105,8 @@ def parallelize(bundle: ModelBundle, layout: Layout, *, parallel: ParallelConfig
     def wrapped(m: torch.nn.Module) -> torch.nn.Module:
         return wrap(m, bundle.block_types, dims, dp_mesh=inner_mesh, dp_group=inner_group, zero=layout.zero,
                     parallel=parallel, precision=precision, compile=compile, device=device, sync=sync, comm=comm,
-                    filled_later=bundle.uninitialised, fill=real.fill, units=expert_units)
+                    filled_later=bundle.uninitialised, fill=real.fill,
+                    units=[u for u in expert_units if any(u[0] is sub for sub in m.modules())])  # a stage's own
 
     common = {"comm": comm, "sync": sync, "device": device, "dp_rank": coords["dp"], "dp": dims.dp,
               "dp_group": dp_group, "zero_group": inner_group, "loss_context": loss_context, "zero": layout.zero,
@@ -119,16 +120,13 @@ def parallelize(bundle: ModelBundle, layout: Layout, *, parallel: ParallelConfig
                             sharded=isinstance(module, FSDPModule), scales=WeightScales.of(model, comm), **common)
 
     layers = bundle.pipeline(model)
-    costs, basis = layers.costs, "forward FLOPs"
-    if parallel.pp_balance == "time" and not parallel.pp_split:
-        costs, basis = layer_times(layers, sample, loss_context, device, comm), "time"
-    split = split_stages(layers.names, costs, dims.pp, parallel.pp_schedule, parallel.pp_stages_per_rank,
-                         parallel.pp_split, basis)
-    stage_ids = [coords["pp"] + k * dims.pp for k in range(split.stages_per_rank)]
+    split, stage_ids = stage_split(layers, parallel, dims, coords["pp"], sample, loss_context, device, comm)
     # weights with several names (tied) are kept under their first name on every stage that holds them
     # (found before the wrappers below replace parameters)
     tied = [names[0] for names in _names_by_param(model).values() if len(names) > 1]
     stages = [layers.build_stage(*split.bounds(i)) for i in stage_ids]
+    for stage in stages:  # what the data-parallel wrapper leaves alone (parallel.ep's experts), named as in the model
+        stage._ddp_params_and_buffers_to_ignore = getattr(model, "_ddp_params_and_buffers_to_ignore", ())
     union = StageUnion(stages)  # this rank's stages under the whole model's names
     modules = [wrapped(stage) for stage in stages]
     real.fill(union)
@@ -137,12 +135,24 @@ def parallelize(bundle: ModelBundle, layout: Layout, *, parallel: ParallelConfig
     sync.attach(union, outer_group, layout.replicas)
     stage_group = mesh["pp"].get_group()
     pipeline = Pipeline(modules, stage_ids, split, device, stage_group, parallel.pp_schedule,
-                        layout.pp_microbatches, layers.output_loss)
+                        layout.pp_microbatches, layers.output_loss, layers.carried)
     return PipelinedModel(union, union, bundle, pipeline=pipeline, stage_group=stage_group, tied=tied_here,
                           tie_group=tied_stage_group(tied, dims, rank, comm), per_rank_batch=layout.per_rank_batch,
                           count_fn=bundle.count_fn, pp=dims.pp, schedule=parallel.pp_schedule,
                           owns_loss=coords["tp"] == 0 and pipeline.last, scales=WeightScales.of(union, comm),
                           sharded=any(isinstance(m, FSDPModule) for m in modules), **common)
+
+
+def stage_split(layers: PipelineLayers, parallel: ParallelConfig, dims: ParallelDims, pp_rank: int,
+                sample: dict | None, loss_context, device: torch.device, comm: Comm) -> tuple[StageSplit, list[int]]:
+    """Collective when the layers are timed (parallel.pp_balance = "time"): the split into stages, by the layers'
+    declared costs or their measured times, and this rank's stages."""
+    costs, basis = layers.costs, "forward FLOPs"
+    if parallel.pp_balance == "time" and not parallel.pp_split:
+        costs, basis = layer_times(layers, sample, loss_context, device, comm), "time"
+    split = split_stages(layers.names, costs, dims.pp, parallel.pp_schedule, parallel.pp_stages_per_rank,
+                         parallel.pp_split, basis)
+    return split, [pp_rank + k * dims.pp for k in range(split.stages_per_rank)]
 
 
 def with_compiled_loss(bundle: ModelBundle, compile: bool | str) -> ModelBundle:

@@ -205,8 +205,9 @@ class Pipeline:
     """One rank's part of the pipeline: its stages, the schedule, and the loss of the last stage."""
 
     def __init__(self, modules: list[torch.nn.Module], stage_ids: list[int], split: StageSplit, device, group,
-                 schedule: str, microbatches: int, output_loss):
+                 schedule: str, microbatches: int, output_loss, carried=None):
         self.modules, self.output_loss, self.microbatches = modules, output_loss, microbatches
+        self.carried = carried  # PipelineLayers.carried: losses the layers add on every stage
         self.split = split
         num_stages = len(split.sizes)
         self.first, self.last = 0 in stage_ids, num_stages - 1 in stage_ids
@@ -233,6 +234,8 @@ class Pipeline:
             with torch.no_grad():
                 self.schedule.eval(*args, target=target)
         else:
+            if self.carried is not None:
+                self.carried.start(self.scale)
             self.schedule.step(*args, target=target)
         # the schedule's first call (and its first after switching between step and eval) also runs
         # the loss once on its shape-inference pass, on meaningless values: the real ones come last

@@ -38,7 +38,14 @@ class PipelinedModel(Parallelized):
         s = scale()
         backward_began()
         with self.loss_context(), precision.autocast():
-            return plain(self.pipeline.run(whole, s)).double()
+            loss = plain(self.pipeline.run(whole, s))
+        carried = self.pipeline.carried
+        if carried is not None:  # the layers' losses of every stage, into the last stage's loss
+            added = carried.taken(self.pipeline.microbatches, self.device)
+            self.comm.all_reduce(added, group=self.stage_group, label="pp")
+            if self.pipeline.last:
+                loss = loss + added
+        return loss.double()
 
     def after_backward(self) -> None:
         self._sync_tied()

@@ -29,7 +29,15 @@ from shoal.parallel.state_bytes import (
 )
 from shoal.plan.cost import MicroBatchCost, affine, trace_micro_batch, trace_optimizer_step
 from shoal.plan.enumerate import Candidate, candidates
-from shoal.plan.predict import MoEExchange, Prediction, autocast_dtype, predict_memory, predict_time, sixteen_bit_scale
+from shoal.plan.predict import (
+    MoEExchange,
+    Prediction,
+    autocast_dtype,
+    in_flight,
+    predict_memory,
+    predict_time,
+    sixteen_bit_scale,
+)
 from shoal.training.build import freeze
 
 _UNITS = {"": 1, "b": 1, "kb": 1e3, "mb": 1e6, "gb": 1e9, "tb": 1e12, "kib": 2 ** 10, "mib": 2 ** 20,
@@ -178,7 +186,8 @@ def predict(model: Model, cfg: Config, layout, profile: HardwareProfile | None,
                          data_bytes=model.data_bytes if profile is not None and profile.device == "cpu" else 0,
                          dtype=cfg.precision.dtype, act_scale=act_scale,
                          stages_per_rank=stages, sequence_parallel=p.sequence_parallel, held=held,
-                         busiest=expert_activations(cfg, layout.micro_batch, imbalance))
+                         busiest=int(expert_activations(cfg, layout.micro_batch, imbalance) * (
+                             in_flight(layout, p.pp_schedule, stages) if d.pp > 1 else 1)))
     if profile is None or (memory is not None and mem.get("device", mem["peak"]) > memory):
         return Prediction(mem, {"compute": None, "comm": None, "bubble": None, "step": None})
     # a rank's gradients and parameters whole (its tp part: what the model's tp plan leaves whole counts whole)
@@ -197,8 +206,9 @@ def expert_activations(cfg: Config, micro: int, imbalance: float) -> int:
     """Under parallel.ep, the bytes the busiest rank's experts keep for backward beyond a balanced step's: that rank
     receives `imbalance` times the mean of the routed rows (micro x seq_len x top_k), and keeps for each an input
     row of d_model and three of the expert width (the gate's and up's outputs, their product), in the compute
-    dtype, in every MoE layer (under activation checkpointing, in the one block being recomputed). 0 without ep,
-    where each rank computes its own tokens whatever the balance."""
+    dtype, in every MoE layer (under a pipeline, of a stage, for each micro-batch in flight: the caller's; under
+    activation checkpointing, in the one block being recomputed). 0 without ep, where each rank computes its own
+    tokens whatever the balance."""
     m, ex = cfg.model, moe_exchange(cfg, micro)
     if cfg.parallel.ep == 1 or ex is None:
         return 0
@@ -219,13 +229,14 @@ def expert_share(cfg: Config, cost: MicroBatchCost) -> float:
 
 def moe_exchange(cfg: Config, micro: int) -> MoEExchange | None:
     """What parallel.ep moves in each MoE layer per micro-batch on a rank: every token's top_k choices, a d_model
-    row each in the compute dtype (parallel/experts.py). None: a model without experts."""
+    row each in the compute dtype (parallel/experts.py); under a pipeline in the MoE layers of one stage (as the
+    split balances them: evenly, the larger share first). None: a model without experts."""
     m = cfg.model
     if getattr(m, "experts", None) is None:
         return None
     element = 4 if cfg.precision.dtype == "fp32" else 2
-    return MoEExchange(m.n_layer - m.dense_layers, micro * m.seq_len * m.top_k, m.d_model * element, m.experts,
-                       cast=element == 2)
+    return MoEExchange(-(-(m.n_layer - m.dense_layers) // cfg.parallel.pp), micro * m.seq_len * m.top_k,
+                       m.d_model * element, m.experts, cast=element == 2)
 
 
 def predict_config(cfg: Config, world: int, profile: HardwareProfile | None, cuda: bool = False,

@@ -29,7 +29,7 @@ from shoal.metrics.host_syncs import HostSyncs
 from shoal.metrics.profile import Profiler
 from shoal.metrics.sinks import MetricsSinks
 from shoal.metrics.trace import StepTrace
-from shoal.models.moe import bias_balance
+from shoal.models.moe import Stages, bias_balance, expert_figures
 from shoal.models.spec import ModelBundle
 from shoal.parallel.balance import ComputeClock, ThroughputBalance
 from shoal.parallel.parallelized import Parallelized
@@ -71,7 +71,8 @@ def assemble(start: Start, bundle: ModelBundle, optimizer: Callable[[Parallelize
                    phase=start.phase, controls=controls, balance=balance(start, par))
     sampler = GlobalBatchSampler(num_train, cfg.train.global_batch_size, cfg.train.seed)
     # the loop counts a step once its update is done; the step measures memory on logged steps
-    balance_experts(start, par, opt, lambda: sampler.step + 1, lambda: step.measuring)
+    step.expert_figures = balance_experts(start, par, bundle.model, opt, lambda: sampler.step + 1,
+                                          lambda: step.measuring)
     stateful = {"sampler": sampler, "scheduler": step.schedule, "scaler": precision, "bad_steps": step.bad_steps,
                 "sync": par.sync, **({"balance": step.balance} if step.balance else {})}
     if getattr(start.source, "streamed", False):  # data.streaming: this dp rank's place in the stream
@@ -86,15 +87,22 @@ def assemble(start: Start, bundle: ModelBundle, optimizer: Callable[[Parallelize
                resume_path=resume_path, checkpoints=checkpoints)
 
 
-def balance_experts(start: Start, par: Parallelized, opt: torch.optim.Optimizer, step: Callable[[], int],
-                    logged: Callable[[], bool]) -> None:
+def balance_experts(start: Start, par: Parallelized, whole: torch.nn.Module, opt: torch.optim.Optimizer,
+                    step: Callable[[], int], logged: Callable[[], bool]) -> Callable[[int], dict]:
     """A mixture of experts' counts (models/moe.py) summed over the dp ranks after each update, as step `step()`'s:
     they move each layer's loss-free bias, and metrics.jsonl reports them (on the steps `logged()`, which are
-    all that need them without the bias)."""
-    hook = bias_balance(par.model, (lambda t: start.comm.all_reduce(t, group=par.dp_group, label="dp"))
-                        if par.dp > 1 else None, step, logged)
+    all that need them without the bias; under a pipeline gathered then from the stages that hold `whole`'s
+    layers). Returns what a logged step records of them (expert_figures)."""
+    stage_group = getattr(par, "stage_group", None)  # a pipeline's: each rank trains some of the layers
+    stages = None if stage_group is None else Stages(
+        par.model, lambda t: start.comm.all_reduce(t, group=stage_group, label="pp"), start.env.device)
+    model = par.model if stages is None else whole
+    hook = bias_balance(model, (lambda t: start.comm.all_reduce(t, group=par.dp_group, label="dp"))
+                        if par.dp > 1 else None, step, logged, stages)
     if hook:
         opt.register_step_post_hook(hook)
+        return lambda done: expert_figures(model, done)
+    return lambda done: {}
 
 
 def balance(start: Start, par: Parallelized) -> ThroughputBalance | None:

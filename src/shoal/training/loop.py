@@ -24,7 +24,6 @@ from shoal.metrics.profile import Profiler
 from shoal.metrics.sinks import MetricsSinks
 from shoal.metrics.timers import StepTimer
 from shoal.metrics.trace import StepTrace
-from shoal.models.moe import expert_figures
 from shoal.training.collector import Collector
 from shoal.training.evaluate import evaluate
 from shoal.training.feed import Feed
@@ -228,7 +227,7 @@ class Trainer:
                              f"{out.loss_scale_after_overflow:g}")
         if out.memory is not None:  # a logged step
             m.update(self.memory(out.memory, done))
-            m.update(expert_figures(self.step.par.model, done))  # a mixture of experts' (models/moe.py)
+            m.update(self.step.expert_figures(done))  # a mixture of experts' (models/moe.py)
         validated = self.validates and (last or (self.train.val_interval and done % self.train.val_interval == 0))
         if validated:
             m.update(self.validate(done))

@@ -72,6 +72,8 @@ class Stepper:
     controls: Controls = field(default_factory=Controls)
     balance: ThroughputBalance | None = None  # balance.mode = "throughput": this rank's compute is timed
     state_bytes: StateBytes = field(default_factory=StateBytes)  # the memory figures' model state (logged steps)
+    # what a logged step records of a mixture of experts' counts, given the step (1-based): models/moe.py
+    expert_figures: Callable[[int], dict] = lambda step: {}
     updated: int = 0  # steps whose update the weights hold: the optimizer and the schedule have stepped
     measuring: bool = False  # the step in progress measures memory (a logged step), alike on every rank
     # The CPU (None: decided by the device). The host is the device there, and reading a value waits for nothing:
