@@ -180,12 +180,13 @@ def _check_sharding(cfg: Config, dims: ParallelDims, device: str, world_size: in
 def _check_experts(cfg: Config, dims: ParallelDims) -> None:
     """parallel.ep: a mixture of experts whose experts and dp ranks it divides, on the layouts built for it."""
     ep, m = cfg.parallel.ep, cfg.model
-    if getattr(m, "experts", None) is None:
+    routed = m.routed_experts()
+    if routed is None:
         raise UserError(f"parallel.ep = {ep} splits a mixture of experts' experts, but model.name = \"{m.name}\" has "
                         f"none; set parallel.ep = 1, or model.name = \"moe\"")
-    if m.experts % ep:
-        raise UserError(f"parallel.ep ({ep}) must divide model.experts ({m.experts}); set parallel.ep to a divisor of "
-                        f"{m.experts}")
+    experts, key = routed
+    if experts % ep:
+        raise UserError(f"parallel.ep ({ep}) must divide {key} ({experts}); set parallel.ep to a divisor of {experts}")
     if dims.dp % ep:
         raise UserError(f"parallel.ep ({ep}) must divide the data-parallel ranks (dp {dims.dp}); set parallel.ep to a "
                         f"divisor of {dims.dp} or start a multiple of {ep} processes")

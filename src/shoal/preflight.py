@@ -27,6 +27,7 @@ from shoal.models.pretrained import check_pretrained
 from shoal.models.registry import RECORDED, build_model
 from shoal.models.spec import ModelBundle, count_parameters
 from shoal.parallel import float8
+from shoal.parallel.experts import expert_blocks
 from shoal.parallel.fit import (
     check_memory_fits,
     check_model_fits,
@@ -67,6 +68,8 @@ def check_job(cfg: Config, world_sizes: list[int], cuda: bool, run_dir: Path | N
     source = build_source(cfg.data, getattr(cfg.model, "seq_len", None), cfg.train.seed)
     with on_meta():
         bundle = build_model(cfg.model, source.spec)
+    if cfg.parallel.ep > 1:  # a model whose experts blocks parallel.ep can split
+        expert_blocks(bundle.model, cfg.parallel.ep)
     for layout in layouts:
         check_fit(cfg, layout, bundle, source)
     freeze(bundle.model, cfg.train.freeze)  # frozen parameters have no gradients or optimizer state

@@ -1,11 +1,11 @@
-"""Hugging Face models (model.name = "hf") train like the built-ins: tiny configs written here (a
-Llama- and a GPT-2-architecture model and a Qwen2-MoE mixture of experts with its router's balance loss, 2
-layers) in dp 2, ZeRO 3 and (Llama, from its own
-base_model_tp_plan) tp 2 against one process with the same seed and global batch (fp32: losses and
-final weights within 1e-5). Then fine-tuning: `shoal export --format hf` loads with from_pretrained
-and gives shoal's logits; model.init_from starts a run at the exporting run's final validation loss;
-train.freeze leaves parameters bitwise unchanged; LoRA (peft) trains with ZeRO 2 as in one process,
-resumes its checkpoint in another layout, and its merged export reproduces its logits.
+"""Hugging Face models (model.name = "hf") train like the built-ins: tiny configs written here (a Llama- and a
+GPT-2-architecture model, and Qwen2-MoE and Mixtral mixtures of experts with their routers' balance loss, 2 layers)
+in dp 2, ZeRO 3, (Llama, from its own base_model_tp_plan) tp 2 and (the mixtures of experts) ep 2 against one
+process with the same seed and global batch (fp32: losses and final weights within 1e-5). Then fine-tuning:
+`shoal export --format hf` loads with from_pretrained and gives shoal's logits (an ep run's experts under their
+own names); model.init_from starts a run at the exporting run's final validation loss; train.freeze leaves
+parameters bitwise unchanged; LoRA (peft) trains with ZeRO 2 as in one process, resumes its checkpoint in another
+layout, and its merged export reproduces its logits.
 """
 
 import importlib.util
@@ -39,9 +39,13 @@ QWEN_MOE = 'model.config={model_type="qwen2_moe", hidden_size=32, intermediate_s
            'shared_expert_intermediate_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, ' \
            'num_experts=4, num_experts_per_tok=2, max_position_embeddings=64, output_router_logits=true, ' \
            'router_aux_loss_coef=0.01}'
-ARCH = {"llama": LLAMA, "gpt2": GPT2, "qwen2_moe": QWEN_MOE}
+MIXTRAL = 'model.config={model_type="mixtral", hidden_size=32, intermediate_size=32, num_hidden_layers=2, ' \
+          'num_attention_heads=4, num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2, ' \
+          'max_position_embeddings=64, output_router_logits=true, router_aux_loss_coef=0.01}'
+ARCH = {"llama": LLAMA, "gpt2": GPT2, "qwen2_moe": QWEN_MOE, "mixtral": MIXTRAL}
 LAYOUTS = {"dp1": (1, []), "dp2": (2, []), "dp2-zero3": (2, ["parallel.zero=3"]), "tp2": (2, ["parallel.tp=2"]),
-           "dp2-zero2-ac": (2, ["parallel.zero=2", "precision.activation_checkpointing=true"])}
+           "dp2-zero2-ac": (2, ["parallel.zero=2", "precision.activation_checkpointing=true"]),
+           "dp2-ep2": (2, ["parallel.ep=2"]), "dp2-ep2-zero3": (2, ["parallel.ep=2", "parallel.zero=3"])}
 LORA = ["model.lora={r=4, alpha=8.0, target_modules=['q_proj', 'v_proj']}"]
 
 
@@ -74,7 +78,8 @@ def assert_same(run_dir, ref_dir, keys=None):
 @pytest.mark.parametrize("arch,layout", [("llama", "dp2"), ("llama", "dp2-zero3"), ("llama", "tp2"),
                                          ("llama", "dp2-zero2-ac"),
                                          ("gpt2", "dp2"), ("gpt2", "dp2-zero3"),
-                                         ("qwen2_moe", "dp2"), ("qwen2_moe", "dp2-zero3")])
+                                         ("qwen2_moe", "dp2"), ("qwen2_moe", "dp2-zero3"), ("qwen2_moe", "dp2-ep2-zero3"),
+                                         ("mixtral", "dp2-zero3"), ("mixtral", "dp2-ep2")])
 def test_hf_layouts_match_single_process(trained, arch, layout):
     ref = trained(arch, "dp1")
     losses = [m["loss"] for m in read_metrics(ref)]
@@ -116,6 +121,28 @@ def test_export_hf_loads_with_from_pretrained_and_starts_a_fine_tune(tmp_path, t
             assert torch.equal(v, start[k]), k
         elif k.endswith("weight") and "norm" not in k:
             assert not torch.equal(v, start[k]), k  # the rest trained
+
+
+def test_an_expert_parallel_run_exports_under_the_hub_names_and_starts_a_fine_tune(tmp_path, trained, ranks):
+    """Mixtral's stacked experts split over 2 ep ranks are saved whole under their own names: the export loads with
+    from_pretrained into the run's final weights, and a run started from it (init_from) with ep 2 validates at step 0
+    as the exporting run did at its end."""
+    run = trained("mixtral", "dp2-ep2")
+    out = tmp_path / "hf"
+    export_hf(run, out)
+    import transformers
+
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(str(out)).state_dict()
+    final = read_weights(run)
+    assert "model.layers.0.mlp.experts.gate_up_proj" in final and loaded.keys() >= final.keys()
+    for k, v in final.items():
+        assert torch.equal(loaded[k], v), k
+    tune = tmp_path / "tune"
+    ranks(2).run(train_on_ranks, [*COMMON, MIXTRAL, "parallel.ep=2", f'model.init_from="{out}"',
+                                  "train.eval_on_start=true", "train.steps=1"], str(tune))
+    summary = json.loads((tune / "summary.json").read_text())
+    assert summary["initial_val_loss"] == pytest.approx(json.loads((run / "summary.json").read_text())["val_loss"],
+                                                        rel=1e-6)
 
 
 def test_lora_trains_with_zero2_as_one_process_resumes_and_exports_merged(tmp_path, trained, ranks):

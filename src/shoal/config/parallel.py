@@ -18,9 +18,10 @@ class ParallelConfig(Section):
     """Tensor-parallel degree: each layer split over this many ranks (the model's ModelBundle.tensor_parallel;
     gpt has one)."""
     ep: int = Field(1, ge=1)
-    """Expert parallelism (a mixture of experts, model.name = "moe"): each layer's experts split over groups of
-    this many dp ranks, tokens sent to their experts' ranks and back by all-to-all; the experts are replicated
-    over the groups (sharded over them under ZeRO 2/3). Divides dp and model.experts; not with ZeRO 1 yet."""
+    """Expert parallelism (a mixture of experts: model.name = "moe", or a transformers Mixtral, Qwen2-MoE or
+    Qwen3-MoE): each layer's experts split over groups of this many dp ranks, tokens sent to their experts' ranks
+    and back by all-to-all; the experts are replicated over the groups (sharded over them under ZeRO 2/3). Divides
+    dp and the experts; not with ZeRO 1 yet."""
     pp: int = Field(1, ge=1)
     """Pipeline-parallel degree: the model's layers split into stages over this many ranks (the
     model's ModelBundle.pipeline; gpt has one)."""

@@ -32,6 +32,7 @@ from shoal.models.spec import Batch, DataSpec, ModelBundle, ModelSection
 from shoal.models.tp_plan import parallelize, refuse_sequence_parallel, resolve, split_by
 
 FEATURE = 'model.name = "hf"'
+ROUTED_EXPERTS_KEYS = ("num_experts", "num_local_experts", "n_routed_experts")  # transformers configs' names
 
 
 class LoraSection(BaseModel):
@@ -77,6 +78,17 @@ class HFConfig(ModelSection):
         from shoal.models.pretrained import has_weights
 
         return self.init_from or (self.path if self.path and has_weights(self.path) else None)
+
+    def routed_experts(self) -> tuple[int, str] | None:
+        """The transformers config's routed experts (num_experts: Qwen-MoE; num_local_experts: Mixtral;
+        n_routed_experts: DeepSeek), if any, named by the key model.config sets where it sets one (a config may
+        answer to several: Mixtral's num_experts is its num_local_experts)."""
+        config = hf_config(self)
+        for key in sorted(ROUTED_EXPERTS_KEYS, key=lambda k: k not in self.config):
+            n = getattr(config, key, None)
+            if isinstance(n, int) and n > 0:
+                return n, f"model.config.{key}"
+        return None
 
     @property
     def peft_task(self) -> str:

@@ -94,6 +94,9 @@ class MoEConfig(gpt.GPTConfig):
                              f"least {need:.3g} (or leave it unset: dropless)")
         return self
 
+    def routed_experts(self) -> tuple[int, str]:
+        return self.experts, "model.experts"
+
     def capacity(self) -> int | None:
         """Choices an expert takes of one sequence's (None: dropless)."""
         if self.capacity_factor is None:
@@ -155,17 +158,34 @@ class Experts(nn.Module):
     def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """`x`: rows sorted by expert, `counts` (E,) rows per expert."""
         offsets = torch.cumsum(counts, 0).to(torch.int32)
-        kind = x.device.type
-        # under autocast, in its dtype, as it runs a linear layer (it leaves these products alone)
-        if torch.amp.is_autocast_available(kind) and torch.is_autocast_enabled(kind):
-            x = x.to(torch.get_autocast_dtype(kind))
-        # under expert parallelism the weights are DTensors (parallel/experts.py): this rank's experts, their local part
-        gate, up, down = (getattr(w, "to_local", lambda w=w: w)().to(x.dtype) for w in (self.w_gate, self.w_up,
-                                                                                           self.w_down))
-        grouped = not shape_only(x) and (self.grouped is True or (
-            self.grouped == "auto" and grouped_mm_fits(x, gate) and grouped_mm_fits(x, down.transpose(1, 2))))
+        x = in_compute_dtype(x)
+        gate, up, down = (local_weight(w, x.dtype) for w in (self.w_gate, self.w_up, self.w_down))
+        grouped = grouped_choice(self.grouped, x, gate, down)
         h = F.silu(expert_matmul(x, gate, offsets, counts, grouped)) * expert_matmul(x, up, offsets, counts, grouped)
         return expert_matmul(h, down, offsets, counts, grouped)
+
+
+def in_compute_dtype(x: torch.Tensor) -> torch.Tensor:
+    """Rows for the experts under autocast in its dtype, as it runs a linear layer (it leaves the experts' products
+    alone); else as they are."""
+    kind = x.device.type
+    if torch.amp.is_autocast_available(kind) and torch.is_autocast_enabled(kind):
+        return x.to(torch.get_autocast_dtype(kind))
+    return x
+
+
+def local_weight(w: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """An experts' weight in `dtype`; under expert parallelism a DTensor (parallel/experts.py): its local part, this
+    rank's experts."""
+    return getattr(w, "to_local", lambda: w)().to(dtype)
+
+
+def grouped_choice(setting: bool | str, x: torch.Tensor, first: torch.Tensor, last: torch.Tensor) -> bool:
+    """Whether the products run as grouped GEMMs (model.grouped_mm): x (M, K) times `first` (E, K, N), and the
+    hidden rows times `last` (E, N, K), where the device and shapes allow it under "auto"; never in the planner's
+    trace."""
+    return not shape_only(x) and (setting is True or (
+        setting == "auto" and grouped_mm_fits(x, first) and grouped_mm_fits(x, last.transpose(1, 2))))
 
 
 class SwiGLU(nn.Module):

@@ -18,6 +18,7 @@ import torch
 from safetensors import safe_open
 
 from shoal.errors import UserError
+from shoal.models.hub_names import Stacked, model_names, stacked
 
 KEY = "model.init_from"
 
@@ -65,24 +66,32 @@ def _aliases(model: torch.nn.Module) -> list[list[str]]:
     return list(groups.values())
 
 
-def check_pretrained(model: torch.nn.Module, path: str | Path, key: str = KEY) -> dict[str, str]:
+def check_pretrained(model: torch.nn.Module, path: str | Path, key: str = KEY) -> dict[str, str | Stacked]:
     """Names and shapes only (from the files' headers; `model` may be on the meta device). Returns
-    {model's name: name in the file}; raises UserError at the first mismatch."""
+    {model's name: name in the file, or how the file's tensors make it (a transformers mixture of experts' stacked
+    experts, models/hub_names.py)}; raises UserError at the first mismatch."""
     files = weight_files(path, key)
     saved = _shapes(files)
+    named = model_names(model, list(saved))  # the model's names of the file's tensors
     state = model.state_dict(keep_vars=True)
-    mapping = {}
+    mapping: dict[str, str | Stacked] = {}
     for names in _aliases(model):
-        found = next((n for n in names if n in saved), None)
-        if found is None:
-            raise UserError(f"{key} = {str(path)!r} has no weight {names[0]} (shape {list(state[names[0]].shape)}) "
+        want = tuple(state[names[0]].shape)
+        found = next((n for n in names if n in named), None)
+        made = None if found is not None or len(want) < 2 else stacked(model, names[0], want[0], named)
+        if found is None and made is None:
+            raise UserError(f"{key} = {str(path)!r} has no weight {names[0]} (shape {list(want)}) "
                             f"that the model needs; the file's names start {sorted(saved)[:3]}: check model.name and "
                             f"its sizes")
-        if saved[found][0] != tuple(state[names[0]].shape):
-            raise UserError(f"{key} = {str(path)!r}: {found} has shape {list(saved[found][0])} in the file but "
-                            f"{list(state[names[0]].shape)} in the model; match the model's sizes to the weights")
-        mapping.update({n: found for n in names})
-    unused = sorted(set(saved) - set(mapping.values()))
+        source = named[found] if made is None else made
+        shape = saved[source][0] if made is None else made.shape({n: saved[n][0] for n in made.names()})
+        if shape != want:
+            raise UserError(f"{key} = {str(path)!r}: {source if made is None else made.names()[0]} makes shape "
+                            f"{list(shape)} from the file but the model's {names[0]} is {list(want)}; match the "
+                            f"model's sizes to the weights")
+        mapping.update({n: source for n in names})
+    used = {n for v in mapping.values() for n in ([v] if isinstance(v, str) else v.names())}
+    unused = sorted(set(saved) - used)
     if unused:
         raise UserError(f"{key} = {str(path)!r} has {len(unused)} weight(s) the model lacks, first {unused[0]}; "
                         f"check model.name and its sizes (or the task: a classifier's head differs from an LM's)")
@@ -100,7 +109,11 @@ def defer_pretrained(model: torch.nn.Module, path: str | Path, recording, key: s
     for name, source in mapping.items():
         if id(state[name]) not in done:  # a tied weight is read once
             done.add(id(state[name]))
-            recording.load(state[name], lambda f=where[source], n=source: _read(f, n))
+            recording.load(state[name], lambda s=source: _value(s, lambda n: _read(where[n], n)))
+
+
+def _value(source: str | Stacked, tensor_of) -> torch.Tensor:
+    return tensor_of(source) if isinstance(source, str) else source.read(tensor_of)
 
 
 def _read(file: Path, name: str) -> torch.Tensor:
@@ -111,12 +124,8 @@ def _read(file: Path, name: str) -> torch.Tensor:
 def load_pretrained(model: torch.nn.Module, path: str | Path, key: str = KEY) -> None:
     """Copy the weights at `path` into `model` in place (strictly matched, see check_pretrained)."""
     mapping = check_pretrained(model, path, key)
+    where = {name: f for f in weight_files(path, key) for name in _shapes([f])}
     state = model.state_dict()
-    wanted = set(mapping.values())
     with torch.no_grad():
-        for f in weight_files(path, key):
-            with safe_open(str(f), framework="pt") as sf:
-                tensors = {n: sf.get_tensor(n) for n in sf.keys() if n in wanted}
-            for name, source in mapping.items():
-                if source in tensors:
-                    state[name].copy_(tensors[source])
+        for name, source in mapping.items():  # one tensor at a time, memory-mapped
+            state[name].copy_(_value(source, lambda n: _read(where[n], n)))

@@ -149,6 +149,11 @@ class ModelSection(BaseModel):
         """Where a fresh start's weights come from; None: the seeded random init."""
         return self.init_from
 
+    def routed_experts(self) -> tuple[int, str] | None:
+        """A mixture of experts' routed experts per layer and the key that sets them (what parallel.ep splits);
+        None: a model without experts."""
+        return None
+
 
 def count_parameters(model: torch.nn.Module) -> int:
     return sum(p.numel() for p in model.parameters())

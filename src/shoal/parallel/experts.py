@@ -10,12 +10,18 @@ In each MoE layer, after the rank routed its own tokens and sorted its choices b
 4. the results go back to the ranks they came from by the reverse all-to-all, in the order they left.
 The gradients take the same way back (the all-to-alls' backward). An expert's weight gradient so holds the
 contributions of every rank's tokens that chose it; its replicas on other ep groups are the same experts.
+
+A transformers mixture of experts (Mixtral, Qwen2-MoE, Qwen3-MoE) is split the same way: its router and its
+balance loss stay its own, and its experts block's forward is replaced by one that sorts the choices the router
+made and sends them through the same dispatch, its stacked weights (gate_up_proj, down_proj) sharded on the ep
+ranks under their own names.
 """
 
 from __future__ import annotations
 
 import logging
 import sys
+from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -24,7 +30,8 @@ from torch.nn.parallel import DistributedDataParallel
 from shoal.comm.collectives import Comm
 from shoal.comm.exchange import exchange
 from shoal.compat import split_mesh_axis
-from shoal.models.moe import Experts, MoE
+from shoal.errors import UserError
+from shoal.models.moe import MoE, expert_matmul, grouped_choice, in_compute_dtype, local_weight
 
 EXPERT_MESH = ("edp", "ep")  # the experts' mesh: the ranks holding the same experts, and the ep group
 
@@ -35,7 +42,8 @@ class ExpertParallel:
     """An MoE layer's `dispatch` under expert parallelism: this rank holds experts [rank x local, (rank + 1) x
     local) of the layer's E, as `experts` (their weights only)."""
 
-    def __init__(self, experts: Experts, n_experts: int, comm: Comm, group, ep: int, label: str = "ep"):
+    def __init__(self, experts: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], n_experts: int, comm: Comm,
+                 group, ep: int, label: str = "ep"):
         self.experts, self.n_experts, self.comm, self.group, self.ep, self.label = experts, n_experts, comm, group, \
             ep, label
         self.local = n_experts // ep
@@ -44,9 +52,9 @@ class ExpertParallel:
         """`rows`: this rank's choices sorted by expert, `counts` (E,) per expert; returns the experts' outputs
         for them, in the same order."""
         ep, local = self.ep, self.local
-        kind = rows.device.type  # under autocast the experts compute in its dtype: the rows travel in it (half
-        if torch.amp.is_autocast_available(kind) and torch.is_autocast_enabled(kind):  # the bytes of fp32's),
-            rows = rows.to(torch.get_autocast_dtype(kind))  # the same values Experts would cast on arrival
+        # under autocast the experts compute in its dtype: the rows travel in it (half the bytes of fp32's), the
+        # same values Experts would cast on arrival
+        rows = in_compute_dtype(rows)
         received = torch.empty_like(counts)
         self.comm.all_to_all(received, counts, self.group, self.label)  # (source, my expert) counts
         sizes = received.view(ep, local)
@@ -88,16 +96,19 @@ class ExpertLayout:
         logging.getLogger("torch.distributed.tensor._redistribute").addFilter(_two_step_hint)
         self.comm, self.dp = comm, dp
         self.names: list[str] = []
-        self.layers: list[Experts] = []
-        for name, layer in model.named_modules():
-            if not isinstance(layer, MoE):
-                continue
-            e = layer.experts
-            self.layers.append(e)
-            for w in WEIGHTS:
-                setattr(e, w, nn.Parameter(distribute_tensor(getattr(e, w).detach(), self.mesh["ep"], [Shard(0)])))
-                self.names.append(f"{name}.experts.{w}" if name else f"experts.{w}")
-            layer.dispatch = ExpertParallel(e, e.w_gate.shape[0], comm, self.mesh["ep"].get_group(), ep)
+        self.layers: list[nn.Module] = []  # each layer's experts (what ZeRO 2/3 shards over edp)
+        group = self.mesh["ep"].get_group()
+        for prefix, layer, block, weights in expert_blocks(model, ep):
+            self.layers.append(block)
+            for w in weights:
+                setattr(block, w, nn.Parameter(distribute_tensor(getattr(block, w).detach(), self.mesh["ep"],
+                                                                 [Shard(0)])))
+                self.names.append(f"{prefix}.{w}")
+            n = getattr(block, weights[0]).shape[0]
+            if block is layer:  # a transformers block: its forward stands in for its own (RoutedRows)
+                layer.forward = RoutedRows(ExpertParallel(TransformersExperts(layer), n, comm, group, ep), n)
+            else:
+                layer.dispatch = ExpertParallel(block, n, comm, group, ep)
         self.params = [p for n, p in model.named_parameters() if n in self.names]
 
     def sync_grads(self) -> None:
@@ -117,6 +128,79 @@ class ExpertLayout:
         the ranks that hold the same experts (torchtitan's choice), their gradients reduce-scattered there and
         divided by dp rather than by edp's size: DDP's mean over every dp rank, as sync_grads gives."""
         return [(e, self.mesh["edp"], self.dp) for e in self.layers]
+
+
+TRANSFORMERS_WEIGHTS = ("gate_up_proj", "down_proj")
+
+
+def expert_blocks(model: nn.Module, ep: int) -> list[tuple[str, nn.Module, nn.Module, tuple[str, ...]]]:
+    """Each MoE layer of `model` as parallel.ep (`ep`) splits it: (its experts' weights' name prefix, the layer, the
+    module holding the weights, their names): shoal's MoE and its Experts, or a transformers experts block
+    (transformers_experts) itself. A model with none of them is refused in one line (run before any worker starts:
+    preflight.py)."""
+    out = []
+    for name, layer in model.named_modules():
+        if isinstance(layer, MoE):
+            out.append((f"{name}.experts" if name else "experts", layer, layer.experts, WEIGHTS))
+        elif transformers_experts(layer):
+            out.append((name, layer, layer, TRANSFORMERS_WEIGHTS))
+    if not out:
+        raise UserError(f"parallel.ep = {ep}: the model has experts, but none of its experts blocks is one shoal can "
+                        f"split (shoal's MoE, or a transformers block with stacked gate_up_proj and down_proj weights "
+                        f"and no biases, as Mixtral's and Qwen-MoE's); set parallel.ep = 1")
+    return out
+
+
+def transformers_experts(module: nn.Module) -> bool:
+    """Whether `module` is a transformers experts block shoal's dispatch can stand in for: its experts' weights
+    stacked, gate_up_proj (E, 2 I, H) with the gate's half first and down_proj (E, H, I), an `act_fn`, and a
+    forward (hidden_states (N, H), top_k_index (N, k), top_k_weights (N, k)), without biases, a norm after each
+    expert or a transposed layout (the flags transformers' use_experts_implementation sets, where the class has
+    them): Mixtral's, Qwen2-MoE's and Qwen3-MoE's in transformers 5."""
+    gate_up, down = getattr(module, "gate_up_proj", None), getattr(module, "down_proj", None)
+    if not (isinstance(gate_up, nn.Parameter) and isinstance(down, nn.Parameter) and gate_up.dim() == down.dim() == 3):
+        return False
+    experts, width, hidden = gate_up.shape
+    return (tuple(down.shape) == (experts, hidden, width // 2) and hasattr(module, "act_fn")
+            and getattr(module, "has_gate", True) and getattr(module, "is_concatenated", True)
+            and not any(getattr(module, flag, False) for flag in ("has_bias", "is_transposed", "has_post_expert_norm")))
+
+
+class TransformersExperts:
+    """A transformers experts block's products (ExpertParallel's `experts`) over rows sorted by expert: this rank's
+    experts' gate_up_proj, the block's act_fn on the gate's half times the up half, then down_proj, as its own
+    forward computes each expert's; one grouped GEMM (or batched product) over the experts for each, as Experts."""
+
+    def __init__(self, block: nn.Module):
+        self.block = block
+
+    def __call__(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        offsets = torch.cumsum(counts, 0).to(torch.int32)
+        x = in_compute_dtype(x)
+        gate_up = local_weight(self.block.gate_up_proj, x.dtype).transpose(1, 2)  # (E, H, 2 I)
+        down = local_weight(self.block.down_proj, x.dtype).transpose(1, 2)  # (E, I, H)
+        grouped = grouped_choice("auto", x, gate_up, down)
+        gate, up = expert_matmul(x, gate_up, offsets, counts, grouped).chunk(2, dim=-1)
+        return expert_matmul(self.block.act_fn(gate) * up, down, offsets, counts, grouped)
+
+
+class RoutedRows:
+    """A transformers experts block's forward under parallel.ep: each token's choices sorted by expert and sent to
+    their experts' ranks by `dispatch` (ExpertParallel), as MoE.forward sends shoal's, and the results weighted by
+    the router's weights and summed per token."""
+
+    def __init__(self, dispatch: ExpertParallel, experts: int):
+        self.dispatch, self.experts = dispatch, experts
+
+    def __call__(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
+                 top_k_weights: torch.Tensor) -> torch.Tensor:
+        n, k = top_k_index.shape
+        flat = top_k_index.reshape(-1)  # token t's choices at t k + j
+        order = torch.argsort(flat, stable=True)
+        out = self.dispatch(hidden_states[order // k], torch.bincount(flat, minlength=self.experts))
+        out = out.to(hidden_states.dtype) * top_k_weights.reshape(-1)[order, None].to(hidden_states.dtype)
+        mixed = hidden_states.new_zeros(n * k, hidden_states.shape[-1]).index_copy(0, order, out)
+        return mixed.view(n, k, -1).sum(1)
 
 
 def _two_step_hint(record: logging.LogRecord) -> bool:

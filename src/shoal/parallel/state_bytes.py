@@ -74,24 +74,25 @@ def expert_local(shape: ModelShape, ep: int) -> ModelShape:
     is gathered for compute."""
     if ep == 1:
         return shape
-
-    def local(ps: list[Param]) -> list[Param]:
-        return [(n // ep, dim0 // ep, ndim, trainable, split) if ndim == 3 else (n, dim0, ndim, trainable, split)
-                for n, dim0, ndim, trainable, split in ps]
-
-    return shape.once(("ep", ep), lambda: ModelShape(local(shape.params), [local(b) for b in shape.block_params],
+    return shape.once(("ep", ep), lambda: ModelShape(_experts_local(shape.params, ep),
+                                                       [_experts_local(b, ep) for b in shape.block_params],
                                                        element_size=shape.element_size, split=shape.split))
+
+
+def _experts_local(params: list[Param], ep: int) -> list[Param]:
+    return [(n // ep, dim0 // ep, ndim, trainable, split) if ndim == 3 else (n, dim0, ndim, trainable, split)
+            for n, dim0, ndim, trainable, split in params]
 
 
 def expert_split(shape: ModelShape, params: list, ep: int, zero: int) -> tuple[ModelShape, list, tuple]:
     """Under parallel.ep: (the shape a rank computes with, its parameters, (shape, parameters) its model state is
-    counted from). Compute sees a rank's experts only (expert_local) and the whole model's parameters, since a
-    mixture of experts has no pipeline split; the state is those experts under ZeRO 0/1, and the whole model,
-    sharded over dp as state_bytes counts it, under ZeRO 2/3. ep 1: `shape` and `params` for all three."""
+    counted from). `params`: the rank's (a pipeline's: its stages'). Compute sees a rank's experts only
+    (expert_local); the state is those experts under ZeRO 0/1, and the rank's parameters whole, sharded over dp as
+    state_bytes counts them, under ZeRO 2/3. ep 1: `shape` and `params` for all three."""
     if ep == 1:
         return shape, params, (shape, params)
-    local = expert_local(shape, ep)
-    return local, local.params, (shape, shape.params) if zero >= 2 else (local, local.params)
+    local, mine = expert_local(shape, ep), _experts_local(params, ep)
+    return local, mine, (shape, params) if zero >= 2 else (local, mine)
 
 
 def param(numel: int, dim0: int, ndim: int, trainable: bool, split: bool | None = None) -> Param:
