@@ -2,7 +2,7 @@
 
 A GPT (4 layers, d_model 256, 4 heads, 128-byte context; fp32, 2 processes x 1 thread, gloo, CPU) in
 at least 8 layouts: dp 2 with ZeRO 0, 1, 2, 3, dp 2 with activation checkpointing, tp 2, pp 2 with
-the 1F1B and GPipe schedules; with --layouts moe-dp2,moe-ep2, the same decoder as a mixture of experts on
+the 1F1B and GPipe schedules; with --layouts moe-dp2,moe-ep2,moe-tp2,moe-pp2, the same decoder as a mixture of experts on
 dp 2 and on dp 2 x ep 2. The machine is measured first (`shoal probe --nproc 2`, the profile
 plan reads, with its calibration: the probe's own reference GPT, 2 blocks of 128 and 512, trained in
 each strategy); each layout is then trained for --steps steps (`shoal train --nproc 2`) and its finished
@@ -56,10 +56,12 @@ LAYOUTS = {
     "pp2-gpipe": ["parallel.pp=2", 'parallel.pp_schedule="gpipe"'],
     # the same decoder as a mixture of experts (8 experts of 512, top 2; not in the default set): data parallelism,
     # expert parallelism, whose all-to-alls and halved experts the plan prices, and tensor parallelism, which splits
-    # the attention and leaves each rank its experts whole (docs/moe.md)
+    # the attention and leaves each rank its experts whole, and a pipeline of 2 stages, whose layers' balance losses
+    # are carried into the backward (docs/moe.md)
     "moe-dp2": MOE,
     "moe-ep2": [*MOE, "parallel.ep=2"],
     "moe-tp2": [*MOE, "parallel.tp=2"],
+    "moe-pp2": [*MOE, "parallel.pp=2", 'parallel.pp_schedule="1f1b"'],
 }
 
 
