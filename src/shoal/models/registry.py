@@ -26,6 +26,12 @@ class UserModelConfig(ModelSection):
     name: str
     seq_len: int | None = None  # needed when a user model trains on a text/token source
 
+    def routed_experts(self) -> tuple[int, str] | None:
+        """A user's model is a mixture of experts that parallel.ep splits where its [model] keys say how many
+        experts a layer routes to (`experts`, as shoal's MoE says it) and it builds shoal's MoE layers."""
+        experts = getattr(self, "experts", None)
+        return (experts, "model.experts") if isinstance(experts, int) and experts > 0 else None
+
 
 def _builtins() -> dict[str, tuple[type[ModelSection], Callable[..., ModelBundle]]]:
     from shoal.models import gpt, hf, moe, ncf, resnet
