@@ -29,6 +29,12 @@ class Layout:
     replicas: int = 1  # models kept apart between periodic syncs (local SGD, DiLoCo); 1: every step
     servers: int = 0  # parameter-server ranks (the last ones of the world), outside dims
     micro_batch: int = 1  # samples per forward and backward: train.micro_batch_size, at most a rank's share
+    cp: int = 1  # parallel.cp: the dp ranks that train on the same sequences, each on its part of them
+
+    @property
+    def batch_ranks(self) -> int:
+        """The ranks the global batch is split over: dp, or under context parallelism its groups (dp / cp)."""
+        return self.dims.dp // self.cp
 
     @property
     def shard_ranks(self) -> int:
@@ -41,6 +47,9 @@ class Layout:
         if d.pp > 1:
             split = (f"{self.per_rank_batch // self.pp_microbatches} x dp {d.dp} x {self.pp_microbatches} "
                      f"pipeline micro-batches")
+        elif self.cp > 1:
+            split = (f"micro {self.micro_batch} x dp {self.batch_ranks} x accumulation {self.grad_accum}, each "
+                     f"sequence split over cp {self.cp}")
         else:
             split = f"micro {self.micro_batch} x dp {d.dp} x accumulation {self.grad_accum}"
         zero = f", ZeRO {self.zero}" if self.zero else ""
@@ -56,7 +65,8 @@ class Layout:
                     f"(parameter server, {cfg.ps.mode}"
                     f"{f', max staleness {cfg.ps.max_staleness}' if cfg.ps.mode == 'async' else ''}), "
                     f"ranks 0-{d.world_size - 1} train")
-        return (f"world {d.world_size} = dp {d.dp} x tp {d.tp} x pp {d.pp}{zero} ({self.backend}{on}); global batch "
+        ranks = f"dp {self.batch_ranks} x cp {self.cp}" if self.cp > 1 else f"dp {d.dp}"
+        return (f"world {d.world_size} = {ranks} x tp {d.tp} x pp {d.pp}{zero} ({self.backend}{on}); global batch "
                 f"{t.global_batch_size} = {split}; {t.global_batch_size * items_per_sample:,} {items_name} per step"
                 f"{sync}{compressed}")
 
@@ -98,17 +108,20 @@ def resolve_layout(cfg: Config, world_size: int, cuda: bool) -> Layout:
     dims = ParallelDims.resolve(p.dp, p.tp, p.pp, world_size - servers, p.dp_replicate)
     device = choose_device(p.device, cuda)
     backend = choose_backend(p.backend, device)
-    micro = micro_batch(t.global_batch_size, t.micro_batch_size, dims.dp)
+    if p.cp > 1:
+        _check_context(cfg, dims)
+    batch_ranks = dims.dp // p.cp
+    micro = micro_batch(t.global_batch_size, t.micro_batch_size, batch_ranks)
     _check_sharding(cfg, dims, device, world_size)
     if p.ep > 1:
         _check_experts(cfg, dims)
     _check_precision(cfg, device)
     check_cuda_graphs(cfg, device)
-    per_rank = t.global_batch_size // dims.dp
+    per_rank = t.global_batch_size // batch_ranks
     microbatches = _pipeline_microbatches(cfg, dims, per_rank, micro) if dims.pp > 1 else 0
     replicas = _replicas(cfg, dims) if cfg.sync.mode in ("local-sgd", "diloco") else 1
     return Layout(dims, backend, device, p.zero, per_rank // micro, per_rank, microbatches, replicas, servers,
-                  micro)
+                  micro, p.cp)
 
 
 def micro_batch(global_batch: int, micro: int, dp: int) -> int:
@@ -197,6 +210,35 @@ def _check_experts(cfg: Config, dims: ParallelDims) -> None:
     if cfg.sync.mode != "every-step":
         raise UserError(f"parallel.ep = {ep} is built with data parallelism synchronised every step, not yet with "
                         f"sync.mode = \"{cfg.sync.mode}\"; set sync.mode = \"every-step\"")
+
+
+def _check_context(cfg: Config, dims: ParallelDims) -> None:
+    """parallel.cp: sequences it splits evenly, over dp ranks it divides, with an attention it can replace."""
+    cp, m = cfg.parallel.cp, cfg.model
+    seq_len = getattr(m, "seq_len", None)
+    if seq_len is None:  # what else a model needs (its positions taken, its attention replaced): preflight.py
+        raise UserError(f"parallel.cp = {cp} splits each sequence over {cp} ranks, but model.name = \"{m.name}\" "
+                        f"trains on no sequences (model.seq_len); set parallel.cp = 1")
+    if seq_len % (2 * cp):
+        raise UserError(f"parallel.cp = {cp} cuts each sequence into 2 x {cp} = {2 * cp} equal chunks (head-tail), "
+                        f"but model.seq_len = {seq_len} is not a multiple of {2 * cp}; set model.seq_len to a "
+                        f"multiple of {2 * cp}")
+    if dims.dp % cp:
+        raise UserError(f"parallel.cp ({cp}) must divide the data-parallel ranks (dp {dims.dp}); set parallel.cp to a "
+                        f"divisor of {dims.dp} or start a multiple of {cp} processes")
+    if getattr(m, "dropout", 0.0):
+        raise UserError(f"parallel.cp = {cp} replaces causal attention without dropout, but model.dropout = "
+                        f"{m.dropout} drops attention weights; set model.dropout = 0 or parallel.cp = 1")
+    if getattr(m, "task", "causal-lm") != "causal-lm":
+        raise UserError(f"parallel.cp = {cp} replaces causal attention, but model.task = \"{m.task}\" attends both "
+                        f"ways; set parallel.cp = 1")
+    others = [k for k, v in (("parallel.pp", dims.pp), ("parallel.ep", cfg.parallel.ep)) if v > 1]
+    others += [f'{k} = "{v}"' for k, v, usual in (("sync.mode", cfg.sync.mode, "every-step"),
+                                                  ("balance.mode", cfg.balance.mode, "uniform")) if v != usual]
+    if others:
+        what = others[0]
+        raise UserError(f"parallel.cp = {cp} with {what} is not built yet; set parallel.cp = 1 (cp composes with dp, "
+                        f"ZeRO 1-3 and tp)")
 
 
 def _check_hsdp(cfg: Config, dims: ParallelDims) -> None:

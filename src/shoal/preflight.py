@@ -70,6 +70,11 @@ def check_job(cfg: Config, world_sizes: list[int], cuda: bool, run_dir: Path | N
         bundle = build_model(cfg.model, source.spec)
     if cfg.parallel.ep > 1:  # a model whose experts blocks parallel.ep can split
         expert_blocks(bundle.model, cfg.parallel.ep)
+    if cfg.parallel.cp > 1 and not bundle.takes_positions:
+        raise UserError(f"parallel.cp = {cfg.parallel.cp} splits each sequence over ranks, which model.name = "
+                        f"\"{cfg.model.name}\" is not built for (its positions taken from the batch, its attention "
+                        f"causal scaled_dot_product_attention: shoal's gpt and causal-lm hf models); set "
+                        f"parallel.cp = 1")
     for layout in layouts:
         check_fit(cfg, layout, bundle, source)
     freeze(bundle.model, cfg.train.freeze)  # frozen parameters have no gradients or optimizer state

@@ -27,7 +27,8 @@ STALL = ["--set", 'model.name="stall:build"', "--set", "model.seq_len=32", "--se
          "--set", "train.global_batch_size=4", "--set", "train.micro_batch_size=2", "--set", "train.val_interval=0",
          "--set", "metrics.tensorboard=false", "--set", "parallel.threads_per_worker=1", "--set", "parallel.timeout_s=3"]
 LAYOUTS = {"dp2": [], "dp2-zero3": ["--set", "parallel.zero=3"], "tp2": ["--set", "parallel.tp=2"],
-           "pp2": ["--set", "parallel.pp=2"], "dp2-ep2": ["--set", "model.experts=4", "--set", "parallel.ep=2"]}
+           "pp2": ["--set", "parallel.pp=2"], "dp2-ep2": ["--set", "model.experts=4", "--set", "parallel.ep=2"],
+           "cp2": ["--set", "parallel.cp=2"]}
 
 
 @pytest.mark.serial  # a 3 s collective timeout, and the run must end within 13 s of the stall
@@ -35,8 +36,7 @@ LAYOUTS = {"dp2": [], "dp2-zero3": ["--set", "parallel.zero=3"], "tp2": ["--set"
 def test_stalled_rank_is_named_under_every_layout(tmp_path, layout):
     """Rank 1 stalls inside a transformer block's forward. The others wait in whatever collective comes
     next: DDP's gradient all-reduce, FSDP2's all-gather, DTensor's all-reduce, a pipeline recv, expert
-    parallelism's all-to-all. The
-    report must name rank 1, and the run must end within parallel.timeout_s (3 s) + 10 s of the stall."""
+    parallelism's all-to-all, context parallelism's gather of keys and values. The report must name rank 1, and the run must end within parallel.timeout_s (3 s) + 10 s of the stall."""
     mark = tmp_path / "stalled_at"
     r = run_cli(["train", "--nproc", "2", "--run-dir", tmp_path / "run", *STALL, "--set", f'model.mark_file="{mark}"',
                  *LAYOUTS[layout]], timeout=120)

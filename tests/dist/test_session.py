@@ -148,7 +148,7 @@ def refusal(env, case: str, run_dir: str) -> str:
     ("tp plan names nothing", "tp_plan['blocks.*.up'] names no module of the model (its modules: 0, 1, ...)"),
     ("tp does not divide", "parallel.tp (2) must divide 0's out_features (3), which the plan splits"),
     ("tp style unknown", "the tensor-parallel plan splits 1 as 'diagonal', which shoal does not translate"),
-    ("pp", "parallel.pp > 1 and the parameter server run the loss inside shoal's own loop"),
+    ("pp", "parallel.pp > 1, parallel.cp > 1 and the parameter server run the loss inside shoal's own loop"),
     ("rollback", 'train.on_bad_step = "rollback" reruns steps inside shoal\'s own loop; in a Session use "skip"'),
     ("stepped optimizer", "the optimizer has already stepped; prepare it before its first step"),
     ("balance", "balance.mode asks a Session for what it does not do: sess.data() splits every step's batch evenly"),

@@ -42,11 +42,14 @@ GPT = ["model.n_layer=2", "model.d_model=32", "model.n_head=2", "model.seq_len=1
 @pytest.mark.parametrize("layout, axis", [(["parallel.tp=2"], "tp"), (["parallel.zero=3"], "dp"),
                                           (["parallel.pp=2", "parallel.pp_microbatches=4"], "pp"),
                                           pytest.param(['model.name="moe"', "model.experts=4", "parallel.ep=2"], "ep",
-                                                       marks=pytest.mark.slow)])  # make test-fast keeps 3 of 4
+                                                       marks=pytest.mark.slow),
+                                          pytest.param(["parallel.cp=2"], "cp", marks=pytest.mark.slow)])
+# make test-fast keeps 3 of 5
 def test_waits_inside_the_model_are_exposed_on_their_axis(ranks, tmp_path, layout, axis):
     """DTensor's all-reduces (tp), FSDP2's all-gathers (ZeRO 3: dp) and a pipeline's receives (pp) are
     torch's collectives, not shoal's: their waits are timed all the same, and still add up to the step. Expert
-    parallelism's all-to-alls (ep) are shoal's, on an axis of their own."""
+    parallelism's all-to-alls (ep) and context parallelism's gathers of keys and values (cp) are shoal's, on axes
+    of their own."""
     (summary, _), _ = ranks(2).run(train, [*GPT, *layout], str(tmp_path))
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     for m in rows:

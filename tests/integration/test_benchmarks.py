@@ -24,6 +24,7 @@ ROOT_ONLY = "needs root: it makes network namespaces and rate limits (shoal clus
 # name: (its reduced form's arguments, a reason it cannot run here or None, its timeout in seconds)
 REDUCED: dict[str, tuple[list[str], str | None, float]] = {
     "checkpoint_cost": (["--repeats", "1", "--sizes", "default"], None, 240),
+    "context_memory": (["--rounds", "1", "--steps", "1", "--seq-len", "256", "--n-layer", "2"], None, 180),
     "default_job": (["--steps", "20"], None, 180),
     "diloco_outer": (["--steps", "16", "--variants", "every-step"], None, 240),
     "dp_overhead": (["--rounds", "1", "--steps", "30", "--micro", "2"], None, 180),
@@ -58,7 +59,7 @@ SHARES = (
     ("parameter_server", "checkpoint_cost", "horovod", "straggler", "host_reads", "restore"),
     ("slow_links", "gpu_paths", "memory_sharding", "diloco_outer", "load_balance", "host_parts"),
     ("elastic", "planner_accuracy", "startup", "moe_experts", "dp_overhead", "profile_overhead", "step_costs"),
-    ("first_plan", "gpu_step", "sharded_start", "default_job", "host_step", "start_init_memory"),
+    ("first_plan", "gpu_step", "sharded_start", "default_job", "host_step", "start_init_memory", "context_memory"),
 )
 ELSEWHERE = {"gpu_planner": "tests/unit/test_gpu_planner.py", "published_runs": "tests/unit/test_published_runs.py"}
 # a part of another script, run by it (its reduced form runs this one too)

@@ -120,9 +120,11 @@ class CollectiveLog:
 def mesh_axis(group: str) -> str:
     """The mesh axis a collective's group label names: its first word ("dp, gradient bucket 3" -> dp;
     weights tied across the first and last stage -> pp; a parameter server's traffic -> dp; expert parallelism's
-    all-to-alls -> ep, and its experts' gradients summed over the ranks that hold the same ones, edp -> dp)."""
+    all-to-alls -> ep, and its experts' gradients summed over the ranks that hold the same ones, edp -> dp; context
+    parallelism's gathers of keys and values -> cp)."""
     word = group.split(",")[0].split(" ")[0]
-    return {"dp": "dp", "tp": "tp", "pp": "pp", "ep": "ep", "tied": "pp", "ps": "dp", "edp": "dp"}.get(word, "world")
+    return {"dp": "dp", "tp": "tp", "pp": "pp", "ep": "ep", "cp": "cp", "tied": "pp", "ps": "dp",
+            "edp": "dp"}.get(word, "world")
 
 
 def describe(rec: dict | None) -> str:

@@ -22,6 +22,11 @@ class ParallelConfig(Section):
     Qwen3-MoE): each layer's experts split over groups of this many dp ranks, tokens sent to their experts' ranks
     and back by all-to-all; the experts are replicated over the groups (sharded over them under ZeRO 2/3). Divides
     dp and the experts; not with ZeRO 1 yet."""
+    cp: int = Field(1, ge=1)
+    """Context parallelism: each sequence split over groups of this many dp ranks (head-tail chunks of
+    seq_len / (2 cp) tokens), attention computed over the whole sequence from the group's gathered keys and
+    values; the group's ranks train on the same sequences (the batch is split over dp / cp groups) and their
+    gradients are reduced over every dp rank. Divides dp; seq_len divisible by 2 cp."""
     pp: int = Field(1, ge=1)
     """Pipeline-parallel degree: the model's layers split into stages over this many ranks (the
     model's ModelBundle.pipeline; gpt has one)."""

@@ -134,10 +134,13 @@ class GPT(nn.Module):
         if isinstance(m, nn.Linear) and m.bias is not None:
             nn.init.zeros_(m.bias)
 
-    def forward(self, idx: torch.Tensor, target: torch.Tensor | None = None) -> torch.Tensor:
-        """The logits (B, T, vocab); given the target (B, T), the loss summed over its counted tokens instead."""
+    def forward(self, idx: torch.Tensor, target: torch.Tensor | None = None,
+                positions: torch.Tensor | None = None) -> torch.Tensor:
+        """The logits (B, T, vocab); given the target (B, T), the loss summed over its counted tokens instead.
+        `positions` (T,): the tokens' places in their sequence (parallel.cp: this rank's part of it); default
+        0 .. T - 1."""
         B, T = idx.shape
-        pos = torch.arange(T, device=idx.device)
+        pos = torch.arange(T, device=idx.device) if positions is None else positions
         x = self.drop(self.tok_emb(idx) + self.pos_emb(pos))  # (B, T, C)
         for block in self.blocks:
             x = block(x)
@@ -163,6 +166,8 @@ def lm_loss(model: nn.Module, batch: Batch) -> torch.Tensor:
     """Next-token cross-entropy summed over counted tokens (see [Note: loss contract]). Taken inside the
     model's forward: ZeRO 3 holds the head's gathered weight only there (the chunked loss reads it), and a
     compiled model compiles its loss too."""
+    if "positions" in batch:  # parallel.cp: this rank's positions of each sequence
+        return model(batch["input"], batch["target"], batch["positions"])
     return model(batch["input"], batch["target"])
 
 
@@ -174,7 +179,7 @@ def build(cfg: GPTConfig, spec: DataSpec) -> ModelBundle:
     model = GPT(cfg, padded_vocab(cfg, spec))
     return ModelBundle(model, lm_loss, count_tokens, block_types=(Block,), items_name="tokens",
                        tensor_parallel=tensor_parallel, pipeline=pipeline_layers, flops_per_sample=flops(model, cfg),
-                       tp_split=tp_split, loss_in_forward=True)
+                       tp_split=tp_split, loss_in_forward=True, takes_positions=True)
 
 
 def padded_vocab(cfg: GPTConfig, spec: DataSpec) -> int:

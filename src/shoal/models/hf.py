@@ -151,6 +151,7 @@ def build(cfg: HFConfig, spec: DataSpec) -> ModelBundle:
     names = set(getattr(model, "_no_split_modules", None) or ())
     blocks = tuple({type(m) for m in model.modules() if type(m).__name__ in names})
     return ModelBundle(model, loss_fn, count_fn, eval_fn=eval_fn, block_types=blocks, items_name=items,
+                       takes_positions=cfg.task == "causal-lm",
                        tensor_parallel=tensor_parallel if tp_plan(model) else None,
                        tp_split=tp_split_parameters if tp_plan(model) else None)
 
@@ -187,8 +188,10 @@ def causal_lm_loss(model: nn.Module, batch: Batch) -> torch.Tensor:
     router_aux_loss_coef as transformers adds it to its own loss, and by the micro-batch's counted tokens: the
     loss contract's sum ([Note: loss contract] in spec.py), so that after the division by the global batch's
     tokens it is transformers' mean over the micro-batches (each the same set of sequences on any layout)."""
+    positions = batch.get("positions")  # parallel.cp: this rank's positions of each sequence
     with unpacked_rows():
-        out = model(input_ids=batch["input"], use_cache=False)
+        out = model(input_ids=batch["input"], use_cache=False, **({} if positions is None else {
+            "position_ids": positions.expand(batch["input"].shape[0], -1)}))
     loss = F.cross_entropy(out.logits.flatten(0, 1).float(), batch["target"].flatten(), ignore_index=-1,
                            reduction="sum")
     aux = getattr(out, "aux_loss", None)

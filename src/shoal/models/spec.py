@@ -128,6 +128,9 @@ class ModelBundle:
     # the parameters one token (or sample) passes through, where fewer than all: a mixture of experts' (the dense
     # part and top_k of each layer's experts); None: all of them
     active_params: int | None = None
+    # parallel.cp can split its sequences: loss_fn gives the model a batch's "positions" (each token's place in its
+    # sequence, a rank's part of it) and its attention is F.scaled_dot_product_attention, causal (parallel/context.py)
+    takes_positions: bool = False
 
     def params_text(self, total: int) -> str:
         """`total` parameters as `shoal train`'s first line and `shoal plan` say them, with a mixture of experts'

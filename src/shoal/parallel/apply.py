@@ -30,6 +30,7 @@ from shoal.config import CommConfig, ParallelConfig, PrecisionConfig, SyncConfig
 from shoal.config.training import CUDA_GRAPH_MODES, compile_mode
 from shoal.layout import Layout
 from shoal.models.spec import LossFn, ModelBundle, PipelineLayers
+from shoal.parallel.context import ContextParallel
 from shoal.parallel.data import replicate_ddp, replicate_dtensor
 from shoal.parallel.experts import expert_parallel
 from shoal.parallel.float8 import WeightScales, float8_training
@@ -110,7 +111,7 @@ def parallelize(bundle: ModelBundle, layout: Layout, *, parallel: ParallelConfig
 
     common = {"comm": comm, "sync": sync, "device": device, "dp_rank": coords["dp"], "dp": dims.dp,
               "dp_group": dp_group, "zero_group": inner_group, "loss_context": loss_context, "zero": layout.zero,
-              **experts}
+              "context": context_parallel(mesh, layout.cp, comm), **experts}
     if dims.pp == 1:
         module = wrapped(model)
         real.fill(model)
@@ -141,6 +142,17 @@ def parallelize(bundle: ModelBundle, layout: Layout, *, parallel: ParallelConfig
                           count_fn=bundle.count_fn, pp=dims.pp, schedule=parallel.pp_schedule,
                           owns_loss=coords["tp"] == 0 and pipeline.last, scales=WeightScales.of(union, comm),
                           sharded=any(isinstance(m, FSDPModule) for m in modules), **common)
+
+
+def context_parallel(mesh, cp: int, comm: Comm) -> ContextParallel | None:
+    """Collective: parallel.cp's groups, the run's mesh's dp axis split into (dp / cp) x cp (consecutive dp ranks
+    share sequences; under tp each tp rank has its own), and this rank's; None where cp is 1."""
+    if cp == 1:
+        return None
+    from shoal.compat import split_mesh_axis
+
+    groups = split_mesh_axis(mesh, "dp", (mesh["dp"].size() // cp, cp), ("sequences", "cp"))
+    return ContextParallel(comm, groups["cp"].get_group(), cp, groups["cp"].get_local_rank())
 
 
 def stage_split(layers: PipelineLayers, parallel: ParallelConfig, dims: ParallelDims, pp_rank: int,

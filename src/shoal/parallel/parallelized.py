@@ -20,6 +20,7 @@ from torch.distributed.tensor import DTensor
 from shoal.comm.collectives import Comm
 from shoal.models.spec import Batch, ModelBundle
 from shoal.parallel.clip import GradGroups, clip_grads, grad_norm, plain
+from shoal.parallel.context import ContextParallel
 from shoal.parallel.data import grad_sync, holds_sync
 from shoal.parallel.precision import Precision
 from shoal.parallel.sync import StepSync
@@ -32,12 +33,17 @@ class Parallelized:
     def __init__(self, model: torch.nn.Module, module: torch.nn.Module, bundle: ModelBundle, *, comm: Comm,
                  sync: StepSync, device: torch.device, dp_rank: int, dp: int, dp_group, loss_context,
                  owns_loss: bool, sharded: bool, zero: int, zero_group=None, scales: Callable[[], None] | None = None,
-                 expert_sync: Callable[[], None] | None = None):
+                 expert_sync: Callable[[], None] | None = None, context: ContextParallel | None = None):
         self.model = model  # unwrapped, the whole model's names: optimizer, checkpoints, memory accounting
         self.module = module  # what forward runs on (DDP, FSDP2, compiled, or the model itself)
         self.loss_fn, self.eval_fn = bundle.loss_fn, bundle.eval_fn
         self.comm, self.sync, self.device = comm, sync, device
         self.dp_rank, self.dp, self.dp_group = dp_rank, dp, dp_group
+        # parallel.cp: the dp ranks of a group train on the same sequences, each on its positions of them; the
+        # batch is split over the groups (data_rank of data_ranks), the gradients reduced over every dp rank
+        self.context = context
+        cp = context.cp if context is not None else 1
+        self.data_rank, self.data_ranks = dp_rank // cp, dp // cp
         self.zero_group = zero_group  # what ZeRO shards over: dp_group, or one replica's ranks (local SGD, DiLoCo)
         self.loss_context = loss_context  # tensor parallelism's context for the loss and its backward
         # this rank's loss sum enters the global loss (a tensor-parallel peer's copy of it does not)
@@ -48,11 +54,20 @@ class Parallelized:
         self._grad_groups: GradGroups | None = None
         # no context around a micro-batch: no gradient sync to hold back, no tensor-parallel loss (the two
         # context managers cost ~15 us of host time a micro-batch on a small model's step here)
-        self._bare = not holds_sync(module) and loss_context is contextlib.nullcontext
+        self._bare = not holds_sync(module) and loss_context is contextlib.nullcontext and context is None
 
     def describe(self) -> str | None:
         """What the start-up print adds about this layout (the pipeline's split), if anything."""
         return None
+
+    def shard(self, batch: Batch) -> Batch:
+        """What this rank computes of a batch its data rank was given: under parallel.cp its positions of each
+        sequence (parallel/context.py), else all of it."""
+        return batch if self.context is None else self.context.shard(batch)
+
+    def attention(self) -> contextlib.AbstractContextManager:
+        """The context of a forward: under parallel.cp, attention over the group's whole sequences."""
+        return contextlib.nullcontext() if self.context is None else self.context.attention()
 
     # --- training ---------------------------------------------------------------------------------
 
@@ -67,7 +82,8 @@ class Parallelized:
             if self._bare:
                 loss = self._forward_backward(batch, scale, precision, began)
             else:
-                with grad_sync(self.module, self.sync.reduces(i, len(batches))), self.loss_context():
+                with grad_sync(self.module, self.sync.reduces(i, len(batches))), self.loss_context(), \
+                        self.attention():
                     loss = self._forward_backward(batch, scale, precision, began)
             # summed in float64; one micro-batch's loss as it is (its float64 value is the same number)
             part = loss.detach()
@@ -157,11 +173,12 @@ class Parallelized:
         chunks = [c for c in share.split(micro) if len(c)]
         pad = math.ceil(longest / micro) - len(chunks) if self.sharded else 0
         totals: Totals = {}
-        with precision.autocast(), self.loss_context():
+        with precision.autocast(), self.loss_context(), self.attention():
             for _ in range(pad):  # results unused: only the collectives count
-                self.eval_fn(self.module, val_batch(share[:1] if len(share) else torch.zeros(1, dtype=torch.long)))
+                self.eval_fn(self.module, self.shard(val_batch(share[:1] if len(share) else
+                                                               torch.zeros(1, dtype=torch.long))))
             for chunk in chunks:
-                add_to(totals, self.eval_fn(self.module, val_batch(chunk)))
+                add_to(totals, self.eval_fn(self.module, self.shard(val_batch(chunk))))
         return totals
 
     def holds_whole(self) -> bool:

@@ -78,7 +78,7 @@ def assemble(start: Start, bundle: ModelBundle, optimizer: Callable[[Parallelize
     if getattr(start.source, "streamed", False):  # data.streaming: this dp rank's place in the stream
         from shoal.data.stream import StreamPosition
 
-        stateful["stream"] = StreamPosition(start.source.train_stream(par.dp_rank, par.dp), sampler)
+        stateful["stream"] = StreamPosition(start.source.train_stream(par.data_rank, par.data_ranks), sampler)
     state = TrainState(par.model, strategy.saved_optimizer(opt), stateful, replicas_differ=start.layout.replicas > 1)
     if env.rank == 0:
         run.path.mkdir(parents=True, exist_ok=True)

@@ -23,9 +23,9 @@ def evaluate(par: Parallelized, source, train: TrainConfig, precision: Precision
         for b in range(train.val_batches):
             if b * B >= source.num_val:
                 break
-            shares = torch.arange(b * B, min((b + 1) * B, source.num_val)).tensor_split(par.dp)
+            shares = torch.arange(b * B, min((b + 1) * B, source.num_val)).tensor_split(par.data_ranks)
             longest = max(len(s) for s in shares)
-            add_to(totals, par.evaluate(shares[par.dp_rank], longest, micro, val_batch, precision))
+            add_to(totals, par.evaluate(shares[par.data_rank], longest, micro, val_batch, precision))
     keys = sorted(totals)
     # over every rank, each total counted once: tensor-parallel peers and earlier pipeline stages add 0
     flat = torch.stack([v for k in keys for v in totals[k]])

@@ -120,7 +120,8 @@ class Run:
         `flops`: where a sample's FLOPs come from (None: not known, no MFU)."""
         cfg, layout, comm = self.cfg, self.layout, self.comm
         dims, p = layout.dims, cfg.parallel
-        axes = tuple(a for a, n in (("dp", dims.dp), ("tp", dims.tp), ("pp", dims.pp), ("ep", p.ep)) if n > 1)
+        axes = tuple(a for a, n in (("dp", dims.dp), ("tp", dims.tp), ("pp", dims.pp), ("ep", p.ep), ("cp", p.cp))
+                     if n > 1)
         time_model_waits(comm.log, "tp" if dims.tp > 1 else "dp", pipeline=dims.pp > 1)
         return start_profiler(cfg.metrics, cfg.precision.dtype, self.env.device, flops,
                               axes=axes + (("world",) if comm.world_size > 1 else ()),

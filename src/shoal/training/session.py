@@ -78,9 +78,10 @@ class Session:
         refuse_unhonoured(cfg)
         self.env, self.comm = join(cfg)
         self.layout = resolve_layout(cfg, self.env.world_size, cuda=torch.cuda.is_available())
-        if self.layout.dims.pp > 1 or self.layout.servers:
-            raise UserError("parallel.pp > 1 and the parameter server run the loss inside shoal's own loop; use "
-                            "`shoal train` for them, or parallel.pp = 1 and another sync.mode in a Session")
+        if self.layout.dims.pp > 1 or self.layout.servers or self.layout.cp > 1:
+            raise UserError("parallel.pp > 1, parallel.cp > 1 and the parameter server run the loss inside shoal's "
+                            "own loop; use `shoal train` for them, or parallel.pp = 1, parallel.cp = 1 and another "
+                            "sync.mode in a Session")
         path = None if isinstance(config, Config) or config is None else str(config)
         where = Path(run_dir) if run_dir is not None else default_run_dir(path, cfg)
         run = RunDir(Path(self.comm.agree("run_dir", lambda: str(where))))

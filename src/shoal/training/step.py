@@ -95,8 +95,9 @@ class Stepper:
         return self.controls.regroup_wanted is None and not self.par.sync.verdict_at_once and self.balance is None
 
     def prepare(self, micro_batches: list[Batch]) -> Prepared:
-        """A step's micro-batches made ready for the device, and their items counted (the data thread's work)."""
-        return prepare(micro_batches, self.count_fn, self.device)
+        """A step's micro-batches made ready for the device, and their items counted (the data thread's work): what
+        this rank computes of them (under parallel.cp its positions of each sequence, its items counted)."""
+        return prepare([self.par.shard(b) for b in micro_batches], self.count_fn, self.device)
 
     def __call__(self, micro_batches: list[Batch] | Prepared, step: int, timer: StepTimer,
                  memory: dict[str, float] | None, backward_began: Callable[[], None] = lambda: None) -> StepReport:

@@ -189,7 +189,7 @@ def batches(run: Run):
     """make(step): this rank's micro-batches of training step `step` (its share of the global batch), made
     ready for the device and counted (Stepper.prepare), on the data thread."""
     sampler, source, balance = run.sampler, run.source, run.step.balance
-    dp, micro = run.layout.dims.dp, run.layout.micro_batch
+    dp, micro = run.layout.batch_ranks, run.layout.micro_batch  # parallel.cp: a group's ranks share sequences
     stream = run.state.parts.get("stream")
     if stream is not None:  # data.streaming: this rank's next windows, in micro-batches
         def windows(step: int):
@@ -202,7 +202,7 @@ def batches(run: Run):
     def make(step: int):
         shares = balance.split_for(step) if balance else None
         return run.step.prepare([source.train_batch(i, sampler.data_step(step))
-                                 for i in sampler.local_micro_batches(step, run.step.par.dp_rank, dp, micro, shares)])
+                                 for i in sampler.local_micro_batches(step, run.step.par.data_rank, dp, micro, shares)])
 
     return make
 

@@ -1,0 +1,205 @@
+"""Context parallelism (parallel.cp): each sequence split over the cp ranks of a group, so that a rank holds the
+activations of 1 / cp of it, and attention, the one layer that mixes positions, computed over the whole sequence.
+
+The split is head-tail (torchtitan's load balancing, Megatron's "zigzag"): the sequence cut into 2 cp chunks, rank
+r holding chunk r and chunk 2 cp - 1 - r, so that under the causal mask every rank attends to as many keys as the
+others. The ranks of a group train on the same sequences (the data-parallel batch is split over dp / cp groups),
+each on its own tokens' positions: its loss is over its tokens, and its gradients are reduced over every dp rank
+as data parallelism's are, so ZeRO 2/3 shards over dp x cp as torchtitan does.
+
+Attention (GatheredAttention, standing in for F.scaled_dot_product_attention inside the forward): the group's
+keys and values are all-gathered (Llama 3's context parallelism; the volume of a ring's, in one collective), and
+each of the rank's two query chunks attends to the chunks before its own in full and to its own under the causal
+mask, two blocks whose results are merged by their log-sum-exps (the online softmax). Only the rank's own keys and
+values are kept for backward: the backward gathers them again, computes each block's gradients from the merged
+output and log-sum-exp (flash attention's backward), and returns the keys' and values' gradients to the ranks
+that hold them by a reduce-scatter. On a CPU the blocks are the CPU's fused attention kernel
+(aten._scaled_dot_product_flash_attention_for_cpu and its backward), which torch's own context parallelism does
+not cover (it replaces CUDA's flash, efficient and cuDNN kernels); elsewhere the same blocks in plain torch ops.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+
+import torch
+import torch.nn.functional as F
+from torch.overrides import TorchFunctionMode
+
+from shoal.comm.collectives import Comm
+from shoal.errors import UserError
+
+# the devices whose fused attention kernel (with its log-sum-exp and its backward) computes the blocks; elsewhere
+# plain torch ops, which hold a block's scores
+FUSED = frozenset({"cpu"})
+
+
+def head_tail(seq_len: int, cp: int, rank: int, device=None) -> torch.Tensor:
+    """The positions cp rank `rank` holds of a sequence of `seq_len`: chunk `rank` and chunk 2 cp - 1 - rank of
+    2 cp equal chunks."""
+    c = seq_len // (2 * cp)
+    first, last = rank * c, (2 * cp - 1 - rank) * c
+    return torch.cat([torch.arange(first, first + c, device=device), torch.arange(last, last + c, device=device)])
+
+
+class ContextParallel:
+    """A rank's part of parallel.cp: its group (`group`, `cp` ranks, this one `rank` of them)."""
+
+    def __init__(self, comm: Comm, group, cp: int, rank: int):
+        self.comm, self.group, self.cp, self.rank = comm, group, cp, rank
+
+    def shard(self, batch: dict) -> dict:
+        """This rank's positions of every sequence of `batch` ("input", "target" (B, T)), and the positions
+        themselves ("positions", for the model's position embedding or rotary angles)."""
+        pos = head_tail(batch["input"].shape[1], self.cp, self.rank, batch["input"].device)
+        out = {k: (v[:, pos] if k in ("input", "target") else v) for k, v in batch.items()}
+        out["positions"] = pos
+        return out
+
+    def attention(self) -> contextlib.AbstractContextManager:
+        """Inside it, F.scaled_dot_product_attention (shoal's GPT's, transformers' "sdpa") attends over the whole
+        sequence the group holds."""
+        return _Attention(self)
+
+
+class _Attention(TorchFunctionMode):
+    def __init__(self, cp: ContextParallel):
+        super().__init__()
+        self.cp = cp
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is not F.scaled_dot_product_attention:
+            return func(*args, **kwargs)
+        return gathered_attention(self.cp, *args, **kwargs)
+
+
+def gathered_attention(cp: ContextParallel, q, k, v, attn_mask=None, dropout_p: float = 0.0, is_causal: bool = False,
+                       scale: float | None = None, enable_gqa: bool = False) -> torch.Tensor:
+    if attn_mask is not None or not is_causal or dropout_p:
+        has = "a mask" if attn_mask is not None else "dropout" if dropout_p else "no causal mask"
+        raise UserError(f"parallel.cp = {cp.cp} replaces causal attention without a mask or dropout; this model's "
+                        f"attention has {has}; set parallel.cp = 1 (or its attention dropout to 0)")
+    if enable_gqa and k.shape[1] != q.shape[1]:  # grouped-query attention: each key head serves several queries
+        k, v = (t.repeat_interleave(q.shape[1] // t.shape[1], dim=1) for t in (k, v))
+    return GatheredAttention.apply(q, k, v, cp, scale if scale is not None else 1.0 / math.sqrt(q.shape[-1]))
+
+
+class GatheredAttention(torch.autograd.Function):
+    """Causal attention of this rank's queries (B, H, t, D: its two chunks) over the group's whole sequence."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, cp: ContextParallel, scale: float):
+        keys, values = _gather(cp, k, v)
+        c = q.shape[2] // 2
+        outs, lses = [], []
+        for i, g in enumerate(_chunks(cp)):
+            qi = q[:, :, i * c:(i + 1) * c]
+            out, lse = _block(qi, keys[:, :, g * c:(g + 1) * c], values[:, :, g * c:(g + 1) * c], True, scale)
+            if g:
+                before = _block(qi, keys[:, :, :g * c], values[:, :, :g * c], False, scale)
+                out, lse = _merge((out, lse), before)
+            outs.append(out)
+            lses.append(lse)
+        out, lse = torch.cat(outs, 2), torch.cat(lses, 2)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.cp, ctx.scale = cp, scale
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        q, k, v, out, lse = ctx.saved_tensors
+        cp, scale = ctx.cp, ctx.scale
+        keys, values = _gather(cp, k, v)
+        c = q.shape[2] // 2
+        dq = torch.zeros_like(q)
+        dkeys, dvalues = torch.zeros_like(keys), torch.zeros_like(values)
+        grad = grad.contiguous()
+        for i, g in enumerate(_chunks(cp)):
+            rows = slice(i * c, (i + 1) * c)
+            args = (grad[:, :, rows], q[:, :, rows])
+            saved = (out[:, :, rows], lse[:, :, rows])
+            for span, causal in (((g * c, (g + 1) * c), True), ((0, g * c), False)):
+                if span[1] == span[0]:
+                    continue
+                cols = slice(*span)
+                dqi, dki, dvi = _block_backward(*args, keys[:, :, cols], values[:, :, cols], *saved, causal, scale)
+                dq[:, :, rows] += dqi
+                dkeys[:, :, cols] += dki
+                dvalues[:, :, cols] += dvi
+        dk, dv = _scatter(cp, dkeys, dvalues)
+        return dq, dk, dv, None, None
+
+
+def _chunks(cp: ContextParallel) -> tuple[int, int]:
+    """The global chunk indices of this rank's two query chunks (head_tail)."""
+    return cp.rank, 2 * cp.cp - 1 - cp.rank
+
+
+def _gather(cp: ContextParallel, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The group's keys and values (B, H, T, D) in sequence order, from each rank's two chunks."""
+    n, (B, H, t, D) = cp.cp, k.shape
+    c = t // 2
+    flat = cp.comm.all_gather_flat(torch.stack([k, v]).contiguous().view(-1), cp.group, label="cp")
+    parts = flat.view(n, 2, B, H, 2, c, D)
+    order = [parts[g, :, :, :, 0] if g < n else parts[2 * n - 1 - g, :, :, :, 1] for g in range(2 * n)]
+    both = torch.cat(order, dim=3)  # (2, B, H, T, D)
+    return both[0], both[1]
+
+
+def _scatter(cp: ContextParallel, dkeys: torch.Tensor, dvalues: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The whole sequence's key and value gradients of every rank, summed, each rank given its own two chunks."""
+    n = cp.cp
+    B, H, T, D = dkeys.shape
+    c = T // (2 * n)
+    both = torch.stack([dkeys, dvalues]).view(2, B, H, 2 * n, c, D)
+    per_rank = torch.stack([torch.stack([both[:, :, :, r], both[:, :, :, 2 * n - 1 - r]], dim=3) for r in range(n)])
+    mine = both.new_empty(2, B, H, 2, c, D)
+    cp.comm.reduce_scatter(mine.view(-1), per_rank.contiguous().view(-1), cp.group, label="cp")
+    mine = mine.view(2, B, H, 2 * c, D)
+    return mine[0], mine[1]
+
+
+def _merge(a: tuple[torch.Tensor, torch.Tensor], b: tuple[torch.Tensor, torch.Tensor]):
+    """Two blocks' attention over disjoint keys as one: each output weighted by its share of the softmax's
+    denominator, from the log-sum-exps (the online softmax)."""
+    (out_a, lse_a), (out_b, lse_b) = a, b
+    lse = torch.logaddexp(lse_a, lse_b)
+    out = out_a * torch.exp(lse_a - lse).unsqueeze(-1).to(out_a.dtype) \
+        + out_b * torch.exp(lse_b - lse).unsqueeze(-1).to(out_b.dtype)
+    return out, lse
+
+
+def _block(q, k, v, causal: bool, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention of q over k, v (causal: the square block on the diagonal); its output and log-sum-exp (B, H, t)."""
+    if q.device.type in FUSED:
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, scale=scale)
+        return out, lse.float()
+    s = (q.float() @ k.float().transpose(-2, -1)) * scale
+    if causal:
+        s = s.masked_fill(_upper(s), float("-inf"))
+    lse = torch.logsumexp(s, -1)
+    return (torch.exp(s - lse.unsqueeze(-1)) @ v.float()).to(q.dtype), lse
+
+
+def _block_backward(grad, q, k, v, out, lse, causal: bool, scale: float):
+    """_block's gradients for q, k and v, given the merged output and log-sum-exp of the rows (flash attention's
+    backward: the probabilities recomputed from them)."""
+    if q.device.type in FUSED:
+        return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+            grad, q.contiguous(), k.contiguous(), v.contiguous(), out.contiguous(), lse.contiguous(), 0.0, causal,
+            scale=scale)
+    s = (q.float() @ k.float().transpose(-2, -1)) * scale
+    if causal:
+        s = s.masked_fill(_upper(s), float("-inf"))
+    p = torch.exp(s - lse.unsqueeze(-1))
+    g, o = grad.float(), out.float()
+    dv = p.transpose(-2, -1) @ g
+    dp = g @ v.float().transpose(-2, -1)
+    ds = p * (dp - (g * o).sum(-1, keepdim=True))
+    return (ds @ k.float() * scale).to(q.dtype), (ds.transpose(-2, -1) @ q.float() * scale).to(k.dtype), dv.to(v.dtype)
+
+
+def _upper(s: torch.Tensor) -> torch.Tensor:
+    return torch.ones(s.shape[-2:], dtype=torch.bool, device=s.device).triu(1)
