@@ -32,7 +32,7 @@ import torch
 from shoal.config import MetricsConfig
 from shoal.hardware import gpu_preset_for, profile_or_preset
 
-AXES = ("dp", "tp", "pp", "ep", "world")
+AXES = ("dp", "tp", "pp", "ep", "cp", "world")
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
