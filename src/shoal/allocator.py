@@ -36,6 +36,11 @@ threshold gave 1.10 and 1.11; ZeRO 3's peak RSS 0.63 of ZeRO 0's (the threshold:
 ZeRO 2 1,421 ms and ZeRO 3 1,569 (ZeRO 0 1,332), 0.63 and 0.61 of DeepSpeed's; ZeRO 3's peak RSS 0.586 of
 ZeRO 0's (medians of three invocations; benchmarks/README.md).
 
+Context parallelism (parallel.cp) frees the same way: each attention gathers the group's keys and values and its
+backward their gradients, buffers of the whole sequence freed layer by layer. Under glibc the split barely showed:
+shoal's GPT (8 layers of d_model 128) on sequences of 8,192 bytes, 2 workers, one step, peak RSS 950 MiB at cp 1
+(dp 2) and 909 at cp 2; with tcmalloc 872 and 613.
+
 Where tcmalloc is not installed, the workers fall back to the 64 KiB threshold (slower steps, the same
 memory) and the launcher says so in one line. ZeRO 0/1 keep glibc's default: they free little. An
 allocator you preload yourself (LD_PRELOAD naming a malloc) or a MALLOC_MMAP_THRESHOLD_ you set wins.
@@ -63,24 +68,30 @@ def tcmalloc_path(dirs: tuple[str, ...] = LIB_DIRS) -> str | None:
     return next((p for p in (os.path.join(d, TCMALLOC) for d in dirs) if os.path.exists(p)), None)
 
 
+def frees_layer_buffers(zero: int, cp: int) -> str | None:
+    """Why workers allocate and free large buffers layer by layer (what the module doc says glibc keeps in the
+    RSS): ZeRO 2/3's gathers and reduce-scatters, context parallelism's gathered keys and values; None."""
+    return f"ZeRO {zero}" if zero >= 2 else f"parallel.cp = {cp}" if cp > 1 else None
+
+
 def worker_env(zero: int, cuda: bool, env: Mapping[str, str] = os.environ,
-               dirs: tuple[str, ...] = LIB_DIRS) -> tuple[dict[str, str], str | None]:
-    """What the launcher adds to the workers' environment (LD_PRELOAD of tcmalloc for ZeRO 2/3 on CPU), and
-    the line it prints when tcmalloc is missing (the workers then fall back: release_freed_memory)."""
-    preload = env.get("LD_PRELOAD", "")
-    if zero < 2 or cuda or not sys.platform.startswith("linux") or any(m in preload for m in MALLOCS) \
+               dirs: tuple[str, ...] = LIB_DIRS, cp: int = 1) -> tuple[dict[str, str], str | None]:
+    """What the launcher adds to the workers' environment (LD_PRELOAD of tcmalloc for ZeRO 2/3 or parallel.cp on
+    CPU), and the line it prints when tcmalloc is missing (the workers then fall back: release_freed_memory)."""
+    preload, why = env.get("LD_PRELOAD", ""), frees_layer_buffers(zero, cp)
+    if why is None or cuda or not sys.platform.startswith("linux") or any(m in preload for m in MALLOCS) \
             or "MALLOC_MMAP_THRESHOLD_" in env:
         return {}, None
     path = tcmalloc_path(dirs)
     if path is None:
-        return {}, (f"shoal: ZeRO {zero} on CPU: {TCMALLOC} not found, so the workers use glibc's malloc with a "
+        return {}, (f"shoal: {why} on CPU: {TCMALLOC} not found, so the workers use glibc's malloc with a "
                     f"{THRESHOLD // 1024} KiB mmap threshold (the same memory, slower steps); {INSTALL}")
     return {"LD_PRELOAD": f"{path} {preload}".strip()}, None
 
 
-def preload_for_workers(zero: int, cuda: bool) -> None:
+def preload_for_workers(zero: int, cuda: bool, cp: int = 1) -> None:
     """Set worker_env's variables in this process's environment, which the workers it starts inherit."""
-    add, note = worker_env(zero, cuda)
+    add, note = worker_env(zero, cuda, cp=cp)
     os.environ.update(add)
     if note:
         print(note, file=sys.stderr, flush=True)
@@ -92,7 +103,7 @@ def loaded_malloc() -> str:
 
 
 def release_freed_memory() -> str:
-    """In a ZeRO 2/3 worker on CPU: make freed memory leave the RSS (see the module doc). Returns how:
+    """In a ZeRO 2/3 or parallel.cp worker on CPU: make freed memory leave the RSS (see the module doc). Returns how:
     "tcmalloc" (preloaded at start: nothing more to do), "mmap threshold" (glibc's fixed at 64 KiB), or ""
     (neither: another C library, or MALLOC_MMAP_THRESHOLD_ set by the user, whose value wins)."""
     if not sys.platform.startswith("linux"):

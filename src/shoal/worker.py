@@ -20,7 +20,7 @@ import torch
 from torch.distributed.elastic.multiprocessing.errors import get_error_handler
 
 from shoal import dist, signals
-from shoal.allocator import release_freed_memory
+from shoal.allocator import frees_layer_buffers, release_freed_memory
 from shoal.comm.collectives import Comm
 from shoal.comm.phase import Phase
 from shoal.comm.report import hang_report
@@ -119,8 +119,8 @@ def train(cfg: Config, run_dir: str | None, config_path: str | None, resume: str
 
         return train_live(cfg, run_dir, config_path, resume, joined)
     torch.set_num_threads(dist.threads_per_worker(cfg, int(os.environ.get("LOCAL_WORLD_SIZE", 1))))
-    if cfg.parallel.zero >= 2 and not torch.cuda.is_available():  # so that sharding shows in peak RSS
-        release_freed_memory()
+    if frees_layer_buffers(cfg.parallel.zero, cfg.parallel.cp) and not torch.cuda.is_available():  # so that
+        release_freed_memory()  # sharding (and cp's split) shows in peak RSS
     # a torchrun launch reaches here unchecked; under `shoal train` this repeats the launcher's checks (its
     # memory too: no worker holds a model before all have passed here and joined the group)
     job = check_job(cfg, [total_world(int(os.environ["WORLD_SIZE"]))], cuda=torch.cuda.is_available(), quiet=True,

@@ -13,10 +13,12 @@ linux = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="LD_PREL
 installed = pytest.mark.skipif(tcmalloc_path() is None, reason=f"{TCMALLOC} is not installed (.ci/run installs it)")
 
 
-def test_only_zero_2_and_3_on_cpu_get_an_allocator(tmp_path):
+def test_only_zero_2_and_3_and_cp_on_cpu_get_an_allocator(tmp_path):
     (tmp_path / TCMALLOC).touch()
     dirs = (str(tmp_path),)
     assert worker_env(3, False, {}, dirs) == ({"LD_PRELOAD": str(tmp_path / TCMALLOC)}, None)
+    assert worker_env(0, False, {}, dirs, cp=2) == ({"LD_PRELOAD": str(tmp_path / TCMALLOC)}, None)
+    assert worker_env(0, True, {}, dirs, cp=2) == ({}, None)
     assert worker_env(2, False, {"LD_PRELOAD": "/x/libfoo.so"}, dirs)[0] == {
         "LD_PRELOAD": f"{tmp_path / TCMALLOC} /x/libfoo.so"}
     for zero, cuda in ((0, False), (1, False), (2, True), (3, True)):

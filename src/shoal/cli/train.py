@@ -88,10 +88,10 @@ def early_worker_env(args: argparse.Namespace) -> dict[str, str]:
         parallel = read_raw(args.config, args.set)[0].get("parallel", {})
     except UserError:  # said in one line once the config is loaded
         return {}
-    zero, device = parallel.get("zero", 0), parallel.get("device", "auto")
-    if not isinstance(zero, int) or device == "cuda":
+    zero, cp, device = parallel.get("zero", 0), parallel.get("cp", 1), parallel.get("device", "auto")
+    if not isinstance(zero, int) or not isinstance(cp, int) or device == "cuda":
         return {}
-    return worker_env(zero, cuda=False)[0]
+    return worker_env(zero, cuda=False, cp=cp)[0]
 
 
 def forks_on_this_node(args: argparse.Namespace) -> bool:
@@ -164,7 +164,7 @@ def preflight(args: argparse.Namespace, cfg, nodes: tuple[int, int]):
 def start(args: argparse.Namespace, cfg, job, run_dir: Path, nodes: tuple[int, int]) -> int:
     """The workers, through torch elastic (or an asynchronous parameter server's roles, each under an agent
     of its own: workers that come and go); returns the exit code."""
-    from shoal.allocator import preload_for_workers
+    from shoal.allocator import frees_layer_buffers, preload_for_workers
     from shoal.dist import threads_per_worker
     from shoal.launch.forkserver import PRELOAD
     from shoal.launch.restart import Forked, launch
@@ -175,11 +175,11 @@ def start(args: argparse.Namespace, cfg, job, run_dir: Path, nodes: tuple[int, i
     # a launcher that placed this node (the testbed's cluster run, a Ray driver) has set the command that
     # continues the whole job
     os.environ.setdefault(RESUME_COMMAND, resume_command(args.argv))
-    # ZeRO 2/3 on CPU: tcmalloc, preloaded when each worker process starts (allocator.py)
-    if cfg.parallel.zero >= 2:  # (torch is imported by the launcher only where it decides something)
-        import torch
+    # ZeRO 2/3 or cp on CPU: tcmalloc, preloaded when each worker process starts (allocator.py)
+    if frees_layer_buffers(cfg.parallel.zero, cfg.parallel.cp):  # (torch is imported by the launcher only where it
+        import torch  # decides something)
 
-        preload_for_workers(cfg.parallel.zero, torch.cuda.is_available())
+        preload_for_workers(cfg.parallel.zero, torch.cuda.is_available(), cfg.parallel.cp)
     if job.layout.servers and cfg.ps.mode == "async" and nodes == (1, 1) and not roles.role():
         role_argv = ["train", *([args.config] if args.config else []), *sets, "--run-dir", str(run_dir),
                      "--resume", "auto", "--nnodes", "1"]

@@ -87,22 +87,24 @@ def gathered_attention(cp: ContextParallel, q, k, v, attn_mask=None, dropout_p: 
 
 
 class GatheredAttention(torch.autograd.Function):
-    """Causal attention of this rank's queries (B, H, t, D: its two chunks) over the group's whole sequence."""
+    """Causal attention of this rank's queries (B, H, t, D: its two chunks) over the group's whole sequence, block
+    by block: each query chunk over each key chunk up to its own (its own under the causal mask), the blocks merged
+    as they come. Its output is laid out as F.scaled_dot_product_attention's (B, t, H, D in memory), so that the
+    model's usual transpose back is a view."""
 
     @staticmethod
     def forward(ctx, q, k, v, cp: ContextParallel, scale: float):
-        keys, values = _gather(cp, k, v)
-        c = q.shape[2] // 2
-        outs, lses = [], []
+        gathered = _Gathered(cp, k, v)
+        B, H, t, D = q.shape
+        c = t // 2
+        out = q.new_empty(B, t, H, D).transpose(1, 2)
+        lse = q.new_empty(B, H, t, dtype=torch.float32)
         for i, g in enumerate(_chunks(cp)):
-            qi = q[:, :, i * c:(i + 1) * c]
-            out, lse = _block(qi, keys[:, :, g * c:(g + 1) * c], values[:, :, g * c:(g + 1) * c], True, scale)
-            if g:
-                before = _block(qi, keys[:, :, :g * c], values[:, :, :g * c], False, scale)
-                out, lse = _merge((out, lse), before)
-            outs.append(out)
-            lses.append(lse)
-        out, lse = torch.cat(outs, 2), torch.cat(lses, 2)
+            rows = slice(i * c, (i + 1) * c)
+            merged = _block(q[:, :, rows], *gathered.chunk(g), True, scale)
+            for j in range(g):  # the chunks before: every key
+                merged = _merge(merged, _block(q[:, :, rows], *gathered.chunk(j), False, scale))
+            out[:, :, rows], lse[:, :, rows] = merged
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.cp, ctx.scale = cp, scale
         return out
@@ -111,25 +113,23 @@ class GatheredAttention(torch.autograd.Function):
     def backward(ctx, grad):
         q, k, v, out, lse = ctx.saved_tensors
         cp, scale = ctx.cp, ctx.scale
-        keys, values = _gather(cp, k, v)
+        gathered = _Gathered(cp, k, v)
         c = q.shape[2] // 2
         dq = torch.zeros_like(q)
-        dkeys, dvalues = torch.zeros_like(keys), torch.zeros_like(values)
-        grad = grad.contiguous()
+        sums = torch.zeros_like(gathered.parts)  # every rank's keys' and values' gradients, as gathered
         for i, g in enumerate(_chunks(cp)):
             rows = slice(i * c, (i + 1) * c)
-            args = (grad[:, :, rows], q[:, :, rows])
-            saved = (out[:, :, rows], lse[:, :, rows])
-            for span, causal in (((g * c, (g + 1) * c), True), ((0, g * c), False)):
-                if span[1] == span[0]:
-                    continue
-                cols = slice(*span)
-                dqi, dki, dvi = _block_backward(*args, keys[:, :, cols], values[:, :, cols], *saved, causal, scale)
+            saved = (grad[:, :, rows].contiguous(), q[:, :, rows], out[:, :, rows], lse[:, :, rows])
+            for j in range(g + 1):
+                dqi, dkj, dvj = _block_backward(saved, *gathered.chunk(j), j == g, scale)
                 dq[:, :, rows] += dqi
-                dkeys[:, :, cols] += dki
-                dvalues[:, :, cols] += dvi
-        dk, dv = _scatter(cp, dkeys, dvalues)
-        return dq, dk, dv, None, None
+                owner, half = _owner(cp, j)
+                sums[owner, 0, :, :, half] += dkj
+                sums[owner, 1, :, :, half] += dvj
+        B, H, t, D = k.shape
+        mine = sums.new_empty(2, B, H, t, D)  # this rank's two chunks, summed over the ranks
+        cp.comm.reduce_scatter(mine.view(-1), sums.view(-1), cp.group, label="cp")
+        return dq, mine[0], mine[1], None, None
 
 
 def _chunks(cp: ContextParallel) -> tuple[int, int]:
@@ -137,28 +137,24 @@ def _chunks(cp: ContextParallel) -> tuple[int, int]:
     return cp.rank, 2 * cp.cp - 1 - cp.rank
 
 
-def _gather(cp: ContextParallel, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The group's keys and values (B, H, T, D) in sequence order, from each rank's two chunks."""
-    n, (B, H, t, D) = cp.cp, k.shape
-    c = t // 2
-    flat = cp.comm.all_gather_flat(torch.stack([k, v]).contiguous().view(-1), cp.group, label="cp")
-    parts = flat.view(n, 2, B, H, 2, c, D)
-    order = [parts[g, :, :, :, 0] if g < n else parts[2 * n - 1 - g, :, :, :, 1] for g in range(2 * n)]
-    both = torch.cat(order, dim=3)  # (2, B, H, T, D)
-    return both[0], both[1]
+def _owner(cp: ContextParallel, chunk: int) -> tuple[int, int]:
+    """The rank that holds global chunk `chunk`, and which of its two it is (0: head, 1: tail)."""
+    return (chunk, 0) if chunk < cp.cp else (2 * cp.cp - 1 - chunk, 1)
 
 
-def _scatter(cp: ContextParallel, dkeys: torch.Tensor, dvalues: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The whole sequence's key and value gradients of every rank, summed, each rank given its own two chunks."""
-    n = cp.cp
-    B, H, T, D = dkeys.shape
-    c = T // (2 * n)
-    both = torch.stack([dkeys, dvalues]).view(2, B, H, 2 * n, c, D)
-    per_rank = torch.stack([torch.stack([both[:, :, :, r], both[:, :, :, 2 * n - 1 - r]], dim=3) for r in range(n)])
-    mine = both.new_empty(2, B, H, 2, c, D)
-    cp.comm.reduce_scatter(mine.view(-1), per_rank.contiguous().view(-1), cp.group, label="cp")
-    mine = mine.view(2, B, H, 2 * c, D)
-    return mine[0], mine[1]
+class _Gathered:
+    """The group's keys and values, all-gathered as each rank holds them: (rank, [keys, values], B, H, [head,
+    tail], c, D); a chunk of the sequence is a view of it, nothing reordered."""
+
+    def __init__(self, cp: ContextParallel, k: torch.Tensor, v: torch.Tensor):
+        B, H, t, D = k.shape
+        flat = cp.comm.all_gather_flat(torch.stack([k, v]).view(-1), cp.group, label="cp")
+        self.cp, self.parts = cp, flat.view(cp.cp, 2, B, H, 2, t // 2, D)
+
+    def chunk(self, g: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Global chunk `g`'s keys and values (B, H, c, D)."""
+        owner, half = _owner(self.cp, g)
+        return self.parts[owner, 0, :, :, half], self.parts[owner, 1, :, :, half]
 
 
 def _merge(a: tuple[torch.Tensor, torch.Tensor], b: tuple[torch.Tensor, torch.Tensor]):
@@ -183,9 +179,10 @@ def _block(q, k, v, causal: bool, scale: float) -> tuple[torch.Tensor, torch.Ten
     return (torch.exp(s - lse.unsqueeze(-1)) @ v.float()).to(q.dtype), lse
 
 
-def _block_backward(grad, q, k, v, out, lse, causal: bool, scale: float):
-    """_block's gradients for q, k and v, given the merged output and log-sum-exp of the rows (flash attention's
-    backward: the probabilities recomputed from them)."""
+def _block_backward(saved: tuple, k, v, causal: bool, scale: float):
+    """_block's gradients for q, k and v; `saved`: the rows' output gradient, queries, and merged output and
+    log-sum-exp (flash attention's backward: the probabilities recomputed from them)."""
+    grad, q, out, lse = saved
     if q.device.type in FUSED:
         return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
             grad, q.contiguous(), k.contiguous(), v.contiguous(), out.contiguous(), lse.contiguous(), 0.0, causal,
