@@ -39,7 +39,8 @@ ZeRO 0's (medians of three invocations; benchmarks/README.md).
 Context parallelism (parallel.cp) frees the same way: each attention gathers the group's keys and values and its
 backward their gradients, buffers of the whole sequence freed layer by layer. Under glibc the split barely showed:
 shoal's GPT (8 layers of d_model 128) on sequences of 8,192 bytes, 2 workers, one step, peak RSS 950 MiB at cp 1
-(dp 2) and 909 at cp 2; with tcmalloc 872 and 613.
+(dp 2) and 909 at cp 2; with both under tcmalloc, 868 and 655. As launched now (cp 1 under glibc, as ZeRO 0; cp 2
+under tcmalloc), 940 and 609.
 
 Where tcmalloc is not installed, the workers fall back to the 64 KiB threshold (slower steps, the same
 memory) and the launcher says so in one line. ZeRO 0/1 keep glibc's default: they free little. An
