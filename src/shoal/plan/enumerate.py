@@ -1,7 +1,8 @@
 """Every layout `shoal plan` considers for a config and a number of processes: dp x tp x pp = world,
 pipeline schedule, ZeRO stage 0-3 (on several nodes 2 and 3 also as HSDP with a replica per node, the
 layout people reach for first: dp_replicate = the nodes, where that leaves 2 or more ranks a shard group),
-for a mixture of experts expert parallelism (parallel.ep: the divisors of dp that divide its experts),
+for a mixture of experts expert parallelism (parallel.ep: the divisors of dp that divide its experts), for a model
+whose sequences it can split context parallelism (parallel.cp: the divisors of dp whose chunks divide seq_len),
 activation checkpointing on or off, micro-batch size (the divisors of the per-rank batch). Each is a copy
 of the config with those keys set, checked by the same layout resolution (layout.py) and model checks
 (preflight.py, parallel/fit.py) that a run's start applies: the reason a layout is invalid is the run's
@@ -31,6 +32,8 @@ class Candidate:
         parts = [f"dp{k['parallel.dp']} tp{k['parallel.tp']} pp{k['parallel.pp']}"]
         if k.get("parallel.ep", 1) > 1:
             parts.append(f"ep{k['parallel.ep']}")
+        if k.get("parallel.cp", 1) > 1:
+            parts.append(f"cp{k['parallel.cp']}")
         if k["parallel.pp"] > 1:
             parts.append(str(k["parallel.pp_schedule"]))
         parts.append(f"zero{k['parallel.zero']}")
@@ -63,11 +66,14 @@ def candidates(cfg: Config, world: int, bundle, source, cuda: bool, micro_batche
     for tp in _divisors(world):
         for pp in _divisors(world // tp):
             dp = world // (tp * pp)
-            micros = micro_batches or (_divisors(gb // dp) if gb % dp == 0 else [cfg.train.micro_batch_size])
             for schedule in (SCHEDULES if pp > 1 else (cfg.parallel.pp_schedule,)):
                 hsdp = nodes > 1 and dp % nodes == 0 and dp // nodes > 1 and cfg.sync.mode == "every-step"
                 for zero, replicate in [(z, 1) for z in range(4)] + ([(2, nodes), (3, nodes)] if hsdp else []):
-                    for ep in expert_splits(cfg, dp, zero):
+                    for ep, cp in [(e, 1) for e in expert_splits(cfg, dp, zero)] + [
+                            (1, c) for c in context_splits(cfg, bundle, dp, pp)]:
+                        batch_ranks = dp // cp
+                        micros = micro_batches or (_divisors(gb // batch_ranks) if gb % batch_ranks == 0
+                                                   else [cfg.train.micro_batch_size])
                         for ckpt in (False, True):
                             for micro in micros:
                                 keys = {"parallel.dp": dp, "parallel.tp": tp, "parallel.pp": pp,
@@ -77,8 +83,19 @@ def candidates(cfg: Config, world: int, bundle, source, cuda: bool, micro_batche
                                         "parallel.pp_microbatches": 0}
                                 if getattr(cfg.model, "experts", None) is not None:  # (--apply writes it)
                                     keys["parallel.ep"] = ep
+                                if bundle.takes_positions:
+                                    keys["parallel.cp"] = cp
                                 out.append(check(cfg, keys, world, bundle, source, cuda, fits))
     return out
+
+
+def context_splits(cfg: Config, bundle, dp: int, pp: int) -> list[int]:
+    """parallel.cp's values above 1 to plan: for a model whose sequences cp can split, each divisor of dp whose
+    head-tail chunks divide model.seq_len, without a pipeline and with every-step syncs (where cp is built)."""
+    seq_len = getattr(cfg.model, "seq_len", None)
+    if not bundle.takes_positions or not seq_len or pp > 1 or cfg.sync.mode != "every-step":
+        return []
+    return [c for c in _divisors(dp) if c > 1 and seq_len % (2 * c) == 0]
 
 
 def expert_splits(cfg: Config, dp: int, zero: int) -> list[int]:

@@ -198,8 +198,28 @@ def predict(model: Model, cfg: Config, layout, profile: HardwareProfile | None,
                      stages_per_rank=stages, grad_bytes=grad_bytes, param_bytes_full=full,
                      reduce_dtype=cfg.precision.reduce_dtype, act_scale=act_scale, compiled=cfg.train.compile,
                      ep=p.ep, exchange=moe_exchange(cfg, layout.micro_batch),
-                     experts=(expert_share(cfg, cost), imbalance))
+                     experts=(expert_share(cfg, cost), imbalance), gathered=context_exchange(cfg, layout))
     return Prediction(mem, t)
+
+
+def context_exchange(cfg: Config, layout) -> tuple[int, int]:
+    """What parallel.cp gathers on a rank per micro-batch (parallel/context.py): (attention layers, the bytes of
+    its keys and values, its 1 / cp of each sequence, in the compute dtype); (0, 0) without cp. From shoal's
+    GPT's keys or a transformers config's (its key and value heads); (0, 0) for a model that says neither."""
+    m = cfg.model
+    if layout.cp == 1 or m.name not in ("gpt", "hf"):
+        return 0, 0
+    element = 4 if cfg.precision.dtype == "fp32" else 2
+    if m.name == "hf":
+        from shoal.models.hf import hf_config
+
+        c = hf_config(m)
+        heads = c.num_attention_heads
+        width = getattr(c, "num_key_value_heads", None) or heads
+        layers, kv = c.num_hidden_layers, width * (getattr(c, "head_dim", None) or c.hidden_size // heads)
+    else:
+        layers, kv = m.n_layer, m.d_model
+    return layers, 2 * layout.micro_batch * (m.seq_len // layout.cp) * kv * element
 
 
 def expert_activations(cfg: Config, micro: int, imbalance: float) -> int:

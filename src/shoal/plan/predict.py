@@ -163,9 +163,10 @@ def predict_memory(shape: ModelShape, params: list, cost: MicroBatchCost, layout
     state = state_bytes(*(held or (shape, params)), layout, optimizer=optimizer, momentum=momentum)
     gpu = profile is not None and profile.device == "cuda"
     act = cost.activation_bytes(checkpointing, stage_fraction, in_flight(layout, schedule, stages_per_rank),
-                                scale=act_scale, tp=d.tp, sequence_parallel=sequence_parallel, recomputed=not gpu)
+                                scale=act_scale, tp=d.tp, sequence_parallel=sequence_parallel,
+                                recomputed=not gpu) // layout.cp  # cp: a rank holds 1 / cp of each sequence
     act += busiest
-    working = int(cost.largest * act_scale) // d.tp
+    working = int(cost.largest * act_scale) // (d.tp * layout.cp)
     if gpu:  # a recomputed block's saved tensors come back after the start of backward, the loss's peak
         working = int(max(cost.working_on_rank(d.tp), cost.recomputed_block(d.tp, sequence_parallel)
                           if checkpointing else 0) * act_scale)
@@ -310,6 +311,8 @@ def group_of(layout: Layout, gpus_per_node: int, axis: str, ep: int = 1) -> tupl
         return d.dp, max(1, min(d.dp, g // d.tp))
     if axis == "ep":
         return ep, max(1, min(ep, g // d.tp))
+    if axis == "cp":  # consecutive dp ranks (parallel/apply.py context_parallel)
+        return layout.cp, max(1, min(layout.cp, g // d.tp))
     if axis == "dp_shard":  # HSDP's shard group: consecutive dp ranks
         return d.dp_shard, max(1, min(d.dp_shard, g // d.tp))
     if axis == "dp_replicate":  # one rank of each shard group, dp_shard x tp ranks apart
@@ -337,17 +340,21 @@ def predict_time(shape: ModelShape, cost: MicroBatchCost, opt_ops: Ops, layout: 
                  dtype: str, checkpointing: bool, schedule: str, stages_per_rank: int, grad_bytes: int,
                  param_bytes_full: int, reduce_dtype: str = "fp32", act_scale: float = 1.0,
                  compiled: bool = False, ep: int = 1, exchange: MoEExchange | None = None,
-                 experts: tuple[float, float] = (0.0, 1.0)) -> dict[str, float | None]:
+                 experts: tuple[float, float] = (0.0, 1.0),
+                 gathered: tuple[int, int] = (0, 0)) -> dict[str, float | None]:
     """`ep` > 1: parallel.ep, `exchange` (planner.moe_exchange) for its all-to-alls (_ep_comm) and the dispatch's
     own work (_ep_dispatch); `shape`, `grad_bytes` and `param_bytes_full` then a rank's
     (state_bytes.expert_split). `experts`: a mixture of experts' (share of the FLOPs its routed experts compute,
     the most tokens a rank's experts take over the mean): under ep the others wait for the busiest rank; under
     tp every tp rank computes its experts whole (moe.tensor_parallel), where the operators are priced at 1 / tp
-    of their work, and the probe's tp calibration, fitted to a model tp splits all of, leaves that part alone."""
+    of their work, and the probe's tp calibration, fitted to a model tp splits all of, leaves that part alone.
+    `gathered`: under parallel.cp, (attention layers, the bytes of keys and values a rank holds of a micro-batch)
+    for its gathers (_cp_comm)."""
     d, zero = layout.dims, layout.zero
     micro = cost.micro_batch
     n_micro = layout.per_rank_batch // micro
-    per_micro = op_time(cost.ops, profile, dtype, 1.0 / d.tp, act_scale, compiled) / d.pp
+    # cp: a rank computes 1 / cp of each sequence, head-tail chunks that balance the causal attention's work
+    per_micro = op_time(cost.ops, profile, dtype, 1.0 / d.tp, act_scale, compiled) / (d.pp * layout.cp)
     fwd_share = cost.forward_flops / max(cost.ops.flops, 1.0)
     if checkpointing:
         per_micro *= 1 + fwd_share  # blocks run their forward again in backward
@@ -381,6 +388,8 @@ def predict_time(shape: ModelShape, cost: MicroBatchCost, opt_ops: Ops, layout: 
         comm += _tp_comm(shape, cost, profile, layout, n_micro, len(opt_ops.items), act_scale, checkpointing)
     if ep > 1 and exchange:
         comm += _ep_comm(profile, layout, ep, n_micro, exchange, checkpointing)
+    if layout.cp > 1:
+        comm += _cp_comm(profile, layout, n_micro, gathered, checkpointing)
     if d.pp > 1:
         act = (cost.block_input[0] if cost.block_input else 0) * act_scale
         hops = 2 * (n_micro + d.pp - 1) * stages_per_rank
@@ -512,6 +521,18 @@ def _ep_comm(profile: HardwareProfile, layout: Layout, ep: int, n_micro: int, ex
 
     forward = a2a(8 * ex.experts) + 2 * a2a(ex.rows_bytes)
     return n_micro * ex.layers * (forward * (2 if checkpointing else 1) + 2 * a2a(ex.rows_bytes))
+
+
+def _cp_comm(profile: HardwareProfile, layout: Layout, n_micro: int, gathered: tuple[int, int],
+             checkpointing: bool) -> float:
+    """Context parallelism (parallel/context.py): in each attention layer and micro-batch the group's keys and
+    values all-gathered in forward, and in backward gathered again and their gradients reduce-scattered; a
+    recomputed forward (checkpointing) gathers once more. On the attention's path, none of it hidden."""
+    layers, nbytes = gathered
+    ct = collectives(profile, layout)
+    gather = ct("all_gather", nbytes, "cp") or 0.0
+    scatter = ct("reduce_scatter", nbytes * layout.cp, "cp") or 0.0
+    return n_micro * layers * (gather * (3 if checkpointing else 2) + scatter)
 
 
 def _ep_dispatch(profile: HardwareProfile, dtype: str, n_micro: int, ex: MoEExchange, checkpointing: bool) -> float:
