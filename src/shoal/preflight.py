@@ -113,8 +113,8 @@ def may_start_whole(model_name: str, layouts: list[Layout]) -> bool:
 def check_fit(cfg: Config, layout: Layout, bundle: ModelBundle, source, memo: dict | None = None) -> None:
     """What the model and the data must satisfy for this layout (`memo`: parallel.fit's, across layouts)."""
     dims = layout.dims
-    if source.num_val < dims.dp:
-        raise UserError(f"the validation split has {source.num_val} samples, fewer than dp ({dims.dp}); "
+    if source.num_val < layout.batch_ranks:  # (under parallel.cp a group's ranks share their samples)
+        raise UserError(f"the validation split has {source.num_val} samples, fewer than dp ({layout.batch_ranks}); "
                         f"raise data.val_fraction")
     check_keras_layout(bundle.model, tp=dims.tp, pp=dims.pp, compile=cfg.train.compile,
                        activation_checkpointing=cfg.precision.activation_checkpointing)

@@ -169,7 +169,7 @@ def predict_memory(shape: ModelShape, params: list, cost: MicroBatchCost, layout
     working = int(cost.largest * act_scale) // (d.tp * layout.cp)
     if gpu:  # a recomputed block's saved tensors come back after the start of backward, the loss's peak
         working = int(max(cost.working_on_rank(d.tp), cost.recomputed_block(d.tp, sequence_parallel)
-                          if checkpointing else 0) * act_scale)
+                          if checkpointing else 0) * act_scale) // layout.cp
     mem = {**state, "activations": act, "buffers": copies(shape, params, layout, dtype, state["params"]),
            "working": working, "data": data_bytes}
     cpu = profile is not None and profile.device == "cpu"
