@@ -388,8 +388,7 @@ def predict_time(shape: ModelShape, cost: MicroBatchCost, opt_ops: Ops, layout: 
         comm += _tp_comm(shape, cost, profile, layout, n_micro, len(opt_ops.items), act_scale, checkpointing)
     if ep > 1 and exchange:
         comm += _ep_comm(profile, layout, ep, n_micro, exchange, checkpointing)
-    if layout.cp > 1:
-        comm += _cp_comm(profile, layout, n_micro, gathered, checkpointing)
+    comm += _cp_comm(profile, layout, n_micro, gathered, checkpointing)
     if d.pp > 1:
         act = (cost.block_input[0] if cost.block_input else 0) * act_scale
         hops = 2 * (n_micro + d.pp - 1) * stages_per_rank
@@ -527,8 +526,11 @@ def _cp_comm(profile: HardwareProfile, layout: Layout, n_micro: int, gathered: t
              checkpointing: bool) -> float:
     """Context parallelism (parallel/context.py): in each attention layer and micro-batch the group's keys and
     values all-gathered in forward, and in backward gathered again and their gradients reduce-scattered; a
-    recomputed forward (checkpointing) gathers once more. On the attention's path, none of it hidden."""
+    recomputed forward (checkpointing) gathers once more. On the attention's path, none of it hidden. 0 without
+    cp."""
     layers, nbytes = gathered
+    if layout.cp == 1 or not layers:
+        return 0.0
     ct = collectives(profile, layout)
     gather = ct("all_gather", nbytes, "cp") or 0.0
     scatter = ct("reduce_scatter", nbytes * layout.cp, "cp") or 0.0
