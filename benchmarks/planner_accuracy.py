@@ -62,6 +62,8 @@ LAYOUTS = {
     "moe-ep2": [*MOE, "parallel.ep=2"],
     "moe-tp2": [*MOE, "parallel.tp=2"],
     "moe-pp2": [*MOE, "parallel.pp=2", 'parallel.pp_schedule="1f1b"'],
+    # context parallelism: each sequence over both ranks (not in the default set), its gathers of keys and values
+    "cp2": ["parallel.cp=2"],
 }
 
 
