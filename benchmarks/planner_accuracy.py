@@ -3,12 +3,12 @@
 A GPT (4 layers, d_model 256, 4 heads, 128-byte context; fp32, 2 processes x 1 thread, gloo, CPU) in at least 8
 layouts: dp 2 with ZeRO 0, 1, 2, 3, dp 2 with activation checkpointing, tp 2, pp 2 with the 1F1B and GPipe
 schedules; with --layouts moe-dp2,moe-ep2,moe-tp2,moe-pp2, the same decoder as a mixture of experts on dp 2, dp 2 x
-ep 2, tp 2 and a pipeline of 2 stages. The machine is measured first (`shoal probe --nproc 2`, the profile plan
-reads, with its calibration: the probe's own reference GPT, 2 blocks of 128 and 512, trained in each strategy); each
-layout is then trained for --steps steps (`shoal train --nproc 2`) and its finished run dir given to `shoal plan
---check`'s comparison (plan/check.py): predicted against measured median step time, per-rank model state (params +
-grads + optimizer, the largest rank) and peak memory. The "formulas" columns are the same profile's prediction
-without the calibration.
+ep 2, tp 2 and a pipeline of 2 stages; with --layouts cp2, the GPT's sequences split over both ranks (parallel.cp).
+The machine is measured first (`shoal probe --nproc 2`, the profile plan reads, with its calibration: the probe's
+own reference GPT, 2 blocks of 128 and 512, trained in each strategy); each layout is then trained for --steps steps
+(`shoal train --nproc 2`) and its finished run dir given to `shoal plan --check`'s comparison (plan/check.py):
+predicted against measured median step time, per-rank model state (params + grads + optimizer, the largest rank) and
+peak memory. The "formulas" columns are the same profile's prediction without the calibration.
 
     python -m benchmarks.planner_accuracy [--steps 12] [--max-size 16MiB] [--hog-during-probe]
                                           [--layouts dp2,tp2,...] [--no-calibrate] [--spot]
