@@ -39,7 +39,7 @@ test: $(STAMP)
 	$(PY) -m pytest tests -n 2 --dist load -m serial
 
 # every benchmark in its reduced form (tests/integration/test_benchmarks.py), so that a change of shoal cannot leave
-# a benchmark broken; two at a time. SHARE=k: share k of four only (its SHARES), as CI runs them in turn
+# a benchmark broken; two at a time. SHARE=k: share k of five only (its SHARES), as CI runs them in turn
 test-benchmarks: $(STAMP)
 	SHOAL_BENCHMARK_SHARE=$(SHARE) $(PY) -m pytest tests/integration/test_benchmarks.py -n 2 --dist load -m benchmark
 
