@@ -110,6 +110,8 @@ def resolve_layout(cfg: Config, world_size: int, cuda: bool) -> Layout:
     backend = choose_backend(p.backend, device)
     if p.cp > 1:
         _check_context(cfg, dims)
+    if cfg.data.pack_documents:
+        _check_packing(cfg, dims)
     batch_ranks = dims.dp // p.cp
     micro = micro_batch(t.global_batch_size, t.micro_batch_size, batch_ranks)
     _check_sharding(cfg, dims, device, world_size)
@@ -239,6 +241,17 @@ def _check_context(cfg: Config, dims: ParallelDims) -> None:
         what = others[0]
         raise UserError(f"parallel.cp = {cp} with {what} is not built yet; set parallel.cp = 1 (cp composes with dp, "
                         f"ZeRO 1-3 and tp)")
+
+
+def _check_packing(cfg: Config, dims: ParallelDims) -> None:
+    """data.pack_documents: a causal model, not split into stages (what else a model needs, its positions taken
+    and its attention replaced: preflight.py)."""
+    if getattr(cfg.model, "task", "causal-lm") != "causal-lm":
+        raise UserError(f"data.pack_documents keeps causal attention inside each document, but model.task = "
+                        f"\"{cfg.model.task}\" attends both ways; set data.pack_documents = false")
+    if dims.pp > 1:
+        raise UserError(f"data.pack_documents with parallel.pp = {dims.pp} is not built yet (a stage's attention "
+                        f"would need the documents' positions); set data.pack_documents = false or parallel.pp = 1")
 
 
 def _check_hsdp(cfg: Config, dims: ParallelDims) -> None:

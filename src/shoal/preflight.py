@@ -58,6 +58,21 @@ class Job:
         return self.resume_from is not None and self.resume_step >= self.cfg.train.steps
 
 
+def check_model_takes(cfg: Config, bundle: ModelBundle) -> None:
+    """The model is one that parallel.ep, parallel.cp and data.pack_documents, where set, can split or pack."""
+    if cfg.parallel.ep > 1:  # a model whose experts blocks parallel.ep can split
+        expert_blocks(bundle.model, cfg.parallel.ep)
+    if cfg.parallel.cp > 1 and not bundle.takes_positions:
+        raise UserError(f"parallel.cp = {cfg.parallel.cp} splits each sequence over ranks, which model.name = "
+                        f"\"{cfg.model.name}\" is not built for (its positions taken from the batch, its attention "
+                        f"causal scaled_dot_product_attention: shoal's gpt and causal-lm hf models); set "
+                        f"parallel.cp = 1")
+    if cfg.data.pack_documents and not bundle.takes_positions:
+        raise UserError(f"data.pack_documents restarts the positions at each document, which model.name = "
+                        f"\"{cfg.model.name}\" does not take from the batch (shoal's gpt and causal-lm hf models do); "
+                        f"set data.pack_documents = false")
+
+
 def check_job(cfg: Config, world_sizes: list[int], cuda: bool, run_dir: Path | None = None,
               resume: str = "auto", quiet: bool = False, local_workers: int | None = None) -> Job:
     """Check `cfg` for every world size in `world_sizes` (and the run dir, when given). `local_workers`: the
@@ -68,13 +83,7 @@ def check_job(cfg: Config, world_sizes: list[int], cuda: bool, run_dir: Path | N
     source = build_source(cfg.data, getattr(cfg.model, "seq_len", None), cfg.train.seed)
     with on_meta():
         bundle = build_model(cfg.model, source.spec)
-    if cfg.parallel.ep > 1:  # a model whose experts blocks parallel.ep can split
-        expert_blocks(bundle.model, cfg.parallel.ep)
-    if cfg.parallel.cp > 1 and not bundle.takes_positions:
-        raise UserError(f"parallel.cp = {cfg.parallel.cp} splits each sequence over ranks, which model.name = "
-                        f"\"{cfg.model.name}\" is not built for (its positions taken from the batch, its attention "
-                        f"causal scaled_dot_product_attention: shoal's gpt and causal-lm hf models); set "
-                        f"parallel.cp = 1")
+    check_model_takes(cfg, bundle)
     for layout in layouts:
         check_fit(cfg, layout, bundle, source)
     freeze(bundle.model, cfg.train.freeze)  # frozen parameters have no gradients or optimizer state

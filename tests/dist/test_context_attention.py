@@ -2,18 +2,21 @@
 of a sequence's queries, keys and values, attention over the group's gathered keys and values gives its positions
 what causal attention over the whole sequence gives them, and the gradients of its queries, keys and values are
 the whole sequence's at its positions (fp32: within 1e-5 of the largest value), on 2 and 4 ranks, with the CPU's
-fused kernel and with the plain-ops blocks other devices use, and with grouped-query attention (fewer key heads).
+fused kernel and with the plain-ops blocks other devices use, with grouped-query attention (fewer key heads), and
+over packed documents (data.pack_documents: attention inside each document, against one process's document mask).
 Runs in the in-process harness."""
 
 import pytest
 
 
-def split_against_whole(env, heads: int, key_heads: int, seq_len: int, plain_blocks: bool) -> dict:
+def split_against_whole(env, heads: int, key_heads: int, seq_len: int, plain_blocks: bool, packed: bool) -> dict:
     import torch
     import torch.nn.functional as F
     from torch.distributed.device_mesh import init_device_mesh
 
     from shoal.comm.collectives import Comm
+    from shoal.data.packing import document_positions
+    from shoal.models.documents import visible
     from shoal.parallel import context
     from shoal.parallel.context import ContextParallel, head_tail
 
@@ -22,7 +25,14 @@ def split_against_whole(env, heads: int, key_heads: int, seq_len: int, plain_blo
     k, v = (torch.randn(2, key_heads, seq_len, 8, generator=g, requires_grad=True) for _ in range(2))
     w = torch.randn(2, heads, seq_len, 8, generator=g)
     gqa = {"enable_gqa": True} if key_heads != heads else {}
-    whole = F.scaled_dot_product_attention(q, k, v, is_causal=True, **gqa)
+    # packed: documents of 1 to 12 tokens, so that a rank's chunks hold whole documents, cut ones, and queries
+    # that see no key of an earlier chunk
+    ends = torch.randint(1, 13, (2, seq_len), generator=g).cumsum(1) - 1
+    tokens = torch.zeros(2, seq_len, dtype=torch.long).scatter_(1, ends.clamp(max=seq_len - 1), 1)
+    positions = document_positions(tokens, 1)
+    index = torch.arange(seq_len)
+    mask = {"attn_mask": visible(index, positions, index)} if packed else {"is_causal": True}
+    whole = F.scaled_dot_product_attention(q, k, v, **mask, **gqa)
     (whole * w).sum().backward()
 
     mesh = init_device_mesh("cpu", (env.world_size,), mesh_dim_names=("cp",))
@@ -32,7 +42,7 @@ def split_against_whole(env, heads: int, key_heads: int, seq_len: int, plain_blo
     fused = context.FUSED
     context.FUSED = frozenset() if plain_blocks else fused  # the blocks other devices compute, here on the CPU
     try:
-        with cp.attention():
+        with cp.attention({"positions": positions[:, pos]} if packed else {}):
             out = F.scaled_dot_product_attention(*mine, is_causal=True, **gqa)
         (out * w[:, :, pos]).sum().backward()
     finally:
@@ -46,12 +56,15 @@ def split_against_whole(env, heads: int, key_heads: int, seq_len: int, plain_blo
             "k": rel(mine[1].grad, k.grad[:, :, pos]), "v": rel(mine[2].grad, v.grad[:, :, pos]), "ops": gathered}
 
 
-@pytest.mark.parametrize(("world", "heads", "key_heads", "plain"), [
-    (2, 2, 2, False),
-    pytest.param(4, 4, 2, False, marks=pytest.mark.slow),
-    pytest.param(2, 2, 2, True, marks=pytest.mark.slow),
-], ids=["cp2", "cp4-gqa", "cp2-plain-blocks"])
-def test_each_rank_s_positions_get_what_attention_over_the_whole_sequence_gives(ranks, world, heads, key_heads, plain):
-    for rank, diffs in enumerate(ranks(world).run(split_against_whole, heads, key_heads, 32, plain)):
+@pytest.mark.parametrize(("world", "heads", "key_heads", "plain", "packed"), [
+    (2, 2, 2, False, False),
+    pytest.param(4, 4, 2, False, False, marks=pytest.mark.slow),
+    pytest.param(2, 2, 2, True, False, marks=pytest.mark.slow),
+    (2, 2, 2, False, True),
+    pytest.param(4, 4, 2, True, True, marks=pytest.mark.slow),
+], ids=["cp2", "cp4-gqa", "cp2-plain-blocks", "cp2-packed", "cp4-packed-plain-blocks"])
+def test_each_rank_s_positions_get_what_attention_over_the_whole_sequence_gives(ranks, world, heads, key_heads, plain,
+                                                                                packed):
+    for rank, diffs in enumerate(ranks(world).run(split_against_whole, heads, key_heads, 32, plain, packed)):
         assert all(diffs[k] < 1e-5 for k in ("out", "q", "k", "v")), (rank, diffs)
         assert diffs["ops"] == ["all_gather", "reduce_scatter"], (rank, diffs)  # under the "cp" label

@@ -3,7 +3,11 @@ sequence split over the cp ranks of a group (head-tail chunks), attention over t
 the gradients reduced over every dp rank. fp32: every step's loss within 1e-5 relative, the final weights within
 1e-5; shoal's GPT alone (cp 2), beside data parallelism (dp 2 x cp 2), under ZeRO 3 and with tensor parallelism,
 and a Hugging Face Llama (rotary positions: each rank's positions passed as position_ids). The weights are
-replicated over the cp ranks as over dp ones, so a checkpoint resumes on another cp size on the same loss curve."""
+replicated over the cp ranks as over dp ones, so a checkpoint resumes on another cp size on the same loss curve.
+Packed documents (data.pack_documents: documents of 8 to 60 bytes, attention kept inside each) train as one process
+packs them, with data parallelism and with cp (each rank's queries masked to their documents, block by block)."""
+
+from pathlib import Path
 
 import pytest
 import torch
@@ -39,6 +43,23 @@ def trained(tmp_path_factory, ranks):
     return run
 
 
+@pytest.fixture(scope="module")
+def short_documents(tmp_path_factory) -> str:
+    """A folder of 400 files of 8 to 60 bytes: a 32-token window holds several documents."""
+    import random
+
+    folder = tmp_path_factory.mktemp("documents")
+    rng = random.Random(0)
+    text = (Path(__file__).read_text() * 3)
+    for i in range(400):
+        start = rng.randrange(len(text) - 60)
+        (folder / f"{i:04d}.txt").write_text(text[start:start + rng.randint(8, 60)])
+    return f'data.path="{folder}"'
+
+
+PACKED = ('data.source="text"', "data.pack_documents=true")
+
+
 def as_one_process(run, ref) -> None:
     ours = {m["step"]: m for m in read_metrics(run)}
     theirs = {m["step"]: m for m in read_metrics(ref)}
@@ -63,6 +84,19 @@ def slow(*cases):
     ids=["gpt-cp2", "gpt-dp2-cp2", "gpt-cp4", "gpt-dp2-cp2-zero3", "gpt-cp2-tp2", "llama-cp2"])
 def test_context_parallelism_trains_as_one_process(trained, model, nproc, sets):
     as_one_process(trained(model, nproc, *sets), trained(model, 1))
+
+
+@pytest.mark.parametrize(("model", "nproc", "sets"), [
+    ("gpt", 2, ("parallel.cp=2",)), *slow(("gpt", 2, ()), ("gpt", 4, ("parallel.cp=2", "parallel.zero=3")),
+                                         ("llama", 2, ("parallel.cp=2",)))],
+    ids=["gpt-cp2", "gpt-dp2", "gpt-dp2-cp2-zero3", "llama-cp2"])
+def test_packed_documents_train_as_one_process_packs_them(trained, short_documents, model, nproc, sets):
+    packed = (*PACKED, short_documents)
+    ref = trained(model, 1, *packed)
+    as_one_process(trained(model, nproc, *sets, *packed), ref)
+    whole = {m["step"]: m["loss"] for m in read_metrics(trained(model, 1, 'data.source="text"', short_documents))}
+    ours = {m["step"]: m["loss"] for m in read_metrics(ref)}
+    assert abs(ours[1] - whole[1]) > 1e-3  # packing changed what the model saw: attention across documents
 
 
 def test_a_checkpoint_resumes_on_another_cp_size(tmp_path, ranks, trained):

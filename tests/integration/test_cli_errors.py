@@ -55,6 +55,15 @@ CASES = {
         'parallel.pp_schedule = "1f1b" needs at least parallel.pp (2) micro-batches per step, but '
         "train.micro_batch_size (16) gives each rank 1 (per-rank batch 16 = train.global_batch_size 32 / dp 2); "
         "set train.micro_batch_size = 8 or parallel.pp_microbatches = 2"),
+    "packing for a model that takes no positions": (
+        ["--set", "model.name=moe", "--set", "model.experts=4", "--set", "data.pack_documents=true"],
+        'data.pack_documents restarts the positions at each document, which model.name = "moe" does not take'),
+    "packing into pipeline stages": (
+        ["--nproc", "2", "--set", "parallel.pp=2", "--set", "train.micro_batch_size=8", "--set",
+         "data.pack_documents=true"], "data.pack_documents with parallel.pp = 2 is not built yet"),
+    "packing a token file without its end of document": (
+        ["--set", "data.source=tokens", "--set", "data.path=/no/such.bin", "--set", "data.pack_documents=true"],
+        'data.pack_documents with data.source = "tokens" needs data.eos_id'),
 }
 
 

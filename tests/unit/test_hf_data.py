@@ -72,7 +72,7 @@ def test_every_format_packs_documents_joined_with_eos_into_windows(corpus, tmp_p
     src = build_source(cfg, seq_len=16)
 
     stream = expected_stream(tok, DOCS)
-    tokens, vocab = hf.hf_tokens(cfg)
+    tokens, vocab, _ = hf.hf_tokens(cfg)
     assert tokens.tolist() == stream and tokens.dtype == np.uint16  # vocab 300 fits 16 bits
     assert vocab == src.spec.vocab_size == 300
     n_val = int(len(stream) * 0.1)
@@ -92,7 +92,7 @@ def test_a_transformers_tokenizer_folder_gives_its_eos_and_added_tokens(corpus, 
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>")
     fast.add_tokens(["<extra>"])  # added tokens count in the model's vocabulary
     fast.save_pretrained(str(tmp_path / "tok"))
-    tokens, vocab = hf.hf_tokens(hf_cfg(parquet, tmp_path / "tok", tmp_path / "cache", max_documents=5))
+    tokens, vocab, _ = hf.hf_tokens(hf_cfg(parquet, tmp_path / "tok", tmp_path / "cache", max_documents=5))
     assert vocab == len(fast) == 301
     tok.no_truncation()
     tok.no_padding()
@@ -106,10 +106,10 @@ def test_the_cache_is_reused_and_remade_when_what_the_tokens_depend_on_changes(c
     folder, parquet, tok = corpus
     calls = count_tokenize(monkeypatch)
     cfg = hf_cfg(parquet, tok, tmp_path / "cache")
-    first, _ = hf.hf_tokens(cfg)
+    first = hf.hf_tokens(cfg)[0]
     bin_path = next((tmp_path / "cache").glob("*.bin"))
     mtime = bin_path.stat().st_mtime_ns
-    again, _ = hf.hf_tokens(cfg)
+    again = hf.hf_tokens(cfg)[0]
     assert calls == [1] and bin_path.stat().st_mtime_ns == mtime and np.array_equal(first, again)
     assert isinstance(again, np.memmap)
 
@@ -133,7 +133,7 @@ def test_the_cache_is_reused_and_remade_when_what_the_tokens_depend_on_changes(c
     assert hf.hf_tokens(hf_cfg(parquet, tok2, tmp_path / "cache"))[0].tolist() == expected_stream(tok2, DOCS)
     for docs in (DOCS[:30], DOCS[30:60]):
         datasets.Dataset.from_dict({"text": docs}).to_parquet(str(changed / "docs.parquet"))
-        tokens, _ = hf.hf_tokens(hf_cfg(changed / "docs.parquet", tok2, tmp_path / "cache"))
+        tokens = hf.hf_tokens(hf_cfg(changed / "docs.parquet", tok2, tmp_path / "cache"))[0]
     assert tokens.tolist() == expected_stream(tok2, DOCS[30:60]) and len(calls) == 7
 
 
@@ -174,3 +174,17 @@ def test_where_the_tokens_are_cached_is_not_what_a_run_trains():
     a, b = (load_config(None, ['data.source="hf"', 'data.path="d.parquet"', 'data.tokenizer="t.json"',
                                f'data.cache_dir="{d}"']) for d in ("x", "y"))
     assert default_run_dir(None, a) == default_run_dir(None, b)  # the same command resumes the same run
+
+
+@pytest.mark.parametrize("streaming", [False, True], ids=["cached", "streamed"])
+def test_packed_documents_end_at_the_eos_token(corpus, tmp_path, streaming):
+    from tokenizers import Tokenizer
+
+    folder, parquet, tok = corpus
+    eos = Tokenizer.from_file(str(tok)).token_to_id(EOS)
+    src = build_source(hf_cfg(parquet, tok, tmp_path / "cache", pack_documents=True, streaming=streaming), seq_len=64)
+    b = src.val_batch(torch.tensor([0, 1]))
+    ends = b["input"] == eos
+    assert ends.any() and (b["target"][ends] == -1).all() and (b["target"][~ends] != -1).all()
+    assert (b["positions"][:, 1:][ends[:, :-1]] == 0).all() and (b["positions"][:, 0] == 0).all()
+    assert (b["positions"][:, 1:][~ends[:, :-1]] > 0).all()

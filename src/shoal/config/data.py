@@ -49,6 +49,15 @@ class DataConfig(Section):
     of its key and sizes); unset: $XDG_CACHE_HOME/shoal/tokens, i.e. ~/.cache/shoal/tokens."""
     token_dtype: Literal["uint16", "uint32"] = "uint16"
     """Element type of a `tokens` file."""
+    pack_documents: bool = False
+    """Train each document of a window as a sequence of its own (Megatron's reset_position_ids and
+    reset_attention_mask, Hugging Face's DataCollatorWithFlattening): attention kept inside each document,
+    positions starting again at 0 on each document's first token, and the target that crosses from a document's
+    end into the next one not counted. Documents end with the end-of-document token: hf: data.eos_token; tokens:
+    data.eos_id; stdlib-text and text: each file is a document, ended by a NUL byte (instead of the newline that
+    joins files unpacked). Needs a model that takes positions (gpt, hf causal-lm); data/packing.py."""
+    eos_id: int | None = Field(None, ge=0)
+    """tokens with pack_documents: the id of the token that ends each document in the file."""
     max_bytes: int = Field(8_000_000, ge=4096)
     """Text sources read at most this many bytes (the stdlib gives ~12 MB without its tests)."""
     val_fraction: float = Field(0.05, gt=0.0, lt=0.5)
@@ -98,6 +107,13 @@ class DataConfig(Section):
         if ":" not in self.source and self.source not in DataSource.__args__:
             raise ValueError(f'unknown data.source = "{self.source}"; use one of {", ".join(DataSource.__args__)} '
                              f'or "package.module:function" (your data set)')
+        if self.pack_documents and data_kind(self.source) != "tokens":
+            raise ValueError(f'data.pack_documents packs the documents of a token stream; data.source = '
+                             f'"{self.source}" gives {data_kind(self.source) or "your own batches"}; set '
+                             f'data.pack_documents = false')
+        if self.pack_documents and self.source == "tokens" and self.eos_id is None:
+            raise ValueError('data.pack_documents with data.source = "tokens" needs data.eos_id, the id of the token '
+                             'that ends each document in the file; set it')
         return self
 
 

@@ -47,9 +47,9 @@ class Tokenizer:
     eos_token: str | None  # the tokenizer's own end-of-text token, if it names one
 
 
-def hf_tokens(cfg: DataConfig) -> tuple[np.ndarray, int]:
-    """The token stream of `cfg` (memory-mapped from the cache, tokenized first when not cached) and
-    the vocabulary size the model needs."""
+def hf_tokens(cfg: DataConfig) -> tuple[np.ndarray, int, int]:
+    """The token stream of `cfg` (memory-mapped from the cache, tokenized first when not cached), the
+    vocabulary size the model needs, and the EOS token that ends each document."""
     require("datasets", "hf", FEATURE)  # checked first: the one line names the extra, not a missing part of it
     filelock = require("filelock", "hf", FEATURE)
     files, builder = dataset_files(cfg.path)
@@ -65,7 +65,7 @@ def hf_tokens(cfg: DataConfig) -> tuple[np.ndarray, int]:
         if meta is None:
             meta = tokenize(cfg, files, builder, tok, eos_id, dtype, bin_path, meta_path, key)
     tokens = np.memmap(bin_path, dtype=meta["dtype"], mode="r")
-    return tokens, meta["vocab_size"]
+    return tokens, meta["vocab_size"], eos_id
 
 
 def eos_id_of(cfg: DataConfig, tok: Tokenizer) -> int:

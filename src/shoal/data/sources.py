@@ -22,6 +22,7 @@ import torch
 from shoal.config import DataConfig
 from shoal.data.hf import hf_tokens
 from shoal.data.images import Cifar10, ImageFolder
+from shoal.data.packing import window_batch
 from shoal.errors import UserError
 from shoal.models.spec import Batch, DataSpec
 
@@ -32,11 +33,13 @@ STREAM_VAL_WINDOWS = 256  # a streamed corpus's validation set: its first held-o
 class TokenWindows:
     """Next-token prediction windows over a flat token stream: sample i is tokens[i*T : i*T + T + 1]
     split into input (first T) and target (last T). Windows do not overlap; the validation split is
-    the stream's tail, so no validation token is ever trained on."""
+    the stream's tail, so no validation token is ever trained on. `eos`: the end-of-document token of packed
+    documents (data.pack_documents: data/packing.py)."""
 
     light_batches = True  # a batch is a gather from the token array (data.prefetch = "auto": no thread)
 
-    def __init__(self, tokens: np.ndarray, seq_len: int, val_fraction: float, vocab_size: int):
+    def __init__(self, tokens: np.ndarray, seq_len: int, val_fraction: float, vocab_size: int,
+                 eos: int | None = None):
         n_val = max(int(len(tokens) * val_fraction), seq_len + 1)
         if len(tokens) - n_val < seq_len + 1:
             raise UserError(
@@ -46,7 +49,7 @@ class TokenWindows:
         # plain arrays over the same memory: indexing a memmap goes through its Python subclass every batch
         tokens = tokens.view(np.ndarray)
         self.train_tokens, self.val_tokens = tokens[:-n_val], tokens[-n_val:]
-        self.seq_len = seq_len
+        self.seq_len, self.eos = seq_len, eos
         self.spec = DataSpec(kind="tokens", vocab_size=vocab_size)
         self.num_train = (len(self.train_tokens) - 1) // seq_len
         self.num_val = (len(self.val_tokens) - 1) // seq_len
@@ -56,6 +59,8 @@ class TokenWindows:
         """Input and target each contiguous, copied out of the window by numpy (the data thread builds a batch
         every step, holding the GIL: numpy's copy costs a fraction of a torch call)."""
         w = tokens[idx.numpy()[:, None] * self.seq_len + self._window].astype(np.int64)  # (B, T+1)
+        if self.eos is not None:
+            return window_batch(w, self.eos)
         return {"input": torch.from_numpy(np.ascontiguousarray(w[:, :-1])),
                 "target": torch.from_numpy(np.ascontiguousarray(w[:, 1:]))}
 
@@ -66,8 +71,8 @@ class TokenWindows:
         return self._gather(self.val_tokens, idx)
 
 
-def stdlib_bytes(max_bytes: int) -> np.ndarray:
-    """UTF-8 source of the running Python's standard library, as bytes.
+def stdlib_bytes(max_bytes: int, separator: bytes = b"\n") -> np.ndarray:
+    """UTF-8 source of the running Python's standard library, as bytes, each file followed by `separator`.
 
     Files are visited in an order fixed by a hash of their relative path (so the held-out tail is a
     sample of modules, not the alphabet's last letters). Test suites, vendored packages and the codec
@@ -82,18 +87,18 @@ def stdlib_bytes(max_bytes: int) -> np.ndarray:
         dirs[:] = [d for d in dirs if d not in skip]
         files += [Path(folder) / n for n in names if n.endswith(".py")]
     files.sort(key=lambda p: hashlib.sha1(str(p.relative_to(root)).encode()).hexdigest())
-    return _read_bytes(files, max_bytes, what=f"the standard library at {root}")
+    return _read_bytes(files, max_bytes, f"the standard library at {root}", separator)
 
 
-def text_bytes(path: str, max_bytes: int) -> np.ndarray:
+def text_bytes(path: str, max_bytes: int, separator: bytes = b"\n") -> np.ndarray:
     p = Path(path).expanduser()
     if not p.exists():
         raise UserError(f"data.path = {path!r} does not exist; point it at a text file or folder")
     files = sorted(f for f in p.rglob("*") if f.is_file()) if p.is_dir() else [p]
-    return _read_bytes(files, max_bytes, what=f"data.path = {path!r}")
+    return _read_bytes(files, max_bytes, f"data.path = {path!r}", separator)
 
 
-def _read_bytes(files: list[Path], max_bytes: int, what: str) -> np.ndarray:
+def _read_bytes(files: list[Path], max_bytes: int, what: str, separator: bytes) -> np.ndarray:
     chunks, total = [], 0
     for f in files:
         try:
@@ -107,7 +112,7 @@ def _read_bytes(files: list[Path], max_bytes: int, what: str) -> np.ndarray:
             break
     if total == 0:
         raise UserError(f"no UTF-8 text found in {what}")
-    return np.frombuffer(b"\n".join(chunks)[:max_bytes], dtype=np.uint8)
+    return np.frombuffer(separator.join(chunks)[:max_bytes], dtype=np.uint8)
 
 
 def token_file(path: str, dtype: str) -> tuple[np.ndarray, int]:
@@ -201,6 +206,20 @@ class Interactions:
         return {"user": idx.clone(), "candidates": torch.from_numpy(self.val_candidates[idx.numpy()])}
 
 
+def token_stream(cfg: DataConfig) -> tuple[np.ndarray, int, int | None]:
+    """The token stream of a text source, its vocabulary, and its end-of-document token (None: it has none)."""
+    if cfg.source == "tokens":
+        tokens, vocab = token_file(cfg.path, cfg.token_dtype)
+        return tokens, max(vocab, (cfg.eos_id or 0) + 1), cfg.eos_id
+    if cfg.source == "hf":
+        return hf_tokens(cfg)
+    # byte sources: a NUL byte ends each file when packed (the byte-level end of document)
+    separator = b"\0" if cfg.pack_documents else b"\n"
+    read = stdlib_bytes(cfg.max_bytes, separator) if cfg.source == "stdlib-text" else \
+        text_bytes(cfg.path, cfg.max_bytes, separator)
+    return read, 256, 0 if cfg.pack_documents else None
+
+
 def build_source(cfg: DataConfig, seq_len: int | None, seed: int = 0):
     """The source named by data.source. Text sources need the model's context length; image sources
     draw their augmentation from `seed` (train.seed)."""
@@ -215,14 +234,8 @@ def build_source(cfg: DataConfig, seq_len: int | None, seed: int = 0):
             from shoal.data.stream import StreamedText
 
             return StreamedText(cfg, seq_len, STREAM_VAL_WINDOWS)
-        if cfg.source == "tokens":
-            tokens, vocab = token_file(cfg.path, cfg.token_dtype)
-        elif cfg.source == "hf":
-            tokens, vocab = hf_tokens(cfg)
-        else:
-            tokens = stdlib_bytes(cfg.max_bytes) if cfg.source == "stdlib-text" else text_bytes(cfg.path, cfg.max_bytes)
-            vocab = 256
-        return TokenWindows(tokens, seq_len, cfg.val_fraction, vocab)
+        tokens, vocab, eos = token_stream(cfg)
+        return TokenWindows(tokens, seq_len, cfg.val_fraction, vocab, eos if cfg.pack_documents else None)
     if cfg.source == "synthetic-images":
         return SyntheticImages(cfg)
     if cfg.source in ("image-folder", "cifar10"):

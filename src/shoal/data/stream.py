@@ -27,6 +27,7 @@ import torch
 
 from shoal.config import DataConfig
 from shoal.data.hf import FEATURE, dataset_files, eos_id_of, load_tokenizer, open_dataset
+from shoal.data.packing import window_batch
 from shoal.errors import UserError, require
 from shoal.models.spec import Batch, DataSpec
 
@@ -98,8 +99,11 @@ class StreamedText:
         return windows(np.asarray(buffer, dtype=np.int64), n, self.seq_len)
 
     def val_batch(self, idx: torch.Tensor) -> Batch:
-        w = self.val[idx]
-        return {"input": w[:, :-1].contiguous(), "target": w[:, 1:].contiguous()}
+        return self.batch(self.val[idx])
+
+    def batch(self, w: torch.Tensor) -> Batch:
+        """The batch of windows `w` (B, seq_len + 1): packed by EOS under data.pack_documents."""
+        return window_batch(w, self.eos_id if self.cfg.pack_documents else None)
 
     def train_batch(self, idx: torch.Tensor, step: int = 0) -> Batch:
         """A batch of the shape training takes (validation's windows stand in): what the start measures

@@ -137,8 +137,8 @@ class GPT(nn.Module):
     def forward(self, idx: torch.Tensor, target: torch.Tensor | None = None,
                 positions: torch.Tensor | None = None) -> torch.Tensor:
         """The logits (B, T, vocab); given the target (B, T), the loss summed over its counted tokens instead.
-        `positions` (T,): the tokens' places in their sequence (parallel.cp: this rank's part of it); default
-        0 .. T - 1."""
+        `positions` (T,): the tokens' places in their sequence (parallel.cp: this rank's part of it), or (B, T):
+        in their documents (data.pack_documents); default 0 .. T - 1."""
         B, T = idx.shape
         pos = torch.arange(T, device=idx.device) if positions is None else positions
         x = self.drop(self.tok_emb(idx) + self.pos_emb(pos))  # (B, T, C)
@@ -166,7 +166,7 @@ def lm_loss(model: nn.Module, batch: Batch) -> torch.Tensor:
     """Next-token cross-entropy summed over counted tokens (see [Note: loss contract]). Taken inside the
     model's forward: ZeRO 3 holds the head's gathered weight only there (the chunked loss reads it), and a
     compiled model compiles its loss too."""
-    if "positions" in batch:  # parallel.cp: this rank's positions of each sequence
+    if "positions" in batch:  # parallel.cp's share of each sequence, or packed documents' (data/packing.py)
         return model(batch["input"], batch["target"], batch["positions"])
     return model(batch["input"], batch["target"])
 

@@ -162,9 +162,11 @@ def unpacked_rows():
     sequences packed into one row (position ids that start again: masking_utils.find_packed_sequence_indices)
     and branches on `(packed[:, -1] == 0).all()`, read on the host: on a GPU every micro-batch's forward
     waits there for the device, and on the meta device (`shoal plan` traces the model there) it cannot be
-    read at all. shoal passes no position ids, so the model numbers every row 0..T-1 and the answer is
-    always "nothing packed" (None); given here, the forward is the same (bitwise) and never reads the
-    device. A transformers without the function is left as it is."""
+    read at all. Without position ids the model numbers every row 0..T-1 and the answer is always "nothing
+    packed" (None); given here, the forward is the same (bitwise) and never reads the device. The position ids
+    shoal does pass are parallel.cp's share of each row (whose jumps are not documents) or packed documents'
+    (data.pack_documents), whose attention shoal keeps inside each document itself (models/documents.py),
+    without a read. A transformers without the function is left as it is."""
     from transformers import masking_utils
 
     find = getattr(masking_utils, "find_packed_sequence_indices", None)
@@ -188,7 +190,8 @@ def causal_lm_loss(model: nn.Module, batch: Batch) -> torch.Tensor:
     router_aux_loss_coef as transformers adds it to its own loss, and by the micro-batch's counted tokens: the
     loss contract's sum ([Note: loss contract] in spec.py), so that after the division by the global batch's
     tokens it is transformers' mean over the micro-batches (each the same set of sequences on any layout)."""
-    positions = batch.get("positions")  # parallel.cp: this rank's positions of each sequence
+    # parallel.cp's share of each sequence, or packed documents' positions (their attention: models/documents.py)
+    positions = batch.get("positions")
     with unpacked_rows():
         out = model(input_ids=batch["input"], use_cache=False, **({} if positions is None else {
             "position_ids": positions.expand(batch["input"].shape[0], -1)}))

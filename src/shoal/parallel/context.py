@@ -29,6 +29,7 @@ from torch.overrides import TorchFunctionMode
 
 from shoal.comm.collectives import Comm
 from shoal.errors import UserError
+from shoal.models.documents import packed_positions, raise_unseen, visible
 
 # the devices whose fused attention kernel (with its log-sum-exp and its backward) computes the blocks; elsewhere
 # plain torch ops, which hold a block's scores
@@ -51,39 +52,50 @@ class ContextParallel:
 
     def shard(self, batch: dict) -> dict:
         """This rank's positions of every sequence of `batch` ("input", "target" (B, T)), and the positions
-        themselves ("positions", for the model's position embedding or rotary angles)."""
+        themselves ("positions", for the model's position embedding or rotary angles: (t,), or (B, t) of a packed
+        batch's, each token's place in its document)."""
         pos = head_tail(batch["input"].shape[1], self.cp, self.rank, batch["input"].device)
-        out = {k: (v[:, pos] if k in ("input", "target") else v) for k, v in batch.items()}
-        out["positions"] = pos
+        out = {k: (v[:, pos] if k in ("input", "target", "positions") else v) for k, v in batch.items()}
+        out.setdefault("positions", pos)
         return out
 
-    def attention(self) -> contextlib.AbstractContextManager:
+    def attention(self, batch: dict) -> contextlib.AbstractContextManager:
         """Inside it, F.scaled_dot_product_attention (shoal's GPT's, transformers' "sdpa") attends over the whole
-        sequence the group holds."""
-        return _Attention(self)
+        sequence the group holds; over a packed batch (`batch`, as shard gave it), inside each document."""
+        return _Attention(self, packed_positions(batch))
 
 
 class _Attention(TorchFunctionMode):
-    def __init__(self, cp: ContextParallel):
+    def __init__(self, cp: ContextParallel, positions: torch.Tensor | None):
         super().__init__()
-        self.cp = cp
+        self.cp, self.positions, self.calls = cp, positions, 0
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if func is not F.scaled_dot_product_attention:
             return func(*args, **kwargs)
-        return gathered_attention(self.cp, *args, **kwargs)
+        self.calls += 1
+        return gathered_attention(self.cp, self.positions, *args, **kwargs)
+
+    def __exit__(self, kind, value, traceback):
+        out = super().__exit__(kind, value, traceback)
+        if kind is None and self.calls == 0:
+            raise_unseen(f"parallel.cp = {self.cp.cp}", "parallel.cp = 1")
+        return out
 
 
-def gathered_attention(cp: ContextParallel, q, k, v, attn_mask=None, dropout_p: float = 0.0, is_causal: bool = False,
-                       scale: float | None = None, enable_gqa: bool = False) -> torch.Tensor:
+def gathered_attention(cp: ContextParallel, positions: torch.Tensor | None, q, k, v, attn_mask=None,
+                       dropout_p: float = 0.0, is_causal: bool = False, scale: float | None = None,
+                       enable_gqa: bool = False) -> torch.Tensor:
+    """`positions`: this rank's tokens' places in their documents (B, t) when the batch is packed."""
     if attn_mask is not None or not is_causal or dropout_p:
         has = "a mask" if attn_mask is not None else "dropout" if dropout_p else "no causal mask"
         raise UserError(f"parallel.cp = {cp.cp} replaces causal attention without a mask or dropout; this model's "
                         f"attention has {has}; set parallel.cp = 1 (or its attention dropout to 0)")
     if enable_gqa and k.shape[1] != q.shape[1]:  # grouped-query attention: each key head serves several queries
         k, v = (t.repeat_interleave(q.shape[1] // t.shape[1], dim=1) for t in (k, v))
-    return GatheredAttention.apply(q, k, v, cp, scale if scale is not None else 1.0 / math.sqrt(q.shape[-1]))
+    return GatheredAttention.apply(q, k, v, cp, scale if scale is not None else 1.0 / math.sqrt(q.shape[-1]),
+                                   positions)
 
 
 class GatheredAttention(torch.autograd.Function):
@@ -93,7 +105,7 @@ class GatheredAttention(torch.autograd.Function):
     model's usual transpose back is a view."""
 
     @staticmethod
-    def forward(ctx, q, k, v, cp: ContextParallel, scale: float):
+    def forward(ctx, q, k, v, cp: ContextParallel, scale: float, positions: torch.Tensor | None):
         gathered = _Gathered(cp, k, v)
         B, H, t, D = q.shape
         c = t // 2
@@ -101,18 +113,19 @@ class GatheredAttention(torch.autograd.Function):
         lse = q.new_empty(B, H, t, dtype=torch.float32)
         for i, g in enumerate(_chunks(cp)):
             rows = slice(i * c, (i + 1) * c)
-            merged = _block(q[:, :, rows], *gathered.chunk(g), True, scale)
-            for j in range(g):  # the chunks before: every key
-                merged = _merge(merged, _block(q[:, :, rows], *gathered.chunk(j), False, scale))
+            merged = _block(q[:, :, rows], *gathered.chunk(g), True, scale, _mask(positions, rows, g, g))
+            for j in range(g):  # the chunks before: every key (of the query's document, when packed)
+                merged = _merge(merged, _block(q[:, :, rows], *gathered.chunk(j), False, scale,
+                                               _mask(positions, rows, g, j)))
             out[:, :, rows], lse[:, :, rows] = merged
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.cp, ctx.scale = cp, scale
+        ctx.cp, ctx.scale, ctx.positions = cp, scale, positions
         return out
 
     @staticmethod
     def backward(ctx, grad):
         q, k, v, out, lse = ctx.saved_tensors
-        cp, scale = ctx.cp, ctx.scale
+        cp, scale, positions = ctx.cp, ctx.scale, ctx.positions
         gathered = _Gathered(cp, k, v)
         c = q.shape[2] // 2
         dq = torch.zeros_like(q)
@@ -121,7 +134,7 @@ class GatheredAttention(torch.autograd.Function):
             rows = slice(i * c, (i + 1) * c)
             saved = (grad[:, :, rows].contiguous(), q[:, :, rows], out[:, :, rows], lse[:, :, rows])
             for j in range(g + 1):
-                dqi, dkj, dvj = _block_backward(saved, *gathered.chunk(j), j == g, scale)
+                dqi, dkj, dvj = _block_backward(saved, *gathered.chunk(j), j == g, scale, _mask(positions, rows, g, j))
                 dq[:, :, rows] += dqi
                 owner, half = _owner(cp, j)
                 sums[owner, 0, :, :, half] += dkj
@@ -129,7 +142,17 @@ class GatheredAttention(torch.autograd.Function):
         B, H, t, D = k.shape
         mine = sums.new_empty(2, B, H, t, D)  # this rank's two chunks, summed over the ranks
         cp.comm.reduce_scatter(mine.view(-1), sums.view(-1), cp.group, label="cp")
-        return dq, mine[0], mine[1], None, None
+        return dq, mine[0], mine[1], None, None, None
+
+
+def _mask(positions: torch.Tensor | None, rows: slice, g: int, j: int) -> torch.Tensor | None:
+    """Which keys of global chunk j the queries of chunk g (this rank's `rows`) see in a packed batch, (B, 1, c, c):
+    those of their own documents; None when the batch is not packed (the block's causal flag says it all)."""
+    if positions is None:
+        return None
+    c = rows.stop - rows.start
+    index = torch.arange(c, device=positions.device)
+    return visible(index + g * c, positions[:, rows], index + j * c)
 
 
 def _chunks(cp: ContextParallel) -> tuple[int, int]:
@@ -167,35 +190,53 @@ def _merge(a: tuple[torch.Tensor, torch.Tensor], b: tuple[torch.Tensor, torch.Te
     return out, lse
 
 
-def _block(q, k, v, causal: bool, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """Attention of q over k, v (causal: the square block on the diagonal); its output and log-sum-exp (B, H, t)."""
+def _block(q, k, v, causal: bool, scale: float, mask: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention of q over k, v (causal: the square block on the diagonal; `mask`: which keys each query sees,
+    instead); its output and log-sum-exp (B, H, t). A query that sees no key of the block (a packed document that
+    begins after the block) has output 0 and log-sum-exp -inf: it adds nothing to the merge."""
     if q.device.type in FUSED:
-        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, scale=scale)
-        return out, lse.float()
-    s = (q.float() @ k.float().transpose(-2, -1)) * scale
-    if causal:
-        s = s.masked_fill(_upper(s), float("-inf"))
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+            q, k, v, 0.0, causal and mask is None, attn_mask=_additive(mask, q.dtype), scale=scale)
+        lse = lse.float()
+        # the kernel gives such a query output 0 and log-sum-exp 0
+        return out, (lse if mask is None else lse.masked_fill(~mask.any(-1), float("-inf")))
+    s = _scores(q, k, causal, scale, mask)
     lse = torch.logsumexp(s, -1)
-    return (torch.exp(s - lse.unsqueeze(-1)) @ v.float()).to(q.dtype), lse
+    p = torch.exp(s - lse.unsqueeze(-1))
+    if mask is not None:
+        p = p.nan_to_num(0.0)  # a query that sees no key: -inf - -inf
+    return (p @ v.float()).to(q.dtype), lse
 
 
-def _block_backward(saved: tuple, k, v, causal: bool, scale: float):
+def _block_backward(saved: tuple, k, v, causal: bool, scale: float, mask: torch.Tensor | None):
     """_block's gradients for q, k and v; `saved`: the rows' output gradient, queries, and merged output and
     log-sum-exp (flash attention's backward: the probabilities recomputed from them)."""
     grad, q, out, lse = saved
     if q.device.type in FUSED:
         return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
-            grad, q.contiguous(), k.contiguous(), v.contiguous(), out.contiguous(), lse.contiguous(), 0.0, causal,
-            scale=scale)
-    s = (q.float() @ k.float().transpose(-2, -1)) * scale
-    if causal:
-        s = s.masked_fill(_upper(s), float("-inf"))
-    p = torch.exp(s - lse.unsqueeze(-1))
+            grad, q.contiguous(), k.contiguous(), v.contiguous(), out.contiguous(), lse.contiguous(), 0.0,
+            causal and mask is None, attn_mask=_additive(mask, q.dtype), scale=scale)
+    p = torch.exp(_scores(q, k, causal, scale, mask) - lse.unsqueeze(-1))
     g, o = grad.float(), out.float()
     dv = p.transpose(-2, -1) @ g
     dp = g @ v.float().transpose(-2, -1)
     ds = p * (dp - (g * o).sum(-1, keepdim=True))
     return (ds @ k.float() * scale).to(q.dtype), (ds.transpose(-2, -1) @ q.float() * scale).to(k.dtype), dv.to(v.dtype)
+
+
+def _scores(q, k, causal: bool, scale: float, mask: torch.Tensor | None) -> torch.Tensor:
+    """The block's scaled scores in fp32, -inf where a query does not see a key."""
+    s = (q.float() @ k.float().transpose(-2, -1)) * scale
+    if mask is not None:
+        return s.masked_fill(~mask, float("-inf"))
+    return s.masked_fill(_upper(s), float("-inf")) if causal else s
+
+
+def _additive(mask: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:
+    """A boolean mask as the CPU kernel takes it: added to the scores, in the queries' dtype."""
+    if mask is None:
+        return None
+    return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill(~mask, float("-inf"))
 
 
 def _upper(s: torch.Tensor) -> torch.Tensor:

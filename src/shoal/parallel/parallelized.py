@@ -18,6 +18,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 from torch.distributed.tensor import DTensor
 
 from shoal.comm.collectives import Comm
+from shoal.models.documents import DocumentAttention, packed_positions
 from shoal.models.spec import Batch, ModelBundle
 from shoal.parallel.clip import GradGroups, clip_grads, grad_norm, plain
 from shoal.parallel.context import ContextParallel
@@ -65,9 +66,13 @@ class Parallelized:
         sequence (parallel/context.py), else all of it."""
         return batch if self.context is None else self.context.shard(batch)
 
-    def attention(self) -> contextlib.AbstractContextManager:
-        """The context of a forward: under parallel.cp, attention over the group's whole sequences."""
-        return contextlib.nullcontext() if self.context is None else self.context.attention()
+    def attention(self, batch: Batch) -> contextlib.AbstractContextManager:
+        """The context of `batch`'s forward (and backward): under parallel.cp, attention over the group's whole
+        sequences; over packed documents (data.pack_documents), attention inside each document."""
+        if self.context is not None:
+            return self.context.attention(batch)
+        positions = packed_positions(batch)
+        return contextlib.nullcontext() if positions is None else DocumentAttention(positions)
 
     # --- training ---------------------------------------------------------------------------------
 
@@ -79,11 +84,11 @@ class Parallelized:
         loss_sum: torch.Tensor | None = None
         for i, batch in enumerate(batches):
             began = backward_began if i == len(batches) - 1 else None
-            if self._bare:
+            if self._bare and "positions" not in batch:
                 loss = self._forward_backward(batch, scale, precision, began)
             else:
                 with grad_sync(self.module, self.sync.reduces(i, len(batches))), self.loss_context(), \
-                        self.attention():
+                        self.attention(batch):
                     loss = self._forward_backward(batch, scale, precision, began)
             # summed in float64; one micro-batch's loss as it is (its float64 value is the same number)
             part = loss.detach()
@@ -173,13 +178,16 @@ class Parallelized:
         chunks = [c for c in share.split(micro) if len(c)]
         pad = math.ceil(longest / micro) - len(chunks) if self.sharded else 0
         totals: Totals = {}
-        with precision.autocast(), self.loss_context(), self.attention():
+        with precision.autocast(), self.loss_context():
             for _ in range(pad):  # results unused: only the collectives count
-                self.eval_fn(self.module, self.shard(val_batch(share[:1] if len(share) else
-                                                               torch.zeros(1, dtype=torch.long))))
+                self._evaluate(self.shard(val_batch(share[:1] if len(share) else torch.zeros(1, dtype=torch.long))))
             for chunk in chunks:
-                add_to(totals, self.eval_fn(self.module, self.shard(val_batch(chunk))))
+                add_to(totals, self._evaluate(self.shard(val_batch(chunk))))
         return totals
+
+    def _evaluate(self, batch: Batch) -> Totals:
+        with self.attention(batch):
+            return self.eval_fn(self.module, batch)
 
     def holds_whole(self) -> bool:
         """Every rank holds the whole model as one process would (no shards, no DTensors)."""

@@ -194,8 +194,7 @@ def batches(run: Run):
     if stream is not None:  # data.streaming: this rank's next windows, in micro-batches
         def windows(step: int):
             w = stream.windows(step, run.layout.per_rank_batch)
-            return run.step.prepare([{"input": m[:, :-1].contiguous(), "target": m[:, 1:].contiguous()}
-                                     for m in w.split(micro)])
+            return run.step.prepare([run.source.batch(m) for m in w.split(micro)])
 
         return windows
 
