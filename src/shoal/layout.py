@@ -234,13 +234,13 @@ def _check_context(cfg: Config, dims: ParallelDims) -> None:
     if getattr(m, "task", "causal-lm") != "causal-lm":
         raise UserError(f"parallel.cp = {cp} replaces causal attention, but model.task = \"{m.task}\" attends both "
                         f"ways; set parallel.cp = 1")
-    others = [k for k, v in (("parallel.pp", dims.pp), ("parallel.ep", cfg.parallel.ep)) if v > 1]
+    others = ["parallel.ep"] if cfg.parallel.ep > 1 else []
     others += [f'{k} = "{v}"' for k, v, usual in (("sync.mode", cfg.sync.mode, "every-step"),
                                                   ("balance.mode", cfg.balance.mode, "uniform")) if v != usual]
     if others:
         what = others[0]
         raise UserError(f"parallel.cp = {cp} with {what} is not built yet; set parallel.cp = 1 (cp composes with dp, "
-                        f"ZeRO 1-3 and tp)")
+                        f"ZeRO 1-3, tp and pp)")
 
 
 def _check_packing(cfg: Config, dims: ParallelDims) -> None:

@@ -1,7 +1,8 @@
 """Context parallelism (parallel.cp) trains the same model as one process with the same seed and global batch: each
 sequence split over the cp ranks of a group (head-tail chunks), attention over the group's gathered keys and values,
 the gradients reduced over every dp rank. fp32: every step's loss within 1e-5 relative, the final weights within
-1e-5; shoal's GPT alone (cp 2), beside data parallelism (dp 2 x cp 2), under ZeRO 3 and with tensor parallelism,
+1e-5; shoal's GPT alone (cp 2), beside data parallelism (dp 2 x cp 2), under ZeRO 3, with tensor parallelism and
+in pipeline stages (its positions given to the first stage with each micro-batch),
 and a Hugging Face Llama (rotary positions: each rank's positions passed as position_ids). The weights are
 replicated over the cp ranks as over dp ones, so a checkpoint resumes on another cp size on the same loss curve.
 Packed documents (data.pack_documents: documents of 8 to 60 bytes, attention kept inside each) train as one process
@@ -80,8 +81,9 @@ def slow(*cases):
 @pytest.mark.parametrize(("model", "nproc", "sets"), [
     ("gpt", 2, ("parallel.cp=2",)), *slow(
         ("gpt", 4, ("parallel.cp=2",)), ("gpt", 4, ("parallel.cp=4",)), ("gpt", 4, ("parallel.cp=2", "parallel.zero=3")),
-        ("gpt", 4, ("parallel.cp=2", "parallel.tp=2")), ("llama", 2, ("parallel.cp=2",)))],
-    ids=["gpt-cp2", "gpt-dp2-cp2", "gpt-cp4", "gpt-dp2-cp2-zero3", "gpt-cp2-tp2", "llama-cp2"])
+        ("gpt", 4, ("parallel.cp=2", "parallel.tp=2")), ("gpt", 4, ("parallel.cp=2", "parallel.pp=2")),
+        ("llama", 2, ("parallel.cp=2",)))],
+    ids=["gpt-cp2", "gpt-dp2-cp2", "gpt-cp4", "gpt-dp2-cp2-zero3", "gpt-cp2-tp2", "gpt-cp2-pp2", "llama-cp2"])
 def test_context_parallelism_trains_as_one_process(trained, model, nproc, sets):
     as_one_process(trained(model, nproc, *sets), trained(model, 1))
 

@@ -26,6 +26,8 @@ def test_cp_is_planned_and_a_rank_holds_its_share_of_each_sequence():
     assert cp.memory["activations"] == pytest.approx(dp.memory["activations"], rel=1e-3)
     assert cp.time["compute"] == pytest.approx(dp.time["compute"], rel=0.01)
     assert cp.time["comm"] > dp.time["comm"]  # the gathers, on the attention's path
+    staged = {p.candidate.label() for p in plan(load_config(None, GPT), 4, profile, None) if p.ok}
+    assert any("pp2 cp2" in label for label in staged), staged  # cp within pipeline stages
 
 
 def test_the_gathers_are_priced_per_attention_layer_and_micro_batch():
@@ -34,6 +36,8 @@ def test_the_gathers_are_priced_per_attention_layer_and_micro_batch():
     # 2 layers; keys and values of 8 sequences' 128 positions, 64 fp32 each
     assert context_exchange(cfg, layout) == (2, 2 * 8 * 128 * 64 * 4)
     assert context_exchange(load_config(None, GPT), resolve_layout(load_config(None, GPT), 2, False)) == (0, 0)
+    staged = load_config(None, [*GPT, "parallel.cp=2", "parallel.pp=2", "train.micro_batch_size=2"])
+    assert context_exchange(staged, resolve_layout(staged, 4, False))[0] == 1  # a stage's one attention layer
     flat = HardwareProfile(matmul_flops={"fp32": 1e10}, collectives={"all_gather": [(1.0, 1e-3), (1e12, 1e-3)],
                                                                      "reduce_scatter": [(1.0, 2e-3), (1e12, 2e-3)]})
     assert _cp_comm(flat, layout, 3, (2, 1000), False) == pytest.approx(3 * 2 * (2 * 1e-3 + 2e-3))

@@ -126,9 +126,11 @@ class GPTStage(nn.Module):
         if self.outputs:
             self.ln_f, self.head = model.ln_f, model.head
 
-    def forward(self, x):
+    def forward(self, x, positions=None):
+        """`positions` (B, T), first stage: the tokens' places in their sequence (parallel.cp: this rank's share);
+        default 0 .. T - 1."""
         if self.embeds:
-            pos = torch.arange(x.shape[1], device=x.device)
+            pos = torch.arange(x.shape[1], device=x.device) if positions is None else positions
             x = self.drop(self.tok_emb(x) + self.pos_emb(pos))
         for block in self.blocks.values():
             x = block(x)

@@ -229,6 +229,8 @@ class Pipeline:
         # contiguous: a batch's input and target are often views of one (B, T + 1) token tensor, and the
         # schedules of torch 2.11 and 2.12 check each call's input strides against their first call's
         args = (batch["input"].contiguous(),) if self.first else ()
+        if self.first and "positions" in batch:  # parallel.cp: each sample's positions, split with it
+            args += (batch["positions"].contiguous(),)
         target = batch["target"].contiguous() if self.last else None
         if scale is None:
             with torch.no_grad():

@@ -34,10 +34,11 @@ class PipelinedModel(Parallelized):
         """The schedule splits the per-rank batch into its micro-batches; the loss is known on the last
         stage only (zero elsewhere). The schedule interleaves forwards and backwards: the data thread's cue
         (`backward_began`) is given as it starts."""
-        whole = {k: torch.cat([b[k] for b in batches]) for k in batches[0]}
+        whole = per_sample({k: torch.cat([b[k] for b in batches]) for k in batches[0] if k != "positions"},
+                           batches[0].get("positions"))
         s = scale()
         backward_began()
-        with self.loss_context(), precision.autocast():
+        with self.loss_context(), precision.autocast(), self.attention({}):  # ({}: no packed documents)
             loss = plain(self.pipeline.run(whole, s))
         carried = self.pipeline.carried
         if carried is not None:  # the layers' losses of every stage, into the last stage's loss
@@ -78,7 +79,8 @@ class PipelinedModel(Parallelized):
         """The validation loss of this rank's share, through the schedule (forward only). The schedule
         takes whole per-rank batches: a short share is padded with samples whose targets are -1, which
         the loss and the item count leave out."""
-        batch = val_batch(share if len(share) else torch.zeros(1, dtype=torch.long))
+        batch = self.shard(val_batch(share if len(share) else torch.zeros(1, dtype=torch.long)))
+        batch = per_sample({k: v for k, v in batch.items() if k != "positions"}, batch.get("positions"))
         if not len(share):
             batch["target"] = torch.full_like(batch["target"], -1)
         short = self.per_rank_batch - len(batch["target"])
@@ -86,7 +88,7 @@ class PipelinedModel(Parallelized):
             pad = {k: v[:1].expand(short, *v.shape[1:]) for k, v in batch.items()}
             pad["target"] = torch.full_like(pad["target"], -1)
             batch = {k: torch.cat([batch[k], pad[k]]) for k in batch}
-        with precision.autocast(), self.loss_context():
+        with precision.autocast(), self.loss_context(), self.attention({}):
             loss = self.pipeline.run(batch, None)
         totals: Totals = {}
         add_to(totals, {"loss": (loss, self.count_fn(batch))})
@@ -98,3 +100,12 @@ class PipelinedModel(Parallelized):
 
     def whole_model(self, plain_model, is_main: bool) -> None:
         return None  # each rank holds some stages: the final checkpoint holds them all
+
+
+def per_sample(batch: Batch, positions: torch.Tensor | None) -> Batch:
+    """`batch` with parallel.cp's positions (the rank's share of every sequence, (t,)) given to each sample, as the
+    schedule splits the batch into micro-batches along the first dimension."""
+    if positions is None:
+        return batch
+    return {**batch, "positions": positions.expand(len(batch["input"]), -1)}
+

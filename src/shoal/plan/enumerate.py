@@ -70,7 +70,7 @@ def candidates(cfg: Config, world: int, bundle, source, cuda: bool, micro_batche
                 hsdp = nodes > 1 and dp % nodes == 0 and dp // nodes > 1 and cfg.sync.mode == "every-step"
                 for zero, replicate in [(z, 1) for z in range(4)] + ([(2, nodes), (3, nodes)] if hsdp else []):
                     for ep, cp in [(e, 1) for e in expert_splits(cfg, dp, zero)] + [
-                            (1, c) for c in context_splits(cfg, bundle, dp, pp)]:
+                            (1, c) for c in context_splits(cfg, bundle, dp)]:
                         batch_ranks = dp // cp
                         micros = micro_batches or (_divisors(gb // batch_ranks) if gb % batch_ranks == 0
                                                    else [cfg.train.micro_batch_size])
@@ -89,11 +89,11 @@ def candidates(cfg: Config, world: int, bundle, source, cuda: bool, micro_batche
     return out
 
 
-def context_splits(cfg: Config, bundle, dp: int, pp: int) -> list[int]:
+def context_splits(cfg: Config, bundle, dp: int) -> list[int]:
     """parallel.cp's values above 1 to plan: for a model whose sequences cp can split, each divisor of dp whose
-    head-tail chunks divide model.seq_len, without a pipeline and with every-step syncs (where cp is built)."""
+    head-tail chunks divide model.seq_len, with every-step syncs (where cp is built)."""
     seq_len = getattr(cfg.model, "seq_len", None)
-    if not bundle.takes_positions or not seq_len or pp > 1 or cfg.sync.mode != "every-step":
+    if not bundle.takes_positions or not seq_len or cfg.sync.mode != "every-step":
         return []
     return [c for c in _divisors(dp) if c > 1 and seq_len % (2 * c) == 0]
 

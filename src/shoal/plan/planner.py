@@ -203,9 +203,9 @@ def predict(model: Model, cfg: Config, layout, profile: HardwareProfile | None,
 
 
 def context_exchange(cfg: Config, layout) -> tuple[int, int]:
-    """What parallel.cp gathers on a rank per micro-batch (parallel/context.py): (attention layers, the bytes of
-    its keys and values, its 1 / cp of each sequence, in the compute dtype); (0, 0) without cp. From shoal's
-    GPT's keys or a transformers config's (its key and value heads); (0, 0) for a model that says neither."""
+    """What parallel.cp gathers on a rank per micro-batch (parallel/context.py): (attention layers of its stage, the
+    bytes of its keys and values, its 1 / cp of each sequence, in the compute dtype); (0, 0) without cp. From
+    shoal's GPT's keys or a transformers config's (its key and value heads); (0, 0) for a model that says neither."""
     m = cfg.model
     if layout.cp == 1 or m.name not in ("gpt", "hf"):
         return 0, 0
@@ -219,6 +219,7 @@ def context_exchange(cfg: Config, layout) -> tuple[int, int]:
         layers, kv = c.num_hidden_layers, width * (getattr(c, "head_dim", None) or c.hidden_size // heads)
     else:
         layers, kv = m.n_layer, m.d_model
+    layers = -(-layers // layout.dims.pp)  # under a pipeline, a stage's
     return layers, 2 * layout.micro_batch * (m.seq_len // layout.cp) * kv * element
 
 
