@@ -62,20 +62,21 @@ class ContextParallel:
     def attention(self, batch: dict) -> contextlib.AbstractContextManager:
         """Inside it, F.scaled_dot_product_attention (shoal's GPT's, transformers' "sdpa") attends over the whole
         sequence the group holds; over a packed batch (`batch`, as shard gave it), inside each document."""
-        return _Attention(self, packed_positions(batch))
+        positions = packed_positions(batch)
+        return _Attention(self, None if positions is None else _Masks(positions))
 
 
 class _Attention(TorchFunctionMode):
-    def __init__(self, cp: ContextParallel, positions: torch.Tensor | None):
+    def __init__(self, cp: ContextParallel, masks: _Masks | None):
         super().__init__()
-        self.cp, self.positions, self.calls = cp, positions, 0
+        self.cp, self.masks, self.calls = cp, masks, 0
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if func is not F.scaled_dot_product_attention:
             return func(*args, **kwargs)
         self.calls += 1
-        return gathered_attention(self.cp, self.positions, *args, **kwargs)
+        return gathered_attention(self.cp, self.masks, *args, **kwargs)
 
     def __exit__(self, kind, value, traceback):
         out = super().__exit__(kind, value, traceback)
@@ -84,10 +85,10 @@ class _Attention(TorchFunctionMode):
         return out
 
 
-def gathered_attention(cp: ContextParallel, positions: torch.Tensor | None, q, k, v, attn_mask=None,
+def gathered_attention(cp: ContextParallel, masks: _Masks | None, q, k, v, attn_mask=None,
                        dropout_p: float = 0.0, is_causal: bool = False, scale: float | None = None,
                        enable_gqa: bool = False) -> torch.Tensor:
-    """`positions`: this rank's tokens' places in their documents (B, t) when the batch is packed."""
+    """`masks`: a packed batch's, which keep each query inside its document."""
     if attn_mask is not None or not is_causal or dropout_p:
         has = "a mask" if attn_mask is not None else "dropout" if dropout_p else "no causal mask"
         raise UserError(f"parallel.cp = {cp.cp} replaces causal attention without a mask or dropout; this model's "
@@ -95,7 +96,7 @@ def gathered_attention(cp: ContextParallel, positions: torch.Tensor | None, q, k
     if enable_gqa and k.shape[1] != q.shape[1]:  # grouped-query attention: each key head serves several queries
         k, v = (t.repeat_interleave(q.shape[1] // t.shape[1], dim=1) for t in (k, v))
     return GatheredAttention.apply(q, k, v, cp, scale if scale is not None else 1.0 / math.sqrt(q.shape[-1]),
-                                   positions)
+                                   masks)
 
 
 class GatheredAttention(torch.autograd.Function):
@@ -105,7 +106,7 @@ class GatheredAttention(torch.autograd.Function):
     model's usual transpose back is a view."""
 
     @staticmethod
-    def forward(ctx, q, k, v, cp: ContextParallel, scale: float, positions: torch.Tensor | None):
+    def forward(ctx, q, k, v, cp: ContextParallel, scale: float, masks: _Masks | None):
         gathered = _Gathered(cp, k, v)
         B, H, t, D = q.shape
         c = t // 2
@@ -113,19 +114,19 @@ class GatheredAttention(torch.autograd.Function):
         lse = q.new_empty(B, H, t, dtype=torch.float32)
         for i, g in enumerate(_chunks(cp)):
             rows = slice(i * c, (i + 1) * c)
-            merged = _block(q[:, :, rows], *gathered.chunk(g), True, scale, _mask(positions, rows, g, g))
+            merged = _block(q[:, :, rows], *gathered.chunk(g), True, scale, _mask(masks, rows, g, g))
             for j in range(g):  # the chunks before: every key (of the query's document, when packed)
                 merged = _merge(merged, _block(q[:, :, rows], *gathered.chunk(j), False, scale,
-                                               _mask(positions, rows, g, j)))
+                                               _mask(masks, rows, g, j)))
             out[:, :, rows], lse[:, :, rows] = merged
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.cp, ctx.scale, ctx.positions = cp, scale, positions
+        ctx.cp, ctx.scale, ctx.masks = cp, scale, masks
         return out
 
     @staticmethod
     def backward(ctx, grad):
         q, k, v, out, lse = ctx.saved_tensors
-        cp, scale, positions = ctx.cp, ctx.scale, ctx.positions
+        cp, scale, masks = ctx.cp, ctx.scale, ctx.masks
         gathered = _Gathered(cp, k, v)
         c = q.shape[2] // 2
         dq = torch.zeros_like(q)
@@ -134,7 +135,7 @@ class GatheredAttention(torch.autograd.Function):
             rows = slice(i * c, (i + 1) * c)
             saved = (grad[:, :, rows].contiguous(), q[:, :, rows], out[:, :, rows], lse[:, :, rows])
             for j in range(g + 1):
-                dqi, dkj, dvj = _block_backward(saved, *gathered.chunk(j), j == g, scale, _mask(positions, rows, g, j))
+                dqi, dkj, dvj = _block_backward(saved, *gathered.chunk(j), j == g, scale, _mask(masks, rows, g, j))
                 dq[:, :, rows] += dqi
                 owner, half = _owner(cp, j)
                 sums[owner, 0, :, :, half] += dkj
@@ -145,14 +146,36 @@ class GatheredAttention(torch.autograd.Function):
         return dq, mine[0], mine[1], None, None, None
 
 
-def _mask(positions: torch.Tensor | None, rows: slice, g: int, j: int) -> torch.Tensor | None:
-    """Which keys of global chunk j the queries of chunk g (this rank's `rows`) see in a packed batch, (B, 1, c, c):
-    those of their own documents; None when the batch is not packed (the block's causal flag says it all)."""
-    if positions is None:
-        return None
-    c = rows.stop - rows.start
-    index = torch.arange(c, device=positions.device)
-    return visible(index + g * c, positions[:, rows], index + j * c)
+class _Masks:
+    """A packed batch's block masks (B, 1, c, c), which keys of global chunk j the queries of chunk g (this rank's
+    `rows`) see: those of their own documents. Each made once per micro-batch, for every layer and the backward."""
+
+    def __init__(self, positions: torch.Tensor):
+        self.positions, self.made = positions, {}
+
+    def block(self, rows: slice, g: int, j: int) -> _BlockMask:
+        if (g, j) not in self.made:
+            c = rows.stop - rows.start
+            index = torch.arange(c, device=self.positions.device)
+            self.made[g, j] = _BlockMask(visible(index + g * c, self.positions[:, rows], index + j * c))
+        return self.made[g, j]
+
+
+class _BlockMask:
+    def __init__(self, seen: torch.Tensor):
+        self.seen, self._added = seen, {}
+
+    def added(self, dtype: torch.dtype) -> torch.Tensor:
+        """As the CPU kernel takes it: added to the scores, in the queries' dtype."""
+        if dtype not in self._added:
+            self._added[dtype] = torch.zeros(self.seen.shape, dtype=dtype, device=self.seen.device).masked_fill(
+                ~self.seen, float("-inf"))
+        return self._added[dtype]
+
+
+def _mask(masks: _Masks | None, rows: slice, g: int, j: int) -> _BlockMask | None:
+    """Block (g, j)'s mask of a packed batch; None when the batch is not packed (the block's causal flag says it)."""
+    return None if masks is None else masks.block(rows, g, j)
 
 
 def _chunks(cp: ContextParallel) -> tuple[int, int]:
@@ -190,16 +213,16 @@ def _merge(a: tuple[torch.Tensor, torch.Tensor], b: tuple[torch.Tensor, torch.Te
     return out, lse
 
 
-def _block(q, k, v, causal: bool, scale: float, mask: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+def _block(q, k, v, causal: bool, scale: float, mask: _BlockMask | None) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention of q over k, v (causal: the square block on the diagonal; `mask`: which keys each query sees,
     instead); its output and log-sum-exp (B, H, t). A query that sees no key of the block (a packed document that
     begins after the block) has output 0 and log-sum-exp -inf: it adds nothing to the merge."""
     if q.device.type in FUSED:
         out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-            q, k, v, 0.0, causal and mask is None, attn_mask=_additive(mask, q.dtype), scale=scale)
+            q, k, v, 0.0, causal and mask is None, attn_mask=None if mask is None else mask.added(q.dtype), scale=scale)
         lse = lse.float()
         # the kernel gives such a query output 0 and log-sum-exp 0
-        return out, (lse if mask is None else lse.masked_fill(~mask.any(-1), float("-inf")))
+        return out, (lse if mask is None else lse.masked_fill(~mask.seen.any(-1), float("-inf")))
     s = _scores(q, k, causal, scale, mask)
     lse = torch.logsumexp(s, -1)
     p = torch.exp(s - lse.unsqueeze(-1))
@@ -208,14 +231,14 @@ def _block(q, k, v, causal: bool, scale: float, mask: torch.Tensor | None) -> tu
     return (p @ v.float()).to(q.dtype), lse
 
 
-def _block_backward(saved: tuple, k, v, causal: bool, scale: float, mask: torch.Tensor | None):
+def _block_backward(saved: tuple, k, v, causal: bool, scale: float, mask: _BlockMask | None):
     """_block's gradients for q, k and v; `saved`: the rows' output gradient, queries, and merged output and
     log-sum-exp (flash attention's backward: the probabilities recomputed from them)."""
     grad, q, out, lse = saved
     if q.device.type in FUSED:
         return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
             grad, q.contiguous(), k.contiguous(), v.contiguous(), out.contiguous(), lse.contiguous(), 0.0,
-            causal and mask is None, attn_mask=_additive(mask, q.dtype), scale=scale)
+            causal and mask is None, attn_mask=None if mask is None else mask.added(q.dtype), scale=scale)
     p = torch.exp(_scores(q, k, causal, scale, mask) - lse.unsqueeze(-1))
     g, o = grad.float(), out.float()
     dv = p.transpose(-2, -1) @ g
@@ -224,19 +247,12 @@ def _block_backward(saved: tuple, k, v, causal: bool, scale: float, mask: torch.
     return (ds @ k.float() * scale).to(q.dtype), (ds.transpose(-2, -1) @ q.float() * scale).to(k.dtype), dv.to(v.dtype)
 
 
-def _scores(q, k, causal: bool, scale: float, mask: torch.Tensor | None) -> torch.Tensor:
+def _scores(q, k, causal: bool, scale: float, mask: _BlockMask | None) -> torch.Tensor:
     """The block's scaled scores in fp32, -inf where a query does not see a key."""
     s = (q.float() @ k.float().transpose(-2, -1)) * scale
     if mask is not None:
-        return s.masked_fill(~mask, float("-inf"))
+        return s.masked_fill(~mask.seen, float("-inf"))
     return s.masked_fill(_upper(s), float("-inf")) if causal else s
-
-
-def _additive(mask: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:
-    """A boolean mask as the CPU kernel takes it: added to the scores, in the queries' dtype."""
-    if mask is None:
-        return None
-    return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill(~mask, float("-inf"))
 
 
 def _upper(s: torch.Tensor) -> torch.Tensor:
