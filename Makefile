@@ -29,13 +29,20 @@ run: $(STAMP)
 	$(VENV)/bin/shoal train configs/gpt-tiny.toml --nproc 2
 
 # everything; CI runs this (.ci/run). Two pytest workers (a test file stays on one: its shared fixtures
-# are made once), since a multi-process test leaves a core idle about half its time; then the tests whose
-# assertions depend on timing or short timeouts (marked serial), away from the rest, two at a time; one
-# by one rather than a file to a worker (test_param_server's and test_failures' take most of that phase,
-# and whole files left one worker waiting on the other: 69-80 s against 64-68 s)
+# are made once), since a multi-process test leaves a core idle about half its time; beside them, in a
+# lane of its own, the tests across shoal cluster's hosts (marked hosts), which mostly wait on the hosts'
+# schedulers and links (257 s of the two workers' 1,886 s here, 94 s of it CPU), their output printed
+# after the workers'; then the tests whose assertions depend on timing or short timeouts (marked serial),
+# away from the rest, two at a time; one by one rather than a file to a worker (test_param_server's and
+# test_failures' take most of that phase, and whole files left one worker waiting on the other: 69-80 s
+# against 64-68 s)
 test: $(STAMP)
 	$(VENV)/bin/lint-imports
-	$(PY) -m pytest tests -n 2 --dist loadfile -m "not serial and not benchmark"
+	@log=$$(mktemp); \
+	$(PY) -m pytest tests -m "hosts and not serial and not benchmark" -p no:cacheprovider >$$log 2>&1 & lane=$$!; \
+	$(PY) -m pytest tests -n 2 --dist loadfile -m "not hosts and not serial and not benchmark"; workers=$$?; \
+	wait $$lane; hosts=$$?; echo "--- the hosts' lane (pytest -m hosts), beside the workers:"; cat $$log; \
+	rm -f $$log; test $$workers -eq 0 && test $$hosts -eq 0
 	$(PY) -m pytest tests -n 2 --dist load -m serial
 
 # every benchmark in its reduced form (tests/integration/test_benchmarks.py), so that a change of shoal cannot leave

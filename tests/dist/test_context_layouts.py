@@ -8,8 +8,6 @@ replicated over the cp ranks as over dp ones, so a checkpoint resumes on another
 Packed documents (data.pack_documents: documents of 8 to 60 bytes, attention kept inside each) train as one process
 packs them, with data parallelism and with cp (each rank's queries masked to their documents, block by block)."""
 
-from pathlib import Path
-
 import pytest
 import torch
 
@@ -51,10 +49,9 @@ def short_documents(tmp_path_factory) -> str:
 
     folder = tmp_path_factory.mktemp("documents")
     rng = random.Random(0)
-    text = (Path(__file__).read_text() * 3)
-    for i in range(400):
-        start = rng.randrange(len(text) - 60)
-        (folder / f"{i:04d}.txt").write_text(text[start:start + rng.randint(8, 60)])
+    for i in range(400):  # words of a few letters: each document's text a function of the seed alone
+        words = ("".join(rng.choices("etaoinshrdlu", k=rng.randint(1, 6))) for _ in range(30))
+        (folder / f"{i:04d}.txt").write_text(" ".join(words)[:rng.randint(8, 60)])
     return f'data.path="{folder}"'
 
 
@@ -98,7 +95,9 @@ def test_packed_documents_train_as_one_process_packs_them(trained, short_documen
     as_one_process(trained(model, nproc, *sets, *packed), ref)
     whole = {m["step"]: m["loss"] for m in read_metrics(trained(model, 1, 'data.source="text"', short_documents))}
     ours = {m["step"]: m["loss"] for m in read_metrics(ref)}
-    assert abs(ours[1] - whole[1]) > 1e-3  # packing changed what the model saw: attention across documents
+    # packing changed what the model saw (attention across documents, and their crossing targets): by far more
+    # than fp32's rounding (1e-6 here)
+    assert max(abs(ours[s] - whole[s]) for s in ours) > 1e-3, (ours, whole)
 
 
 def test_a_checkpoint_resumes_on_another_cp_size(tmp_path, ranks, trained):

@@ -108,6 +108,7 @@ def refusal(env, case: str, run_dir: str) -> str:
     sections = {"tp": {"parallel": {"tp": 2}}, "pp": {"parallel": {"pp": 2}},
                 "rollback": {"train": {"on_bad_step": "rollback"}}, "balance": {"balance": {"mode": "throughput"}},
                 "validation": {"train": {"val_interval": 20}}, "lr": {"train": {"lr": 3e-4}},
+                "packing": {"data": {"pack_documents": True}},
                 "adamw": {"train": {"optimizer": "sgd", "momentum": 0.5}}}.get(case, {})
     plans = {"tp plan names nothing": {"blocks.*.up": "colwise"}, "tp does not divide": {"0": "colwise"},
              "tp style unknown": {"1": "diagonal"}}
@@ -153,6 +154,7 @@ def refusal(env, case: str, run_dir: str) -> str:
     ("stepped optimizer", "the optimizer has already stepped; prepare it before its first step"),
     ("balance", "balance.mode asks a Session for what it does not do: sess.data() splits every step's batch evenly"),
     ("validation", "train.val_interval asks a Session for what it does not do: a Session runs no validation"),
+    ("packing", "data.pack_documents asks a Session for what it does not do: sess.data() gives your dataset's samples"),
     ("lr", "train.lr = 0.0003, but the optimizer you prepare has 0.1: a Session keeps your optimizer"),
     ("adamw", "train.momentum = 0.5, but the optimizer you prepare has 0.9"),
     ("second model", "a Session's checkpoints hold one prepared model and its optimizer; for a second one, set "

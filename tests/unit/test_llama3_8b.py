@@ -6,6 +6,7 @@ tensor-parallel rank (the model's plan splits attention and MLPs only). The forw
 (hf.unpacked_rows) is transformers' own, bitwise. Meta device and a tiny model on the CPU (the
 reduced-size config's parity on 4 ranks: tests/dist/test_llama3_8b_layout.py)."""
 
+import functools
 import importlib.util
 from pathlib import Path
 
@@ -46,6 +47,13 @@ STATE = 16 * (SPLIT // 8 + WHOLE // 4) + 4 * (9 * LAYERS + 3)
 SMALL = ["model.config.hidden_size=64", "model.config.intermediate_size=128", "model.config.num_hidden_layers=2",
          "model.config.num_attention_heads=8", "model.config.num_key_value_heads=2", "model.config.vocab_size=256",
          "model.seq_len=256", "data.max_bytes=200000"]
+
+
+@functools.cache
+def full_size() -> Model:
+    """The config's model as the planner prices it: built and traced once for this file's plans (the global batch,
+    which the plans below change, is not part of it)."""
+    return Model.build(load_config(CONFIG))
 
 
 @pytest.mark.slow  # the 8B model's meta build and the standard library's bytes: ~5 s
@@ -101,7 +109,7 @@ def test_plan_on_h100_says_the_config_fits_and_predicts_its_step():
     cfg = load_config(CONFIG)
     profile = preset("h100").model_copy(update={"nproc": 8, "nnodes": 1})
     memory = parse_bytes("80GB")
-    planned = {p.candidate.label(): p for p in plan(cfg, 8, profile, memory)}
+    planned = {p.candidate.label(): p for p in plan(cfg, 8, profile, memory, model=full_size())}
     own = planned[LAYOUT]
     assert own.ok, own.reason
     state = sum(own.prediction.memory[k] for k in ("params", "grads", "optimizer"))
@@ -181,7 +189,7 @@ def test_the_figures_quoted_from_the_plan_are_the_plans():
     def planned(sets=()):
         cfg = load_config(CONFIG, list(sets))
         profile = preset("h100").model_copy(update={"nproc": 8, "nnodes": 1})
-        return {p.candidate.label(): p.prediction for p in plan(cfg, 8, profile, None)}
+        return {p.candidate.label(): p.prediction for p in plan(cfg, 8, profile, None, model=full_size())}
 
     def seconds(prediction, key="step"):
         return f"{prediction.time[key]:.2f} s"

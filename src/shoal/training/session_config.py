@@ -22,6 +22,9 @@ def refuse_unhonoured(cfg: Config) -> None:
                         '"skip" or "abort"')
     asks = {"balance.mode": (cfg.balance.mode != "uniform", "sess.data() splits every step's batch evenly; use "
                              "`shoal train` to balance by throughput"),
+            "data.pack_documents": (cfg.data.pack_documents, "sess.data() gives your dataset's samples as they are; "
+                                    "pack documents in your dataset and mask attention in your model, or use "
+                                    "`shoal train`"),
             "train.eval_on_start": (t.eval_on_start, NO_VALIDATION),
             "train.val_interval": (t.val_interval not in (0, default.val_interval), NO_VALIDATION)}
     for key, (asked, fix) in asks.items():
