@@ -55,3 +55,13 @@ def test_a_model_that_takes_no_positions_is_refused_before_any_worker_starts():
     cfg = load_config(None, [*GPT, 'model.name="moe"', "model.experts=4", "parallel.cp=2"])
     with pytest.raises(UserError, match='which model.name = "moe" is not built for'):
         check_job(cfg, [2], cuda=False)
+
+
+def test_a_forward_that_never_calls_scaled_dot_product_attention_is_refused():
+    """transformers' "eager" attention computes the scores itself: under cp it would attend within the rank's own
+    chunks, so the forward is refused when it ends."""
+    from shoal.parallel.context import ContextParallel
+
+    with pytest.raises(UserError, match=r'parallel.cp = 2 replaces .*"eager".*set parallel.cp = 1'):
+        with ContextParallel(None, None, 2, 0).attention({}):
+            torch.ones(2) * 2
