@@ -45,10 +45,12 @@ test: $(STAMP)
 	rm -f $$log; test $$workers -eq 0 && test $$hosts -eq 0
 	$(PY) -m pytest tests -n 2 --dist load -m serial
 
-# every benchmark in its reduced form (tests/integration/test_benchmarks.py), so that a change of shoal cannot leave
-# a benchmark broken; two at a time. SHARE=k: share k of five only (its SHARES), as CI runs them in turn
+# every benchmark in its reduced form (tests/integration/test_benchmarks.py, and the two scripts whose reduced forms
+# tests of their own run: its ELSEWHERE), so that a change of shoal cannot leave a benchmark broken; two at a time.
+# SHARE=k: share k of five only (tests/benchmark_shares.py), as CI runs them in turn
+BENCHMARK_TESTS := tests/integration/test_benchmarks.py tests/unit/test_gpu_planner.py tests/unit/test_published_runs.py
 test-benchmarks: $(STAMP)
-	SHOAL_BENCHMARK_SHARE=$(SHARE) $(PY) -m pytest tests/integration/test_benchmarks.py -n 2 --dist load -m benchmark
+	SHOAL_BENCHMARK_SHARE=$(SHARE) $(PY) -m pytest $(BENCHMARK_TESTS) -n 2 --dist load -m benchmark
 
 # the everyday tier: the unit tests and the in-process multi-rank harness, no CLI runs (tests/conftest.py). As
 # make test: two pytest workers, a file to each (a harness call leaves cores idle while its ranks wait on each

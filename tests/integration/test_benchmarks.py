@@ -17,6 +17,7 @@ import tempfile
 from pathlib import Path
 
 import pytest
+from benchmark_shares import SHARES, share
 
 from conftest import ROOT, run_cli
 
@@ -52,31 +53,11 @@ REDUCED: dict[str, tuple[list[str], str | None, float]] = {
     "step_costs": (["--steps", "4"], None, 120),
     "straggler": (["--runs", "1"], None, 120),
 }
-# CI (.ci/run) runs one share of the rows a landing, chosen by the count of commits, so landings move through the
-# five: all of them (~450 s on two workers) do not fit its 25 minutes beside make test. Balanced by hand on the rows' wall times at
-# e7aa685 (~230 test-seconds each; the three on the one-machine cluster, which run one at a time, in three shares)
-SHARES = (
-    ("parameter_server", "checkpoint_cost", "horovod", "straggler", "restore"),
-    ("slow_links", "gpu_paths", "memory_sharding", "diloco_outer", "host_parts"),
-    ("elastic", "planner_accuracy", "startup", "moe_experts", "profile_overhead"),
-    ("first_plan", "gpu_step", "sharded_start", "default_job", "start_init_memory"),
-    ("host_reads", "load_balance", "dp_overhead", "step_costs", "host_step", "context_memory"),
-)
+# run in their reduced forms by tests of their own (marked benchmark, run in their shares: benchmark_shares.in_share)
 ELSEWHERE = {"gpu_planner": "tests/unit/test_gpu_planner.py", "published_runs": "tests/unit/test_published_runs.py"}
 # a part of another script, run by it (its reduced form runs this one too)
 PARTS = {"deepspeed_worker": "memory_sharding", "gpu_step_loop": "gpu_step", "plain_ddp": "dp_overhead",
          "torchft_ddp": "elastic"}
-
-
-def share(which: str | None) -> list[str]:
-    """The rows `make test-benchmarks SHARE=k` runs (SHOAL_BENCHMARK_SHARE): share k of SHARES, or every row
-    where it is not set. One line naming the fix for a share that is not one."""
-    if not which:
-        return sorted(REDUCED)
-    if not which.isdigit() or int(which) >= len(SHARES):
-        raise pytest.UsageError(f"SHOAL_BENCHMARK_SHARE={which}: give a share from 0 to {len(SHARES) - 1}, or none "
-                                f"for every benchmark")
-    return sorted(SHARES[int(which)])
 
 
 def scripts() -> set[str]:
@@ -101,16 +82,17 @@ def test_every_benchmark_has_a_reduced_form():
     gone = (set(REDUCED) | set(ELSEWHERE) | set(PARTS)) - scripts()
     assert not gone, f"rows for scripts that are not in benchmarks/: {sorted(gone)}"
     shared = [name for names in SHARES for name in names]
-    assert sorted(shared) == sorted(REDUCED), f"put each row of REDUCED in one of SHARES: {sorted(REDUCED)}"
+    assert sorted(shared) == sorted([*REDUCED, *ELSEWHERE]), \
+        f"put each of REDUCED and ELSEWHERE in one of SHARES (tests/benchmark_shares.py): {sorted(REDUCED)}"
     assert [share(str(k)) for k in range(len(SHARES))] == [sorted(names) for names in SHARES]
-    assert share(None) == sorted(REDUCED)
+    assert share(None) == sorted(shared)
     with pytest.raises(pytest.UsageError, match="SHOAL_BENCHMARK_SHARE=5: give a share from 0 to 4"):
         share("5")
 
 
 @pytest.mark.slow
 @pytest.mark.benchmark  # make test-benchmarks (make test leaves these out)
-@pytest.mark.parametrize("name", share(os.environ.get("SHOAL_BENCHMARK_SHARE")))
+@pytest.mark.parametrize("name", [n for n in share(os.environ.get("SHOAL_BENCHMARK_SHARE")) if n in REDUCED])
 def test_a_benchmark_runs_in_its_reduced_form(name, tmp_path):
     args, cannot, timeout = REDUCED[name]
     if cannot == ROOT_ONLY and os.geteuid() != 0:

@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from benchmark_shares import in_share
 
 from benchmarks import gpu_planner
 from benchmarks import gpu_planner_report as report
@@ -73,6 +74,8 @@ def test_a_gpu_trains_fp16_beside_the_variants_of_its_larger_micro_batch_and_a_c
 
 
 @pytest.mark.slow  # the script's CPU mode on one run: the plan's measurement, a training, two checks (~30 s)
+@pytest.mark.benchmark  # its reduced form, in its share of make test-benchmarks
+@in_share("gpu_planner")
 def test_the_script_plans_trains_and_checks_on_the_cpu(tmp_path):
     r = subprocess.run([sys.executable, "-m", "benchmarks.gpu_planner", "--runs", "mb2", "--steps", "4",
                         "--out", str(tmp_path)], capture_output=True, text=True, timeout=400, cwd=ROOT)

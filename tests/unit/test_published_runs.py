@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from benchmark_shares import in_share
 
 from shoal.layout import resolve_layout
 from shoal.plan.planner import Model, predict
@@ -42,7 +43,9 @@ def test_the_table_is_well_formed_and_every_row_cited():
     assert one_t.reported_tflops() * one_t.gpus / 1e3 == pytest.approx(502, rel=0.01)
 
 
-@pytest.mark.slow  # the benchmark script end to end: ~15 s of make test-fast's 3 minutes
+@pytest.mark.slow  # the benchmark script end to end (~15 s)
+@pytest.mark.benchmark  # its reduced form, in its share of make test-benchmarks
+@in_share("published_runs")
 def test_the_script_runs_on_two_rows_and_ends_with_its_result_line(capsys):
     assert pr.main(["--rows", ",".join(SMALL)]) == 0
     lines = capsys.readouterr().out.strip().splitlines()
