@@ -83,7 +83,8 @@ def llama():
     return model, logits_of
 
 
-@pytest.mark.parametrize("build", [gpt, llama], ids=["gpt", "llama"])
+@pytest.mark.parametrize("build", [gpt, pytest.param(llama, marks=pytest.mark.slow)],  # slow: imports transformers
+                         ids=["gpt", "llama"])
 def test_each_token_s_loss_is_its_document_s_alone_and_so_is_the_gradient(build):
     model, logits_of = build()
     batch = packed_batch(40)
