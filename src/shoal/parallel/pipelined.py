@@ -34,8 +34,8 @@ class PipelinedModel(Parallelized):
         """The schedule splits the per-rank batch into its micro-batches; the loss is known on the last
         stage only (zero elsewhere). The schedule interleaves forwards and backwards: the data thread's cue
         (`backward_began`) is given as it starts."""
-        whole = per_sample({k: torch.cat([b[k] for b in batches]) for k in batches[0] if k != "positions"},
-                           batches[0].get("positions"))
+        batches = [per_sample(b) for b in batches]
+        whole = {k: torch.cat([b[k] for b in batches]) for k in batches[0]}
         s = scale()
         backward_began()
         with self.loss_context(), precision.autocast(), self.attention({}):  # ({}: no packed documents)
@@ -79,8 +79,7 @@ class PipelinedModel(Parallelized):
         """The validation loss of this rank's share, through the schedule (forward only). The schedule
         takes whole per-rank batches: a short share is padded with samples whose targets are -1, which
         the loss and the item count leave out."""
-        batch = self.shard(val_batch(share if len(share) else torch.zeros(1, dtype=torch.long)))
-        batch = per_sample({k: v for k, v in batch.items() if k != "positions"}, batch.get("positions"))
+        batch = per_sample(self.shard(val_batch(share if len(share) else torch.zeros(1, dtype=torch.long))))
         if not len(share):
             batch["target"] = torch.full_like(batch["target"], -1)
         short = self.per_rank_batch - len(batch["target"])
@@ -102,10 +101,10 @@ class PipelinedModel(Parallelized):
         return None  # each rank holds some stages: the final checkpoint holds them all
 
 
-def per_sample(batch: Batch, positions: torch.Tensor | None) -> Batch:
+def per_sample(batch: Batch) -> Batch:
     """`batch` with parallel.cp's positions (the rank's share of every sequence, (t,)) given to each sample, as the
     schedule splits the batch into micro-batches along the first dimension."""
-    if positions is None:
+    positions = batch.get("positions")
+    if positions is None or positions.dim() == 2:
         return batch
     return {**batch, "positions": positions.expand(len(batch["input"]), -1)}
-
